@@ -1,0 +1,34 @@
+// C++ entry points of every ropescale op. Names equal the schema names in registration.cpp and the
+// Python wrappers in python/ropescale/ops.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace ropescale {
+
+// ---- frequencies.cpp: inv_freq tables (CPU, double precision inside) ----
+at::Tensor default_inv_freq(int64_t dim, double base, std::optional<at::ScalarType> dtype);
+at::Tensor linear_inv_freq(int64_t dim, double base, double factor, std::optional<at::ScalarType> dtype);
+at::Tensor ntk_inv_freq(int64_t dim, double base, double factor, std::optional<at::ScalarType> dtype);
+at::Tensor dynamic_ntk_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position,
+                                int64_t seq_len, std::optional<at::ScalarType> dtype);
+at::Tensor yarn_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position, double beta_fast,
+                         double beta_slow, bool truncate, std::optional<at::ScalarType> dtype);
+double yarn_attention_factor(double factor, double mscale, double mscale_all_dim);
+at::Tensor llama3_inv_freq(int64_t dim, double base, double factor, double low_freq_factor, double high_freq_factor,
+                           int64_t original_max_position, std::optional<at::ScalarType> dtype);
+at::Tensor longrope_inv_freq(int64_t dim, double base, at::ArrayRef<double> short_factor,
+                             at::ArrayRef<double> long_factor, int64_t original_max_position, int64_t seq_len,
+                             std::optional<at::ScalarType> dtype);
+double longrope_attention_factor(double factor, int64_t original_max_position);
+at::Tensor resonance_inv_freq(const at::Tensor& inv_freq, int64_t original_max_position);
+
+// ---- frequencies.cpp: research quantities ----
+at::Tensor similarity_decay(const at::Tensor& inv_freq, int64_t max_distance);
+int64_t effective_context_length(const at::Tensor& inv_freq, int64_t max_distance);
+double base_lower_bound(int64_t context_length, int64_t dim);
+at::Tensor feature_gap(const at::Tensor& inv_freq, int64_t train_length, int64_t test_length);
+
+}  // namespace ropescale

@@ -1,0 +1,93 @@
+// Every ropescale op: its schema (one comment each) and its kernels per backend. The Python side
+// (python/ropescale/ops.py) adds fake kernels and autograd; nothing else registers ops.
+#include <torch/library.h>
+#include <torch/python.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(ropescale, m) {
+  // theta_i = base^(-2i/dim), the unscaled RoPE table.
+  m.def("default_inv_freq(int dim, float base, *, ScalarType? dtype=None) -> Tensor");
+  // Position interpolation: theta_i / factor.
+  m.def("linear_inv_freq(int dim, float base, float factor, *, ScalarType? dtype=None) -> Tensor");
+  // NTK-aware: the default table at base * factor^(dim/(dim-2)).
+  m.def("ntk_inv_freq(int dim, float base, float factor, *, ScalarType? dtype=None) -> Tensor");
+  // Dynamic NTK: NTK with the factor grown to the current length (default table while seq_len <= L).
+  m.def(
+      "dynamic_ntk_inv_freq(int dim, float base, float factor, int original_max_position, int seq_len, *, "
+      "ScalarType? dtype=None) -> Tensor");
+  // YaRN's NTK-by-parts table (the ramp between theta/s and theta over [beta_slow, beta_fast] turns).
+  m.def(
+      "yarn_inv_freq(int dim, float base, float factor, int original_max_position, float beta_fast=32, "
+      "float beta_slow=1, bool truncate=True, *, ScalarType? dtype=None) -> Tensor");
+  // YaRN's factor on cos/sin: 0.1*ln(s)+1, or the mscale/mscale_all_dim ratio when both are set.
+  m.def("yarn_attention_factor(float factor, float mscale=1, float mscale_all_dim=0) -> float");
+  // Llama 3.1's piecewise wavelength rule.
+  m.def(
+      "llama3_inv_freq(int dim, float base, float factor, float low_freq_factor, float high_freq_factor, "
+      "int original_max_position, *, ScalarType? dtype=None) -> Tensor");
+  // LongRoPE: theta_i / short_factor[i], or / long_factor[i] once seq_len > original_max_position.
+  m.def(
+      "longrope_inv_freq(int dim, float base, float[] short_factor, float[] long_factor, "
+      "int original_max_position, int seq_len, *, ScalarType? dtype=None) -> Tensor");
+  // LongRoPE's factor on cos/sin: sqrt(1 + ln(s)/ln(L)).
+  m.def("longrope_attention_factor(float factor, int original_max_position) -> float");
+  // Resonance RoPE: wavelengths rounded to integers (all, or those < original_max_position when > 0).
+  m.def("resonance_inv_freq(Tensor inv_freq, int original_max_position=0) -> Tensor");
+  // B_m = sum_i cos(m*theta_i) for m in [0, max_distance], float64 (Men et al.).
+  m.def("similarity_decay(Tensor inv_freq, int max_distance) -> Tensor");
+  // Largest L <= max_distance with B_m >= 0 for all m <= L.
+  m.def("effective_context_length(Tensor inv_freq, int max_distance) -> int");
+  // Smallest base whose B_m stays >= 0 over [0, context_length] (Men et al., Table 2).
+  m.def("base_lower_bound(int context_length, int dim) -> float");
+  // Resonance feature gap per pair over test positions [train_length, test_length), float64.
+  m.def("feature_gap(Tensor inv_freq, int train_length, int test_length) -> Tensor");
+}
+
+// Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
+// everywhere (and keeps autograd from tracing their internals).
+TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
+  m.impl("default_inv_freq", &ropescale::default_inv_freq);
+  m.impl("linear_inv_freq", &ropescale::linear_inv_freq);
+  m.impl("ntk_inv_freq", &ropescale::ntk_inv_freq);
+  m.impl("dynamic_ntk_inv_freq", &ropescale::dynamic_ntk_inv_freq);
+  m.impl("yarn_inv_freq", &ropescale::yarn_inv_freq);
+  m.impl("yarn_attention_factor", &ropescale::yarn_attention_factor);
+  m.impl("llama3_inv_freq", &ropescale::llama3_inv_freq);
+  m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);
+  m.impl("longrope_attention_factor", &ropescale::longrope_attention_factor);
+  m.impl("base_lower_bound", &ropescale::base_lower_bound);
+}
+
+TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
+  m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq);
+  m.impl("similarity_decay", &ropescale::similarity_decay);
+  m.impl("effective_context_length", &ropescale::effective_context_length);
+  m.impl("feature_gap", &ropescale::feature_gap);
+}
+
+namespace {
+
+// What this binary was built with, for bug reports and for tests that must know whether the CUDA
+// kernels are really in the library.
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = ROPESCALE_TORCH_VERSION;
+#ifdef ROPESCALE_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_archs"] = ROPESCALE_CUDA_ARCHS_STRING;
+  info["cuda_version"] = ROPESCALE_CUDA_VERSION_STRING;
+#else
+  info["cuda"] = false;
+  info["cuda_archs"] = "";
+  info["cuda_version"] = "";
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "ropescale native library: ops live in torch.ops.ropescale";
+  module.def("build_info", &build_info, "torch version built against, whether CUDA kernels were compiled, CUDA archs");
+}
