@@ -626,8 +626,15 @@ inline __nv_bfloat16 atomicAdd(__nv_bfloat16* a, __nv_bfloat16 v) {
                                               [v](__nv_bfloat16 old) { return __hadd(old, v); });
 }
 
+#if defined(__SANITIZE_THREAD__)  // g++
+#define ROPESCALE_EMU_TSAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define ROPESCALE_EMU_TSAN 1
+#endif
+#endif
 inline void __threadfence() {
-#if defined(__SANITIZE_THREAD__) || (defined(__has_feature) && __has_feature(thread_sanitizer))
+#if defined(ROPESCALE_EMU_TSAN)
   // TSan does not model fences. A seq_cst RMW on a shared atomic is what it
   // does understand; with blocks never running concurrently, that suffices.
   static std::atomic<int> fence_token{0};

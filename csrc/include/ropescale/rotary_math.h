@@ -1,0 +1,41 @@
+// Framework-free rotation math shared by the CPU kernels, the CUDA kernels and the emulated CUDA
+// kernels: accurate angles at long positions, and the rotation of one pair.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ropescale/portable.h"
+
+namespace ropescale {
+
+// 2*pi split in two doubles, so that angle - k*2*pi stays exact for k up to ~2^30.
+constexpr double kTwoPiHi = 6.28318530717958623200e+00;
+constexpr double kTwoPiLo = 2.44929359829470635445e-16;
+constexpr double kInvTwoPi = 0.15915494309189533577;
+
+// sin and cos of position * inv_freq, accurate at long positions: the product and its reduction
+// to [-pi, pi] are done in double (a float32 product at position 2^21 is already off by ~0.1 rad),
+// then the small angle goes to the full-precision float sincos (never the fast-math intrinsics).
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, float* sin_out,
+                                                          float* cos_out) {
+  const double angle = position * static_cast<double>(inv_freq);
+  const double turns = std::nearbyint(angle * kInvTwoPi);
+  const float reduced = static_cast<float>((angle - turns * kTwoPiHi) - turns * kTwoPiLo);
+#if defined(__CUDA_ARCH__)
+  sincosf(reduced, sin_out, cos_out);
+#else
+  *sin_out = std::sin(reduced);
+  *cos_out = std::cos(reduced);
+#endif
+}
+
+// Rotation of the pair (x1, x2) by the angle with this cos/sin: (x1 c - x2 s, x2 c + x1 s).
+// The inverse rotation (the backward pass) is the same call with -sin.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotate_pair(float x1, float x2, float cos_v, float sin_v, float* out1,
+                                                        float* out2) {
+  *out1 = x1 * cos_v - x2 * sin_v;
+  *out2 = x2 * cos_v + x1 * sin_v;
+}
+
+}  // namespace ropescale
