@@ -3,7 +3,7 @@
 // with the host compiler (see test_emulation.cpp).
 #pragma once
 
-#include <ropescale_emu/portable.h>
+#include "ropescale/portable.h"
 
 #include <cstdint>
 
@@ -18,7 +18,8 @@ __device__ __forceinline__ unsigned pack_coords(uint3 block, uint3 thread) {
 // out[linear block][linear thread] = packed (blockIdx, threadIdx).
 __global__ void write_coords_kernel(unsigned* out) {
   const unsigned block_linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const unsigned thread_linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned thread_linear =
+      threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   const unsigned threads_per_block = blockDim.x * blockDim.y * blockDim.z;
   out[block_linear * threads_per_block + thread_linear] = pack_coords(blockIdx, threadIdx);
 }

@@ -21,7 +21,8 @@ constexpr cudaStream_t kDefaultStream = nullptr;
 // Small integers, so float sums are exact in any order.
 std::vector<float> small_integer_floats(std::size_t n, unsigned seed) {
   std::vector<float> values(n);
-  for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<float>((i * 7919u + seed) % 17) - 8.0f;
+  for (std::size_t i = 0; i < n; ++i)
+    values[i] = static_cast<float>((i * 7919u + seed) % 17) - 8.0f;
   return values;
 }
 

@@ -2,7 +2,7 @@
 // CUDA threads: this kernel forgets the __syncthreads() between writing and
 // reading shared memory. CTest expects "ThreadSanitizer: data race" in the
 // output (test emulation_tsan_detects_race).
-#include <ropescale_emu/portable.h>
+#include "ropescale/portable.h"
 
 #include <cstdio>
 #include <vector>
