@@ -23,6 +23,21 @@
 //   * __CUDA_ARCH__ is not defined: device-only `#if __CUDA_ARCH__` paths are
 //     not compiled here.
 //
+// Execution details that matter to kernel authors:
+//   * all threads of a block are started before any runs kernel code, so
+//     their bodies really overlap (ThreadSanitizer then sees missing barriers);
+//   * a thread that returns (or throws) leaves every barrier of its block, as
+//     exited threads do on hardware, so the others do not wait for it;
+//   * a barrier wait longer than ROPESCALE_EMU_SYNC_TIMEOUT_MS (default
+//     120000; 0 = forever) throws instead of hanging CI;
+//   * dynamic shared memory is filled with 0xFF bytes before each block.
+//
+// API (besides the CUDA names themselves):
+//   ropescale_emu::launch(grid, block, dynamic_smem_bytes, kernel, args...)
+//   ropescale_emu::dynamic_shared_memory()     base of the block's dynamic smem
+//   ropescale_emu::ScopedSyncTimeout           override the barrier timeout
+//   ropescale_emu::launch_error, device_error  exception types
+//
 // Include portable.h rather than this file from kernel headers.
 #pragma once
 
@@ -144,8 +159,11 @@ inline std::atomic<long long>& sync_timeout_ms() {
 //    happens-before edges are plain mutex edges (ThreadSanitizer-friendly).
 class SyncPoint {
  public:
-  SyncPoint(unsigned participants, std::function<void()> on_phase_complete)
-      : expected_(participants), on_phase_complete_(std::move(on_phase_complete)) {}
+  SyncPoint(unsigned participants, std::function<void()> on_phase_complete,
+            bool may_time_out = true)
+      : expected_(participants),
+        may_time_out_(may_time_out),
+        on_phase_complete_(std::move(on_phase_complete)) {}
   SyncPoint(const SyncPoint&) = delete;
   SyncPoint& operator=(const SyncPoint&) = delete;
 
@@ -174,7 +192,7 @@ class SyncPoint {
  private:
   bool wait_for_phase_end(std::unique_lock<std::mutex>& lock, std::uint64_t phase) {
     const auto phase_over = [&] { return phase_ != phase; };
-    const long long timeout = sync_timeout_ms().load();
+    const long long timeout = may_time_out_ ? sync_timeout_ms().load() : 0;
     if (timeout <= 0) {
       cv_.wait(lock, phase_over);
       return true;
@@ -191,6 +209,7 @@ class SyncPoint {
   std::mutex mutex_;
   std::condition_variable cv_;
   unsigned expected_;
+  const bool may_time_out_;
   unsigned arrived_ = 0;
   std::uint64_t phase_ = 0;
   std::function<void()> on_phase_complete_;
@@ -228,7 +247,8 @@ struct WarpState {
 
 struct BlockState {
   explicit BlockState(unsigned thread_count)
-      : barrier(thread_count, [this] {
+      : start_gate(thread_count, [] {}, /*may_time_out=*/false),
+        barrier(thread_count, [this] {
           true_count = pending_true;
           participants = pending_participants;
           pending_true = pending_participants = 0;
@@ -237,7 +257,12 @@ struct BlockState {
       warps.push_back(std::make_unique<WarpState>(std::min(32u, thread_count - first)));
   }
 
-  SyncPoint barrier;
+  // All threads of the block pass this gate before running the kernel, so
+  // their kernel bodies really overlap. Without it, short bodies would run one
+  // after another, ordered by the worker pool's mutex, and ThreadSanitizer
+  // would miss races between them.
+  SyncPoint start_gate;
+  SyncPoint barrier;  // __syncthreads
   unsigned pending_true = 0, pending_participants = 0;  // guarded by barrier's mutex
   unsigned true_count = 0, participants = 0;
   std::vector<std::unique_ptr<WarpState>> warps;
@@ -431,6 +456,8 @@ inline void run_grid(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes,
           blockDim = block;
           gridDim = grid;
           try {
+            block_state.start_gate.arrive_and_wait(
+                "block start", [](std::uint64_t) {}, [](std::uint64_t) { return 0; });
             kernel_body();
           } catch (...) {
             std::lock_guard lock(error_mutex);
@@ -676,8 +703,13 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 #if !defined(__GLIBC__) || __GLIBC__ < 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ < 41)
 // glibc >= 2.41 declares the C23 sinpi/cospi functions itself.
-inline float sinpif(float x) { return static_cast<float>(std::sin(std::numbers::pi * std::fmod(double{x}, 2.0))); }
-inline float cospif(float x) { return static_cast<float>(std::cos(std::numbers::pi * std::fmod(double{x}, 2.0))); }
+// fmod is exact, so reducing to (-2, 2) before multiplying by pi loses nothing.
+inline float sinpif(float x) {
+  return static_cast<float>(std::sin(std::numbers::pi * std::fmod(double{x}, 2.0)));
+}
+inline float cospif(float x) {
+  return static_cast<float>(std::cos(std::numbers::pi * std::fmod(double{x}, 2.0)));
+}
 #endif
 inline void sincospif(float x, float* s, float* c) { *s = sinpif(x), *c = cospif(x); }
 #if !defined(__USE_GNU)  // glibc declares these as GNU extensions
@@ -688,17 +720,29 @@ inline void sincos(double x, double* s, double* c) { *s = std::sin(x), *c = std:
 namespace ropescale_emu::detail {
 template <class Int>
 Int saturating_cast(double x) {  // CUDA's float->int conversions saturate, NaN -> 0
+  using limits = std::numeric_limits<Int>;
   if (std::isnan(x)) return 0;
-  if (x <= static_cast<double>(std::numeric_limits<Int>::min())) return std::numeric_limits<Int>::min();
-  if (x >= static_cast<double>(std::numeric_limits<Int>::max())) return std::numeric_limits<Int>::max();
+  if (x <= static_cast<double>(limits::min())) return limits::min();
+  if (x >= static_cast<double>(limits::max())) return limits::max();
   return static_cast<Int>(x);
 }
 }  // namespace ropescale_emu::detail
-inline int __float2int_rn(float x) { return ropescale_emu::detail::saturating_cast<int>(std::nearbyint(x)); }
-inline int __float2int_rz(float x) { return ropescale_emu::detail::saturating_cast<int>(std::trunc(x)); }
-inline int __float2int_rd(float x) { return ropescale_emu::detail::saturating_cast<int>(std::floor(x)); }
-inline int __float2int_ru(float x) { return ropescale_emu::detail::saturating_cast<int>(std::ceil(x)); }
-inline unsigned __float2uint_rn(float x) { return ropescale_emu::detail::saturating_cast<unsigned>(std::nearbyint(x)); }
+// nearbyint rounds half to even in the default rounding mode, like _rn.
+inline int __float2int_rn(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::nearbyint(x));
+}
+inline int __float2int_rz(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::trunc(x));
+}
+inline int __float2int_rd(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::floor(x));
+}
+inline int __float2int_ru(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::ceil(x));
+}
+inline unsigned __float2uint_rn(float x) {
+  return ropescale_emu::detail::saturating_cast<unsigned>(std::nearbyint(x));
+}
 inline float __int2float_rn(int x) { return static_cast<float>(x); }
 inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
 
@@ -724,9 +768,15 @@ inline T __ldg(const T* address) {  // read-only cache load: a plain load on the
 }
 
 // CUDA's global min/max overloads (same-type and signed/unsigned mixes).
-#define ROPESCALE_EMU_MIN_MAX(A, B, R)                                                     \
-  inline R min(A a, B b) { return static_cast<R>(b) < static_cast<R>(a) ? static_cast<R>(b) : static_cast<R>(a); } \
-  inline R max(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(b) : static_cast<R>(a); }
+#define ROPESCALE_EMU_MIN_MAX(A, B, R)                       \
+  inline R min(A a, B b) {                                   \
+    const R x = static_cast<R>(a), y = static_cast<R>(b);    \
+    return y < x ? y : x;                                    \
+  }                                                          \
+  inline R max(A a, B b) {                                   \
+    const R x = static_cast<R>(a), y = static_cast<R>(b);    \
+    return x < y ? y : x;                                    \
+  }
 ROPESCALE_EMU_MIN_MAX(int, int, int)
 ROPESCALE_EMU_MIN_MAX(unsigned, unsigned, unsigned)
 ROPESCALE_EMU_MIN_MAX(int, unsigned, unsigned)
