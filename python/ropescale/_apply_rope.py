@@ -30,3 +30,13 @@ def apply_scaling(model: torch.nn.Module, scaling: RopeScaling) -> torch.nn.Modu
     if not found:
         raise ValueError(f"apply_scaling: {type(model).__name__} has no rotary embedding module")
     return model
+
+
+def apply_method(model: torch.nn.Module, scaling: RopeScaling) -> torch.nn.Module:
+    """``ropescale.hf.patch`` when this build has the rotation ops it runs on, else (static methods
+    only) ``apply_scaling``."""
+    if hasattr(torch.ops.ropescale, "apply_rotary_qk") and hasattr(torch.ops.ropescale, "apply_rotary_pos"):
+        from . import hf
+
+        return hf.patch(model, scaling)
+    return apply_scaling(model, scaling)
