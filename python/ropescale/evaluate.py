@@ -27,6 +27,7 @@ __all__ = [
     "PASSKEY_FILLER",
     "PASSKEY_QUESTION",
     "passkey_prompt",
+    "passkey_prompts",
     "PasskeyTrial",
     "PasskeyResult",
     "passkey_retrieval",
@@ -123,6 +124,26 @@ def _filler_blocks_for(tokenizer: Any, context_length: int, max_new_tokens: int)
     return low
 
 
+def passkey_prompts(
+    tokenizer: Any, context_length: int, trials: int, seed: int = 0, max_new_tokens: int = 10
+) -> list[tuple[str, int, float]]:
+    """``trials`` passkey prompts as ``(prompt, key, depth)``: as many filler blocks as fit in
+    ``context_length - max_new_tokens`` tokens, a fresh 5-digit key after a uniformly random number
+    of them (``depth`` = that number over the block count)."""
+    if context_length <= max_new_tokens:
+        raise ValueError(f"passkey_retrieval: context_length must be > max_new_tokens = {max_new_tokens}, got {context_length}")
+    if trials < 1:
+        raise ValueError(f"passkey_retrieval: trials must be >= 1, got {trials}")
+    rng = random.Random(seed)
+    n_filler = _filler_blocks_for(tokenizer, context_length, max_new_tokens)
+    prompts = []
+    for _ in range(trials):
+        key = rng.randint(10_000, 99_999)
+        n_before = rng.randint(0, n_filler)  # uniform over the block boundaries
+        prompts.append((passkey_prompt(n_filler, n_before, key), key, n_before / n_filler if n_filler else 0.0))
+    return prompts
+
+
 def passkey_retrieval(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -135,32 +156,24 @@ def passkey_retrieval(
     """Passkey retrieval at ``context_length`` tokens (prompt plus answer): ``trials`` prompts, each
     with a fresh 5-digit key at a uniformly random depth; a trial is correct when the first integer
     in the greedy answer equals the key."""
-    if context_length <= max_new_tokens:
-        raise ValueError(f"passkey_retrieval: context_length must be > max_new_tokens = {max_new_tokens}, got {context_length}")
-    if trials < 1:
-        raise ValueError(f"passkey_retrieval: trials must be >= 1, got {trials}")
-    rng = random.Random(seed)
-    n_filler = _filler_blocks_for(tokenizer, context_length, max_new_tokens)
+    prompts = passkey_prompts(tokenizer, context_length, trials, seed, max_new_tokens)
     eos = getattr(tokenizer, "eos_token_id", None)
     was_training = getattr(model, "training", False)
     model.eval()
     results = []
-    iterator = range(trials)
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(iterator, desc=f"passkey@{context_length}", leave=False)
+        prompts = tqdm(prompts, desc=f"passkey@{context_length}", leave=False)
     try:
-        for _ in iterator:
-            key = rng.randint(10_000, 99_999)
-            n_before = rng.randint(0, n_filler)  # uniform over the block boundaries
-            ids = _encode(tokenizer, passkey_prompt(n_filler, n_before, key))
+        for prompt, key, depth in prompts:
+            ids = _encode(tokenizer, prompt)
             answer = tokenizer.decode(_greedy(model, ids, max_new_tokens, eos), skip_special_tokens=True)
             found = re.search(r"\d+", answer)
             results.append(
                 PasskeyTrial(
                     key=key,
-                    depth=n_before / n_filler if n_filler else 0.0,
+                    depth=depth,
                     prompt_tokens=len(ids),
                     answer=answer,
                     correct=found is not None and int(found.group()) == key,
@@ -175,8 +188,11 @@ def passkey_retrieval(
 class PerplexityResult:
     perplexity: float
     nll: float  #: mean negative log-likelihood per scored token (nats)
-    tokens: int  #: number of scored tokens (all but the first)
+    tokens: int  #: number of scored tokens
     windows: int
+    #: float64 ``[n]``: entry ``t`` is the nll of token ``t`` given its window's context, NaN where the
+    #: method scores nothing (token 0, and a window's first token when ``stride == max_length``)
+    token_nll: torch.Tensor = field(repr=False, compare=False, default=None)
 
 
 @torch.no_grad()
@@ -190,7 +206,9 @@ def perplexity(
 ) -> PerplexityResult:
     """Sliding-window perplexity of one text (a string with ``tokenizer``, or token ids): windows of
     ``max_length`` tokens (default: the model's ``max_position_embeddings``) every ``stride`` tokens;
-    each window scores only its tokens past the end of the previous window."""
+    each window scores only its tokens past the end of the previous window, with the tokens before
+    them in the window as context (the Hugging Face guide's method: with ``stride == max_length`` the
+    windows do not overlap and each window's first token, which has no context, is not scored)."""
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise ValueError("perplexity: a tokenizer is needed to score a string")
@@ -211,7 +229,8 @@ def perplexity(
     device = _device(model)
     was_training = getattr(model, "training", False)
     model.eval()
-    total_nll, scored, windows, prev_end = 0.0, 0, 0, 0
+    token_nll = torch.full((n,), math.nan, dtype=torch.float64)
+    windows, prev_end = 0, 0
     starts = range(0, n, stride)
     if progress:
         from tqdm.auto import tqdm
@@ -221,17 +240,18 @@ def perplexity(
         for begin in starts:
             end = min(begin + max_length, n)
             window = ids[begin:end].to(device)
-            logits = model(input_ids=window[None]).logits[0].float()
+            logits = model(input_ids=window[None]).logits[0].double()
             log_probs = torch.log_softmax(logits[:-1], dim=-1)
-            token_nll = -log_probs.gather(-1, window[1:, None])[:, 0]  # token t+1 given ids[begin..t]
+            nll = -log_probs.gather(-1, window[1:, None])[:, 0]  # entry i: token begin+i+1
             first_new = max(prev_end, begin + 1)  # a window's first token has no prediction
-            total_nll += float(token_nll[first_new - begin - 1 :].double().sum())
-            scored += end - first_new
+            token_nll[first_new:end] = nll[first_new - begin - 1 :].cpu()
             windows += 1
             prev_end = end
             if end == n:
                 break
     finally:
         model.train(was_training)
-    nll = total_nll / scored
-    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=scored, windows=windows)
+    scored = token_nll[~torch.isnan(token_nll)]
+    mean = float(scored.mean())
+    return PerplexityResult(perplexity=math.exp(mean), nll=mean, tokens=scored.numel(), windows=windows,
+                            token_nll=token_nll)
