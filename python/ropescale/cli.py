@@ -112,6 +112,8 @@ def _method(args, name: str | None = None) -> scaling.RopeScaling:
         params.update(low_freq_factor=1.0, high_freq_factor=4.0)
     if name == "longrope":
         raise UsageError("longrope needs per-dimension factor lists: use ropescale.scaling.LongRoPE from Python")
+    if args.factor is None and name in ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3"):
+        raise UsageError(f"--method {name} needs --factor")
     try:
         method = scaling.from_hf(params, max_position_embeddings=args.original_max_position)
     except ValueError as err:
@@ -416,7 +418,7 @@ def _cmd_eval_perplexity(args) -> int:
                                  progress=_show_progress(args))
     if args.json:
         _dump({"model": args.model, "method": args.method, "max_length": args.max_length, "stride": args.stride,
-               **result.__dict__})
+               "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "windows": result.windows})
     else:
         print(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "
               f"{result.windows} windows, stride {args.stride})")
