@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -320,7 +321,8 @@ def _cmd_gap(args) -> int:
         from . import plots
 
         critical = next((p["pair"] for p in pairs if not p["pre_critical"]), None)
-        plots.feature_gap({name: gap, f"Resonance {name}": gap_r}, args.plot, critical_index=critical)
+        label = "RoPE" if name == "default" else name
+        plots.feature_gap({label: gap, f"Resonance {label}": gap_r}, args.plot, critical_index=critical)
         _note(args, f"wrote {args.plot}")
     return 0
 
@@ -601,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UsageError as err:
         _subparser(parser, argv).error(str(err))  # prints usage, exits 2
+    except BrokenPipeError:  # `ropescale ... | head`: the reader left; exit quietly (Python docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 2
 
 

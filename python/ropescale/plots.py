@@ -45,9 +45,11 @@ def wavelengths(
     with the original context length as a horizontal line."""
     fig = _figure(size)
     ax = fig.add_subplot()
-    for name, inv_freq in tables.items():
+    styles = ["-", "--", "-.", ":"]
+    for n, (name, inv_freq) in enumerate(tables.items()):
         wl = (2 * math.pi / inv_freq.double()).tolist()
-        ax.plot(range(len(wl)), wl, marker=".", label=name)
+        # Methods often coincide on many pairs: line styles keep every one visible.
+        ax.plot(range(len(wl)), wl, linestyle=styles[n % len(styles)], marker=".", label=name)
     if original_max_position:
         ax.axhline(original_max_position, color="gray", linestyle="--", label=f"L = {original_max_position}")
     ax.set_yscale("log")
