@@ -14,6 +14,16 @@ from ropescale import posgen, scaling, tstl  # noqa: E402
 from ropescale._apply_rope import apply_scaling  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: intra-op threads only add synchronisation, and on a busy 2-core machine two threads
+    # run several times slower than one. Restored after each test.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def llama(rope_parameters, seed=0):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
