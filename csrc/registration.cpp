@@ -66,6 +66,55 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("feature_gap", &ropescale::feature_gap);
 }
 
+// Rotation (CPU + CUDA). Tables: transformers' full-width cos/sin [.., seq, rotary_dim] (or
+// half_width ones, [.., seq, rotary_dim/2]) broadcast over heads; x/q/k are [batch, heads, seq, head_dim].
+// conjugate=True applies the transposed map (the inverse rotation): the backward pass.
+TORCH_LIBRARY_FRAGMENT(ropescale, m) {
+  // x * cos + rotate(x) * sin on the first rotary_dim features, the rest copied.
+  m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, bool half_width=False, "
+        "bool conjugate=False) -> Tensor");
+  // apply_rotary, in place.
+  m.def("apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, *, bool half_width=False, "
+        "bool conjugate=False) -> ()");
+  // q and k in one pass (their batch and head counts may differ, as with GQA).
+  m.def("apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, *, "
+        "bool half_width=False, bool conjugate=False) -> (Tensor, Tensor)");
+  // apply_rotary_qk, in place.
+  m.def("apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved=False, *, "
+        "bool half_width=False, bool conjugate=False) -> ()");
+  // Rotation by positions [seq] or [batch, seq] x float32 inv_freq, sin/cos computed on the fly with
+  // the angle reduced in double (accurate at long positions); scale multiplies cos and sin.
+  m.def("apply_rotary_pos(Tensor x, Tensor positions, Tensor inv_freq, float scale=1., bool interleaved=False, *, "
+        "bool conjugate=False) -> Tensor");
+  // apply_rotary_pos, in place.
+  m.def("apply_rotary_pos_(Tensor(a!) x, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> ()");
+  // apply_rotary_pos on q and k in one pass.
+  m.def("apply_rotary_pos_qk(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> (Tensor, Tensor)");
+  // apply_rotary_pos_qk, in place.
+  m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> ()");
+}
+
+// The rotary ops check their arguments and pick the kernel of the operands' device themselves
+// (rotary.cpp), so the same functions serve both backends.
+static void register_rotary_impls(torch::Library& m) {
+  m.impl("apply_rotary", &ropescale::apply_rotary);
+  m.impl("apply_rotary_", &ropescale::apply_rotary_);
+  m.impl("apply_rotary_qk", &ropescale::apply_rotary_qk);
+  m.impl("apply_rotary_qk_", &ropescale::apply_rotary_qk_);
+  m.impl("apply_rotary_pos", &ropescale::apply_rotary_pos);
+  m.impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_);
+  m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk);
+  m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_);
+}
+
+TORCH_LIBRARY_IMPL(ropescale, CPU, m) { register_rotary_impls(m); }
+#ifdef ROPESCALE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) { register_rotary_impls(m); }
+#endif
+
 namespace {
 
 // What this binary was built with, for bug reports and for tests that must know whether the CUDA
