@@ -183,6 +183,14 @@ __global__ void atomics_kernel(const int* values, int n, int num_bins, AtomicOut
   if (atomicCAS(out.owner, -1, i) == -1) atomicAdd(out.claims, 1u);
 }
 
+// Heavy contention on one address: lost updates show if atomicAdd is not atomic.
+__global__ void contended_counter_kernel(unsigned* counter, float* float_counter, int iterations) {
+  for (int k = 0; k < iterations; ++k) {
+    atomicAdd(counter, 1u);
+    atomicAdd(float_counter, 1.0f);
+  }
+}
+
 // ---- __half / __nv_bfloat16 ----------------------------------------------------------
 struct HalfOutputs {
   float* half_roundtrip;

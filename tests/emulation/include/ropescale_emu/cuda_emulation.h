@@ -144,8 +144,11 @@ inline std::atomic<long long>& sync_timeout_ms() {
 //    happens-before edges are plain mutex edges (ThreadSanitizer-friendly).
 class SyncPoint {
  public:
-  SyncPoint(unsigned participants, std::function<void()> on_phase_complete)
-      : expected_(participants), on_phase_complete_(std::move(on_phase_complete)) {}
+  SyncPoint(unsigned participants, std::function<void()> on_phase_complete,
+            bool may_time_out = true)
+      : expected_(participants),
+        may_time_out_(may_time_out),
+        on_phase_complete_(std::move(on_phase_complete)) {}
   SyncPoint(const SyncPoint&) = delete;
   SyncPoint& operator=(const SyncPoint&) = delete;
 
@@ -174,7 +177,7 @@ class SyncPoint {
  private:
   bool wait_for_phase_end(std::unique_lock<std::mutex>& lock, std::uint64_t phase) {
     const auto phase_over = [&] { return phase_ != phase; };
-    const long long timeout = sync_timeout_ms().load();
+    const long long timeout = may_time_out_ ? sync_timeout_ms().load() : 0;
     if (timeout <= 0) {
       cv_.wait(lock, phase_over);
       return true;
@@ -191,6 +194,7 @@ class SyncPoint {
   std::mutex mutex_;
   std::condition_variable cv_;
   unsigned expected_;
+  const bool may_time_out_;
   unsigned arrived_ = 0;
   std::uint64_t phase_ = 0;
   std::function<void()> on_phase_complete_;
@@ -228,7 +232,8 @@ struct WarpState {
 
 struct BlockState {
   explicit BlockState(unsigned thread_count)
-      : barrier(thread_count, [this] {
+      : start_gate(thread_count, [] {}, /*may_time_out=*/false),
+        barrier(thread_count, [this] {
           true_count = pending_true;
           participants = pending_participants;
           pending_true = pending_participants = 0;
@@ -237,7 +242,12 @@ struct BlockState {
       warps.push_back(std::make_unique<WarpState>(std::min(32u, thread_count - first)));
   }
 
-  SyncPoint barrier;
+  // All threads of the block pass this gate before running the kernel, so
+  // their kernel bodies really overlap. Without it, short bodies would run one
+  // after another, ordered by the worker pool's mutex, and ThreadSanitizer
+  // would miss races between them.
+  SyncPoint start_gate;
+  SyncPoint barrier;  // __syncthreads
   unsigned pending_true = 0, pending_participants = 0;  // guarded by barrier's mutex
   unsigned true_count = 0, participants = 0;
   std::vector<std::unique_ptr<WarpState>> warps;
@@ -431,6 +441,8 @@ inline void run_grid(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes,
           blockDim = block;
           gridDim = grid;
           try {
+            block_state.start_gate.arrive_and_wait(
+                "block start", [](std::uint64_t) {}, [](std::uint64_t) { return 0; });
             kernel_body();
           } catch (...) {
             std::lock_guard lock(error_mutex);
