@@ -1,9 +1,14 @@
 // Every ropescale op: its schema (one comment each) and its kernels per backend. The Python side
 // (python/ropescale/ops.py) adds fake kernels and autograd; nothing else registers ops.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 #include <torch/python.h>
 
 #include "ops.h"
+
+#include <string>
+#include <vector>
 
 TORCH_LIBRARY(ropescale, m) {
   // theta_i = base^(-2i/dim), the unscaled RoPE table.
@@ -42,34 +47,9 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("base_lower_bound(int context_length, int dim) -> float");
   // Resonance feature gap per pair over test positions [train_length, test_length), float64.
   m.def("feature_gap(Tensor inv_freq, int train_length, int test_length) -> Tensor");
-}
-
-// Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
-// everywhere (and keeps autograd from tracing their internals).
-TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
-  m.impl("default_inv_freq", &ropescale::default_inv_freq);
-  m.impl("linear_inv_freq", &ropescale::linear_inv_freq);
-  m.impl("ntk_inv_freq", &ropescale::ntk_inv_freq);
-  m.impl("dynamic_ntk_inv_freq", &ropescale::dynamic_ntk_inv_freq);
-  m.impl("yarn_inv_freq", &ropescale::yarn_inv_freq);
-  m.impl("yarn_attention_factor", &ropescale::yarn_attention_factor);
-  m.impl("llama3_inv_freq", &ropescale::llama3_inv_freq);
-  m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);
-  m.impl("longrope_attention_factor", &ropescale::longrope_attention_factor);
-  m.impl("base_lower_bound", &ropescale::base_lower_bound);
-}
-
-TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
-  m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq);
-  m.impl("similarity_decay", &ropescale::similarity_decay);
-  m.impl("effective_context_length", &ropescale::effective_context_length);
-  m.impl("feature_gap", &ropescale::feature_gap);
-}
-
-// Rotation (CPU + CUDA). Tables: transformers' full-width cos/sin [.., seq, rotary_dim] (or
-// half_width ones, [.., seq, rotary_dim/2]) broadcast over heads; x/q/k are [batch, heads, seq, head_dim].
-// conjugate=True applies the transposed map (the inverse rotation): the backward pass.
-TORCH_LIBRARY_FRAGMENT(ropescale, m) {
+  // ---- Rotation (CPU + CUDA): x/q/k are [batch, heads, seq, head_dim]; cos/sin are transformers'
+  // full-width tables [.., seq, rotary_dim] (or half_width ones, [.., seq, rotary_dim/2]) broadcast
+  // over heads; conjugate=True applies the transposed map (the inverse rotation): the backward pass.
   // x * cos + rotate(x) * sin on the first rotary_dim features, the rest copied.
   m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, bool half_width=False, "
         "bool conjugate=False) -> Tensor");
@@ -97,6 +77,28 @@ TORCH_LIBRARY_FRAGMENT(ropescale, m) {
         "bool interleaved=False, *, bool conjugate=False) -> ()");
 }
 
+// Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
+// everywhere (and keeps autograd from tracing their internals).
+TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
+  m.impl("default_inv_freq", &ropescale::default_inv_freq);
+  m.impl("linear_inv_freq", &ropescale::linear_inv_freq);
+  m.impl("ntk_inv_freq", &ropescale::ntk_inv_freq);
+  m.impl("dynamic_ntk_inv_freq", &ropescale::dynamic_ntk_inv_freq);
+  m.impl("yarn_inv_freq", &ropescale::yarn_inv_freq);
+  m.impl("yarn_attention_factor", &ropescale::yarn_attention_factor);
+  m.impl("llama3_inv_freq", &ropescale::llama3_inv_freq);
+  m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);
+  m.impl("longrope_attention_factor", &ropescale::longrope_attention_factor);
+  m.impl("base_lower_bound", &ropescale::base_lower_bound);
+}
+
+TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
+  m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq);
+  m.impl("similarity_decay", &ropescale::similarity_decay);
+  m.impl("effective_context_length", &ropescale::effective_context_length);
+  m.impl("feature_gap", &ropescale::feature_gap);
+}
+
 // The rotary ops check their arguments and pick the kernel of the operands' device themselves
 // (rotary.cpp), so the same functions serve both backends.
 static void register_rotary_impls(torch::Library& m) {
@@ -114,6 +116,37 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) { register_rotary_impls(m); }
 #ifdef ROPESCALE_WITH_CUDA
 TORCH_LIBRARY_IMPL(ropescale, CUDA, m) { register_rotary_impls(m); }
 #endif
+
+// The in-place rotary ops are not differentiable. Without this kernel autograd would run them
+// silently and return wrong gradients; instead a tensor argument that requires grad is an error,
+// and the version counter of each mutated tensor is bumped, so autograd notices when a tensor
+// saved for another op's backward is rotated in place.
+static void in_place_without_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                                      torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const std::string& qualified = op.schema().name();
+  const std::string name = qualified.substr(qualified.find("::") + 2);
+  const size_t first = stack->size() - arguments.size();
+  std::vector<at::Tensor> mutated;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const at::Tensor& t = value.toTensor();
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.defined() && t.requires_grad()), name, ": ", arguments[i].name(), " requires grad, but the in-place rotation is not differentiable; use the "
+                "out-of-place op (without the trailing underscore)");
+    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) mutated.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : mutated) t.unsafeGetTensorImpl()->bump_version();
+}
+
+TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
+  for (const char* name : {"apply_rotary_", "apply_rotary_qk_", "apply_rotary_pos_", "apply_rotary_pos_qk_"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&in_place_without_autograd>());
+}
 
 namespace {
 
