@@ -155,6 +155,7 @@ namespace {
 pybind11::dict build_info() {
   pybind11::dict info;
   info["torch_version"] = ROPESCALE_TORCH_VERSION;
+  info["cuda_requested"] = ROPESCALE_CUDA_REQUESTED;  // ROPESCALE_CUDA: AUTO, ON or OFF
 #ifdef ROPESCALE_WITH_CUDA
   info["cuda"] = true;
   info["cuda_archs"] = ROPESCALE_CUDA_ARCHS_STRING;

@@ -123,27 +123,41 @@ void set_positions(const char* op, RotaryArgs& a, const at::Tensor& positions, c
   a.scale = scale;
 }
 
+constexpr const char* kX[2] = {"x", nullptr};
+constexpr const char* kQK[2] = {"q", "k"};
+
+void check_no_overlap(const char* op, const at::Tensor& written, const char* written_name, const at::Tensor& other,
+                      const char* other_name) {
+  const at::MemOverlapStatus status = at::get_overlap_status(written, other);
+  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ", written_name,
+              " is written in place but shares memory with ", other_name);
+}
+
 // Allocates the outputs (same layout as the inputs where possible) or, in place, checks that the
 // operands can be written safely; then runs the kernel of the operands' device on the non-empty
 // operands.
 void run(const char* op, RotaryArgs& a, bool in_place) {
   a.in_place = in_place;
+  const char* const* names = a.num_operands == 2 ? kQK : kX;
   for (int o = 0; o < a.num_operands; ++o) {
     if (in_place) {
-      at::assert_no_internal_overlap(a.in[o]);
-      if (a.table == TableKind::kPositions) {
-        at::assert_no_overlap(a.in[o], a.positions);
-        at::assert_no_overlap(a.in[o], a.inv_freq);
-      } else {
-        at::assert_no_overlap(a.in[o], a.cos);
-        at::assert_no_overlap(a.in[o], a.sin);
-      }
+      TORCH_CHECK(at::has_internal_overlap(a.in[o]) != at::MemOverlap::Yes, op, ": ", names[o],
+                  " has elements that share memory (an expanded tensor?), so it cannot be written in place");
+      const bool positions = a.table == TableKind::kPositions;
+      check_no_overlap(op, a.in[o], names[o], positions ? a.positions : a.cos, positions ? "positions" : "cos");
+      check_no_overlap(op, a.in[o], names[o], positions ? a.inv_freq : a.sin, positions ? "inv_freq" : "sin");
       a.out[o] = a.in[o];
     } else {
       a.out[o] = at::empty_like(a.in[o]);
     }
   }
-  if (in_place && a.num_operands == 2) at::assert_no_overlap(a.in[0], a.in[1]);
+  if (in_place && a.num_operands == 2) check_no_overlap(op, a.in[0], "q", a.in[1], "k");
+
+  // The kernels index tokens and rows with 32-bit arithmetic.
+  int64_t rows = 0;
+  for (int o = 0; o < a.num_operands; ++o) rows += (a.table_batch == 1 ? a.in[o].size(0) : 1) * a.in[o].size(1);
+  TORCH_CHECK(a.table_batch * a.seq_len <= rotary::Params<float>::kMaxIndex && rows <= rotary::Params<float>::kMaxIndex,
+              op, ": more than 2^31 - 1 tokens or rows per token are not supported");
 
   RotaryArgs work = a;
   work.num_operands = 0;
@@ -167,9 +181,6 @@ void run(const char* op, RotaryArgs& a, bool in_place) {
 #endif
   TORCH_CHECK(false, op, ": no kernel for device ", device);
 }
-
-constexpr const char* kX[2] = {"x", nullptr};
-constexpr const char* kQK[2] = {"q", "k"};
 
 RotaryArgs table_args(const char* op, const at::Tensor& q, const at::Tensor* k, const at::Tensor& cos,
                       const at::Tensor& sin, bool interleaved, bool half_width, bool conjugate) {

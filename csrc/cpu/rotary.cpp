@@ -150,7 +150,7 @@ void rotary_cpu_kernel(const Params<T>& p) {
         for (int64_t t = 0; t < tile_tokens; ++t) {
           const int64_t token = first_token + t;
           const int64_t table_row = token / p.seq_len, seq = token % p.seq_len;
-          const rotary::Row<T> r = rotary::locate_row(p, table_row, seq, row);
+          const rotary::Row<T> r = rotary::locate_row(p, table_row, seq, static_cast<uint32_t>(row));
           rotate_row<T, kInterleaved>(r.in, r.out, half, coeffs[t]);
           if (p.copy_tail)
             std::memcpy(r.out + p.rotary_dim, r.in + p.rotary_dim, (p.head_dim - p.rotary_dim) * sizeof(T));

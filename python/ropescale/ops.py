@@ -430,6 +430,14 @@ def _refuse_constant_grads(op: str, **constants: torch.Tensor) -> None:
             )
 
 
+def _unit_last_stride(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Incoming gradients may have any strides (autograd hands out expanded zeros, for one); the
+    kernels need a unit stride along head_dim."""
+    if grad is None or grad.stride(-1) == 1:
+        return grad
+    return grad.contiguous()
+
+
 def _setup_rotary(ctx, inputs, keyword_only_inputs, output):
     x, cos, sin, interleaved = inputs
     _refuse_constant_grads("apply_rotary", cos=cos, sin=sin)
@@ -441,6 +449,7 @@ def _setup_rotary(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_rotary(ctx, grad):
     cos, sin = ctx.saved_tensors
+    grad = _unit_last_stride(grad)
     grad_x = _ops.apply_rotary(
         grad, cos, sin, ctx.interleaved, half_width=ctx.half_width, conjugate=not ctx.conjugate
     )
@@ -458,6 +467,7 @@ def _setup_rotary_qk(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_rotary_qk(ctx, grad_q, grad_k):
     cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _unit_last_stride(grad_q), _unit_last_stride(grad_k)
     kwargs = dict(half_width=ctx.half_width, conjugate=not ctx.conjugate)
     if grad_q is not None and grad_k is not None:
         grad_q, grad_k = _ops.apply_rotary_qk(grad_q, grad_k, cos, sin, ctx.interleaved, **kwargs)
@@ -479,6 +489,7 @@ def _setup_rotary_pos(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_rotary_pos(ctx, grad):
     positions, inv_freq = ctx.saved_tensors
+    grad = _unit_last_stride(grad)
     grad_x = _ops.apply_rotary_pos(grad, positions, inv_freq, ctx.scale, ctx.interleaved, conjugate=not ctx.conjugate)
     return grad_x, None, None, None, None
 
@@ -494,6 +505,7 @@ def _setup_rotary_pos_qk(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_rotary_pos_qk(ctx, grad_q, grad_k):
     positions, inv_freq = ctx.saved_tensors
+    grad_q, grad_k = _unit_last_stride(grad_q), _unit_last_stride(grad_k)
     args = (positions, inv_freq, ctx.scale, ctx.interleaved)
     conjugate = not ctx.conjugate
     if grad_q is not None and grad_k is not None:

@@ -68,6 +68,9 @@ struct Params {
   // Out-of-place with rotary_dim < head_dim: copy features [rotary_dim, head_dim) unchanged.
   bool copy_tail = false;
 
+  // Sizes the kernels index with 32-bit arithmetic; the op boundary checks both stay below 2^31.
+  static constexpr int64_t kMaxIndex = (int64_t{1} << 31) - 1;
+
   ROPESCALE_HOST_DEVICE int64_t half() const { return rotary_dim / 2; }
   ROPESCALE_HOST_DEVICE int64_t tokens() const { return table_batch * seq_len; }
 };
@@ -93,18 +96,21 @@ struct Row {
   T* out;
 };
 
+// Row indices use 32-bit arithmetic (a 64-bit division is a long subroutine on GPUs): the op
+// boundary guarantees fewer than 2^31 tokens and rows per token.
 template <class T>
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE Row<T> locate_row(const Params<T>& p, int64_t table_row, int64_t seq,
-                                                         int64_t row) {
+                                                         uint32_t row) {
   int o = 0;
-  int64_t first_rows = operand_rows_per_token(p, 0);
+  const uint32_t first_rows = static_cast<uint32_t>(operand_rows_per_token(p, 0));
   if (row >= first_rows) {
     o = 1;
     row -= first_rows;
   }
   const Operand<T>& x = p.operands[o];
-  const int64_t batch = p.table_batch == 1 ? row / x.heads : table_row;
-  const int64_t head = row % x.heads;
+  const uint32_t heads = static_cast<uint32_t>(x.heads);
+  const int64_t batch = p.table_batch == 1 ? static_cast<int64_t>(row / heads) : table_row;
+  const int64_t head = row % heads;
   return {x.in + batch * x.in_stride_batch + head * x.in_stride_head + seq * x.in_stride_seq,
           x.out + batch * x.out_stride_batch + head * x.out_stride_head + seq * x.out_stride_seq};
 }
@@ -164,22 +170,37 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double token_position(const Params<T>& p,
                            : static_cast<double>(static_cast<const int32_t*>(p.positions)[offset]);
 }
 
-// Coefficients of pair i of a token, from whichever table the parameters name, conjugated when
-// asked. `to_acc` converts a table entry of type T to Acc (the conversion differs between the host
-// types and CUDA's __half/__nv_bfloat16).
-template <class Acc, class T, class ToAcc>
+// Coefficients of pair i of a token from a table of kind kTable, conjugated when asked. `to_acc`
+// converts a table entry of type T to Acc (the conversion differs between the host types and
+// CUDA's __half/__nv_bfloat16). The kind is a template parameter so that a kernel carries only
+// its own table's code and, for the symmetric kinds, two values per pair instead of four.
+template <TableKind kTable, class Acc, class T, class ToAcc>
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T>& p, int64_t table_row,
                                                                    int64_t seq, int64_t i, ToAcc to_acc) {
   PairCoeffs<Acc> c;
-  if (p.table == TableKind::kPositions) {
+  if constexpr (kTable == TableKind::kPositions) {
     c = position_coeffs<Acc>(token_position(p, table_row, seq), p.inv_freq[i], static_cast<Acc>(p.scale));
   } else {
-    const PairIndex e = table_entries(p.table, p.interleaved, p.half(), i);
+    const PairIndex e = table_entries(kTable, p.interleaved, p.half(), i);
     const T* cos_row = p.cos + table_row * p.cos_stride_batch + seq * p.cos_stride_seq;
     const T* sin_row = p.sin + table_row * p.sin_stride_batch + seq * p.sin_stride_seq;
     c = {to_acc(cos_row[e.a]), to_acc(sin_row[e.a]), to_acc(cos_row[e.b]), to_acc(sin_row[e.b])};
   }
   return p.conjugate ? conjugated(c) : c;
+}
+
+// The same, for the table kind the parameters name.
+template <class Acc, class T, class ToAcc>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T>& p, int64_t table_row,
+                                                                   int64_t seq, int64_t i, ToAcc to_acc) {
+  switch (p.table) {
+    case TableKind::kFullWidth:
+      return pair_coeffs<TableKind::kFullWidth, Acc>(p, table_row, seq, i, to_acc);
+    case TableKind::kHalfWidth:
+      return pair_coeffs<TableKind::kHalfWidth, Acc>(p, table_row, seq, i, to_acc);
+    default:
+      return pair_coeffs<TableKind::kPositions, Acc>(p, table_row, seq, i, to_acc);
+  }
 }
 
 }  // namespace rotary

@@ -123,28 +123,30 @@ ROPESCALE_UNROLL
   }
 }
 
-template <class T, int kPairs, bool kInterleaved>
+template <class T, int kPairs, bool kInterleaved, TableKind kTable>
 __global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T> p) {
   using Acc = typename Element<T>::Acc;
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (token >= p.tokens()) return;  // no barriers below: leaving early is safe
-  const int64_t table_row = token / p.seq_len;
-  const int64_t seq = token - table_row * p.seq_len;
+  // 32-bit index arithmetic: tokens and rows stay below 2^31 (checked at the op boundary).
+  const uint32_t token = blockIdx.x * blockDim.y + threadIdx.y;
+  if (token >= static_cast<uint32_t>(p.tokens())) return;  // no barriers below: leaving early is safe
+  const uint32_t seq_len = static_cast<uint32_t>(p.seq_len);
+  const int64_t table_row = token / seq_len;
+  const int64_t seq = token % seq_len;
   const int64_t half = p.half();
-  const int64_t rows = rows_per_token(p);
+  const uint32_t rows = static_cast<uint32_t>(rows_per_token(p));
 
   for (int64_t chunk = threadIdx.x; chunk * kPairs < half; chunk += blockDim.x) {
     const int64_t first = chunk * kPairs;
     PairCoeffs<Acc> coeffs[kPairs];  // once per token, reused for every row below
 ROPESCALE_UNROLL
-    for (int j = 0; j < kPairs; ++j) coeffs[j] = pair_coeffs<Acc>(p, table_row, seq, first + j, ToAcc<T>{});
-    for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    for (int j = 0; j < kPairs; ++j) coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, ToAcc<T>{});
+    for (uint32_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const Row<T> r = locate_row(p, table_row, seq, row);
       rotate_chunk<T, kPairs, kInterleaved>(r.in, r.out, half, first, coeffs);
     }
   }
   if (p.copy_tail) {
-    for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    for (uint32_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const Row<T> r = locate_row(p, table_row, seq, row);
       for (int64_t e = p.rotary_dim + threadIdx.x * kPairs; e < p.head_dim; e += blockDim.x * kPairs)
         store_chunk<T, kPairs>(r.out + e, load_chunk<T, kPairs>(r.in + e));
@@ -200,6 +202,32 @@ inline LaunchShape launch_shape(const Params<T>& p, int64_t min_blocks) {
           dim3(static_cast<unsigned>(block_x), static_cast<unsigned>(block_y)), pairs};
 }
 
+template <class T, int kPairs, bool kInterleaved>
+inline void launch_for_table(const Params<T>& p, const LaunchShape& s, cudaStream_t stream) {
+  switch (p.table) {
+    case TableKind::kFullWidth:
+      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kFullWidth>), s.grid, s.block, 0,
+                              stream, p);
+      break;
+    case TableKind::kHalfWidth:
+      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kHalfWidth>), s.grid, s.block, 0,
+                              stream, p);
+      break;
+    case TableKind::kPositions:
+      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kPositions>), s.grid, s.block, 0,
+                              stream, p);
+      break;
+  }
+}
+
+template <class T, int kPairs>
+inline void launch_for_layout(const Params<T>& p, const LaunchShape& s, cudaStream_t stream) {
+  if (p.interleaved)
+    launch_for_table<T, kPairs, true>(p, s, stream);
+  else
+    launch_for_table<T, kPairs, false>(p, s, stream);
+}
+
 // Launches the rotation described by `p` on `stream`. `min_blocks` is how many blocks fill the
 // device (SM count x resident blocks per SM). Nothing is launched for empty work. The caller
 // checks for launch errors.
@@ -207,18 +235,10 @@ template <class T>
 inline void launch_rotary(const Params<T>& p, int64_t min_blocks, cudaStream_t stream) {
   if (p.tokens() == 0 || rows_per_token(p) == 0 || p.rotary_dim == 0) return;
   const LaunchShape shape = launch_shape(p, min_blocks);
-  constexpr int kVec = vector_pairs<T>();
-  if (shape.pairs_per_thread == kVec) {
-    if (p.interleaved)
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kVec, true>), shape.grid, shape.block, 0, stream, p);
-    else
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kVec, false>), shape.grid, shape.block, 0, stream, p);
-  } else {
-    if (p.interleaved)
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, 1, true>), shape.grid, shape.block, 0, stream, p);
-    else
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, 1, false>), shape.grid, shape.block, 0, stream, p);
-  }
+  if (shape.pairs_per_thread == vector_pairs<T>())
+    launch_for_layout<T, vector_pairs<T>()>(p, shape, stream);
+  else
+    launch_for_layout<T, 1>(p, shape, stream);
 }
 
 }  // namespace rotary

@@ -41,15 +41,16 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float
 #endif
 }
 
-// The same in double precision (float64 tensors: gradcheck, references).
+// The same in double precision (float64 tensors: gradcheck, references). The product is exact and
+// double sin/cos reduce their argument exactly themselves, so no reduction of ours is needed.
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, double* sin_out,
                                                           double* cos_out) {
-  const double reduced = rotary_reduced_angle(position, inv_freq);
+  const double angle = position * static_cast<double>(inv_freq);
 #if defined(__CUDA_ARCH__)
-  sincos(reduced, sin_out, cos_out);
+  sincos(angle, sin_out, cos_out);
 #else
-  *sin_out = std::sin(reduced);
-  *cos_out = std::cos(reduced);
+  *sin_out = std::sin(angle);
+  *cos_out = std::cos(angle);
 #endif
 }
 
