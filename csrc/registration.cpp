@@ -6,6 +6,7 @@
 #include <torch/python.h>
 
 #include "ops.h"
+#include "rotary_args.h"
 
 #include <string>
 #include <vector>
@@ -173,4 +174,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(_C, module) {
   module.doc() = "ropescale native library: ops live in torch.ops.ropescale";
   module.def("build_info", &build_info, "torch version built against, whether CUDA kernels were compiled, CUDA archs");
+  module.def("rotary_cpu_isa", &ropescale::rotary_cpu_isa,
+             "instruction set of the rotary CPU kernel in use: AVX512, AVX2 or DEFAULT (ATEN_CPU_CAPABILITY lowers it)");
 }

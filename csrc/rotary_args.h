@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 #include "ropescale/rotary.h"
 
 namespace ropescale {
@@ -71,6 +73,8 @@ rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
 
 // The kernels, per backend. Arguments are already checked; the work is not empty.
 void rotary_cpu(const RotaryArgs& args);
+// The instruction set of the CPU kernel rotary_cpu runs: "AVX512", "AVX2" or "DEFAULT".
+std::string rotary_cpu_isa();
 #ifdef ROPESCALE_WITH_CUDA
 void rotary_cuda(const RotaryArgs& args);
 #endif

@@ -209,6 +209,53 @@ def test_empty_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
+# The CPU kernel is built once per instruction set; each variant, forced with ATEN_CPU_CAPABILITY
+# in a fresh process, against the reference (vector bodies and scalar remainders: 40 pairs).
+
+_VARIANT_SCRIPT = """
+import sys, torch, ropescale
+from ropescale import ops
+gen = torch.Generator().manual_seed(0)
+results = {"torch": torch.backends.cpu.get_cpu_capability(), "ropescale": ropescale._C.rotary_cpu_isa(), "cases": []}
+inv_freq = ops.default_inv_freq(80, 10000.0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for interleaved in (False, True):
+        q = torch.randn(2, 9, 5, 88, generator=gen).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 9, 2, 88, generator=gen).to(dtype).transpose(1, 2)
+        cos = (torch.rand(2, 9, 80, generator=gen) * 2 - 1).to(dtype)
+        sin = (torch.rand(2, 9, 80, generator=gen) * 2 - 1).to(dtype)
+        positions = torch.randint(0, 70000, (2, 9), generator=gen)
+        out = ops.apply_rotary_qk(q, k, cos, sin, interleaved)
+        out_pos = ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 1.3, interleaved, conjugate=True)
+        results["cases"].append((q, k, cos, sin, positions, interleaved, out, out_pos))
+torch.save(results, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
+def test_every_cpu_instruction_set_variant(isa, tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "PYTHONPATH": str(Path(ropescale.__file__).parents[1])}
+    subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "out.pt")], env=env, check=True)
+    results = torch.load(tmp_path / "out.pt")
+    # The variant torch uses for its own kernels under this setting is the one ropescale runs
+    # (x86 builds have AVX2 and AVX512 variants; anything else runs the DEFAULT one).
+    expected = results["torch"] if results["torch"] in ("AVX2", "AVX512") else "DEFAULT"
+    assert results["ropescale"] == expected, results
+    inv_freq = ops.default_inv_freq(80, 10000.0)
+    for q, k, cos, sin, positions, interleaved, out, out_pos in results["cases"]:
+        for x, y, y_pos in zip((q, k), out, out_pos):
+            what = f"{results['ropescale']} {x.dtype} interleaved={interleaved}"
+            plain = reference_rotary(x, cos, sin, interleaved, dtype=x.dtype)
+            assert_matches_reference(y, reference_rotary(x, cos, sin, interleaved), plain, x.dtype, what)
+            ref = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True)
+            plain = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True, dtype=x.dtype)
+            assert_matches_reference(y_pos, ref, plain, x.dtype, what + " positions")
+
+
+# ---------------------------------------------------------------------------------------------
 # transformers parity: its own cos/sin and its own apply_rotary_pos_emb.
 
 
