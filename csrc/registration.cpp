@@ -42,6 +42,11 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("base_lower_bound(int context_length, int dim) -> float");
   // Resonance feature gap per pair over test positions [train_length, test_length), float64.
   m.def("feature_gap(Tensor inv_freq, int train_length, int test_length) -> Tensor");
+  // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse).
+  m.def(
+      "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
+      "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
+      "-> (Tensor out, Tensor lse)");
 }
 
 // Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
@@ -64,7 +69,14 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("similarity_decay", &ropescale::similarity_decay);
   m.impl("effective_context_length", &ropescale::effective_context_length);
   m.impl("feature_gap", &ropescale::feature_gap);
+  m.impl("rerope_attention", &ropescale::rerope_attention_cpu);
 }
+
+#ifdef ROPESCALE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
+  m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
+}
+#endif
 
 namespace {
 
