@@ -3,10 +3,11 @@
 // so a tile of (query block x key block) wholly inside or outside the window costs one product and
 // only the band around the window edge costs two.
 //
-// Plan: classify every tile from the position bounds of its blocks; rotate just the key blocks some
-// tile needs on the near side (a decode step rotates only the keys in its window) and, for Leaky
-// ReRoPE, on the far side; then run one task per (batch, q head, query block), heaviest first,
-// with BLAS products and a vectorised exp.
+// Plan: classify every tile from the position bounds of its blocks; prepare just the key blocks some
+// tile needs, as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: rotated
+// at p/k; ReRoPE far side: the raw keys, used in place when decoding); then run one task per
+// (batch, q head, query block), heaviest first: scores by BLAS (or, for a few query rows, plain
+// vector loops), the online softmax with a vectorised exp, and P.V by BLAS.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,9 +18,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "ops.h"
@@ -27,10 +26,10 @@
 #include "ropescale/rerope_math.h"
 #include "ropescale/rotary_math.h"
 
-// The softmax inner loops are compiled for several x86 levels and picked at load time, since the
-// extension cannot assume more than the baseline ISA.
+// The vector loops are compiled for the x86-64 ISA levels and picked at load time: the extension
+// cannot assume more than the baseline ISA, and AVX-512 doubles the softmax throughput.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ROPESCALE_CPU_CLONES __attribute__((target_clones("default", "arch=haswell", "arch=skylake-avx512")))
+#define ROPESCALE_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
 #define ROPESCALE_CPU_CLONES
 #endif
@@ -38,11 +37,9 @@
 namespace ropescale {
 namespace {
 
-using at::native::TransposeType;
-
 constexpr int64_t kBlockQ = 64;   // query rows per task
 constexpr int64_t kBlockK = 128;  // keys per tile: small enough that the band stays thin
-constexpr int kLanes = 16;        // independent accumulators: lets the reductions vectorise
+constexpr int64_t kFewRows = 4;   // up to this many rows (decoding), scores are vector loops, not BLAS
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for the softmax: Cephes' polynomial on [-ln2/2, ln2/2] times 2^n (about 1 ulp), written
@@ -72,105 +69,95 @@ ROPESCALE_CPU_CLONES void online_softmax_update(float* scores, int64_t rows, int
                                                 float* row_max, float* row_sum, float* acc, int64_t dim) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld_scores;
-    float lane_max[kLanes];
-    for (int t = 0; t < kLanes; ++t) lane_max[t] = kNegInf;
-    int64_t c = 0;
-    for (; c + kLanes <= cols; c += kLanes)
-      for (int t = 0; t < kLanes; ++t) lane_max[t] = std::max(lane_max[t], s[c + t]);
     float tile_max = kNegInf;
-    for (int t = 0; t < kLanes; ++t) tile_max = std::max(tile_max, lane_max[t]);
-    for (; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
-
+#pragma omp simd reduction(max : tile_max)
+    for (int64_t c = 0; c < cols; ++c) tile_max = s[c] > tile_max ? s[c] : tile_max;
     const float old_max = row_max[r];
     const float new_max = std::max(old_max, tile_max);
     if (new_max == kNegInf) {  // nothing visible in this row so far
       std::fill(s, s + cols, 0.0f);
       continue;
     }
-    float lane_sum[kLanes] = {};
-    c = 0;
-    for (; c + kLanes <= cols; c += kLanes)
-      for (int t = 0; t < kLanes; ++t) {
-        const float p = softmax_exp(s[c + t] - new_max);
-        s[c + t] = p;
-        lane_sum[t] += p;
-      }
     float tile_sum = 0.0f;
-    for (int t = 0; t < kLanes; ++t) tile_sum += lane_sum[t];
-    for (; c < cols; ++c) {
-      s[c] = softmax_exp(s[c] - new_max);
-      tile_sum += s[c];
+#pragma omp simd reduction(+ : tile_sum)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float p = softmax_exp(s[c] - new_max);
+      s[c] = p;
+      tile_sum += p;
     }
     const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
     row_sum[r] = row_sum[r] * alpha + tile_sum;
     row_max[r] = new_max;
     if (alpha != 1.0f) {
       float* a = acc + r * dim;
+#pragma omp simd
       for (int64_t d = 0; d < dim; ++d) a[d] *= alpha;
     }
   }
 }
 
-// On transposed scores S^T[cols x rows] (one row per key): the near product where the pair is
-// inside the window, the far one outside, and -inf where the pair is masked (causal edge, padding).
-void select_band_and_mask(float* near_t, const float* far_t, int64_t rows, int64_t cols, int64_t ld,
-                          const int64_t* q_pos, const int64_t* k_pos, int64_t window, bool causal, bool band,
-                          bool mask) {
-  for (int64_t c = 0; c < cols; ++c) {
-    float* s = near_t + c * ld;
-    const float* s_far = far_t + c * ld;
-    const int64_t pk = k_pos[c];
+// Scores of a band tile: the near product where the pair is inside the window, the far one outside;
+// -inf where the pair is masked (causal edge, padding).
+ROPESCALE_CPU_CLONES void select_band_and_mask(float* near_scores, const float* far_scores, int64_t rows,
+                                               int64_t cols, int64_t ld, const int64_t* q_pos, const int64_t* k_pos,
+                                               int64_t window, bool causal, bool band, bool mask) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = near_scores + r * ld;
+    const float* s_far = far_scores + r * ld;
+    const int64_t pq = q_pos[r];
     if (band)
-      for (int64_t r = 0; r < rows; ++r) s[r] = rerope_is_near(q_pos[r], pk, window) ? s[r] : s_far[r];
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_is_near(pq, k_pos[c], window) ? s[c] : s_far[c];
     if (mask)
-      for (int64_t r = 0; r < rows; ++r) s[r] = rerope_visible(q_pos[r], pk, causal) ? s[r] : kNegInf;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_visible(pq, k_pos[c], causal) ? s[c] : kNegInf;
   }
 }
 
-// dst[rows x cols] (ld_dst) = src[cols x rows]^T (ld_src), in cache-sized squares.
-ROPESCALE_CPU_CLONES void transpose_block(const float* src, int64_t ld_src, int64_t cols, int64_t rows, float* dst,
-                                          int64_t ld_dst) {
-  constexpr int64_t kSquare = 16;
-  for (int64_t c0 = 0; c0 < cols; c0 += kSquare)
-    for (int64_t r0 = 0; r0 < rows; r0 += kSquare) {
-      const int64_t c1 = std::min(cols, c0 + kSquare), r1 = std::min(rows, r0 + kSquare);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) dst[r * ld_dst + c] = src[c * ld_src + r];
-    }
-}
+// Key operand of one tile: a transposed panel [D x kBlockK] (prepared blocks), or key rows in place.
+struct KeyTile {
+  const float* data;
+  int64_t ld;
+  bool panel;
+};
 
-// Row-major C[m x n] = A[m x k] . B[k x n] (+ C when accumulate), through ATen's BLAS entry.
-inline void matmul(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b,
-                   float* c, int64_t ld_c, bool accumulate) {
-  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, accumulate, a, b, c, /*is_vnni=*/false);
-}
-
-constexpr int64_t kFewRows = 4;  // up to this many query rows (decoding), scores are plain dot products
-
-// Transposed scores S^T[cols x rows] = K[cols x D] . Q^T for keys stored as rows (stride ld_k): BLAS
-// on the transposed queries q_t[D x rows] (stride ld_qt), or, for a handful of rows (a matrix-vector
-// product, where BLAS is slow), dot products with the row-major queries q[rows x D].
-ROPESCALE_CPU_CLONES void key_query_scores(const float* keys, int64_t ld_k, int64_t cols, const float* q,
-                                           const float* q_t, int64_t ld_qt, int64_t rows, int64_t dim, float* out_t,
-                                           int64_t ld_out) {
+// scores[rows x cols] (ld_scores) = q[rows x D] . K^T. Panels go through BLAS; a few rows (decoding)
+// take vector loops instead, where BLAS' matrix-vector shapes are slow.
+ROPESCALE_CPU_CLONES void tile_scores(const float* q, int64_t rows, int64_t dim, const KeyTile& keys, int64_t cols,
+                                      float* scores, int64_t ld_scores) {
   if (rows > kFewRows) {
-    matmul(cols, rows, dim, keys, ld_k, q_t, ld_qt, out_t, ld_out, false);
+    TORCH_INTERNAL_ASSERT(keys.panel, "rerope_attention: BLAS scores need key panels");
+    at::native::cpublas::brgemm(rows, cols, dim, dim, keys.ld, ld_scores, /*add_C=*/false, q, keys.data, scores,
+                                /*is_vnni=*/false);
     return;
   }
-  for (int64_t c = 0; c < cols; ++c) {
-    const float* key = keys + c * ld_k;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* query = q + r * dim;
-      float lanes[kLanes] = {};
-      int64_t d = 0;
-      for (; d + kLanes <= dim; d += kLanes)
-        for (int t = 0; t < kLanes; ++t) lanes[t] += key[d + t] * query[d + t];
-      float sum = 0.0f;
-      for (int t = 0; t < kLanes; ++t) sum += lanes[t];
-      for (; d < dim; ++d) sum += key[d] * query[d];
-      out_t[c * ld_out + r] = sum;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* query = q + r * dim;
+    float* s = scores + r * ld_scores;
+    if (keys.panel) {  // s += q[d] * panel row d
+      std::fill(s, s + cols, 0.0f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float* panel_row = keys.data + d * keys.ld;
+        const float qd = query[d];
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) s[c] += qd * panel_row[c];
+      }
+    } else {  // one dot product per key row
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* key = keys.data + c * keys.ld;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < dim; ++d) sum += key[d] * query[d];
+        s[c] = sum;
+      }
     }
   }
+}
+
+// acc[rows x D] += probs[rows x cols] . V[cols x D] (V rows with stride ld_v).
+inline void tile_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs, const float* v,
+                            int64_t ld_v, int64_t dim, float* acc) {
+  at::native::cpublas::brgemm(rows, dim, cols, ld_probs, ld_v, dim, /*add_C=*/true, probs, v, acc, /*is_vnni=*/false);
 }
 
 // out = rot(x * factor) with the pair angles' cos/sin; dims past the rotary ones are only scaled.
@@ -193,8 +180,8 @@ inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-// A float view of k or v that BLAS can read block by block: the tensor itself when it already is
-// float32 with rows at least D apart, a float copy otherwise.
+// k or v as float rows BLAS can read: the tensor itself when it already is float32 with rows at
+// least D apart, a float copy otherwise.
 struct FloatRows {
   at::Tensor storage;
   const float* data = nullptr;
@@ -211,6 +198,22 @@ struct FloatRows {
   const float* row(int64_t b, int64_t h, int64_t l) const { return data + b * stride_b + h * stride_h + l * stride_l; }
 };
 
+// Transposed key panels [B, Hkv, n_kb, D, kBlockK], written only for the blocks that need them.
+struct KeyPanels {
+  at::Tensor storage;
+  float* data = nullptr;
+  int64_t heads = 0, blocks = 0, dim = 0;
+
+  KeyPanels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t dim_)
+      : storage(at::empty({batch, heads_, blocks_, dim_, kBlockK}, at::TensorOptions().dtype(at::kFloat))),
+        data(storage.data_ptr<float>()),
+        heads(heads_),
+        blocks(blocks_),
+        dim(dim_) {}
+  float* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * dim * kBlockK; }
+  KeyTile tile(int64_t b, int64_t h, int64_t kb) const { return {panel(b, h, kb), kBlockK, true}; }
+};
+
 template <typename scalar_t>
 void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
   const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
@@ -220,8 +223,10 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
   const float* inv_freq = a.inv_freq.data_ptr<float>();
   const int64_t n_qb = (Lq + kBlockQ - 1) / kBlockQ, n_kb = (Lk + kBlockK - 1) / kBlockK;
+  // Decoding reads the raw far keys in place; BLAS (more query rows) needs them as panels too.
+  const bool raw_far_panels = !leaky && Lq > kFewRows;
 
-  // ---- tile classification, and which key blocks each side needs rotated
+  // ---- tile classification, and which key blocks each side needs
   std::vector<PositionRange> q_ranges(B * n_qb), k_ranges(B * n_kb);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Lq; ++i) q_ranges[b * n_qb + i / kBlockQ].add(q_pos[b * Lq + i]);
@@ -242,7 +247,6 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
       }
 
   // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
   std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
   if (!leaky) sincos_row(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
   at::parallel_for(0, B * Lq, 256, [&](int64_t begin, int64_t end) {
@@ -256,31 +260,39 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
     }
   });
 
-  // ---- key operands: rotated copies of the blocks that need them (uninitialised elsewhere, never read)
-  const FloatRows k_raw(a.k), v_rows(a.v);
-  at::Tensor k_near = at::empty({B, Hkv, Lk, D}, f32);
-  at::Tensor k_far = leaky ? at::empty({B, Hkv, Lk, D}, f32) : at::Tensor();
-  float* k_near_data = k_near.data_ptr<float>();
-  float* k_far_data = leaky ? k_far.data_ptr<float>() : nullptr;
+  // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
+  const FloatRows k_rows(a.k), v_rows(a.v);
+  const KeyPanels near_panels(B, Hkv, n_kb, D);
+  const KeyPanels far_panels = (leaky || raw_far_panels) ? KeyPanels(B, Hkv, n_kb, D) : KeyPanels(0, 0, 0, 0);
   at::parallel_for(0, B * n_kb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cs(2 * P);
+    std::vector<float> cs(2 * P), rotated(D);
+    // Rotates key j of every head at `position` (or copies it when position is null) into column c.
+    auto write_column = [&](const KeyPanels& panels, int64_t b, int64_t kb, int64_t j, int64_t c,
+                            const double* position) {
+      if (position) sincos_row(*position, inv_freq, P, cs.data(), cs.data() + P);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* key = k_rows.row(b, h, j);
+        if (position) {
+          rotate_row(key, 1.0f, cs.data(), cs.data() + P, P, D, a.interleaved, rotated.data());
+          key = rotated.data();
+        }
+        float* panel = panels.panel(b, h, kb);
+        for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key[d];
+      }
+    };
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t b = block / n_kb, j0 = (block % n_kb) * kBlockK, j1 = std::min(Lk, j0 + kBlockK);
-      const bool do_near = needs_near[block], do_far = leaky && needs_far[block];
-      if (!do_near && !do_far) continue;
+      const int64_t b = block / n_kb, kb = block % n_kb, j0 = kb * kBlockK, j1 = std::min(Lk, j0 + kBlockK);
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t p = k_pos[b * Lk + j];
-        if (do_near) {
-          sincos_row(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
-          for (int64_t h = 0; h < Hkv; ++h)
-            rotate_row(k_raw.row(b, h, j), 1.0f, cs.data(), cs.data() + P, P, D, a.interleaved,
-                       k_near_data + ((b * Hkv + h) * Lk + j) * D);
+        if (needs_near[block]) {
+          const double near_position = static_cast<double>(p);
+          write_column(near_panels, b, kb, j, j - j0, &near_position);
         }
-        if (do_far) {
-          sincos_row(rerope_far_key_position(p, a.leaky_inv), inv_freq, P, cs.data(), cs.data() + P);
-          for (int64_t h = 0; h < Hkv; ++h)
-            rotate_row(k_raw.row(b, h, j), 1.0f, cs.data(), cs.data() + P, P, D, a.interleaved,
-                       k_far_data + ((b * Hkv + h) * Lk + j) * D);
+        if (needs_far[block] && leaky) {
+          const double far_position = rerope_far_key_position(p, a.leaky_inv);
+          write_column(far_panels, b, kb, j, j - j0, &far_position);
+        } else if (needs_far[block] && raw_far_panels) {
+          write_column(far_panels, b, kb, j, j - j0, nullptr);
         }
       }
     }
@@ -292,9 +304,8 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hq; ++h)
       for (int64_t qb = 0; qb < n_qb; ++qb) tasks.push_back((b * Hq + h) * n_qb + qb);
-  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) {
-    return task_cost[(x / (Hq * n_qb)) * n_qb + x % n_qb] > task_cost[(y / (Hq * n_qb)) * n_qb + y % n_qb];
-  });
+  auto cost_of = [&](int64_t task) { return task_cost[(task / (Hq * n_qb)) * n_qb + task % n_qb]; };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) { return cost_of(x) > cost_of(y); });
   std::atomic<int64_t> next_task{0};
   const auto* q_data = a.q.data_ptr<scalar_t>();
   auto* out_data = out.data_ptr<scalar_t>();
@@ -302,9 +313,8 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q_row(D), acc(kBlockQ * D), row_max(kBlockQ), row_sum(kBlockQ);
-    std::vector<float> q_near(kBlockQ * D), q_far(kBlockQ * D), q_near_t(D * kBlockQ), q_far_t(D * kBlockQ);
-    std::vector<float> scores_t(kBlockK * kBlockQ), far_scores_t(kBlockK * kBlockQ), probs(kBlockQ * kBlockK);
+    std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
+    std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
     for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
       const int64_t task = tasks[t];
       const int64_t qb = task % n_qb, h = (task / n_qb) % Hq, b = task / (n_qb * Hq), hkv = h / group;
@@ -320,10 +330,6 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
         rotate_row(q_row.data(), row_factor[row], near_cs, near_cs + P, P, D, a.interleaved, &q_near[r * D]);
         rotate_row(q_row.data(), row_factor[row], far_cs, far_cs + P, P, D, a.interleaved, &q_far[r * D]);
       }
-      if (rows > kFewRows) {
-        transpose_block(q_near.data(), D, rows, D, q_near_t.data(), kBlockQ);
-        transpose_block(q_far.data(), D, rows, D, q_far_t.data(), kBlockQ);
-      }
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -334,19 +340,17 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
         const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
         const bool band = tc.kind == TileKind::kBand;
         if (tc.kind != TileKind::kFar)
-          key_query_scores(k_near_data + ((b * Hkv + hkv) * Lk + j0) * D, D, cols, q_near.data(), q_near_t.data(),
-                           kBlockQ, rows, D, scores_t.data(), kBlockQ);
+          tile_scores(q_near.data(), rows, D, near_panels.tile(b, hkv, kb), cols, scores.data(), kBlockK);
         if (tc.kind != TileKind::kNear) {
-          const float* far_keys = leaky ? k_far_data + ((b * Hkv + hkv) * Lk + j0) * D : k_raw.row(b, hkv, j0);
-          key_query_scores(far_keys, leaky ? D : k_raw.stride_l, cols, q_far.data(), q_far_t.data(), kBlockQ, rows, D,
-                           band ? far_scores_t.data() : scores_t.data(), kBlockQ);
+          const KeyTile far_keys = (leaky || raw_far_panels) ? far_panels.tile(b, hkv, kb)
+                                                             : KeyTile{k_rows.row(b, hkv, j0), k_rows.stride_l, false};
+          tile_scores(q_far.data(), rows, D, far_keys, cols, band ? far_scores.data() : scores.data(), kBlockK);
         }
         if (band || tc.needs_mask)
-          select_band_and_mask(scores_t.data(), far_scores_t.data(), rows, cols, kBlockQ, row_pos,
-                               k_pos + b * Lk + j0, a.window, a.causal, band, tc.needs_mask);
-        transpose_block(scores_t.data(), kBlockQ, cols, rows, probs.data(), kBlockK);
-        online_softmax_update(probs.data(), rows, cols, kBlockK, row_max.data(), row_sum.data(), acc.data(), D);
-        matmul(rows, D, cols, probs.data(), kBlockK, v_rows.row(b, hkv, j0), v_rows.stride_l, acc.data(), D, true);
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
+                               a.window, a.causal, band, tc.needs_mask);
+        online_softmax_update(scores.data(), rows, cols, kBlockK, row_max.data(), row_sum.data(), acc.data(), D);
+        tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows.row(b, hkv, j0), v_rows.stride_l, D, acc.data());
       }
 
       for (int64_t r = 0; r < rows; ++r) {
