@@ -82,6 +82,11 @@ def _prepare(q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, l
     return scale, (q_near, k_near), (q_far, k_far), visible, near
 
 
+def _lse_dtype(q):
+    # float32 as the fused op; float64 inputs (gradcheck, references) keep float64.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _scores(q, k, scale):
     """``scale * q k^T`` with GQA: ``[B, Hq, Lq, D] x [B, Hkv, Lk, D] -> [B, Hq, Lq, Lk]``."""
     group = q.shape[1] // k.shape[1]
@@ -105,7 +110,7 @@ def rerope_attention_naive(
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     group = q.shape[1] // k.shape[1]
     out = torch.matmul(probs, v.to(compute).repeat_interleave(group, dim=1))
-    return out.to(q.dtype), lse.to(torch.float32)
+    return out.to(q.dtype), lse.to(_lse_dtype(q))
 
 
 def _row_max(q, k, visible, scale, budget_bytes=64 << 20):
@@ -167,7 +172,8 @@ def rerope_attention_composite(
 
     Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near band and the far
     part each go through ``scaled_dot_product_attention`` with their own boolean mask; their partial
-    softmaxes are merged by log-sum-exp. SDPA does not return the log-sum-exp, so each call gets a
+    softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
+    path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
     sentinel key and two value columns that make it return its softmax denominator too (see
     ``_sdpa_with_denominator``); the shift they need (the row's largest visible score) is found
     first, without gradient, in query chunks. Cost: two SDPA calls plus one ``q k^T`` pass per side;
@@ -187,4 +193,4 @@ def rerope_attention_composite(
     safe_total = torch.where(seen, total, torch.ones_like(total))
     out = (a_near + a_far) / safe_total[..., None]
     lse = torch.where(seen, shift_eff + safe_total.log(), torch.full_like(total, float("-inf")))
-    return out.to(q.dtype), lse.to(torch.float32)
+    return out.to(q.dtype), lse.to(_lse_dtype(q))
