@@ -51,5 +51,18 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk(const at::Tensor& q, cons
                                                        double scale, bool interleaved, bool conjugate);
 void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                           const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
+// ---- rerope_attention: cpu/rerope_attention.cpp, cuda/rerope_attention.cu ----
+std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& q_positions,
+                                                        const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                        int64_t window, double leaky_k, double scale,
+                                                        int64_t logn_length, bool causal, bool interleaved);
+#ifdef ROPESCALE_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, const at::Tensor& q_positions,
+                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                         int64_t window, double leaky_k, double scale,
+                                                         int64_t logn_length, bool causal, bool interleaved);
+#endif
 
 }  // namespace ropescale

@@ -76,6 +76,11 @@ TORCH_LIBRARY(ropescale, m) {
   // apply_rotary_pos_qk, in place.
   m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
         "bool interleaved=False, *, bool conjugate=False) -> ()");
+  // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse).
+  m.def(
+      "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
+      "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
+      "-> (Tensor out, Tensor lse)");
 }
 
 // Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
@@ -98,6 +103,7 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("similarity_decay", &ropescale::similarity_decay);
   m.impl("effective_context_length", &ropescale::effective_context_length);
   m.impl("feature_gap", &ropescale::feature_gap);
+  m.impl("rerope_attention", &ropescale::rerope_attention_cpu);
 }
 
 // The rotary ops check their arguments and pick the kernel of the operands' device themselves
@@ -148,6 +154,12 @@ TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
   for (const char* name : {"apply_rotary_", "apply_rotary_qk_", "apply_rotary_pos_", "apply_rotary_pos_qk_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&in_place_without_autograd>());
 }
+
+#ifdef ROPESCALE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
+  m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
+}
+#endif
 
 namespace {
 

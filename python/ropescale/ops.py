@@ -525,3 +525,63 @@ torch.library.register_autograd(
 torch.library.register_autograd(
     "ropescale::apply_rotary_pos_qk", _backward_rotary_pos_qk, setup_context=_setup_rotary_pos_qk
 )
+# ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu).
+
+from .rerope import rerope_attention_composite  # noqa: E402  (plain-PyTorch, differentiable twin)
+
+__all__ += ["rerope_attention", "rerope_attention_composite"]
+
+
+def rerope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    window: int,
+    leaky_k: float = 0.0,
+    scale: float | None = None,
+    logn_length: int = 0,
+    causal: bool = True,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReRoPE attention over un-rotated ``q`` ``[B, Hq, Lq, D]`` and ``k``/``v`` ``[B, Hkv, Lk, D]``.
+
+    ``score(i, j) = scale * <rot(q_i, r(p_i - p_j)), k_j>`` with ``r(d) = d`` for ``d < window``,
+    else ``window`` (ReRoPE, ``leaky_k = 0``) or ``window + (d - window) / leaky_k`` (Leaky ReRoPE);
+    ``out = softmax(score) @ v``. Positions are integer ``[B, Lq]`` / ``[B, Lk]``: causal masking is
+    by position (``p_j > p_i`` is masked), and a negative position marks padding (such a key is
+    never attended; such a query sees nothing). ``logn_length > 0`` scales each query by
+    ``max(1, ln(p + 1) / ln(logn_length))``; ``scale`` defaults to ``1/sqrt(D)``; ``inv_freq`` may
+    cover fewer than ``D / 2`` pairs (partial rotary). GQA when ``Hq`` is a multiple of ``Hkv``.
+
+    Returns ``(out, lse)``: ``out`` in q's dtype (float32 accumulation), ``lse`` the natural-log
+    softmax denominator, float32 ``[B, Hq, Lq]``; a row with no visible key gives zeros and
+    ``-inf``. One op serves prefill (``Lq = Lk``) and decoding against a
+    :class:`ropescale.cache.PreRopeCache` (``Lq = 1``).
+
+    The fused kernels have no backward pass: train through :func:`rerope_attention_composite`,
+    which computes the same result differentiably from two PyTorch SDPA calls.
+    """
+    return _ops.rerope_attention(
+        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
+        -1.0 if scale is None else float(scale), logn_length, causal, interleaved,
+    )
+
+
+@torch.library.register_fake("ropescale::rerope_attention")
+def _(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
+      interleaved=False):
+    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "rerope_attention: q and k must be 4-D")
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _rerope_attention_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError(
+        "rerope_attention: the fused kernels have no backward pass; train through "
+        "ropescale.ops.rerope_attention_composite (same arguments, same result, differentiable)"
+    )
+
+
+torch.library.register_autograd("ropescale::rerope_attention", _rerope_attention_backward)

@@ -10,7 +10,7 @@
 // token between blocks when there are too few tokens to fill the GPU (decode).
 #pragma once
 
-#include <ropescale_emu/portable.h>  // ROPESCALE_LAUNCH_KERNEL, __half, __nv_bfloat16 (real or emulated)
+#include "ropescale/portable.h"  // ROPESCALE_LAUNCH_KERNEL, __half, __nv_bfloat16 (real or emulated)
 
 #include <algorithm>
 #include <cstdint>
