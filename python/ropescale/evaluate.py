@@ -1,0 +1,257 @@
+"""Long-context evaluators for any transformers causal LM and tokenizer, as in the YaRN paper.
+
+- ``passkey_retrieval``: a 5-digit key hidden at a uniformly random depth in repeated filler text
+  (Mohtashami and Jaggi's prompt, as the YaRN paper uses it); the model answers greedily and
+  the first number it writes must equal the key.
+- ``perplexity``: sliding-window perplexity (Press et al.; the Hugging Face perplexity guide):
+  windows of ``max_length`` tokens start every ``stride`` (256) tokens and each window scores only
+  the tokens the previous one did not, so every token is scored once, with up to
+  ``max_length - stride`` tokens of context even at the start of a window.
+
+The model only needs the causal-LM call ``model(input_ids=...) -> output with .logits``;
+``past_key_values`` is used for generation when the model returns one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = [
+    "PASSKEY_TASK",
+    "PASSKEY_FILLER",
+    "PASSKEY_QUESTION",
+    "passkey_prompt",
+    "passkey_prompts",
+    "PasskeyTrial",
+    "PasskeyResult",
+    "passkey_retrieval",
+    "PerplexityResult",
+    "perplexity",
+]
+
+PASSKEY_TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize them. I will quiz you about the important information there."
+)
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+def _info_line(key: int) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key."
+
+
+def passkey_prompt(n_filler: int, n_before: int, key: int) -> str:
+    """The prompt with ``n_filler`` filler blocks, the key line after the first ``n_before`` of them."""
+    if not 0 <= n_before <= n_filler:
+        raise ValueError(f"passkey_prompt: n_before must be in [0, n_filler = {n_filler}], got {n_before}")
+    before = " ".join([PASSKEY_FILLER] * n_before)
+    after = " ".join([PASSKEY_FILLER] * (n_filler - n_before))
+    return "\n".join([PASSKEY_TASK, before, _info_line(key), after, PASSKEY_QUESTION])
+
+
+def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+@torch.no_grad()
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """Greedy continuation of a 1-D prompt; reuses the model's KV cache when it returns one."""
+    device = _device(model)
+    out = model(input_ids=ids[None].to(device), use_cache=True)
+    new: list[int] = []
+    context = ids.to(device)
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        new.append(token)
+        if len(new) == max_new_tokens or token == eos_token_id:
+            return new
+        context = torch.cat([context, context.new_tensor([token])])
+        cache = getattr(out, "past_key_values", None)
+        if cache is not None:
+            out = model(input_ids=context[-1:][None], past_key_values=cache, use_cache=True)
+        else:
+            out = model(input_ids=context[None], use_cache=False)
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    key: int
+    depth: float  #: fraction of the filler before the key, uniform in [0, 1]
+    prompt_tokens: int
+    answer: str  #: the model's decoded continuation
+    correct: bool
+
+
+@dataclass(frozen=True)
+class PasskeyResult:
+    context_length: int
+    trials: list[PasskeyTrial] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(t.correct for t in self.trials) / len(self.trials) if self.trials else float("nan")
+
+
+def _filler_blocks_for(tokenizer: Any, context_length: int, max_new_tokens: int) -> int:
+    """Most filler blocks whose prompt (with the longest key) fits ``context_length - max_new_tokens``."""
+    budget = context_length - max_new_tokens
+
+    def fits(n: int) -> bool:
+        return len(_encode(tokenizer, passkey_prompt(n, 0, 99999))) <= budget
+
+    if not fits(0):
+        raise ValueError(f"passkey_retrieval: context_length {context_length} cannot hold even the empty prompt")
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def passkey_prompts(
+    tokenizer: Any, context_length: int, trials: int, seed: int = 0, max_new_tokens: int = 10
+) -> list[tuple[str, int, float]]:
+    """``trials`` passkey prompts as ``(prompt, key, depth)``: as many filler blocks as fit in
+    ``context_length - max_new_tokens`` tokens, a fresh 5-digit key after a uniformly random number
+    of them (``depth`` = that number over the block count)."""
+    if context_length <= max_new_tokens:
+        raise ValueError(f"passkey_retrieval: context_length must be > max_new_tokens = {max_new_tokens}, got {context_length}")
+    if trials < 1:
+        raise ValueError(f"passkey_retrieval: trials must be >= 1, got {trials}")
+    rng = random.Random(seed)
+    n_filler = _filler_blocks_for(tokenizer, context_length, max_new_tokens)
+    prompts = []
+    for _ in range(trials):
+        key = rng.randint(10_000, 99_999)
+        n_before = rng.randint(0, n_filler)  # uniform over the block boundaries
+        prompts.append((passkey_prompt(n_filler, n_before, key), key, n_before / n_filler if n_filler else 0.0))
+    return prompts
+
+
+def passkey_retrieval(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    context_length: int,
+    trials: int = 10,
+    seed: int = 0,
+    max_new_tokens: int = 10,
+    progress: bool = False,
+) -> PasskeyResult:
+    """Passkey retrieval at ``context_length`` tokens (prompt plus answer): ``trials`` prompts, each
+    with a fresh 5-digit key at a uniformly random depth; a trial is correct when the first integer
+    in the greedy answer equals the key."""
+    prompts = passkey_prompts(tokenizer, context_length, trials, seed, max_new_tokens)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    was_training = getattr(model, "training", False)
+    model.eval()
+    results = []
+    if progress:
+        from tqdm.auto import tqdm
+
+        prompts = tqdm(prompts, desc=f"passkey@{context_length}", leave=False)
+    try:
+        for prompt, key, depth in prompts:
+            ids = _encode(tokenizer, prompt)
+            answer = tokenizer.decode(_greedy(model, ids, max_new_tokens, eos), skip_special_tokens=True)
+            found = re.search(r"\d+", answer)
+            results.append(
+                PasskeyTrial(
+                    key=key,
+                    depth=depth,
+                    prompt_tokens=len(ids),
+                    answer=answer,
+                    correct=found is not None and int(found.group()) == key,
+                )
+            )
+    finally:
+        model.train(was_training)
+    return PasskeyResult(context_length, results)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    nll: float  #: mean negative log-likelihood per scored token (nats)
+    tokens: int  #: number of scored tokens
+    windows: int
+    #: float64 ``[n]``: entry ``t`` is the nll of token ``t`` given its window's context, NaN where the
+    #: method scores nothing (token 0, and a window's first token when ``stride == max_length``)
+    token_nll: torch.Tensor = field(repr=False, compare=False, default=None)
+
+
+@torch.no_grad()
+def perplexity(
+    model: torch.nn.Module,
+    text_or_ids: str | torch.Tensor | Sequence[int],
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    stride: int = 256,
+    progress: bool = False,
+) -> PerplexityResult:
+    """Sliding-window perplexity of one text (a string with ``tokenizer``, or token ids): windows of
+    ``max_length`` tokens (default: the model's ``max_position_embeddings``) every ``stride`` tokens;
+    each window scores only its tokens past the end of the previous window, with the tokens before
+    them in the window as context (the Hugging Face guide's method: with ``stride == max_length`` the
+    windows do not overlap and each window's first token, which has no context, is not scored)."""
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise ValueError("perplexity: a tokenizer is needed to score a string")
+        ids = _encode(tokenizer, text_or_ids)
+    else:
+        ids = torch.as_tensor(text_or_ids, dtype=torch.long).reshape(-1)
+    if max_length is None:
+        max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if max_length is None:
+            raise ValueError("perplexity: max_length is needed for a model without config.max_position_embeddings")
+    if stride < 1 or max_length < 2:
+        raise ValueError(f"perplexity: need stride >= 1 and max_length >= 2, got stride={stride}, max_length={max_length}")
+    if stride > max_length:
+        raise ValueError(f"perplexity: stride ({stride}) must be <= max_length ({max_length}) or tokens go unscored")
+    n = ids.numel()
+    if n < 2:
+        raise ValueError(f"perplexity: the text must have at least 2 tokens, got {n}")
+    device = _device(model)
+    was_training = getattr(model, "training", False)
+    model.eval()
+    token_nll = torch.full((n,), math.nan, dtype=torch.float64)
+    windows, prev_end = 0, 0
+    starts = range(0, n, stride)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="perplexity", leave=False)
+    try:
+        for begin in starts:
+            end = min(begin + max_length, n)
+            window = ids[begin:end].to(device)
+            logits = model(input_ids=window[None]).logits[0].double()
+            log_probs = torch.log_softmax(logits[:-1], dim=-1)
+            nll = -log_probs.gather(-1, window[1:, None])[:, 0]  # entry i: token begin+i+1
+            first_new = max(prev_end, begin + 1)  # a window's first token has no prediction
+            token_nll[first_new:end] = nll[first_new - begin - 1 :].cpu()
+            windows += 1
+            prev_end = end
+            if end == n:
+                break
+    finally:
+        model.train(was_training)
+    scored = token_nll[~torch.isnan(token_nll)]
+    mean = float(scored.mean())
+    return PerplexityResult(perplexity=math.exp(mean), nll=mean, tokens=scored.numel(), windows=windows,
+                            token_nll=token_nll)

@@ -1,0 +1,311 @@
+"""The ``ropescale`` command: values against the ops, the --json schemas, PNGs written at the expected
+size, --help with examples for every command, and usage errors (exit 2) for bad arguments."""
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropescale import cli, ops, posgen, scaling
+
+PYTHON_DIR = str(Path(__file__).resolve().parents[2] / "python")
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def run_json(capsys, *argv):
+    return json.loads(run(capsys, *argv, "--json"))
+
+
+def usage_error(capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "usage: ropescale" in err
+    return err
+
+
+def png_size(path):
+    """(width, height) from a PNG's IHDR chunk, after checking the signature."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def assert_png(path, size=(960, 540)):
+    assert png_size(path) == size
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)  # decodes the whole file
+    assert image.shape[:2] == (size[1], size[0])
+    assert float(image[..., :3].std()) > 0.05  # something is drawn
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+
+
+def test_table_json_values(capsys):
+    out = run_json(capsys, "table", "--method", "yarn", "--factor", "4", "--original-max-position", "64",
+                   "--dim", "64", "--base", "10000")
+    assert set(out) == {"method", "dim", "base", "attention_factor", "rows"}
+    assert out["method"] == "yarn" and out["dim"] == 64 and out["base"] == 10000.0
+    assert out["attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
+    expected = ops.yarn_inv_freq(64, 1e4, 4.0, 64)
+    default = ops.default_inv_freq(64, 1e4)
+    assert len(out["rows"]) == 32
+    for i, row in enumerate(out["rows"]):
+        assert set(row) == {"regime", "pair", "inv_freq", "wavelength", "scale"} and row["pair"] == i
+        assert row["inv_freq"] == pytest.approx(float(expected[i]), rel=1e-6)
+        assert row["wavelength"] == pytest.approx(2 * math.pi / float(expected[i]), rel=1e-6)
+        assert row["scale"] == pytest.approx(float(default[i] / expected[i]), rel=1e-5)
+        assert row["regime"] in ("keep", "blend", "interpolate")
+    assert out["rows"][-1]["regime"] == "interpolate" and out["rows"][-1]["scale"] == pytest.approx(4.0)
+
+
+def test_table_resonance_and_text(capsys):
+    out = run_json(capsys, "table", "--method", "resonance_yarn", "--factor", "8", "--dim", "32")
+    wl = [r["wavelength"] for r in out["rows"]]
+    assert all(abs(w - round(w)) < 1e-6 * w + 1e-4 for w in wl)  # float32 table
+    assert wl == pytest.approx([float(2 * math.pi / t) for t in scaling.YaRN(factor=8.0, resonance=True).inv_freq(32, 1e4)])
+    text = run(capsys, "table", "--method", "linear", "--factor", "2", "--dim", "8", "--resonance")
+    assert text.splitlines()[0].startswith("linear + resonance: rotary dim 8, base 10000")
+    assert len(text.splitlines()) == 2 + 4
+
+
+def test_table_plot(capsys, tmp_path):
+    path = tmp_path / "wl.png"
+    out = run(capsys, "table", "--method", "yarn", "--factor", "16", "--compare", "linear", "ntk", "resonance",
+              "--plot", str(path))
+    assert f"wrote {path}" in out
+    assert_png(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# base-bound, decay, gap
+
+
+def test_base_bound(capsys):
+    out = run_json(capsys, "base-bound", "1024", "4096", "--dim", "128")
+    assert out["dim"] == 128
+    assert [b["context_length"] for b in out["bounds"]] == [1024, 4096]
+    for b in out["bounds"]:
+        assert b["base_lower_bound"] == pytest.approx(ops.base_lower_bound(b["context_length"], 128))
+    # Men et al., Table 2: 4.3e3 for 1k, 2.7e4 for 4k.
+    assert out["bounds"][0]["base_lower_bound"] == pytest.approx(4.3e3, rel=0.05)
+    assert out["bounds"][1]["base_lower_bound"] == pytest.approx(2.7e4, rel=0.05)
+    text = run(capsys, "base-bound", "1024", "--dim", "64")
+    assert f"{ops.base_lower_bound(1024, 64):.4g}" in text
+
+
+def test_decay(capsys, tmp_path):
+    out = run_json(capsys, "decay", "--dim", "128", "--base", "10000", "--max-distance", "4000")
+    inv_freq = ops.default_inv_freq(128, 1e4, dtype=torch.float64)
+    effective = ops.effective_context_length(inv_freq, 4000)
+    assert out["effective_context_length"] == effective < 4000
+    assert out["first_negative"] == effective + 1
+    curve = torch.tensor(out["curve"], dtype=torch.float64)
+    torch.testing.assert_close(curve, ops.similarity_decay(inv_freq, 4000))
+    assert curve[0] == 64 and (curve[: effective + 1] >= 0).all() and curve[effective + 1] < 0
+    path = tmp_path / "decay.png"
+    text = run(capsys, "decay", "--dim", "128", "--max-distance", "4000", "--plot", str(path))
+    assert f"effective context length: {effective} (first negative B_m at m = {effective + 1})" in text
+    assert_png(path)
+
+
+def test_decay_never_negative_in_range(capsys):
+    out = run_json(capsys, "decay", "--dim", "128", "--base", "500000", "--max-distance", "1000")
+    assert out["first_negative"] is None and out["effective_context_length"] == 1000
+
+
+def test_decay_of_a_scaled_method(capsys):
+    out = run_json(capsys, "decay", "--method", "linear", "--factor", "4", "--dim", "64", "--max-distance", "5000")
+    plain = run_json(capsys, "decay", "--dim", "64", "--max-distance", "5000")
+    # Position interpolation stretches every wavelength by 4, so the curve is the plain one at m/4.
+    assert out["effective_context_length"] in range(4 * plain["effective_context_length"],
+                                                    4 * plain["effective_context_length"] + 4)
+
+
+def test_gap(capsys, tmp_path):
+    out = run_json(capsys, "gap", "--dim", "64", "--train-length", "64", "--test-length", "256")
+    assert set(out) >= {"pairs", "max_pre_critical_gap", "max_pre_critical_resonance_gap", "train_length"}
+    table = ops.default_inv_freq(64, 1e4, dtype=torch.float64)
+    gap = ops.feature_gap(table, 64, 256)
+    pre = [p for p in out["pairs"] if p["pre_critical"]]
+    assert len(out["pairs"]) == 32 and 0 < len(pre) < 32
+    for p in out["pairs"]:
+        assert p["gap"] == pytest.approx(float(gap[p["pair"]]))
+        assert p["pre_critical"] == (p["wavelength"] < 64)
+        assert p["resonance_wavelength"] == pytest.approx(round(p["wavelength"]), rel=1e-12)
+    # Theorem 1: rounding closes the gap of every pre-critical pair.
+    assert out["max_pre_critical_gap"] > 0.01
+    assert out["max_pre_critical_resonance_gap"] < 1e-6
+    path = tmp_path / "gap.png"
+    run(capsys, "gap", "--method", "yarn", "--factor", "4", "--original-max-position", "64", "--plot", str(path))
+    assert_png(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# posgen
+
+
+def test_posgen(capsys, tmp_path):
+    out = run_json(capsys, "posgen", "semi_recursive", "--n", "5", "--length", "20", "--seed", "3")
+    assert out["sequences"] == posgen.generate("semi_recursive", 5, 20, seed=3).tolist()
+    assert (out["task"], out["j"], out["k"], out["modulus"]) == ("semi_recursive", 1, 3, 17)
+    path = tmp_path / "d.pt"
+    text = run(capsys, "posgen", "cot", "--n", "3", "--length", "12", "--j", "2", "--k", "2", "--modulus", "7",
+               "--out", str(path))
+    saved = torch.load(path)
+    assert torch.equal(saved, posgen.generate("cot", 3, 12, j=2, k=2, modulus=7))
+    lines = text.splitlines()
+    assert len(lines) == 1 + 1 + 3  # "wrote", header, rows
+    assert lines[0].startswith("wrote") and lines[1].startswith("PosGen cot: j=2, k=2, h = sum mod 7")
+    assert lines[2].split("|")[0].split() == [str(t) for t in saved[0, :4].tolist()]
+    assert lines[2].split("|")[1].split() == [str(t) for t in saved[0, 4:].tolist()]
+
+
+# ---------------------------------------------------------------------------------------------
+# demo and eval (small settings; the full demo is run by hand and by CI's demo job)
+
+
+def test_demo_small(capsys, tmp_path):
+    path = tmp_path / "demo.png"
+    out = run_json(capsys, "demo", "--task", "recursive", "--train-length", "12", "--steps", "20",
+                   "--plot", str(path), "--quiet")
+    assert (out["task"], out["train_length"], out["test_length"], out["steps"]) == ("recursive", 12, 48, 20)
+    names = [r["method"] for r in out["results"]]
+    assert names[:4] == ["RoPE", "Resonance RoPE", "YaRN (s=4)", "Resonance YaRN (s=4)"]
+    assert len(names) == 6 and names[4].startswith("ReRoPE") and names[5] == "Dynamic-YaRN"
+    for r in out["results"][:4]:
+        assert 0 <= r["id_accuracy"] <= 1 and 0 <= r["ood_accuracy"] <= 1
+        assert len(r["accuracy_by_position"]) == 48 and r["accuracy_by_position"][0] is None
+    assert_png(path)
+
+
+def test_demo_text(capsys, tmp_path):
+    text = run(capsys, "demo", "--train-length", "8", "--test-length", "24", "--steps", "5",
+               "--plot", str(tmp_path / "d.png"), "--quiet")
+    assert "trained at length 8" in text and "tested at 24" in text
+    for name in ("RoPE", "Resonance RoPE", "YaRN (s=3)", "Resonance YaRN (s=3)", "ReRoPE", "Dynamic-YaRN"):
+        assert name in text
+    assert "raise --steps" in text  # 5 steps cannot learn anything, and the demo says so
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from tiny_lm import char_tokenizer, tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), max_position=200)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def test_eval_perplexity(capsys, tmp_path, saved_model):
+    from ropescale import evaluate
+
+    path, model, tokenizer = saved_model
+    text_file = tmp_path / "t.txt"
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    text_file.write_text(text)
+    out = run_json(capsys, "eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150",
+                   "--stride", "100", "--device", "cpu")
+    expected = evaluate.perplexity(model, text, tokenizer, max_length=150, stride=100)
+    assert out["perplexity"] == pytest.approx(expected.perplexity, rel=1e-5)
+    assert out["tokens"] == expected.tokens and out["windows"] == expected.windows == 5
+    assert {"nll", "max_length", "stride", "model", "method"} <= set(out)
+    yarn = run_json(capsys, "eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150",
+                    "--stride", "100", "--device", "cpu", "--method", "yarn", "--factor", "4",
+                    "--original-max-position", "50")
+    assert yarn["method"] == "yarn" and yarn["perplexity"] != pytest.approx(out["perplexity"], rel=1e-6)
+
+
+def test_eval_passkey(capsys, saved_model):
+    path, _, _ = saved_model
+    out = run_json(capsys, "eval", "passkey", str(path), "--context-length", "300", "400", "--trials", "2",
+                   "--device", "cpu", "--quiet")
+    assert [r["context_length"] for r in out["results"]] == [300, 400]
+    for r in out["results"]:
+        assert len(r["trials"]) == 2 and r["accuracy"] in (0.0, 0.5, 1.0)
+        assert set(r["trials"][0]) == {"key", "depth", "prompt_tokens", "answer", "correct"}
+
+
+# ---------------------------------------------------------------------------------------------
+# help and usage errors
+
+
+COMMANDS = ["table", "base-bound", "decay", "gap", "posgen", "demo", "eval", "eval passkey", "eval perplexity"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_has_examples(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(command.split() + ["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "ropescale " + command.split()[0] in out
+
+
+def test_top_level_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("table", "base-bound", "decay", "gap", "posgen", "demo", "eval"):
+        assert command in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "the following arguments are required: COMMAND"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["table", "--method", "rope9"], "argument --method: invalid choice: 'rope9'"),
+    (["table", "--dim", "7"], "argument --dim: rotary dim must be even, got 7"),
+    (["table", "--factor", "-2"], "argument --factor: must be a finite number > 0, got -2"),
+    (["table", "--plot", "out.jpg"], "the file name must end in .png"),
+    (["table", "--method", "longrope"], "longrope needs per-dimension factor lists"),
+    (["base-bound"], "the following arguments are required: L"),
+    (["base-bound", "0"], "argument L: must be > 0, got 0"),
+    (["decay", "--method", "linear"], "--method linear needs --factor"),
+    (["gap", "--method", "resonance_yarn"], "--method resonance_yarn needs --factor"),
+    (["decay", "--max-distance", "ten"], "argument --max-distance: expected an integer, got 'ten'"),
+    (["gap", "--train-length", "64", "--test-length", "64"], "--test-length (64) must be > --train-length (64)"),
+    (["posgen", "fibonacci"], "argument task: invalid choice: 'fibonacci'"),
+    (["posgen", "cot", "--length", "3"], "--length (3) must be >= j + k = 4"),
+    (["posgen", "cot", "--modulus", "2", "--j", "1", "--k", "1", "--n", "5"], "more than the 4 distinct prefixes"),
+    (["demo", "--test-length", "16"], "--test-length (16) must be > --train-length (32)"),
+    (["demo", "--steps", "0"], "argument --steps: must be > 0, got 0"),
+    (["eval"], "the following arguments are required: EVALUATOR"),
+    (["eval", "passkey", "some-model"], "the following arguments are required: --context-length"),
+    (["eval", "perplexity", "some-model", "--text", "/nonexistent/file.txt"], "--text: cannot read"),
+])
+def test_bad_arguments_exit_2_with_usage(capsys, argv, message):
+    err = usage_error(capsys, *argv)
+    assert message in err
+
+
+def test_python_dash_m_and_console_entry():
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ok = subprocess.run([sys.executable, "-m", "ropescale", "base-bound", "1024", "--dim", "64", "--json"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["bounds"][0]["context_length"] == 1024
+    bad = subprocess.run([sys.executable, "-m", "ropescale", "table", "--dim", "odd"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "usage: ropescale table" in bad.stderr
