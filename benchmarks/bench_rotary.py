@@ -10,9 +10,10 @@ batch 1, fp32 and bf16, q/k in the layout LlamaAttention hands them over (the [B
   * rs:       ``ropescale.ops.apply_rotary_qk(q, k, cos, sin)``: same inputs, same result
   * copy:     the copy floor, ``q.clone(); k.clone()`` (forward+backward: two copies of each, one for
               the outputs and one for the gradients)
-  * hf+emb / rs_pos: the whole step from position ids: transformers' rotary module then
-              apply_rotary_pos_emb, against ``apply_rotary_pos_qk(q, k, positions, inv_freq)``
-and the ratios hf/rs (speedup) and rs/copy (distance from the floor). Medians of repeated runs.
+  * hf+emb / rs_pos (forward): the whole step from position ids: transformers' rotary module
+              then apply_rotary_pos_emb, against ``apply_rotary_pos_qk(q, k, positions, inv_freq)``
+and the ratios hf/rs (speedup) and rs/copy (distance from the floor). Medians of interleaved
+rounds (the candidates of a row take turns, so load changes on a shared machine hit all alike).
 
 GPU (when one is present): the same table with times in microseconds and GB/s, the device's copy
 bandwidth measured in the same run, and FlashInfer's own RoPE benchmark shape (Llama-3-8B heads,
@@ -74,23 +75,27 @@ def make_inputs(shape: str, tokens: int, dtype: torch.dtype, device: str, batch:
     return q, k, cos, sin, positions, rotary
 
 
-def timed(fn, device: str, budget_s: float, min_repeats: int, max_repeats: int) -> float:
-    """Median seconds of fn(): one warm-up call, then as many repeats as fit in the budget."""
+def timed(fns: dict, device: str, budget_s: float, min_rounds: int, max_rounds: int) -> dict:
+    """Median seconds of each fn(). The candidates run in interleaved rounds, so a change in the
+    machine's load during the measurement hits all of them alike (this CPU is shared); as many
+    rounds as fit in the budget. Cheap calls get an untimed warm-up; expensive ones pay the same
+    page faults on every call, warm or not."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    first = time.perf_counter() - start
-    repeats = int(min(max_repeats, max(min_repeats, budget_s / max(first, 1e-9))))
-    times = []
-    for _ in range(repeats):
+
+    def once(fn):
         sync()
         start = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    first = {name: once(fn) for name, fn in fns.items()}
+    times = {name: [] if t < 0.1 else [t] for name, t in first.items()}
+    rounds = int(min(max_rounds, max(min_rounds, budget_s / max(sum(first.values()), 1e-9))))
+    for _ in range(rounds - min(len(v) for v in times.values())):
+        for name, fn in fns.items():
+            times[name].append(once(fn))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def candidates(q, k, cos, sin, positions, rotary, backward: bool):
@@ -120,8 +125,6 @@ def candidates(q, k, cos, sin, positions, rotary, backward: bool):
         "hf": fwd_bwd(lambda: apply_rotary_pos_emb(qg, kg, cos, sin)),
         "rs": fwd_bwd(lambda: ops.apply_rotary_qk(qg, kg, cos, sin)),
         "copy": lambda: (q.clone(), k.clone(), grad_q.clone(), grad_k.clone()),
-        "hf+emb": fwd_bwd(lambda: apply_rotary_pos_emb(qg, kg, *rotary(qg, positions))),
-        "rs_pos": fwd_bwd(lambda: ops.apply_rotary_pos_qk(qg, kg, positions, inv_freq, scale)),
     }
 
 
@@ -145,14 +148,20 @@ def run_table(device: str, token_counts, budget_s: float, min_repeats: int, max_
             for dtype_name, dtype in DTYPES.items():
                 for backward in (False, True):
                     q, k, cos, sin, positions, rotary = make_inputs(shape, tokens, dtype, device)
-                    t = {name: timed(fn, device, budget_s, min_repeats, max_repeats)
-                         for name, fn in candidates(q, k, cos, sin, positions, rotary, backward).items()}
+                    fns = candidates(q, k, cos, sin, positions, rotary, backward)
+                    if device == "cpu":
+                        t = timed(fns, device, budget_s, min_repeats, max_repeats)
+                    else:  # CUDA events, L2 flushed: what the kernels cost, not the Python around them
+                        t = {name: gpu_event_time(fn, iters=50) for name, fn in fns.items()}
                     row = dict(shape=shape, tokens=tokens, dtype=dtype_name, backward=backward, **t)
                     rows.append(row)
                     line = (f"{shape:<10} {tokens:>6} {dtype_name:<5} {'fwd+bwd' if backward else 'fwd':<7} "
                             f"{t['hf'] * scale:>9.3f} {t['rs'] * scale:>9.3f} {t['copy'] * scale:>9.3f} "
-                            f"{t['hf'] / t['rs']:>6.2f} {t['rs'] / t['copy']:>7.2f} "
-                            f"{t['hf+emb'] * scale:>9.3f} {t['rs_pos'] * scale:>9.3f} {t['hf+emb'] / t['rs_pos']:>15.2f}")
+                            f"{t['hf'] / t['rs']:>6.2f} {t['rs'] / t['copy']:>7.2f} ")
+                    if "rs_pos" in t:  # forward only
+                        line += f"{t['hf+emb'] * scale:>9.3f} {t['rs_pos'] * scale:>9.3f} {t['hf+emb'] / t['rs_pos']:>15.2f}"
+                    else:
+                        line += f"{'':>9} {'':>9} {'':>15}"
                     if device == "cuda":
                         nbytes = moved_bytes(q, k, backward)
                         line += f" {nbytes / t['rs'] / 1e9:>8.0f} {nbytes / t['copy'] / 1e9:>9.0f}"
@@ -215,7 +224,7 @@ def main():
     args = parser.parse_args()
 
     token_counts = (1, 512, 4096) if args.quick else (1, 512, 4096, 16384)
-    budget_s, min_repeats, max_repeats = (0.3, 3, 10) if args.quick else (1.0, 5, 30)
+    budget_s, min_repeats, max_repeats = (0.3, 3, 10) if args.quick else (1.0, 3, 30)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         if args.device == "cuda":

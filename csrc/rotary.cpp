@@ -1,6 +1,6 @@
 // The rotary ops (apply_rotary*, DESIGN.md "Rotation"): every argument is checked here, once, for
 // every backend; then the output is allocated and the CPU or CUDA kernel runs. The kernels
-// themselves are in cpu/rotary.cpp and cuda/rotary.cu (over include/ropescale/rotary*.h).
+// themselves are in cpu/rotary_kernel.cpp and cuda/rotary.cu (over include/ropescale/rotary*.h).
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 

@@ -100,7 +100,7 @@ __device__ __forceinline__ void rotate_chunk(const T* in, T* out, int64_t half, 
   } else if constexpr (kInterleaved) {
     // 2 * kPairs consecutive elements hold the kPairs (even, odd) pairs.
     Chunk<T, 2 * kPairs> x = load_chunk<T, 2 * kPairs>(in + 2 * first);
-ROPESCALE_UNROLL
+    ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       Acc ya, yb;
       rotate(coeffs[j], Element<T>::to_acc(x.v[2 * j]), Element<T>::to_acc(x.v[2 * j + 1]), &ya, &yb);
@@ -111,7 +111,7 @@ ROPESCALE_UNROLL
   } else {
     Chunk<T, kPairs> xa = load_chunk<T, kPairs>(in + first);
     Chunk<T, kPairs> xb = load_chunk<T, kPairs>(in + half + first);
-ROPESCALE_UNROLL
+    ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       Acc ya, yb;
       rotate(coeffs[j], Element<T>::to_acc(xa.v[j]), Element<T>::to_acc(xb.v[j]), &ya, &yb);
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T> p
   for (int64_t chunk = threadIdx.x; chunk * kPairs < half; chunk += blockDim.x) {
     const int64_t first = chunk * kPairs;
     PairCoeffs<Acc> coeffs[kPairs];  // once per token, reused for every row below
-ROPESCALE_UNROLL
+    ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j) coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, ToAcc<T>{});
     for (uint32_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const Row<T> r = locate_row(p, table_row, seq, row);
