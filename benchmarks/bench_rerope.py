@@ -100,7 +100,8 @@ def worker(kind: str, method: str, length: int, repeats: int) -> dict:
     _reset_peak_rss()
     before = _rss_bytes()
     with torch.inference_mode():
-        run()
+        if repeats > 1:  # a full-size warm-up, except for the longest cases (timed once)
+            run()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
