@@ -37,7 +37,7 @@
 namespace ropescale {
 namespace {
 
-constexpr int64_t kBlockQ = 64;   // query rows per task
+constexpr int64_t kBlockQ = 128;  // query rows per task
 constexpr int64_t kBlockK = 128;  // keys per tile: small enough that the band stays thin
 constexpr int64_t kFewRows = 4;   // up to this many rows (decoding), scores are vector loops, not BLAS
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

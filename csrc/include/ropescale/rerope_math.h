@@ -107,21 +107,4 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE TileClass rerope_classify_tile(const Posi
   return {TileKind::kBand, needs_mask};
 }
 
-// Merges a partial softmax (its max-shifted log-sum-exp `lse_b` and normalised output) into a
-// running one: returns the weights of the two parts. lse = -inf (no visible key) weighs nothing.
-struct LseMerge {
-  float lse;       // merged log-sum-exp
-  float weight_a;  // exp(lse_a - lse)
-  float weight_b;  // exp(lse_b - lse)
-};
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE LseMerge merge_lse(float lse_a, float lse_b) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  if (lse_a == neg_inf && lse_b == neg_inf) return {neg_inf, 0.0f, 0.0f};
-  const float m = lse_a > lse_b ? lse_a : lse_b;
-  const float ea = std::exp(lse_a - m);
-  const float eb = std::exp(lse_b - m);
-  const float sum = ea + eb;
-  return {m + std::log(sum), ea / sum, eb / sum};
-}
-
 }  // namespace ropescale
