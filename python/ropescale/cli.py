@@ -385,7 +385,10 @@ def _load_model(args):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     if args.method is not None:
         args.original_max_position = args.original_max_position or model.config.max_position_embeddings
-        apply_method(model, _method(args))
+        try:
+            apply_method(model, _method(args))
+        except (ValueError, TypeError) as err:  # e.g. a dynamic method in a build without the rotation ops
+            raise UsageError(f"--method {args.method}: {err}") from None
     return model, tokenizer
 
 

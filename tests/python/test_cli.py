@@ -237,6 +237,19 @@ def test_eval_perplexity(capsys, tmp_path, saved_model):
     assert yarn["method"] == "yarn" and yarn["perplexity"] != pytest.approx(out["perplexity"], rel=1e-6)
 
 
+def test_eval_dynamic_method(capsys, tmp_path, saved_model):
+    path, _, _ = saved_model
+    text_file = tmp_path / "t.txt"
+    text_file.write_text("abc " * 100)
+    argv = ["eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150", "--stride", "100",
+            "--device", "cpu", "--method", "dynamic_yarn", "--original-max-position", "50"]
+    if hasattr(torch.ops.ropescale, "apply_rotary_pos") and hasattr(torch.ops.ropescale, "apply_rotary_qk"):
+        assert run_json(capsys, *argv)["tokens"] == 399  # patched through ropescale.hf
+    else:
+        assert "--method dynamic_yarn: apply_scaling: DynamicYaRN is dynamic and needs ropescale.hf.patch" in (
+            usage_error(capsys, *argv))
+
+
 def test_eval_passkey(capsys, saved_model):
     path, _, _ = saved_model
     out = run_json(capsys, "eval", "passkey", str(path), "--context-length", "300", "400", "--trials", "2",

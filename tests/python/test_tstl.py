@@ -136,3 +136,27 @@ def test_inference_time_methods_run_or_say_why():
     results = tstl.run_task(data, tstl.paper_methods(12)[:1], tstl.TINY, tstl.TrainConfig(steps=3), extra_methods=extra)
     assert [r.method for r in results][1:] == [m.name for m in extra]
     assert all(r.accuracy is not None and r.accuracy.shape == (48,) for r in results)
+
+
+def test_benchmark_script_runs_end_to_end(capsys, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "posgen_tstl.py"
+    spec = importlib.util.spec_from_file_location("posgen_tstl_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = tmp_path / "r.json"
+    code = bench.main(["--tasks", "cot", "--seeds", "2", "--steps", "4", "--n-test", "20", "--train-length", "12",
+                       "--markdown", "--json", str(result), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    # 4 steps learn nothing: the in-distribution gate withholds the OOD figures, and says why.
+    assert "cot: OOD withheld: the RoPE model reached only" in out
+    assert "| cot | YaRN (s=4) |" in out
+    saved = json.loads(result.read_text())
+    assert len(saved["runs"]) == 2 * 6 and {r["seed"] for r in saved["runs"]} == {0, 1}
+    assert [row["method"] for row in saved["table"]][:4] == ["RoPE", "Resonance RoPE", "YaRN (s=4)",
+                                                              "Resonance YaRN (s=4)"]
+    assert all(row["gate"] is False for row in saved["table"])
