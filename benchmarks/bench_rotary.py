@@ -149,8 +149,8 @@ def run_table(device: str, token_counts, budget_s: float, min_repeats: int, max_
                 for backward in (False, True):
                     q, k, cos, sin, positions, rotary = make_inputs(shape, tokens, dtype, device)
                     fns = candidates(q, k, cos, sin, positions, rotary, backward)
-                    if device == "cpu":
-                        t = timed(fns, device, budget_s, min_repeats, max_repeats)
+                    if device == "cpu":  # fewer rounds where one round takes seconds
+                        t = timed(fns, device, budget_s, min_repeats if tokens <= 4096 else 3, max_repeats)
                     else:  # CUDA events, L2 flushed: what the kernels cost, not the Python around them
                         t = {name: gpu_event_time(fn, iters=50) for name, fn in fns.items()}
                     row = dict(shape=shape, tokens=tokens, dtype=dtype_name, backward=backward, **t)
@@ -224,7 +224,7 @@ def main():
     args = parser.parse_args()
 
     token_counts = (1, 512, 4096) if args.quick else (1, 512, 4096, 16384)
-    budget_s, min_repeats, max_repeats = (0.3, 3, 10) if args.quick else (1.0, 3, 30)
+    budget_s, min_repeats, max_repeats = (0.5, 3, 10) if args.quick else (3.0, 5, 30)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         if args.device == "cuda":
