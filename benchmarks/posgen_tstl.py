@@ -82,7 +82,18 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="accuracy by position, seed mean, first task")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--from-json", metavar="FILE", help="print the tables of a saved --json run; train nothing")
     args = parser.parse_args(argv)
+
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        tasks = list(dict.fromkeys(r["task"] for r in saved["runs"]))
+        seeds = len({r["seed"] for r in saved["runs"]})
+        render(summarize(saved["runs"], tasks),
+               f"OOD accuracy (%), positions {saved['train_length']}..{saved['test_length'] - 1}, mean ± std over "
+               f"{seeds} seed(s); {saved['seconds'] / 60:.1f} min wall, {saved['cpu_seconds'] / 60:.1f} min CPU "
+               f"({saved['device']})", args.markdown)
+        return 0
 
     torch.set_num_threads(args.threads)
     cfg = settings(args)
@@ -111,69 +122,23 @@ def main(argv=None) -> int:
                   f"{r.method} {100 * r.ood_accuracy:.1f}" for r in run if r.accuracy is not None), flush=True)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
 
-    names = [meth.name for meth in methods] + sorted({r.method for r in results} - {meth.name for meth in methods},
-                                                      key=lambda n: [r.method for r in results].index(n))
-    table = []
-    for task in tasks:
-        rope_id = [r.id_accuracy for r in results if r.task == task and r.method == "RoPE"]
-        gate = all(v >= ID_GATE for v in rope_id)
-        rope_ood = [r.ood_accuracy for r in results if r.task == task and r.method == "RoPE"]
-        for name in names:
-            rows = [r for r in results if r.task == task and r.method == name]
-            ood = [r.ood_accuracy for r in rows]
-            id_mean, id_std = mean_std([r.id_accuracy for r in rows])
-            ood_mean, ood_std = mean_std(ood)
-            # Paired difference to RoPE (same seed, same data): the method's effect with the seed noise removed.
-            diffs = [a - b for a, b in zip(ood, rope_ood)] if name != "RoPE" else []
-            d_mean, d_std = mean_std(diffs)
-            table.append(dict(task=task, method=name, gate=gate, id_mean=id_mean, id_std=id_std,
-                              ood_mean=ood_mean, ood_std=ood_std, diff_mean=d_mean, diff_std=d_std,
-                              n=len([v for v in ood if not math.isnan(v)]), note=rows[0].note if rows else "",
-                              paper=tstl.paper_ood(task, name)))
-
-    print(f"\nOOD accuracy (%), positions {train_length}..{test_length - 1}, mean ± std over {len(cfg['seeds'])} "
-          f"seed(s); Δ = paired difference to RoPE; {elapsed / 60:.1f} min wall, {cpu / 60:.1f} min CPU")
-    header = f"{'task':<15} {'method':<24} {'in-dist.':>13} {'OOD':>13} {'Δ vs RoPE':>13} {'paper OOD':>9}"
-    print(header)
-    print("-" * len(header))
-    for row in table:
-        if row["n"] == 0:
-            print(f"{row['task']:<15} {row['method']:<24} {'':>13} {'':>13} {'':>13} {'':>9}  ({row['note']})")
-            continue
-        ood = _pm(row["ood_mean"], row["ood_std"]) if row["gate"] else "withheld"
-        diff = _pm(row["diff_mean"], row["diff_std"], sign=True) if row["gate"] and row["method"] != "RoPE" else ""
-        paper = f"{row['paper']:.2f}" if row["paper"] is not None else ""
-        print(f"{row['task']:<15} {row['method']:<24} {_pm(row['id_mean'], row['id_std']):>13} {ood:>13} "
-              f"{diff:>13} {paper:>9}")
-    for task in tasks:
-        if not next(r["gate"] for r in table if r["task"] == task):
-            worst = min(r.id_accuracy for r in results if r.task == task and r.method == "RoPE")
-            print(f"{task}: OOD withheld: the RoPE model reached only {100 * worst:.1f}% in distribution "
-                  f"(< {100 * ID_GATE:.0f}%) for some seed; more training (--full) is needed.")
-
-    if args.markdown:
-        print("\n| task | method | in-dist. % | OOD % | Δ vs RoPE | paper OOD % |\n|---|---|---|---|---|---|")
-        for row in table:
-            if row["n"] == 0:
-                print(f"| {row['task']} | {row['method']} | | | | {row['note']} |")
-                continue
-            ood = _pm(row["ood_mean"], row["ood_std"]) if row["gate"] else "withheld (RoPE in-dist. < 95%)"
-            diff = _pm(row["diff_mean"], row["diff_std"], sign=True) if row["gate"] and row["method"] != "RoPE" else ""
-            paper = f"{row['paper']:.2f}" if row["paper"] is not None else ""
-            print(f"| {row['task']} | {row['method']} | {_pm(row['id_mean'], row['id_std'])} | {ood} | {diff} | {paper} |")
-
+    runs_dicts = [r.as_dict() for r in results]
+    header = (f"OOD accuracy (%), positions {train_length}..{test_length - 1}, mean ± std over "
+              f"{len(cfg['seeds'])} seed(s); {elapsed / 60:.1f} min wall, {cpu / 60:.1f} min CPU")
+    table = summarize(runs_dicts, tasks)
+    render(table, header, args.markdown)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "settings": {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in cfg.items()},
             "device": device_name(device), "seconds": elapsed, "cpu_seconds": cpu, "table": table,
-            "runs": [r.as_dict() for r in results]}, default=str))
+            "train_length": train_length, "test_length": test_length, "runs": runs_dicts}, default=str))
         print(f"wrote {args.json}")
     if args.plot:
         from ropescale import plots
 
         task = tasks[0]
         curves = {}
-        for name in names:
+        for name in dict.fromkeys(r.method for r in results):
             accs = [r.accuracy for r in results if r.task == task and r.method == name and r.accuracy is not None]
             if accs:
                 curves[name] = torch.stack(accs).mean(0)
@@ -181,6 +146,63 @@ def main(argv=None) -> int:
                                    title=f"PosGen {task}: trained at {train_length}, mean of {len(cfg['seeds'])} seeds")
         print(f"wrote {args.plot}")
     return 0
+
+
+def summarize(runs: list[dict], tasks: list[str]) -> list[dict]:
+    """One row per (task, method): in-distribution and OOD mean ± std over seeds, and the paired
+    comparison with RoPE on the same seed (mean difference, and on how many seeds the method wins)."""
+    table = []
+    for task in tasks:
+        by_method: dict[str, dict[int, dict]] = {}
+        for r in runs:
+            if r["task"] == task:
+                by_method.setdefault(r["method"], {})[r["seed"]] = r
+        rope = by_method["RoPE"]
+        gate = all(r["id_accuracy"] >= ID_GATE for r in rope.values())
+        for name, rows in by_method.items():
+            scored = [r for r in rows.values() if r["ood_accuracy"] is not None and not math.isnan(r["ood_accuracy"])]
+            diffs = [r["ood_accuracy"] - rope[seed]["ood_accuracy"] for seed, r in rows.items()
+                     if r in scored and name != "RoPE"]
+            table.append(dict(
+                task=task, method=name, gate=gate, n=len(scored),
+                id=mean_std([r["id_accuracy"] for r in scored]), ood=mean_std([r["ood_accuracy"] for r in scored]),
+                diff=mean_std(diffs), wins=sum(d > 0 for d in diffs), paper=tstl.paper_ood(task, name),
+                note=next(iter(rows.values()))["note"],
+                worst_rope_id=min(r["id_accuracy"] for r in rope.values()),
+            ))
+    return table
+
+
+def render(table: list[dict], header: str, markdown: bool) -> None:
+    """The table as aligned text (and as Markdown for RESULTS.md); OOD figures only past the gate."""
+    columns = ["task", "method", "in-dist.", "OOD", "Δ vs RoPE", "wins", "paper OOD"]
+    lines = []
+    for row in table:
+        if row["n"] == 0:
+            lines.append([row["task"], row["method"], "", "", "", "", row["note"]])
+            continue
+        versus = row["gate"] and row["method"] != "RoPE"
+        lines.append([
+            row["task"], row["method"], _pm(*row["id"]), _pm(*row["ood"]) if row["gate"] else "withheld",
+            _pm(*row["diff"], sign=True) if versus else "", f"{row['wins']}/{row['n']}" if versus else "",
+            f"{row['paper']:.2f}" if row["paper"] is not None else "",
+        ])
+    print("\n" + header + "\nΔ vs RoPE: paired difference on the same seed; wins: seeds where the method beats RoPE")
+    # Notes of rows that did not run (last column) may overflow: they do not set the width.
+    widths = [max([len(c)] + [len(line[i]) for line in lines if i < 6 or line[2]]) for i, c in enumerate(columns)]
+    print("  ".join(f"{c:<{w}}" for c, w in zip(columns, widths)))
+    print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    for line in lines:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)).rstrip())
+    for task in dict.fromkeys(r["task"] for r in table):
+        row = next(r for r in table if r["task"] == task)
+        if not row["gate"]:
+            print(f"{task}: OOD withheld: the RoPE model reached only {100 * row['worst_rope_id']:.1f}% in "
+                  f"distribution (< {100 * ID_GATE:.0f}%) for some seed; more training (--full) is needed.")
+    if markdown:
+        print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for line in lines:
+            print("| " + " | ".join(c.replace("withheld", "withheld (RoPE in-dist. < 95%)") for c in line) + " |")
 
 
 def _pm(mean: float, std: float, sign: bool = False) -> str:

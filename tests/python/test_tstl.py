@@ -160,3 +160,8 @@ def test_benchmark_script_runs_end_to_end(capsys, tmp_path):
     assert [row["method"] for row in saved["table"]][:4] == ["RoPE", "Resonance RoPE", "YaRN (s=4)",
                                                               "Resonance YaRN (s=4)"]
     assert all(row["gate"] is False for row in saved["table"])
+    # A saved run re-renders to the same table without training.
+    assert bench.main(["--from-json", str(result), "--markdown"]) == 0
+    again = capsys.readouterr().out
+    table_lines = [line for line in out.splitlines() if line.startswith("| cot")]
+    assert table_lines and table_lines == [line for line in again.splitlines() if line.startswith("| cot")]
