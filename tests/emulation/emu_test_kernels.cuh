@@ -3,7 +3,7 @@
 // with the host compiler (see test_emulation.cpp).
 #pragma once
 
-#include <ropescale_emu/portable.h>
+#include "ropescale/portable.h"
 
 #include <cstdint>
 
@@ -18,7 +18,8 @@ __device__ __forceinline__ unsigned pack_coords(uint3 block, uint3 thread) {
 // out[linear block][linear thread] = packed (blockIdx, threadIdx).
 __global__ void write_coords_kernel(unsigned* out) {
   const unsigned block_linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const unsigned thread_linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned thread_linear =
+      threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   const unsigned threads_per_block = blockDim.x * blockDim.y * blockDim.z;
   out[block_linear * threads_per_block + thread_linear] = pack_coords(blockIdx, threadIdx);
 }
@@ -181,6 +182,14 @@ __global__ void atomics_kernel(const int* values, int n, int num_bins, AtomicOut
   atomicAdd(out.count, 1u);
   atomicMax(out.max_value, v);
   if (atomicCAS(out.owner, -1, i) == -1) atomicAdd(out.claims, 1u);
+}
+
+// Heavy contention on one address: lost updates show if atomicAdd is not atomic.
+__global__ void contended_counter_kernel(unsigned* counter, float* float_counter, int iterations) {
+  for (int k = 0; k < iterations; ++k) {
+    atomicAdd(counter, 1u);
+    atomicAdd(float_counter, 1.0f);
+  }
 }
 
 // ---- __half / __nv_bfloat16 ----------------------------------------------------------

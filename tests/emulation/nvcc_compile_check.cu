@@ -21,6 +21,8 @@ void launch_all_for_compile_check(cudaStream_t stream) {
                           PartialWarpOutputs{});
   ROPESCALE_LAUNCH_KERNEL(atomics_kernel, dim3(1), dim3(32), 0, stream, nullptr, 0, 1,
                           AtomicOutputs{});
+  ROPESCALE_LAUNCH_KERNEL(contended_counter_kernel, dim3(1), dim3(32), 0, stream, nullptr, nullptr,
+                          1);
   ROPESCALE_LAUNCH_KERNEL(half_kernel, dim3(1), dim3(32), 0, stream, nullptr, HalfOutputs{});
   ROPESCALE_LAUNCH_KERNEL(trap_in_one_thread_kernel, dim3(1), dim3(32), 0, stream, nullptr);
   ROPESCALE_LAUNCH_KERNEL(split_mask_shuffle_kernel, dim3(1), dim3(32), 0, stream, nullptr);

@@ -21,7 +21,8 @@ constexpr cudaStream_t kDefaultStream = nullptr;
 // Small integers, so float sums are exact in any order.
 std::vector<float> small_integer_floats(std::size_t n, unsigned seed) {
   std::vector<float> values(n);
-  for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<float>((i * 7919u + seed) % 17) - 8.0f;
+  for (std::size_t i = 0; i < n; ++i)
+    values[i] = static_cast<float>((i * 7919u + seed) % 17) - 8.0f;
   return values;
 }
 
@@ -201,6 +202,14 @@ TEST_CASE("atomics across blocks", "[atomic]") {
   CHECK(claims == 1);
   CHECK(owner >= 0);
   CHECK(owner < n);
+
+  unsigned counter = 0;
+  float float_counter = 0.0f;
+  const int iterations = 200;
+  ROPESCALE_LAUNCH_KERNEL(emu_test::contended_counter_kernel, dim3(3), dim3(256), 0,
+                          kDefaultStream, &counter, &float_counter, iterations);
+  CHECK(counter == 3u * 256u * iterations);
+  CHECK(float_counter == static_cast<float>(3 * 256 * iterations));  // < 2^24: exact
 }
 
 TEST_CASE("__half and __nv_bfloat16 conversions, arithmetic and shuffles", "[half]") {

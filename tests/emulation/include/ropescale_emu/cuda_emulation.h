@@ -23,6 +23,21 @@
 //   * __CUDA_ARCH__ is not defined: device-only `#if __CUDA_ARCH__` paths are
 //     not compiled here.
 //
+// Execution details that matter to kernel authors:
+//   * all threads of a block are started before any runs kernel code, so
+//     their bodies really overlap (ThreadSanitizer then sees missing barriers);
+//   * a thread that returns (or throws) leaves every barrier of its block, as
+//     exited threads do on hardware, so the others do not wait for it;
+//   * a barrier wait longer than ROPESCALE_EMU_SYNC_TIMEOUT_MS (default
+//     120000; 0 = forever) throws instead of hanging CI;
+//   * dynamic shared memory is filled with 0xFF bytes before each block.
+//
+// API (besides the CUDA names themselves):
+//   ropescale_emu::launch(grid, block, dynamic_smem_bytes, kernel, args...)
+//   ropescale_emu::dynamic_shared_memory()     base of the block's dynamic smem
+//   ropescale_emu::ScopedSyncTimeout           override the barrier timeout
+//   ropescale_emu::launch_error, device_error  exception types
+//
 // Include portable.h rather than this file from kernel headers.
 #pragma once
 
@@ -688,8 +703,13 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 #if !defined(__GLIBC__) || __GLIBC__ < 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ < 41)
 // glibc >= 2.41 declares the C23 sinpi/cospi functions itself.
-inline float sinpif(float x) { return static_cast<float>(std::sin(std::numbers::pi * std::fmod(double{x}, 2.0))); }
-inline float cospif(float x) { return static_cast<float>(std::cos(std::numbers::pi * std::fmod(double{x}, 2.0))); }
+// fmod is exact, so reducing to (-2, 2) before multiplying by pi loses nothing.
+inline float sinpif(float x) {
+  return static_cast<float>(std::sin(std::numbers::pi * std::fmod(double{x}, 2.0)));
+}
+inline float cospif(float x) {
+  return static_cast<float>(std::cos(std::numbers::pi * std::fmod(double{x}, 2.0)));
+}
 #endif
 inline void sincospif(float x, float* s, float* c) { *s = sinpif(x), *c = cospif(x); }
 #if !defined(__USE_GNU)  // glibc declares these as GNU extensions
@@ -700,17 +720,29 @@ inline void sincos(double x, double* s, double* c) { *s = std::sin(x), *c = std:
 namespace ropescale_emu::detail {
 template <class Int>
 Int saturating_cast(double x) {  // CUDA's float->int conversions saturate, NaN -> 0
+  using limits = std::numeric_limits<Int>;
   if (std::isnan(x)) return 0;
-  if (x <= static_cast<double>(std::numeric_limits<Int>::min())) return std::numeric_limits<Int>::min();
-  if (x >= static_cast<double>(std::numeric_limits<Int>::max())) return std::numeric_limits<Int>::max();
+  if (x <= static_cast<double>(limits::min())) return limits::min();
+  if (x >= static_cast<double>(limits::max())) return limits::max();
   return static_cast<Int>(x);
 }
 }  // namespace ropescale_emu::detail
-inline int __float2int_rn(float x) { return ropescale_emu::detail::saturating_cast<int>(std::nearbyint(x)); }
-inline int __float2int_rz(float x) { return ropescale_emu::detail::saturating_cast<int>(std::trunc(x)); }
-inline int __float2int_rd(float x) { return ropescale_emu::detail::saturating_cast<int>(std::floor(x)); }
-inline int __float2int_ru(float x) { return ropescale_emu::detail::saturating_cast<int>(std::ceil(x)); }
-inline unsigned __float2uint_rn(float x) { return ropescale_emu::detail::saturating_cast<unsigned>(std::nearbyint(x)); }
+// nearbyint rounds half to even in the default rounding mode, like _rn.
+inline int __float2int_rn(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::nearbyint(x));
+}
+inline int __float2int_rz(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::trunc(x));
+}
+inline int __float2int_rd(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::floor(x));
+}
+inline int __float2int_ru(float x) {
+  return ropescale_emu::detail::saturating_cast<int>(std::ceil(x));
+}
+inline unsigned __float2uint_rn(float x) {
+  return ropescale_emu::detail::saturating_cast<unsigned>(std::nearbyint(x));
+}
 inline float __int2float_rn(int x) { return static_cast<float>(x); }
 inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
 
@@ -736,9 +768,15 @@ inline T __ldg(const T* address) {  // read-only cache load: a plain load on the
 }
 
 // CUDA's global min/max overloads (same-type and signed/unsigned mixes).
-#define ROPESCALE_EMU_MIN_MAX(A, B, R)                                                     \
-  inline R min(A a, B b) { return static_cast<R>(b) < static_cast<R>(a) ? static_cast<R>(b) : static_cast<R>(a); } \
-  inline R max(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(b) : static_cast<R>(a); }
+#define ROPESCALE_EMU_MIN_MAX(A, B, R)                       \
+  inline R min(A a, B b) {                                   \
+    const R x = static_cast<R>(a), y = static_cast<R>(b);    \
+    return y < x ? y : x;                                    \
+  }                                                          \
+  inline R max(A a, B b) {                                   \
+    const R x = static_cast<R>(a), y = static_cast<R>(b);    \
+    return x < y ? y : x;                                    \
+  }
 ROPESCALE_EMU_MIN_MAX(int, int, int)
 ROPESCALE_EMU_MIN_MAX(unsigned, unsigned, unsigned)
 ROPESCALE_EMU_MIN_MAX(int, unsigned, unsigned)

@@ -1,0 +1,14 @@
+"""Hugging Face integration: ``patch``/``unpatch`` Llama-family models, the pre-RoPE KV cache, and
+ropescale's rope types (``resonance``, ``resonance_yarn``, ``dynamic_yarn``) registered in transformers.
+
+Supported transformers: 5.x (CI tests 5.23.0).
+"""
+
+from .cache import PreRopeCache
+from .patch import SUPPORTED_ATTENTION, is_patched, patch, unpatch
+from .rope_types import ROPESCALE_ROPE_TYPES, register_rope_types
+
+register_rope_types()
+
+__all__ = ["patch", "unpatch", "is_patched", "PreRopeCache", "SUPPORTED_ATTENTION", "ROPESCALE_ROPE_TYPES",
+           "register_rope_types"]

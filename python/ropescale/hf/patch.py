@@ -1,0 +1,288 @@
+"""``patch(model, scaling)``: one line turns a Llama-family model into YaRN, Resonance, Dynamic or ReRoPE.
+
+What changes (per model instance, undone by ``unpatch``):
+- the rotary module's forward: cos/sin from ropescale's table for the method, with angles computed
+  in double precision (accurate at long positions), times the method's attention factor;
+- every attention module's forward:
+  * static methods with ``attention="sdpa"``: q and k rotated by the fused ``apply_rotary_qk`` kernel,
+    then the model's own attention function (SDPA, eager, ...) and cache, as before;
+  * dynamic methods (Dynamic NTK, Dynamic YaRN), a ``PreRopeCache``, or ``attention="rerope"``: keys are
+    cached BEFORE rotation with their positions, and rotated at attention time with the table for the
+    current length (largest position + 1), which keeps incremental decoding exact when the table
+    changes; ReRoPE runs ``rerope_attention`` on the un-rotated q/k.
+
+Patching a model twice raises an error; ``unpatch`` first to change the method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from transformers.cache_utils import DynamicLayer
+
+from .. import ops, scaling as scaling_lib
+from .cache import PreRopeCache, PreRopeLayer
+from .rope_types import rotary_dim_of
+
+# Attention classes whose forward ropescale re-implements (they share one code path: projections,
+# optional per-head q/k RMSNorm (Qwen3), rotation, cache, attention function, o_proj).
+SUPPORTED_ATTENTION = {
+    "LlamaAttention": "Llama",
+    "MistralAttention": "Mistral",
+    "Qwen2Attention": "Qwen2",
+    "Qwen3Attention": "Qwen3",
+}
+
+# A key position no query reaches: masks padding keys out of causal-by-position ReRoPE attention.
+_PADDING_POSITION = 1 << 40
+
+
+@dataclasses.dataclass
+class _PatchState:
+    method: scaling_lib.RopeScaling
+    attention: str
+    window: int | None
+    leaky_k: float
+    logn_length: int
+    rotary_dim: int
+    base: float
+    rotary_modules: list[nn.Module]
+    attention_modules: list[nn.Module]
+    _tables: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.attention == "rerope" or self.method.dynamic
+
+    def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        """inv_freq on ``device`` and the attention factor for this length (memoised: every layer of a
+        forward asks for the same one)."""
+        key = (seq_len if (self.method.dynamic or isinstance(self.method, scaling_lib.LongRoPE)) else None, device)
+        if key not in self._tables:
+            if len(self._tables) > 8:
+                self._tables.clear()
+            inv_freq = self.method.inv_freq(self.rotary_dim, self.base, seq_len=key[0]).to(device)
+            self._tables[key] = (inv_freq, self.method.attention_factor_for(key[0]))
+        return self._tables[key]
+
+
+def _as_method(scaling, config) -> scaling_lib.RopeScaling:
+    if scaling is None:
+        return scaling_lib.from_hf(config.rope_parameters, config.max_position_embeddings)
+    if isinstance(scaling, scaling_lib.RopeScaling):
+        return scaling
+    if isinstance(scaling, Mapping):
+        return scaling_lib.from_hf(scaling, config.max_position_embeddings)
+    raise TypeError(f"patch: scaling must be a ropescale.scaling method, a rope_parameters dict or None, got {type(scaling).__name__}")
+
+
+def _find_modules(model: nn.Module):
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    unsupported = sorted({type(m).__name__ for m in attention} - set(SUPPORTED_ATTENTION))
+    if unsupported or not attention or not rotary:
+        found = ", ".join(unsupported) or type(model).__name__
+        raise TypeError(
+            f"patch: unsupported model ({found}); ropescale patches {', '.join(SUPPORTED_ATTENTION.values())} models"
+        )
+    return rotary, attention
+
+
+def patch(
+    model: nn.Module,
+    scaling: scaling_lib.RopeScaling | Mapping[str, Any] | None = None,
+    *,
+    attention: str = "sdpa",
+    window: int | None = None,
+    leaky_k: float = 0.0,
+    logn_length: int = 0,
+) -> nn.Module:
+    """Swap ropescale's frequencies and kernels into a transformers Llama/Mistral/Qwen2/Qwen3 model.
+
+    ``scaling``: a ``ropescale.scaling`` method, a transformers-style ``rope_parameters`` dict, or None
+    to keep the model's own rope settings. ``attention="rerope"`` needs ``window`` (and optionally
+    ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). Returns the model.
+    """
+    if getattr(model, "_ropescale_patch", None) is not None:
+        raise RuntimeError("patch: this model is already patched by ropescale; call ropescale.hf.unpatch(model) first")
+    if attention not in ("sdpa", "rerope"):
+        raise ValueError(f"patch: attention must be 'sdpa' or 'rerope', got {attention!r}")
+    if attention == "rerope":
+        if window is None or window <= 0:
+            raise ValueError(f"patch: attention='rerope' needs window > 0, got {window}")
+        if leaky_k != 0 and leaky_k < 1:
+            raise ValueError(f"patch: leaky_k must be 0 (plain ReRoPE) or >= 1, got {leaky_k}")
+    elif window is not None or leaky_k or logn_length:
+        raise ValueError("patch: window, leaky_k and logn_length apply to attention='rerope' only")
+
+    rotary_modules, attention_modules = _find_modules(model)
+    config = attention_modules[0].config
+    params = config.rope_parameters
+    state = _PatchState(
+        method=_as_method(scaling, config),
+        attention=attention,
+        window=window,
+        leaky_k=float(leaky_k),
+        logn_length=int(logn_length),
+        rotary_dim=rotary_dim_of(config, params),
+        base=float(params["rope_theta"]),
+        rotary_modules=rotary_modules,
+        attention_modules=attention_modules,
+    )
+    if state.pre_rope and any(_sliding_window(m) for m in attention_modules):
+        raise ValueError("patch: pre-RoPE attention (dynamic methods, ReRoPE) does not support sliding-window layers")
+    for module in rotary_modules:
+        module.forward = types.MethodType(_rotary_forward, module)
+        module._ropescale_patch = state
+    for module in attention_modules:
+        module.forward = types.MethodType(_attention_forward, module)
+        module._ropescale_patch = state
+    model._ropescale_patch = state
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the model's own rotary and attention forwards exactly."""
+    state = getattr(model, "_ropescale_patch", None)
+    if state is None:
+        raise RuntimeError("unpatch: this model is not patched by ropescale")
+    for module in state.rotary_modules + state.attention_modules:
+        del module.forward  # the class's forward shows through again
+        del module._ropescale_patch
+    model._ropescale_patch = None
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, "_ropescale_patch", None) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The patched forwards
+
+
+@torch.no_grad()
+def _rotary_forward(self, x, position_ids, layer_type=None):
+    """cos/sin in transformers' full-width layout for the patched method's table."""
+    state: _PatchState = self._ropescale_patch
+    seq_len = int(position_ids.max()) + 1
+    inv_freq, factor = state.table(seq_len, x.device)
+    # Angles in double: a float32 product is already ~1e-2 rad off at position 1e6.
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = (emb.cos() * factor).to(x.dtype)
+    sin = (emb.sin() * factor).to(x.dtype)
+    return cos, sin
+
+
+def _sliding_window(module):
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+def _project(module, hidden_states):
+    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(shape)
+    key = module.k_proj(hidden_states).view(shape)
+    if hasattr(module, "q_norm"):  # Qwen3: per-head RMSNorm before rotation
+        query, key = module.q_norm(query), module.k_norm(key)
+    value = module.v_proj(hidden_states).view(shape)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, **kwargs):
+    state: _PatchState = self._ropescale_patch
+    input_shape = hidden_states.shape[:-1]
+    query, key, value = _project(self, hidden_states)
+    pre_rope = state.pre_rope or isinstance(past_key_values, PreRopeCache)
+
+    if not pre_rope:
+        cos, sin = position_embeddings
+        query, key = ops.apply_rotary_qk(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out, weights = _model_attention(self, query, key, value, attention_mask, **kwargs)
+    else:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise RuntimeError("ropescale: pre-RoPE attention needs position_ids from the model")
+        positions = positions.to(torch.int64).expand(query.shape[0], -1)
+        key_positions = positions
+        if past_key_values is not None:
+            layer = _pre_rope_layer(past_key_values, self.layer_idx)
+            key, value = past_key_values.update(key, value, self.layer_idx, {"positions": positions})
+            key_positions = layer.positions
+        seq_len = int(key_positions.max()) + 1
+        inv_freq, factor = state.table(seq_len, query.device)
+        if state.attention == "rerope":
+            out = _rerope(self, state, query, key, value, positions, key_positions, inv_freq, factor, attention_mask)
+            weights = None
+        else:
+            query = ops.apply_rotary_pos(query, positions, inv_freq, factor)
+            key = ops.apply_rotary_pos(key, key_positions, inv_freq, factor)
+            out, weights = _model_attention(self, query, key, value, attention_mask, **kwargs)
+
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _pre_rope_layer(cache, layer_idx) -> PreRopeLayer:
+    """The cache layer for ``layer_idx`` as a pre-RoPE layer. transformers creates a DynamicCache when
+    none is passed (``use_cache=True``, ``generate()``): its still-empty dynamic layers are swapped for
+    pre-RoPE ones, so a patched model needs no special cache argument. A layer already holding rotated
+    keys cannot be converted."""
+    layers = cache.layers
+    if layer_idx >= len(layers) and getattr(cache, "layer_class_to_replicate", None) in (DynamicLayer, PreRopeLayer):
+        while len(layers) <= layer_idx:
+            layers.append(PreRopeLayer())
+    elif type(layers[layer_idx]) is DynamicLayer and not layers[layer_idx].is_initialized:
+        layers[layer_idx] = PreRopeLayer()
+    if layer_idx >= len(layers) or not isinstance(layers[layer_idx], PreRopeLayer):
+        raise TypeError(
+            "ropescale: this patch caches keys before rotation, but the cache given holds rotated keys "
+            f"({type(cache).__name__}); pass past_key_values=ropescale.hf.PreRopeCache()"
+        )
+    return layers[layer_idx]
+
+
+def _model_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own attention function (sdpa, eager, flash, ...), called as its forward does."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    return interface(
+        module, query, key, value, attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        sliding_window=_sliding_window(module),
+        **kwargs,
+    )
+
+
+def _padding_keys(attention_mask, key_length):
+    """[B, K] True where a key is padding, read off the model's 4-D mask: the last query row of a
+    causal mask sees every non-padding key."""
+    if attention_mask is None or not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
+        return None
+    last_row = attention_mask[:, 0, -1, -key_length:]
+    return ~last_row if last_row.dtype == torch.bool else last_row < torch.finfo(last_row.dtype).min / 2
+
+
+def _rerope(module, state, query, key, value, positions, key_positions, inv_freq, factor, attention_mask):
+    pad = _padding_keys(attention_mask, key.shape[-2])
+    if pad is not None and bool(pad.any()):
+        key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
+    # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
+    out, _lse = ops.rerope_attention(
+        query, key, value, positions, key_positions, inv_freq, state.window,
+        leaky_k=state.leaky_k, scale=module.scaling * factor * factor, logn_length=state.logn_length,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,357 @@
+"""ropescale.hf: patched Llama-family models against native transformers, the pre-RoPE cache,
+dynamic methods, ReRoPE, training, torch.compile, DDP, and the rope types registered in transformers."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from ropescale import hf, scaling  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*rope.*")
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+VOCAB = 101
+
+
+def tiny(family="llama", rope_parameters=None, layers=2, mpe=64, seed=0, **extra):
+    config_cls, model_cls = FAMILIES[family]
+    rope_parameters = dict(rope_parameters or {"rope_type": "default"})
+    rope_parameters.setdefault("rope_theta", 10000.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_cls(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=mpe,
+            rope_parameters=rope_parameters, **extra,
+        )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Larger weights than the default init make attention sharper, so rope differences show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    return model
+
+
+def ids(batch=2, length=40, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+STATIC = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# static methods: patched == native
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("method", sorted(STATIC))
+def test_static_patched_equals_native(family, method):
+    params = STATIC[method]
+    native = tiny(family, params)
+    patched = hf.patch(tiny(family), params)  # same weights (same seed), plain rope config, patched
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x).logits, native(x).logits, atol=1e-5, rtol=0)
+        # with a cache: prefill, then token by token
+        c_native, c_patched = DynamicCache(config=native.config), DynamicCache(config=patched.config)
+        a = native(x[:, :30], past_key_values=c_native).logits
+        b = patched(x[:, :30], past_key_values=c_patched).logits
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        for t in range(30, 40):
+            a = native(x[:, t:t + 1], past_key_values=c_native).logits
+            b = patched(x[:, t:t + 1], past_key_values=c_patched).logits
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ("yarn", "llama3", "default"))
+def test_static_generate_identical_tokens(method):
+    native = tiny("llama", STATIC[method])
+    patched = hf.patch(tiny("llama"), STATIC[method])
+    x = ids(length=12)
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(x, **kw), native.generate(x, **kw))
+
+
+def test_static_patch_with_pre_rope_cache_matches_native():
+    native = tiny("llama", STATIC["yarn"])
+    patched = hf.patch(tiny("llama"), STATIC["yarn"])
+    x = ids(length=12)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(x, past_key_values=hf.PreRopeCache(), **kw), native.generate(x, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamic methods: the pre-RoPE cache rotates every key with the current table
+
+
+def _incremental_vs_recompute(model, x, prefill, cache_factory):
+    worst = 0.0
+    with torch.no_grad():
+        cache = cache_factory()
+        model(x[:, :prefill], past_key_values=cache)
+        for t in range(prefill, x.shape[1]):
+            step = model(x[:, t:t + 1], past_key_values=cache).logits[:, 0]
+            full = model(x[:, :t + 1], use_cache=False).logits[:, -1]
+            worst = max(worst, (step - full).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("method,native_params", [
+    (scaling.DynamicNTK(factor=2.0, original_max_position=16), {"rope_type": "dynamic", "factor": 2.0}),
+    (scaling.DynamicYaRN(original_max_position=16),
+     {"rope_type": "dynamic_yarn", "original_max_position_embeddings": 16}),
+])
+def test_dynamic_with_pre_rope_cache_equals_recompute(method, native_params):
+    # One layer: each step's attention sees every key rotated by the current table, exactly as a
+    # full recomputation does. (With several layers, earlier tokens' deeper hidden states were computed
+    # under an earlier scale: no KV cache avoids that; see the next test.)
+    x = ids(length=48)
+    patched = hf.patch(tiny("llama", layers=1, mpe=16), method)
+    assert _incremental_vs_recompute(patched, x, 8, hf.PreRopeCache) < 1e-5
+    # transformers' native dynamic path caches rotated keys: stale once the table changes.
+    native = tiny("llama", native_params, layers=1, mpe=16)
+    native_error = _incremental_vs_recompute(native, x, 8, lambda: DynamicCache(config=native.config))
+    print(f"native dynamic cache error {native_error:.3g}")
+    assert native_error > 1e-3
+
+
+def test_dynamic_multilayer_pre_rope_cache_beats_native_cache():
+    x = ids(length=48)
+    patched = hf.patch(tiny("llama", layers=3, mpe=16), scaling.DynamicYaRN(original_max_position=16))
+    native = tiny("llama", {"rope_type": "dynamic_yarn", "original_max_position_embeddings": 16}, layers=3, mpe=16)
+    ours = _incremental_vs_recompute(patched, x, 8, hf.PreRopeCache)
+    theirs = _incremental_vs_recompute(native, x, 8, lambda: DynamicCache(config=native.config))
+    print(f"3 layers: pre-RoPE cache error {ours:.3g}, native cache error {theirs:.3g}")
+    assert ours < theirs / 3
+
+
+def test_dynamic_patch_works_with_generate_default_cache():
+    # generate() makes its own DynamicCache: a patched model converts its empty layers to pre-RoPE ones.
+    model = hf.patch(tiny("llama", layers=1, mpe=16), scaling.DynamicNTK(factor=2.0, original_max_position=16))
+    out = model.generate(ids(length=8), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        for t in range(8, 32):
+            assert model(out[:, :t], use_cache=False).logits[:, -1].argmax(-1).tolist() == out[:, t].tolist()
+
+
+def test_rotated_cache_is_rejected_by_pre_rope_patch():
+    model = hf.patch(tiny("llama"), scaling.DynamicNTK(factor=2.0, original_max_position=16))
+    cache = DynamicCache(config=model.config)
+    unpatched = tiny("llama")
+    with torch.no_grad():
+        unpatched(ids(length=4), past_key_values=cache)  # now holds rotated keys
+        with pytest.raises(TypeError, match="holds rotated keys"):
+            model(ids(length=1), past_key_values=cache)
+
+
+def test_pre_rope_cache_needs_a_patched_model():
+    with pytest.raises(RuntimeError, match="patched by ropescale.hf.patch"):
+        with torch.no_grad():
+            tiny("llama")(ids(length=4), past_key_values=hf.PreRopeCache())
+
+
+# ---------------------------------------------------------------------------------------------
+# ReRoPE
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3"))
+@pytest.mark.parametrize("leaky_k,logn", ((0.0, 0), (16.0, 0), (0.0, 16)))
+def test_rerope_incremental_equals_full_forward(family, leaky_k, logn):
+    model = hf.patch(tiny(family), None, attention="rerope", window=8, leaky_k=leaky_k, logn_length=logn)
+    x = ids(length=40)
+    with torch.no_grad():
+        cache = hf.PreRopeCache()
+        full = model(x, use_cache=False).logits
+        torch.testing.assert_close(model(x[:, :10], past_key_values=cache).logits, full[:, :10], atol=1e-5, rtol=0)
+        for t in range(10, 40):
+            step = model(x[:, t:t + 1], past_key_values=cache).logits[:, 0]
+            torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
+
+
+def test_rerope_with_large_window_is_plain_rope():
+    plain = tiny("llama")
+    rerope = hf.patch(tiny("llama"), None, attention="rerope", window=64)
+    x = ids(length=40)
+    with torch.no_grad():
+        torch.testing.assert_close(rerope(x).logits, plain(x).logits, atol=1e-5, rtol=0)
+
+
+def test_rerope_batch_generation_with_left_padding():
+    model = hf.patch(tiny("llama"), None, attention="rerope", window=4)
+    a, b = ids(1, 12, seed=3), ids(1, 7, seed=4)
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    batch[0], mask[0] = a[0], 1
+    batch[1, 5:], mask[1, 5:] = b[0], 1
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(batch, attention_mask=mask, past_key_values=hf.PreRopeCache(), **kw)
+    alone_a = model.generate(a, past_key_values=hf.PreRopeCache(), **kw)
+    alone_b = model.generate(b, past_key_values=hf.PreRopeCache(), **kw)
+    assert torch.equal(out[0, 12:], alone_a[0, 12:])
+    assert torch.equal(out[1, 12:], alone_b[0, 7:])
+
+
+# ---------------------------------------------------------------------------------------------
+# rope types registered in transformers
+
+
+def test_resonance_yarn_config_loads_and_runs_patched_or_not():
+    params = {"rope_type": "resonance_yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        config = AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=1, num_attention_heads=4, head_dim=16,
+                                      rope_parameters=params)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    expected = scaling.YaRN(factor=8.0, original_max_position=16, resonance=True).inv_freq(16, 10000.0)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
+    x = ids(length=20)
+    with torch.no_grad():
+        unpatched = model(x).logits
+        hf.patch(model)  # keeps the config's own method
+        torch.testing.assert_close(model(x).logits, unpatched, atol=1e-5, rtol=0)
+
+
+def test_bad_rope_parameters_get_ropescale_errors_at_load():
+    with pytest.raises(RuntimeError, match="beta_fast must be > beta_slow"):
+        tiny("llama", {"rope_type": "resonance_yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                       "beta_fast": 1.0, "beta_slow": 2.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# training, compile, patch/unpatch contract
+
+
+def test_yarn_gradients_equal_native():
+    native = tiny("llama", STATIC["yarn"]).train()
+    patched = hf.patch(tiny("llama"), STATIC["yarn"]).train()
+    x = ids(length=24)
+    for model in (native, patched):
+        model(x, labels=x).loss.backward()
+    for (name, a), (_, b) in zip(native.named_parameters(), patched.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_torch_compile_of_patched_model_matches_eager():
+    model = hf.patch(tiny("llama"), STATIC["yarn"])
+    x = ids(length=24)
+    with torch.no_grad():
+        eager = model(x, use_cache=False).logits
+        compiled = torch.compile(model)(x, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+
+
+def test_unpatch_restores_exactly_and_patch_twice_is_an_error():
+    plain = tiny("llama")
+    model = tiny("llama")
+    x = ids()
+    hf.patch(model, STATIC["yarn"])
+    with pytest.raises(RuntimeError, match="already patched"):
+        hf.patch(model, STATIC["linear"])
+    hf.unpatch(model)
+    assert not hf.is_patched(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, plain(x).logits)
+    with pytest.raises(RuntimeError, match="not patched"):
+        hf.unpatch(model)
+
+
+def test_unsupported_model_gets_a_clear_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(TypeError, match="ropescale patches Llama, Mistral, Qwen2, Qwen3 models"):
+        hf.patch(model)
+
+
+def test_bad_patch_arguments():
+    with pytest.raises(ValueError, match="needs window > 0, got 0"):
+        hf.patch(tiny("llama"), attention="rerope", window=0)
+    with pytest.raises(ValueError, match="leaky_k must be 0 .* or >= 1, got 0.5"):
+        hf.patch(tiny("llama"), attention="rerope", window=4, leaky_k=0.5)
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'rerope'"):
+        hf.patch(tiny("llama"), attention="flash")
+    with pytest.raises(ValueError, match="apply to attention='rerope' only"):
+        hf.patch(tiny("llama"), window=4)
+    with pytest.raises(TypeError, match="scaling must be"):
+        hf.patch(tiny("llama"), scaling=3)
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    warnings.filterwarnings("ignore")
+    from test_hf import tiny, ids, STATIC
+    from ropescale import hf
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = hf.patch(tiny("llama"), STATIC["yarn"]).train()
+    x = ids(batch=4, length=16)
+    if world > 1:
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        x = x[rank * 2:(rank + 1) * 2]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x, labels=x).loss.backward()
+    opt.step()
+    if rank == 0:
+        module = model.module if world > 1 else model
+        torch.save({{k: v.detach() for k, v in module.state_dict().items()}}, {out!r} + str(world))
+    if world > 1:
+        dist.destroy_process_group()
+""")
+
+
+def test_ddp_two_processes_match_single_process(tmp_path):
+    script = tmp_path / "ddp_step.py"
+    out = str(tmp_path / "params")
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__), out=out))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), WORLD_SIZE="2"))
+             for r in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    subprocess.run([sys.executable, str(script)], env=dict(env, RANK="0", WORLD_SIZE="1"), check=True, timeout=300)
+    # Mean of the two half-batch losses' gradients == the full batch's (equal halves), so the
+    # parameters after one SGD step agree.
+    two, one = torch.load(out + "2"), torch.load(out + "1")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=1e-5, msg=key)
