@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 namespace ropescale {
 
@@ -30,5 +31,38 @@ at::Tensor similarity_decay(const at::Tensor& inv_freq, int64_t max_distance);
 int64_t effective_context_length(const at::Tensor& inv_freq, int64_t max_distance);
 double base_lower_bound(int64_t context_length, int64_t dim);
 at::Tensor feature_gap(const at::Tensor& inv_freq, int64_t train_length, int64_t test_length);
+
+// ---- rotary.cpp: rotation of q/k by cos/sin tables or by positions (CPU + CUDA) ----
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                        bool half_width, bool conjugate);
+void apply_rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                   bool half_width, bool conjugate);
+std::tuple<at::Tensor, at::Tensor> apply_rotary_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                   const at::Tensor& sin, bool interleaved, bool half_width,
+                                                   bool conjugate);
+void apply_rotary_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                      bool interleaved, bool half_width, bool conjugate);
+at::Tensor apply_rotary_pos(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq, double scale,
+                            bool interleaved, bool conjugate);
+void apply_rotary_pos_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq, double scale,
+                       bool interleaved, bool conjugate);
+std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                       double scale, bool interleaved, bool conjugate);
+void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                          const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
+// ---- rerope_attention: cpu/rerope_attention.cpp, cuda/rerope_attention.cu ----
+std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& q_positions,
+                                                        const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                        int64_t window, double leaky_k, double scale,
+                                                        int64_t logn_length, bool causal, bool interleaved);
+#ifdef ROPESCALE_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, const at::Tensor& q_positions,
+                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                         int64_t window, double leaky_k, double scale,
+                                                         int64_t logn_length, bool causal, bool interleaved);
+#endif
 
 }  // namespace ropescale

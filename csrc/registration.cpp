@@ -1,9 +1,15 @@
 // Every ropescale op: its schema (one comment each) and its kernels per backend. The Python side
 // (python/ropescale/ops.py) adds fake kernels and autograd; nothing else registers ops.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 #include <torch/python.h>
 
 #include "ops.h"
+#include "rotary_args.h"
+
+#include <string>
+#include <vector>
 
 TORCH_LIBRARY(ropescale, m) {
   // theta_i = base^(-2i/dim), the unscaled RoPE table.
@@ -42,6 +48,39 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("base_lower_bound(int context_length, int dim) -> float");
   // Resonance feature gap per pair over test positions [train_length, test_length), float64.
   m.def("feature_gap(Tensor inv_freq, int train_length, int test_length) -> Tensor");
+  // ---- Rotation (CPU + CUDA): x/q/k are [batch, heads, seq, head_dim]; cos/sin are transformers'
+  // full-width tables [.., seq, rotary_dim] (or half_width ones, [.., seq, rotary_dim/2]) broadcast
+  // over heads; conjugate=True applies the transposed map (the inverse rotation): the backward pass.
+  // x * cos + rotate(x) * sin on the first rotary_dim features, the rest copied.
+  m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, bool half_width=False, "
+        "bool conjugate=False) -> Tensor");
+  // apply_rotary, in place.
+  m.def("apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, *, bool half_width=False, "
+        "bool conjugate=False) -> ()");
+  // q and k in one pass (their batch and head counts may differ, as with GQA).
+  m.def("apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, *, "
+        "bool half_width=False, bool conjugate=False) -> (Tensor, Tensor)");
+  // apply_rotary_qk, in place.
+  m.def("apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved=False, *, "
+        "bool half_width=False, bool conjugate=False) -> ()");
+  // Rotation by positions [seq] or [batch, seq] x float32 inv_freq, sin/cos computed on the fly with
+  // the angle reduced in double (accurate at long positions); scale multiplies cos and sin.
+  m.def("apply_rotary_pos(Tensor x, Tensor positions, Tensor inv_freq, float scale=1., bool interleaved=False, *, "
+        "bool conjugate=False) -> Tensor");
+  // apply_rotary_pos, in place.
+  m.def("apply_rotary_pos_(Tensor(a!) x, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> ()");
+  // apply_rotary_pos on q and k in one pass.
+  m.def("apply_rotary_pos_qk(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> (Tensor, Tensor)");
+  // apply_rotary_pos_qk, in place.
+  m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
+        "bool interleaved=False, *, bool conjugate=False) -> ()");
+  // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse).
+  m.def(
+      "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
+      "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
+      "-> (Tensor out, Tensor lse)");
 }
 
 // Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
@@ -64,7 +103,63 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("similarity_decay", &ropescale::similarity_decay);
   m.impl("effective_context_length", &ropescale::effective_context_length);
   m.impl("feature_gap", &ropescale::feature_gap);
+  m.impl("rerope_attention", &ropescale::rerope_attention_cpu);
 }
+
+// The rotary ops check their arguments and pick the kernel of the operands' device themselves
+// (rotary.cpp), so the same functions serve both backends.
+static void register_rotary_impls(torch::Library& m) {
+  m.impl("apply_rotary", &ropescale::apply_rotary);
+  m.impl("apply_rotary_", &ropescale::apply_rotary_);
+  m.impl("apply_rotary_qk", &ropescale::apply_rotary_qk);
+  m.impl("apply_rotary_qk_", &ropescale::apply_rotary_qk_);
+  m.impl("apply_rotary_pos", &ropescale::apply_rotary_pos);
+  m.impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_);
+  m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk);
+  m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_);
+}
+
+TORCH_LIBRARY_IMPL(ropescale, CPU, m) { register_rotary_impls(m); }
+#ifdef ROPESCALE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) { register_rotary_impls(m); }
+#endif
+
+// The in-place rotary ops are not differentiable. Without this kernel autograd would run them
+// silently and return wrong gradients; instead a tensor argument that requires grad is an error,
+// and the version counter of each mutated tensor is bumped, so autograd notices when a tensor
+// saved for another op's backward is rotated in place.
+static void in_place_without_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                                      torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const std::string& qualified = op.schema().name();
+  const std::string name = qualified.substr(qualified.find("::") + 2);
+  const size_t first = stack->size() - arguments.size();
+  std::vector<at::Tensor> mutated;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const at::Tensor& t = value.toTensor();
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.defined() && t.requires_grad()), name, ": ", arguments[i].name(), " requires grad, but the in-place rotation is not differentiable; use the "
+                "out-of-place op (without the trailing underscore)");
+    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) mutated.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : mutated) t.unsafeGetTensorImpl()->bump_version();
+}
+
+TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
+  for (const char* name : {"apply_rotary_", "apply_rotary_qk_", "apply_rotary_pos_", "apply_rotary_pos_qk_"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&in_place_without_autograd>());
+}
+
+#ifdef ROPESCALE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
+  m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
+}
+#endif
 
 namespace {
 
@@ -73,6 +168,7 @@ namespace {
 pybind11::dict build_info() {
   pybind11::dict info;
   info["torch_version"] = ROPESCALE_TORCH_VERSION;
+  info["cuda_requested"] = ROPESCALE_CUDA_REQUESTED;  // ROPESCALE_CUDA: AUTO, ON or OFF
 #ifdef ROPESCALE_WITH_CUDA
   info["cuda"] = true;
   info["cuda_archs"] = ROPESCALE_CUDA_ARCHS_STRING;
@@ -90,4 +186,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(_C, module) {
   module.doc() = "ropescale native library: ops live in torch.ops.ropescale";
   module.def("build_info", &build_info, "torch version built against, whether CUDA kernels were compiled, CUDA archs");
+  module.def("rotary_cpu_isa", &ropescale::rotary_cpu_isa,
+             "instruction set of the rotary CPU kernel in use: AVX512, AVX2 or DEFAULT (ATEN_CPU_CAPABILITY lowers it)");
 }

@@ -9,15 +9,15 @@ The same script on GPUs with torch.distributed, unchanged (DDP by default, FSDP 
     torchrun --nproc_per_node 8 examples/finetune.py --model /path/to/llama --method yarn --factor 16 \
         --seq-len 65536 --steps 400 --lr 2e-5 --fsdp
 
-The data is synthetic (no downloads): each sequence is a random prefix followed by copies of it, so
-the loss falls only if the model attends across the whole extended context. Point --data at a
-token file (a 1-D int64 torch tensor saved with torch.save) for real text.
+The data is synthetic (no downloads): each sequence counts from a random start with its own stride
+(x[t+1] = x[t] + stride mod vocab), so the loss falls within a few dozen steps once the model reads
+the previous tokens at every position of the extended context. Point --data at a token file (a 1-D
+int64 torch tensor saved with torch.save) for real text.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 
@@ -31,7 +31,7 @@ from ropescale import hf, scaling
 def build_model(args) -> torch.nn.Module:
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16 if args.bf16 else None)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.original_length)
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(config)
@@ -50,9 +50,9 @@ def batches(args, vocab, rank, world):
             starts = torch.randint(0, data.numel() - args.seq_len, (args.batch,), generator=gen)
             yield torch.stack([data[s:s + args.seq_len] for s in starts.tolist()])
         else:
-            period = max(8, args.seq_len // 8)
-            prefix = torch.randint(0, vocab, (args.batch, period), generator=gen)
-            yield prefix.repeat(1, math.ceil(args.seq_len / period))[:, :args.seq_len]
+            start = torch.randint(0, vocab, (args.batch, 1), generator=gen)
+            stride = torch.randint(1, 5, (args.batch, 1), generator=gen)
+            yield (start + stride * torch.arange(args.seq_len)) % vocab
 
 
 def main(argv=None) -> None:

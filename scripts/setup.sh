@@ -30,7 +30,9 @@ cmake -S . -B "$BUILD_DIR" -G Ninja \
   -DPython_EXECUTABLE="$PWD/$VENV/bin/python" \
   -DROPESCALE_CUDA="${ROPESCALE_CUDA:-AUTO}" \
   -DROPESCALE_BUILD_TESTS=ON -DROPESCALE_INPLACE=ON -DROPESCALE_PTXAS_VERBOSE=ON >/dev/null
-cmake --build "$BUILD_DIR"
+cmake --build "$BUILD_DIR" 2>&1 | tee "$BUILD_DIR/build.log"
+# Registers and spills per CUDA kernel and arch (from ptxas -v; empty when nothing was recompiled).
+python3 scripts/ptxas_summary.py "$BUILD_DIR/build.log" || echo "setup: some CUDA kernels spill registers (see above)"
 
 # Development install: the venv sees python/ (with the in-place _C) like an editable install.
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -6,7 +6,7 @@ Importing the package loads the native library, which registers every op as
 
 import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
-from . import _C, ops, scaling  # noqa: F401
+from . import _C, cache, ops, scaling  # noqa: F401
 
 __version__ = "0.1.0"
 

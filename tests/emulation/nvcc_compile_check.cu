@@ -1,5 +1,5 @@
 // Compile-only check that emu_test_kernels.cuh (and portable.h) is valid CUDA:
-//   nvcc -std=c++17 -arch=sm_80 -I tests/emulation/include -c -x cu
+//   nvcc -std=c++17 -arch=sm_80 -I tests/emulation/include -I csrc/include -c -x cu
 //        tests/emulation/nvcc_compile_check.cu -o /tmp/nvcc_compile_check.o
 // (one line; run from the repository root)
 // Built by CMake as the target `emulation_nvcc_compile_check` when nvcc is

@@ -346,10 +346,11 @@ def test_base_lower_bound_respects_non_interval_good_set():
 
 
 def test_base_lower_bound_32k_is_fast_and_matches_the_paper():
-    start = time.perf_counter()
+    # CPU time of this (single-threaded) search, so a busy machine does not make the test flaky.
+    start = time.process_time()
     base = ops.base_lower_bound(32768, 128)
-    elapsed = time.perf_counter() - start
-    print(f"base_lower_bound(32768, 128) = {base:.4g} in {elapsed:.2f} s")
+    elapsed = time.process_time() - start
+    print(f"base_lower_bound(32768, 128) = {base:.4g} in {elapsed:.2f} s of CPU time")
     assert elapsed < 5.0
     assert base == pytest.approx(6.4e5, rel=0.05)  # Men et al. Table 2
 

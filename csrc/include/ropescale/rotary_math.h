@@ -14,19 +14,43 @@ constexpr double kTwoPiHi = 6.28318530717958623200e+00;
 constexpr double kTwoPiLo = 2.44929359829470635445e-16;
 constexpr double kInvTwoPi = 0.15915494309189533577;
 
-// sin and cos of position * inv_freq, accurate at long positions: the product and its reduction
-// to [-pi, pi] are done in double (a float32 product at position 2^21 is already off by ~0.1 rad),
-// then the small angle goes to the full-precision float sincos (never the fast-math intrinsics).
+// position * inv_freq reduced to [-pi, pi], in double: the product is exact for |position| < 2^29
+// (a float32 product at position 2^21 is already off by ~0.1 rad), and 2*pi is subtracted in two
+// parts so the reduction stays exact as well.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double rotary_reduced_angle(double position, float inv_freq) {
+  const double angle = position * static_cast<double>(inv_freq);
+#if defined(__CUDA_ARCH__)
+  const double turns = ::nearbyint(angle * kInvTwoPi);
+#else
+  const double turns = std::nearbyint(angle * kInvTwoPi);
+#endif
+  return (angle - turns * kTwoPiHi) - turns * kTwoPiLo;
+}
+
+// sin and cos of position * inv_freq, accurate at long positions: the angle is reduced in double
+// (rotary_reduced_angle), then the small angle goes to the full-precision float sincos (never the
+// fast-math intrinsics).
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, float* sin_out,
                                                           float* cos_out) {
-  const double angle = position * static_cast<double>(inv_freq);
-  const double turns = std::nearbyint(angle * kInvTwoPi);
-  const float reduced = static_cast<float>((angle - turns * kTwoPiHi) - turns * kTwoPiLo);
+  const float reduced = static_cast<float>(rotary_reduced_angle(position, inv_freq));
 #if defined(__CUDA_ARCH__)
   sincosf(reduced, sin_out, cos_out);
 #else
   *sin_out = std::sin(reduced);
   *cos_out = std::cos(reduced);
+#endif
+}
+
+// The same in double precision (float64 tensors: gradcheck, references). The product is exact and
+// double sin/cos reduce their argument exactly themselves, so no reduction of ours is needed.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, double* sin_out,
+                                                          double* cos_out) {
+  const double angle = position * static_cast<double>(inv_freq);
+#if defined(__CUDA_ARCH__)
+  sincos(angle, sin_out, cos_out);
+#else
+  *sin_out = std::sin(angle);
+  *cos_out = std::cos(angle);
 #endif
 }
 

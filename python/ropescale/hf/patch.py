@@ -39,8 +39,8 @@ SUPPORTED_ATTENTION = {
     "Qwen3Attention": "Qwen3",
 }
 
-# A key position no query reaches: masks padding keys out of causal-by-position ReRoPE attention.
-_PADDING_POSITION = 1 << 40
+# rerope_attention never attends a key at a negative position: how padding keys are masked out.
+_PADDING_POSITION = -1
 
 
 @dataclasses.dataclass

@@ -1,0 +1,395 @@
+// rerope_attention on the CPU: flash-style (blocked over keys, online softmax), never an Lq x Lk
+// matrix. Each side of the window is ordinary attention over pre-rotated operands (rerope_math.h),
+// so a tile of (query block x key block) wholly inside or outside the window costs one product and
+// only the band around the window edge costs two.
+//
+// Plan: classify every tile from the position bounds of its blocks; prepare just the key blocks some
+// tile needs, as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: rotated
+// at p/k; ReRoPE far side: the raw keys, used in place when decoding); then run one task per
+// (batch, q head, query block), heaviest first: scores by BLAS (or, for a few query rows, plain
+// vector loops), the online softmax with a vectorised exp, and P.V by BLAS.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "rerope_attention.h"
+#include "ropescale/rerope_math.h"
+#include "ropescale/rotary_math.h"
+
+// The vector loops are compiled for the x86-64 ISA levels and picked at load time: the extension
+// cannot assume more than the baseline ISA, and AVX-512 doubles the softmax throughput.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ROPESCALE_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define ROPESCALE_CPU_CLONES
+#endif
+
+namespace ropescale {
+namespace {
+
+constexpr int64_t kBlockQ = 128;  // query rows per task
+constexpr int64_t kBlockK = 128;  // keys per tile: small enough that the band stays thin
+constexpr int64_t kFewRows = 4;   // up to this many rows (decoding), scores are vector loops, not BLAS
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for the softmax: Cephes' polynomial on [-ln2/2, ln2/2] times 2^n (about 1 ulp), written
+// branch-free so that it vectorises; exactly 0 below the float range (x = -inf included).
+inline __attribute__((always_inline)) float softmax_exp(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifted = clamped * kLog2e + kRound;
+  const float n = shifted - kRound;
+  const int32_t n_int = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kRound);
+  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float result = p * std::bit_cast<float>((n_int + 127) << 23);
+  return x < -87.0f ? 0.0f : result;
+}
+
+// Folds a tile of scores into the running softmax of its rows: row_max/row_sum are updated, the
+// scores become their unnormalised probabilities, and each acc row is rescaled by exp(old - new).
+ROPESCALE_CPU_CLONES void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld_scores,
+                                                float* row_max, float* row_sum, float* acc, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld_scores;
+    float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+    for (int64_t c = 0; c < cols; ++c) tile_max = s[c] > tile_max ? s[c] : tile_max;
+    const float old_max = row_max[r];
+    const float new_max = std::max(old_max, tile_max);
+    if (new_max == kNegInf) {  // nothing visible in this row so far
+      std::fill(s, s + cols, 0.0f);
+      continue;
+    }
+    float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float p = softmax_exp(s[c] - new_max);
+      s[c] = p;
+      tile_sum += p;
+    }
+    const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+    row_sum[r] = row_sum[r] * alpha + tile_sum;
+    row_max[r] = new_max;
+    if (alpha != 1.0f) {
+      float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] *= alpha;
+    }
+  }
+}
+
+// Scores of a band tile: the near product where the pair is inside the window, the far one outside;
+// -inf where the pair is masked (causal edge, padding).
+ROPESCALE_CPU_CLONES void select_band_and_mask(float* near_scores, const float* far_scores, int64_t rows,
+                                               int64_t cols, int64_t ld, const int64_t* q_pos, const int64_t* k_pos,
+                                               int64_t window, bool causal, bool band, bool mask) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = near_scores + r * ld;
+    const float* s_far = far_scores + r * ld;
+    const int64_t pq = q_pos[r];
+    if (band)
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_is_near(pq, k_pos[c], window) ? s[c] : s_far[c];
+    if (mask)
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_visible(pq, k_pos[c], causal) ? s[c] : kNegInf;
+  }
+}
+
+// Key operand of one tile: a transposed panel [D x kBlockK] (prepared blocks), or key rows in place.
+struct KeyTile {
+  const float* data;
+  int64_t ld;
+  bool panel;
+};
+
+// scores[rows x cols] (ld_scores) = q[rows x D] . K^T. Panels go through BLAS; a few rows (decoding)
+// take vector loops instead, where BLAS' matrix-vector shapes are slow.
+ROPESCALE_CPU_CLONES void tile_scores(const float* q, int64_t rows, int64_t dim, const KeyTile& keys, int64_t cols,
+                                      float* scores, int64_t ld_scores) {
+  if (rows > kFewRows) {
+    TORCH_INTERNAL_ASSERT(keys.panel, "rerope_attention: BLAS scores need key panels");
+    at::native::cpublas::brgemm(rows, cols, dim, dim, keys.ld, ld_scores, /*add_C=*/false, q, keys.data, scores,
+                                /*is_vnni=*/false);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* query = q + r * dim;
+    float* s = scores + r * ld_scores;
+    if (keys.panel) {  // s += q[d] * panel row d
+      std::fill(s, s + cols, 0.0f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float* panel_row = keys.data + d * keys.ld;
+        const float qd = query[d];
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) s[c] += qd * panel_row[c];
+      }
+    } else {  // one dot product per key row
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* key = keys.data + c * keys.ld;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < dim; ++d) sum += key[d] * query[d];
+        s[c] = sum;
+      }
+    }
+  }
+}
+
+// acc[rows x D] += probs[rows x cols] . V[cols x D] (V rows with stride ld_v).
+inline void tile_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs, const float* v,
+                            int64_t ld_v, int64_t dim, float* acc) {
+  at::native::cpublas::brgemm(rows, dim, cols, ld_probs, ld_v, dim, /*add_C=*/true, probs, v, acc, /*is_vnni=*/false);
+}
+
+// out = rot(x * factor) with the pair angles' cos/sin; dims past the rotary ones are only scaled.
+inline void rotate_row(const float* x, float factor, const float* cos_v, const float* sin_v, int64_t pairs,
+                       int64_t dim, bool interleaved, float* out) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = x[d] * factor;
+  for (int64_t i = 0; i < pairs; ++i) {
+    int a, b;
+    rotary_pair_dims(static_cast<int>(i), static_cast<int>(pairs), interleaved, &a, &b);
+    rotate_pair(x[a] * factor, x[b] * factor, cos_v[i], sin_v[i], &out[a], &out[b]);
+  }
+}
+
+inline void sincos_row(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
+  for (int64_t i = 0; i < pairs; ++i) rotary_sincos(position, inv_freq[i], &sin_out[i], &cos_out[i]);
+}
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// k or v as float rows BLAS can read: the tensor itself when it already is float32 with rows at
+// least D apart, a float copy otherwise.
+struct FloatRows {
+  at::Tensor storage;
+  const float* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_l = 0;
+
+  explicit FloatRows(const at::Tensor& t) {
+    const bool usable = t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.stride(2) >= t.size(3);
+    storage = usable ? t : t.to(at::kFloat).contiguous();
+    data = storage.data_ptr<float>();
+    stride_b = storage.stride(0);
+    stride_h = storage.stride(1);
+    stride_l = storage.stride(2);
+  }
+  const float* row(int64_t b, int64_t h, int64_t l) const { return data + b * stride_b + h * stride_h + l * stride_l; }
+};
+
+// Transposed key panels [B, Hkv, n_kb, D, kBlockK], written only for the blocks that need them.
+struct KeyPanels {
+  at::Tensor storage;
+  float* data = nullptr;
+  int64_t heads = 0, blocks = 0, dim = 0;
+
+  KeyPanels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t dim_)
+      : storage(at::empty({batch, heads_, blocks_, dim_, kBlockK}, at::TensorOptions().dtype(at::kFloat))),
+        data(storage.data_ptr<float>()),
+        heads(heads_),
+        blocks(blocks_),
+        dim(dim_) {}
+  float* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * dim * kBlockK; }
+  KeyTile tile(int64_t b, int64_t h, int64_t kb) const { return {panel(b, h, kb), kBlockK, true}; }
+};
+
+template <typename scalar_t>
+void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
+  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
+  const bool leaky = a.leaky_inv != 0.0;
+  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
+  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
+  const float* inv_freq = a.inv_freq.data_ptr<float>();
+  const int64_t n_qb = (Lq + kBlockQ - 1) / kBlockQ, n_kb = (Lk + kBlockK - 1) / kBlockK;
+  // Decoding reads the raw far keys in place; BLAS (more query rows) needs them as panels too.
+  const bool raw_far_panels = !leaky && Lq > kFewRows;
+
+  // ---- tile classification, and which key blocks each side needs
+  std::vector<PositionRange> q_ranges(B * n_qb), k_ranges(B * n_kb);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Lq; ++i) q_ranges[b * n_qb + i / kBlockQ].add(q_pos[b * Lq + i]);
+    for (int64_t j = 0; j < Lk; ++j) k_ranges[b * n_kb + j / kBlockK].add(k_pos[b * Lk + j]);
+  }
+  std::vector<TileClass> tiles(B * n_qb * n_kb);
+  std::vector<uint8_t> needs_near(B * n_kb, 0), needs_far(B * n_kb, 0);
+  std::vector<int64_t> task_cost(B * n_qb, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t qb = 0; qb < n_qb; ++qb)
+      for (int64_t kb = 0; kb < n_kb; ++kb) {
+        const TileClass tc =
+            rerope_classify_tile(q_ranges[b * n_qb + qb], k_ranges[b * n_kb + kb], a.window, a.causal);
+        tiles[(b * n_qb + qb) * n_kb + kb] = tc;
+        needs_near[b * n_kb + kb] |= tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
+        needs_far[b * n_kb + kb] |= tc.kind == TileKind::kFar || tc.kind == TileKind::kBand;
+        task_cost[b * n_qb + qb] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
+      }
+
+  // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
+  std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
+  if (!leaky) sincos_row(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
+  at::parallel_for(0, B * Lq, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t p = q_pos[row];
+      sincos_row(static_cast<double>(p), inv_freq, P, &q_near_cs[2 * row * P], &q_near_cs[(2 * row + 1) * P]);
+      if (leaky)
+        sincos_row(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, &q_far_cs[2 * row * P],
+                   &q_far_cs[(2 * row + 1) * P]);
+      row_factor[row] = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
+    }
+  });
+
+  // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
+  const FloatRows k_rows(a.k), v_rows(a.v);
+  const KeyPanels near_panels(B, Hkv, n_kb, D);
+  const KeyPanels far_panels = (leaky || raw_far_panels) ? KeyPanels(B, Hkv, n_kb, D) : KeyPanels(0, 0, 0, 0);
+  at::parallel_for(0, B * n_kb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cs(2 * P), rotated(D);
+    // Rotates key j of every head at `position` (or copies it when position is null) into column c.
+    auto write_column = [&](const KeyPanels& panels, int64_t b, int64_t kb, int64_t j, int64_t c,
+                            const double* position) {
+      if (position) sincos_row(*position, inv_freq, P, cs.data(), cs.data() + P);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* key = k_rows.row(b, h, j);
+        if (position) {
+          rotate_row(key, 1.0f, cs.data(), cs.data() + P, P, D, a.interleaved, rotated.data());
+          key = rotated.data();
+        }
+        float* panel = panels.panel(b, h, kb);
+        for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key[d];
+      }
+    };
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t b = block / n_kb, kb = block % n_kb, j0 = kb * kBlockK, j1 = std::min(Lk, j0 + kBlockK);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t p = k_pos[b * Lk + j];
+        if (needs_near[block]) {
+          const double near_position = static_cast<double>(p);
+          write_column(near_panels, b, kb, j, j - j0, &near_position);
+        }
+        if (needs_far[block] && leaky) {
+          const double far_position = rerope_far_key_position(p, a.leaky_inv);
+          write_column(far_panels, b, kb, j, j - j0, &far_position);
+        } else if (needs_far[block] && raw_far_panels) {
+          write_column(far_panels, b, kb, j, j - j0, nullptr);
+        }
+      }
+    }
+  });
+
+  // ---- attention tasks, heaviest first, handed out dynamically (causal rows differ in cost)
+  std::vector<int64_t> tasks;
+  tasks.reserve(B * Hq * n_qb);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t qb = 0; qb < n_qb; ++qb) tasks.push_back((b * Hq + h) * n_qb + qb);
+  auto cost_of = [&](int64_t task) { return task_cost[(task / (Hq * n_qb)) * n_qb + task % n_qb]; };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) { return cost_of(x) > cost_of(y); });
+  std::atomic<int64_t> next_task{0};
+  const auto* q_data = a.q.data_ptr<scalar_t>();
+  auto* out_data = out.data_ptr<scalar_t>();
+  float* lse_data = lse.data_ptr<float>();
+  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
+
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
+    std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
+    for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
+      const int64_t task = tasks[t];
+      const int64_t qb = task % n_qb, h = (task / n_qb) % Hq, b = task / (n_qb * Hq), hkv = h / group;
+      const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, Lq - i0);
+      const int64_t* row_pos = q_pos + b * Lq + i0;
+
+      // The query block's operands for both sides, scaled by scale * log-n.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = b * Lq + i0 + r;
+        load_row(q_data + b * sq0 + h * sq1 + (i0 + r) * sq2, D, q_row.data());
+        const float* near_cs = &q_near_cs[2 * row * P];
+        const float* far_cs = leaky ? &q_far_cs[2 * row * P] : q_far_cs.data();
+        rotate_row(q_row.data(), row_factor[row], near_cs, near_cs + P, P, D, a.interleaved, &q_near[r * D]);
+        rotate_row(q_row.data(), row_factor[row], far_cs, far_cs + P, P, D, a.interleaved, &q_far[r * D]);
+      }
+      std::fill(row_max.begin(), row_max.end(), kNegInf);
+      std::fill(row_sum.begin(), row_sum.end(), 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+
+      for (int64_t kb = 0; kb < n_kb; ++kb) {
+        const TileClass tc = tiles[(b * n_qb + qb) * n_kb + kb];
+        if (tc.kind == TileKind::kSkip) continue;
+        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+        const bool band = tc.kind == TileKind::kBand;
+        if (tc.kind != TileKind::kFar)
+          tile_scores(q_near.data(), rows, D, near_panels.tile(b, hkv, kb), cols, scores.data(), kBlockK);
+        if (tc.kind != TileKind::kNear) {
+          const KeyTile far_keys = (leaky || raw_far_panels) ? far_panels.tile(b, hkv, kb)
+                                                             : KeyTile{k_rows.row(b, hkv, j0), k_rows.stride_l, false};
+          tile_scores(q_far.data(), rows, D, far_keys, cols, band ? far_scores.data() : scores.data(), kBlockK);
+        }
+        if (band || tc.needs_mask)
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
+                               a.window, a.causal, band, tc.needs_mask);
+        online_softmax_update(scores.data(), rows, cols, kBlockK, row_max.data(), row_sum.data(), acc.data(), D);
+        tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows.row(b, hkv, j0), v_rows.stride_l, D, acc.data());
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t out_row = (b * Hq + h) * Lq + i0 + r;
+        scalar_t* o = out_data + out_row * D;
+        if (row_sum[r] > 0.0f) {
+          const float inv = 1.0f / row_sum[r];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+          lse_data[out_row] = row_max[r] + std::log(row_sum[r]);
+        } else {  // no visible key
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(0.0f);
+          lse_data[out_row] = kNegInf;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& q_positions,
+                                                        const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                        int64_t window, double leaky_k, double scale,
+                                                        int64_t logn_length, bool causal, bool interleaved) {
+  const ReropeArgs args = check_rerope_attention_args(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
+                                                      scale, logn_length, causal, interleaved);
+  TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention: the CPU kernel got tensors on ", args.q.device());
+  at::Tensor out = at::empty({args.batch, args.q_heads, args.q_len, args.head_dim}, args.q.options());
+  at::Tensor lse = at::empty({args.batch, args.q_heads, args.q_len}, args.q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  if (args.k_len == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.q.scalar_type(), "rerope_attention_cpu",
+                                  [&] { rerope_attention_cpu_kernel<scalar_t>(args, out, lse); });
+  return {out, lse};
+}
+
+}  // namespace ropescale

@@ -1,0 +1,82 @@
+// The validated arguments of a rotary op (csrc/rotary.cpp checks them at the op boundary) and
+// their translation into the framework-free kernel parameters (include/ropescale/rotary.h) that the
+// CPU kernel (cpu/rotary.cpp) and the CUDA kernel (cuda/rotary.cu) both read.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+#include "ropescale/rotary.h"
+
+namespace ropescale {
+
+struct RotaryArgs {
+  // q (and k): inputs and outputs, 4-D [batch, heads, seq, head_dim]; out == in when in place.
+  at::Tensor in[2], out[2];
+  int num_operands = 1;
+  int64_t seq_len = 0, head_dim = 0, rotary_dim = 0, table_batch = 1;
+  rotary::TableKind table = rotary::TableKind::kFullWidth;
+  at::Tensor cos, sin;       // [table_batch, seq, width] (2-D tables are viewed as 3-D)
+  at::Tensor positions;      // [table_batch, seq], int32 or int64
+  at::Tensor inv_freq;       // [rotary_dim / 2], float32, contiguous
+  double scale = 1.0;
+  bool interleaved = false, conjugate = false, in_place = false;
+};
+
+// Kernel parameters with element type T: the backend's own type of the same layout as the
+// tensors' dtype (float, double, c10::Half / __half, c10::BFloat16 / __nv_bfloat16).
+template <class T>
+rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
+  rotary::Params<T> p;
+  p.num_operands = a.num_operands;
+  for (int o = 0; o < a.num_operands; ++o) {
+    const at::Tensor& in = a.in[o];
+    const at::Tensor& out = a.out[o];
+    rotary::Operand<T>& x = p.operands[o];
+    x.in = static_cast<const T*>(in.const_data_ptr());
+    x.out = static_cast<T*>(out.data_ptr());
+    x.batch = in.size(0);
+    x.heads = in.size(1);
+    x.in_stride_batch = in.stride(0);
+    x.in_stride_head = in.stride(1);
+    x.in_stride_seq = in.stride(2);
+    x.out_stride_batch = out.stride(0);
+    x.out_stride_head = out.stride(1);
+    x.out_stride_seq = out.stride(2);
+  }
+  p.seq_len = a.seq_len;
+  p.head_dim = a.head_dim;
+  p.rotary_dim = a.rotary_dim;
+  p.table_batch = a.table_batch;
+  p.table = a.table;
+  if (a.table == rotary::TableKind::kPositions) {
+    p.positions = a.positions.const_data_ptr();
+    p.positions_int64 = a.positions.scalar_type() == at::kLong;
+    p.positions_stride_batch = a.positions.stride(0);
+    p.positions_stride_seq = a.positions.stride(1);
+    p.inv_freq = a.inv_freq.const_data_ptr<float>();
+    p.scale = a.scale;
+  } else {
+    p.cos = static_cast<const T*>(a.cos.const_data_ptr());
+    p.sin = static_cast<const T*>(a.sin.const_data_ptr());
+    p.cos_stride_batch = a.cos.stride(0);
+    p.cos_stride_seq = a.cos.stride(1);
+    p.sin_stride_batch = a.sin.stride(0);
+    p.sin_stride_seq = a.sin.stride(1);
+  }
+  p.interleaved = a.interleaved;
+  p.conjugate = a.conjugate;
+  p.copy_tail = !a.in_place && a.rotary_dim < a.head_dim;
+  return p;
+}
+
+// The kernels, per backend. Arguments are already checked; the work is not empty.
+void rotary_cpu(const RotaryArgs& args);
+// The instruction set of the CPU kernel rotary_cpu runs: "AVX512", "AVX2" or "DEFAULT".
+std::string rotary_cpu_isa();
+#ifdef ROPESCALE_WITH_CUDA
+void rotary_cuda(const RotaryArgs& args);
+#endif
+
+}  // namespace ropescale

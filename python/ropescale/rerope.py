@@ -1,0 +1,196 @@
+"""ReRoPE attention in plain PyTorch: the differentiable composite path and the naive two-matrix form.
+
+Both take the arguments of ``torch.ops.ropescale.rerope_attention`` (q, k NOT rotated) and return
+``(out, lse)``:
+
+* :func:`rerope_attention_composite` is the training path (Leaky ReRoPE fine-tuning) and a second
+  oracle for the fused kernels: two calls to ``torch.nn.functional.scaled_dot_product_attention``,
+  one over the near band (``p_q - p_k < window``, operands rotated at their own positions) and one
+  over the far part (query rotated at ``window``, raw key; Leaky: the interpolated pair), merged by
+  their log-sum-exp. Gradients come from PyTorch's own SDPA backward.
+* :func:`rerope_attention_naive` is Su's reference formulation: two full ``Lq x Lk`` score
+  matrices selected by the window rule, then a softmax. O(L^2) memory; the baseline the fused op
+  is benchmarked against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rerope_attention_composite", "rerope_attention_naive", "rotate"]
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``x`` ``[B, H, L, D]`` rotated at per-token ``positions`` ``[B, L]`` (any real values).
+
+    Angles are formed in float64 (accurate at long positions); the rotation runs in float32
+    (float64 for float64 inputs) and the result has ``x``'s dtype. Dimensions from
+    ``2 * len(inv_freq)`` on are left as they are. Differentiable in ``x``.
+    """
+    pairs = inv_freq.numel()
+    rotary_dim = 2 * pairs
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=x.device, dtype=torch.float64)
+    cos = angles.cos().to(compute)[:, None]
+    sin = angles.sin().to(compute)[:, None]
+    xc = x.to(compute)
+    if interleaved:
+        x1, x2 = xc[..., 0:rotary_dim:2], xc[..., 1:rotary_dim:2]
+    else:
+        x1, x2 = xc[..., :pairs], xc[..., pairs:rotary_dim]
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+    return torch.cat((rotated, xc[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+
+def _prepare(q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved):
+    """Everything both plain-PyTorch paths share: the scaled and rotated operands of each side and
+    the visibility / near masks ``[B, Lq, Lk]``."""
+    if window <= 0:
+        raise ValueError(f"rerope_attention: window must be > 0, got {window}")
+    if leaky_k != 0 and leaky_k < 1:
+        raise ValueError(f"rerope_attention: leaky_k must be 0 (ReRoPE) or >= 1 (Leaky ReRoPE), got {leaky_k}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"rerope_attention: the number of q heads ({q.shape[1]}) must be a multiple of the number of "
+            f"k/v heads ({k.shape[1]})"
+        )
+    if q_positions.is_floating_point() or k_positions.is_floating_point():
+        raise ValueError("rerope_attention: positions must be integer tensors")
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None or scale < 0 else float(scale)
+    qp = q_positions.to(device=q.device, dtype=torch.int64)
+    kp = k_positions.to(device=q.device, dtype=torch.int64)
+    if logn_length > 0:
+        n = (qp + 1).to(torch.float64)
+        factor = torch.where(n > logn_length, n.clamp_min(1).log() / math.log(logn_length), torch.ones_like(n))
+        q = q * factor.to(q.dtype)[:, None, :, None]
+    q_near, k_near = rotate(q, qp, inv_freq, interleaved), rotate(k, kp, inv_freq, interleaved)
+    if leaky_k:
+        q_far = rotate(q, window + (qp - window).to(torch.float64) / leaky_k, inv_freq, interleaved)
+        k_far = rotate(k, kp.to(torch.float64) / leaky_k, inv_freq, interleaved)
+    else:
+        q_far, k_far = rotate(q, torch.full_like(qp, window), inv_freq, interleaved), k
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+    if causal:
+        visible = visible & (kp[:, None, :] <= qp[:, :, None])
+    near = (qp[:, :, None] - kp[:, None, :]) < window
+    return scale, (q_near, k_near), (q_far, k_far), visible, near
+
+
+def _lse_dtype(q):
+    # float32 as the fused op; float64 inputs (gradcheck, references) keep float64.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _scores(q, k, scale):
+    """``scale * q k^T`` with GQA: ``[B, Hq, Lq, D] x [B, Hkv, Lk, D] -> [B, Hq, Lq, Lk]``."""
+    group = q.shape[1] // k.shape[1]
+    return torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+
+
+def rerope_attention_naive(
+    q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
+    interleaved=False,
+):
+    """Su's formulation: both score matrices in full, selected by ``p_q - p_k < window``, masked,
+    softmax. Runs in the inputs' dtype (float32 math for half types), O(Lq x Lk) memory."""
+    scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
+        q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+    )
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s_near = _scores(q_near.to(compute), k_near.to(compute), scale)
+    s_far = _scores(q_far.to(compute), k_far.to(compute), scale)
+    scores = torch.where(near[:, None], s_near, s_far).masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    group = q.shape[1] // k.shape[1]
+    out = torch.matmul(probs, v.to(compute).repeat_interleave(group, dim=1))
+    return out.to(q.dtype), lse.to(_lse_dtype(q))
+
+
+def _row_max(q, k, visible, scale, budget_bytes=64 << 20):
+    """Largest visible score of each query row, ``[B, Hq, Lq]`` (-inf where none), in query chunks
+    so that no more than ``budget_bytes`` of scores exist at once. No gradient."""
+    batch, q_heads, q_len, _ = q.shape
+    k_len = k.shape[2]
+    out = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
+    chunk = max(1, budget_bytes // max(1, 4 * batch * q_heads * k_len))
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for i0 in range(0, q_len, chunk):
+        s = _scores(q[:, :, i0 : i0 + chunk].to(compute), k.to(compute), scale)
+        s = s.masked_fill(~visible[:, None, i0 : i0 + chunk], float("-inf"))
+        out[:, :, i0 : i0 + chunk] = s.amax(dim=-1).float()
+    return out
+
+
+def _sdpa_with_denominator(q, k, v, visible, shift, scale):
+    """One side through SDPA, returning its UNnormalised parts relative to ``exp(shift)``:
+    ``A = sum_j exp(s_j - shift) v_j`` and ``N = sum_j exp(s_j - shift)``.
+
+    SDPA returns only the normalised output, so two columns and one sentinel key are added: the
+    value columns hold 1 for the real keys / 1 for the sentinel, and the sentinel key's score is
+    ``shift`` (an extra q column carries ``shift / scale``, matched by a 1 in the sentinel key).
+    With ``w`` the sentinel's probability and ``u`` the real keys' total one, ``N = u / w`` and
+    ``A = out / w``, exactly and differentiably (``shift`` is a constant the result does not depend
+    on). Because ``shift`` is the row's largest visible score, ``w >= 1 / (Lk + 1)``: no underflow.
+    """
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    # Exactly the sentinel score SDPA will compute (q's dtype rounds shift / scale).
+    beta = (shift / scale if scale != 0 else torch.zeros_like(shift)).to(q.dtype)
+    shift_eff = beta.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale
+    zeros_q = q.new_zeros(batch, q_heads, q_len, 1)
+    q_x = torch.cat((q, beta[..., None], zeros_q), dim=-1)
+    k_x = torch.cat((k, k.new_zeros(batch, kv_heads, k_len, 2)), dim=-1)
+    sentinel_k = k.new_zeros(batch, kv_heads, 1, dim + 2)
+    sentinel_k[..., dim] = 1
+    k_x = torch.cat((k_x, sentinel_k), dim=2)
+    v_x = torch.cat((v, v.new_ones(batch, kv_heads, k_len, 1), v.new_zeros(batch, kv_heads, k_len, 1)), dim=-1)
+    sentinel_v = v.new_zeros(batch, kv_heads, 1, dim + 2)
+    sentinel_v[..., dim + 1] = 1
+    v_x = torch.cat((v_x, sentinel_v), dim=2)
+    mask = torch.cat((visible, visible.new_ones(batch, q_len, 1)), dim=-1)[:, None]
+    out = F.scaled_dot_product_attention(
+        q_x, k_x, v_x, attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads
+    )
+    compute = shift_eff.dtype
+    out = out.to(compute)
+    w = out[..., dim + 1 : dim + 2]
+    return out[..., :dim] / w, (out[..., dim] / w[..., 0]), shift_eff
+
+
+def rerope_attention_composite(
+    q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
+    interleaved=False,
+):
+    """ReRoPE / Leaky ReRoPE attention from two PyTorch SDPA calls, differentiable end to end.
+
+    Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near band and the far
+    part each go through ``scaled_dot_product_attention`` with their own boolean mask; their partial
+    softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
+    path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
+    sentinel key and two value columns that make it return its softmax denominator too (see
+    ``_sdpa_with_denominator``); the shift they need (the row's largest visible score) is found
+    first, without gradient, in query chunks. Cost: two SDPA calls plus one ``q k^T`` pass per side;
+    memory: the ``Lq x Lk`` boolean masks SDPA takes (plus what the chosen SDPA backend needs).
+    """
+    scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
+        q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+    )
+    mask_near, mask_far = visible & near, visible & ~near
+    with torch.no_grad():
+        shift = torch.maximum(_row_max(q_near, k_near, mask_near, scale), _row_max(q_far, k_far, mask_far, scale))
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    a_near, n_near, shift_eff = _sdpa_with_denominator(q_near, k_near, v, mask_near, shift, scale)
+    a_far, n_far, _ = _sdpa_with_denominator(q_far, k_far, v, mask_far, shift, scale)
+    total = n_near + n_far
+    seen = total > 0
+    safe_total = torch.where(seen, total, torch.ones_like(total))
+    out = (a_near + a_far) / safe_total[..., None]
+    lse = torch.where(seen, shift_eff + safe_total.log(), torch.full_like(total, float("-inf")))
+    return out.to(q.dtype), lse.to(_lse_dtype(q))

@@ -1,0 +1,362 @@
+// The rotary CUDA kernel (csrc/include/ropescale/rotary_kernels.cuh), its exact code, run on the CPU
+// through the SIMT emulation and compared with a float64 reference written here from the
+// definition (DESIGN.md "Rotation"): y = x * cos + rotate(x) * sin on the first rotary_dim
+// features, the rest copied (or untouched in place). Small odd shapes, every dtype, both layouts,
+// every table kind, q alone and q+k with different head (and batch) counts, strided and
+// misaligned rows (the one-pair-per-thread path), and grids split over rows (few tokens).
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
+
+#include "ropescale/rotary_kernels.cuh"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using ropescale::rotary::launch_rotary;
+using ropescale::rotary::launch_shape;
+using ropescale::rotary::Params;
+using ropescale::rotary::TableKind;
+
+template <class T>
+double to_double(T v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(v);
+  else
+    return static_cast<double>(v);
+}
+
+template <class T>
+T from_double(double v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half_rn(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
+}
+
+// Relative rounding of one output element, plus what fp32 math costs.
+template <class T>
+double tolerance(double magnitude) {
+  if constexpr (std::is_same_v<T, __half>) return magnitude * std::ldexp(1.0, -11) + 1e-6;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return magnitude * std::ldexp(1.0, -8) + 1e-6;
+  if constexpr (std::is_same_v<T, float>) return magnitude * 1e-6 + 1e-6;
+  return magnitude * 1e-14;
+}
+
+// Element layouts of a [batch, heads, seq, head_dim] operand inside a larger buffer.
+enum class Layout {
+  kContiguous,  // [B, H, S, D]
+  kTransposed,  // transformers' [B, H, S, D] view of a [B, S, H, D] tensor
+  kPadded,      // rows one element apart and a base one element off: no 16-byte access possible
+};
+
+template <class T>
+struct Buffer {
+  std::vector<T> data;
+  int64_t offset = 0, batch = 0, heads = 0, seq = 0, dim = 0;
+  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
+
+  Buffer(int64_t b, int64_t h, int64_t s, int64_t d, Layout layout) : batch(b), heads(h), seq(s), dim(d) {
+    switch (layout) {
+      case Layout::kContiguous:
+        stride_s = d, stride_h = s * d, stride_b = h * s * d;
+        break;
+      case Layout::kTransposed:
+        stride_h = d, stride_s = h * d, stride_b = s * h * d;
+        break;
+      case Layout::kPadded:
+        offset = 1, stride_s = d + 1, stride_h = s * (d + 1), stride_b = h * s * (d + 1) + 3;
+        break;
+    }
+    data.resize(offset + b * stride_b + 16);
+  }
+  int64_t index(int64_t b, int64_t h, int64_t s, int64_t e) const {
+    return offset + b * stride_b + h * stride_h + s * stride_s + e;
+  }
+  T* base() { return data.data() + offset; }
+};
+
+// A tiny independent reference: the four table entries of feature e of a token, in double.
+struct Reference {
+  TableKind table;
+  bool interleaved;
+  int64_t rotary_dim, width, table_batch, seq;
+  std::vector<double> cos, sin;        // [table_batch, seq, width] (tables)
+  std::vector<int64_t> positions;      // [table_batch, seq]
+  std::vector<float> inv_freq;
+  double scale = 1.0;
+
+  // cos and sin multiplying feature e (< rotary_dim) of a token: x*cos + rotate(x)*sin.
+  void entry(int64_t tb, int64_t s, int64_t e, double* c, double* sn) const {
+    const int64_t half = rotary_dim / 2;
+    const int64_t pair = interleaved ? e / 2 : e % half;
+    if (table == TableKind::kPositions) {
+      const double angle = static_cast<double>(positions[tb * seq + s]) * static_cast<double>(inv_freq[pair]);
+      *c = scale * std::cos(angle);
+      *sn = scale * std::sin(angle);
+      return;
+    }
+    const int64_t col = table == TableKind::kFullWidth ? e : pair;
+    *c = cos[(tb * seq + s) * width + col];
+    *sn = sin[(tb * seq + s) * width + col];
+  }
+  // rotate(x)[e]: half-split cat(-x2, x1); interleaved (-x1, x0, -x3, x2, ...).
+  double rotated(const std::vector<double>& row, int64_t e) const {
+    const int64_t half = rotary_dim / 2;
+    if (interleaved) return e % 2 == 0 ? -row[e + 1] : row[e - 1];
+    return e < half ? -row[e + half] : row[e - half];
+  }
+};
+
+struct Case {
+  TableKind table = TableKind::kFullWidth;
+  bool interleaved = false;
+  bool with_k = false;
+  bool shared_table = false;  // table batch 1 (q and k batch sizes then differ)
+  bool in_place = false;
+  bool conjugate = false;
+  Layout layout = Layout::kContiguous;
+  int64_t seq = 3, head_dim = 16, rotary_dim = 16;
+  int64_t min_blocks = 1;
+  bool positions_int64 = true;
+};
+
+std::string describe(const Case& c) {
+  return "table=" + std::to_string(static_cast<int>(c.table)) + " interleaved=" + std::to_string(c.interleaved) +
+         " with_k=" + std::to_string(c.with_k) + " shared_table=" + std::to_string(c.shared_table) +
+         " in_place=" + std::to_string(c.in_place) + " conjugate=" + std::to_string(c.conjugate) +
+         " layout=" + std::to_string(static_cast<int>(c.layout)) + " seq=" + std::to_string(c.seq) +
+         " head_dim=" + std::to_string(c.head_dim) + " rotary_dim=" + std::to_string(c.rotary_dim) +
+         " min_blocks=" + std::to_string(c.min_blocks);
+}
+
+// Runs one case through the emulated kernel; checks every output element against the reference,
+// that the tail is copied (or untouched in place), and that nothing outside the operands changed.
+template <class T>
+void run_case(const Case& c, std::mt19937& rng) {
+  INFO(describe(c));
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  const int64_t batch_q = 2, heads_q = 3, heads_k = 2;
+  const int64_t batch_k = c.shared_table ? 1 : batch_q;
+  const int64_t table_batch = c.shared_table ? 1 : batch_q;
+  const int64_t S = c.seq, D = c.head_dim, R = c.rotary_dim;
+
+  Reference ref;
+  ref.table = c.table;
+  ref.interleaved = c.interleaved;
+  ref.rotary_dim = R;
+  ref.width = c.table == TableKind::kFullWidth ? R : R / 2;
+  ref.table_batch = table_batch;
+  ref.seq = S;
+  std::vector<T> cos_table, sin_table;
+  std::vector<int32_t> positions32;
+  std::vector<int64_t> positions64;
+  if (c.table == TableKind::kPositions) {
+    for (int64_t i = 0; i < table_batch * S; ++i) ref.positions.push_back(static_cast<int64_t>(rng() % 5000));
+    for (int64_t i = 0; i < R / 2; ++i) ref.inv_freq.push_back(static_cast<float>(std::pow(1e4, -2.0 * i / R)));
+    ref.scale = 1.25;
+    for (int64_t p : ref.positions) {
+      positions32.push_back(static_cast<int32_t>(p));
+      positions64.push_back(p);
+    }
+  } else {
+    // Arbitrary tables (not cos/sin of anything): the kernel must apply exactly the entries given.
+    for (int64_t i = 0; i < table_batch * S * ref.width; ++i) {
+      cos_table.push_back(from_double<T>(uniform(rng)));
+      sin_table.push_back(from_double<T>(uniform(rng)));
+      ref.cos.push_back(to_double(cos_table.back()));
+      ref.sin.push_back(to_double(sin_table.back()));
+    }
+  }
+
+  const int num_operands = c.with_k ? 2 : 1;
+  const int64_t batches[2] = {batch_q, batch_k}, heads[2] = {heads_q, heads_k};
+  std::vector<Buffer<T>> inputs, outputs;
+  for (int o = 0; o < num_operands; ++o) {
+    inputs.emplace_back(batches[o], heads[o], S, D, c.layout);
+    outputs.emplace_back(batches[o], heads[o], S, D, Layout::kContiguous);
+    for (T& v : inputs.back().data) v = from_double<T>(normal(rng));
+    for (T& v : outputs.back().data) v = from_double<T>(-7.0);  // sentinel
+  }
+  const std::vector<Buffer<T>> originals = inputs;
+
+  Params<T> p;
+  p.num_operands = num_operands;
+  for (int o = 0; o < num_operands; ++o) {
+    Buffer<T>& in = inputs[o];
+    Buffer<T>& out = c.in_place ? inputs[o] : outputs[o];
+    p.operands[o] = {in.base(), out.base(), in.batch, in.heads, in.stride_b, in.stride_h, in.stride_s,
+                     out.stride_b, out.stride_h, out.stride_s};
+  }
+  p.seq_len = S;
+  p.head_dim = D;
+  p.rotary_dim = R;
+  p.table_batch = table_batch;
+  p.table = c.table;
+  if (c.table == TableKind::kPositions) {
+    p.positions = c.positions_int64 ? static_cast<const void*>(positions64.data()) : positions32.data();
+    p.positions_int64 = c.positions_int64;
+    p.positions_stride_batch = S;
+    p.positions_stride_seq = 1;
+    p.inv_freq = ref.inv_freq.data();
+    p.scale = ref.scale;
+  } else {
+    p.cos = cos_table.data();
+    p.sin = sin_table.data();
+    p.cos_stride_batch = p.sin_stride_batch = S * ref.width;
+    p.cos_stride_seq = p.sin_stride_seq = ref.width;
+  }
+  p.interleaved = c.interleaved;
+  p.conjugate = c.conjugate;
+  p.copy_tail = !c.in_place && R < D;
+
+  launch_rotary(p, c.min_blocks, nullptr);
+
+  double worst = 0.0;
+  for (int o = 0; o < num_operands; ++o) {
+    const Buffer<T>& in = originals[o];
+    const Buffer<T>& out = c.in_place ? inputs[o] : outputs[o];
+    for (int64_t b = 0; b < in.batch; ++b)
+      for (int64_t h = 0; h < in.heads; ++h)
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t tb = table_batch == 1 ? 0 : b;
+          std::vector<double> x(R), expected(R);
+          for (int64_t e = 0; e < R; ++e) x[e] = to_double(in.data[in.index(b, h, s, e)]);
+          for (int64_t e = 0; e < R; ++e) {
+            double cs, sn;
+            ref.entry(tb, s, e, &cs, &sn);
+            if (!c.conjugate) {
+              expected[e] = x[e] * cs + ref.rotated(x, e) * sn;
+            } else {
+              // The transpose of the forward map M (y = M x): (M^T x)[e] = sum_f M[f][e] x[f]. Row f
+              // of M has cos_f at f and sin_f at f's partner with rotate's sign.
+              const int64_t partner = c.interleaved ? (e ^ 1) : (e < R / 2 ? e + R / 2 : e - R / 2);
+              double cp, sp;
+              ref.entry(tb, s, partner, &cp, &sp);
+              // rotate(x)[partner] = sign * x[e], sign = -1 when partner is the first of its pair.
+              const bool partner_first = c.interleaved ? partner % 2 == 0 : partner < R / 2;
+              expected[e] = x[e] * cs + (partner_first ? -sp : sp) * x[partner];
+            }
+          }
+          for (int64_t e = 0; e < R; ++e) {
+            const double got = to_double(out.data[out.index(b, h, s, e)]);
+            const double err = std::fabs(got - expected[e]);
+            const double tol = tolerance<T>(std::fabs(expected[e]) + 1.0);
+            worst = std::max(worst, err / tol);
+            if (err > tol) {
+              FAIL_CHECK("operand " << o << " [" << b << "," << h << "," << s << "," << e << "]: got " << got
+                                    << ", expected " << expected[e]);
+              return;
+            }
+          }
+          for (int64_t e = R; e < D; ++e)  // tail: copied bit for bit, or untouched in place
+            REQUIRE(to_double(out.data[out.index(b, h, s, e)]) == to_double(in.data[in.index(b, h, s, e)]));
+        }
+    // Nothing outside the operand's elements was written (padding, gaps, sentinels).
+    std::vector<bool> owned(out.data.size(), false);
+    for (int64_t b = 0; b < in.batch; ++b)
+      for (int64_t h = 0; h < in.heads; ++h)
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t e = 0; e < D; ++e) owned[out.index(b, h, s, e)] = true;
+    const std::vector<T>& untouched = c.in_place ? originals[o].data : std::vector<T>(out.data.size(), from_double<T>(-7.0));
+    for (size_t i = 0; i < owned.size(); ++i)
+      if (!owned[i]) REQUIRE(to_double(out.data[i]) == to_double(untouched[i]));
+  }
+  CHECK(worst <= 1.0);
+}
+
+template <class T>
+void run_grid(bool quick) {
+  std::mt19937 rng(1234);
+  const std::vector<TableKind> tables = {TableKind::kFullWidth, TableKind::kHalfWidth, TableKind::kPositions};
+  for (TableKind table : tables)
+    for (bool interleaved : {false, true})
+      for (Layout layout : {Layout::kContiguous, Layout::kTransposed, Layout::kPadded})
+        for (bool with_k : {false, true}) {
+          Case c;
+          c.table = table;
+          c.interleaved = interleaved;
+          c.layout = layout;
+          c.with_k = with_k;
+          c.shared_table = with_k && layout == Layout::kTransposed;
+          c.in_place = layout == Layout::kPadded;
+          c.conjugate = with_k && !interleaved;
+          c.positions_int64 = layout != Layout::kContiguous;
+          // Partial rotary on the padded layout; odd seq lengths; few tokens split over rows.
+          c.seq = layout == Layout::kContiguous ? 17 : (layout == Layout::kTransposed ? 3 : 1);
+          c.rotary_dim = layout == Layout::kPadded ? 8 : 16;
+          c.head_dim = layout == Layout::kContiguous ? 16 : 24;
+          c.min_blocks = c.seq == 1 ? 64 : 1;
+          run_case<T>(c, rng);
+          if (quick) break;
+        }
+}
+
+}  // namespace
+
+TEST_CASE("rotary kernel, float32: every table kind, layout, stride and operand mix", "[rotary][float]") {
+  run_grid<float>(false);
+}
+
+TEST_CASE("rotary kernel, float64", "[rotary][double]") { run_grid<double>(false); }
+
+TEST_CASE("rotary kernel, float16 (fp32 math)", "[rotary][half]") { run_grid<__half>(false); }
+
+TEST_CASE("rotary kernel, bfloat16 (fp32 math)", "[rotary][bfloat16]") { run_grid<__nv_bfloat16>(false); }
+
+TEST_CASE("rotary kernel: head_dim 40 leaves a partial vector per row; rotary_dim 2", "[rotary][edges]") {
+  std::mt19937 rng(7);
+  for (bool interleaved : {false, true}) {
+    Case c;
+    c.interleaved = interleaved;
+    c.head_dim = 40;  // 20 pairs: not a multiple of 8 (bf16 vector) -> one pair per thread
+    c.rotary_dim = 40;
+    c.seq = 5;
+    c.with_k = true;
+    run_case<__nv_bfloat16>(c, rng);
+    run_case<float>(c, rng);  // 20 pairs: a multiple of 4 -> vector path
+    c.rotary_dim = 2;
+    c.table = TableKind::kPositions;
+    run_case<float>(c, rng);
+  }
+}
+
+TEST_CASE("rotary launch shape: many tokens use one block row, few tokens split rows over blocks",
+          "[rotary][launch]") {
+  Params<float> p;
+  p.num_operands = 2;
+  p.operands[0].batch = p.operands[1].batch = 1;
+  p.operands[0].heads = 32;
+  p.operands[1].heads = 8;
+  p.head_dim = p.rotary_dim = 128;
+  p.table_batch = 1;
+  static std::vector<float> storage(64);  // any 16-byte aligned base with zero strides
+  for (auto& x : p.operands) x.in = x.out = storage.data();
+
+  p.seq_len = 4096;
+  auto many = launch_shape(p, /*min_blocks=*/132 * 16);
+  CHECK(many.pairs_per_thread == 4);                     // 16-byte fp32 accesses
+  CHECK(many.block.x == 16);                             // 64 pairs / 4
+  CHECK(many.block.x * many.block.y == 128);
+  CHECK(many.grid.x == 4096 / many.block.y);
+  CHECK(many.grid.x * many.grid.y >= 132 * 16 / 2);
+
+  p.seq_len = 1;  // decode: one token, 40 rows
+  auto one = launch_shape(p, 132 * 16);
+  CHECK(one.grid.x == 1);
+  CHECK(one.grid.y == 40);  // every row its own block
+  CHECK(one.block.y == 1);
+
+  p.seq_len = 20000;
+  auto lots = launch_shape(p, 132 * 16);
+  CHECK(lots.grid.y == 1);  // enough tokens: sin/cos computed once per token
+}

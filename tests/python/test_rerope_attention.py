@@ -1,0 +1,477 @@
+"""rerope_attention: the fused op (CPU; CUDA when a GPU exists) against a float64 two-matrix
+reference, decode consistency with PreRopeCache, the SDPA limit, the composite path (agreement and
+gradcheck), memory, opcheck and bad input."""
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+from ropescale import ops
+from ropescale.cache import PreRopeCache
+
+BASE = 10000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 reference, from Su's description: two full score matrices merged by the window rule.
+
+
+def rot64(x, positions, inv_freq, interleaved=False):
+    """x [B, H, L, D] rotated at positions [B, L] (float64; dims past 2*len(inv_freq) untouched)."""
+    x = x.double()
+    pairs = inv_freq.numel()
+    ang = positions.double()[:, None, :, None] * inv_freq.double().to(x.device)
+    cos, sin = ang.cos(), ang.sin()
+    if interleaved:
+        x1, x2 = x[..., 0 : 2 * pairs : 2], x[..., 1 : 2 * pairs : 2]
+    else:
+        x1, x2 = x[..., :pairs], x[..., pairs : 2 * pairs]
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rotated = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    return torch.cat((rotated, x[..., 2 * pairs :]), -1)
+
+
+def logn_factor(qp, logn_length):
+    n = (qp + 1).double()
+    if logn_length <= 0:
+        return torch.ones_like(n)
+    return torch.where(n > logn_length, n.clamp_min(1).log() / math.log(logn_length), torch.ones_like(n))
+
+
+def reference(q, k, v, qp, kp, inv_freq, window, leaky_k=0.0, scale=None, logn_length=0, causal=True,
+              interleaved=False):
+    """(out, lse) in float64. Negative positions are padding; a row with no visible key gives 0 / -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * logn_factor(qp, logn_length)[:, None, :, None]
+    a_near = rot64(q, qp, inv_freq, interleaved) @ rot64(k, kp, inv_freq, interleaved).transpose(-1, -2)
+    if leaky_k:
+        a_far = rot64(q, window + (qp.double() - window) / leaky_k, inv_freq, interleaved) @ rot64(
+            k, kp.double() / leaky_k, inv_freq, interleaved).transpose(-1, -2)
+    else:
+        a_far = rot64(q, torch.full_like(qp, window), inv_freq, interleaved) @ k.transpose(-1, -2)
+    dist = qp[:, :, None] - kp[:, None, :]
+    scores = torch.where((dist < window)[:, None], a_near, a_far) * scale
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+    if causal:
+        visible &= dist >= 0
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - torch.where(lse.isfinite(), lse, 0)[..., None])
+    return probs @ v, lse
+
+
+def make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype=torch.float32, pad=0, offset=0, seed=0,
+                device="cpu"):
+    """Random q/k/v and prefill-style positions: keys 0..k_len-1 (+offset), queries the last q_len of them;
+    batch row b > 0 left-padded by pad*b tokens (position -1)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, q_len, dim, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(batch, kv_heads, k_len, dim, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(batch, kv_heads, k_len, dim, generator=g).to(device=device, dtype=dtype)
+    kp = torch.arange(k_len).repeat(batch, 1) + offset
+    for b in range(batch):
+        n_pad = min(pad * b, k_len)
+        kp[b, :n_pad] = -1
+        kp[b, n_pad:] = torch.arange(k_len - n_pad) + offset
+    qp = kp[:, k_len - q_len :].clone()
+    return q, k, v, qp.to(device), kp.to(device)
+
+
+def assert_matches_reference(out, lse, ref_out, ref_lse, atol, rtol, lse_atol):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    # -inf exactly where the reference has no visible key
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=lse_atol, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference itself: the two-matrix form equals the definition score(i,j) = <rot(q_i, r(d)), k_j>.
+
+
+@pytest.mark.parametrize("leaky_k", [0.0, 4.0])
+def test_reference_matches_relative_position_definition(leaky_k):
+    q, k, v, qp, kp = make_inputs(1, 2, 1, 9, 9, 6, torch.float64, seed=3)
+    inv_freq = ops.default_inv_freq(6, BASE).double()
+    window = 3
+    scores = torch.empty(1, 2, 9, 9, dtype=torch.float64)
+    for i, j in itertools.product(range(9), range(9)):
+        d = int(qp[0, i] - kp[0, j])
+        r = d if d < window else window + (d - window) * (1 / leaky_k if leaky_k else 0.0)
+        rq = rot64(q[:, :, i : i + 1], torch.tensor([[r]], dtype=torch.float64), inv_freq)
+        scores[:, :, i, j] = (rq[:, :, 0] * k[:, 0, j][:, None]).sum(-1) / math.sqrt(6)
+    scores = scores.masked_fill(kp[:, None, None, :] > qp[:, None, :, None], -math.inf)
+    out = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k)
+    torch.testing.assert_close(ref_out, out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ref_lse, torch.logsumexp(scores, -1), atol=1e-12, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid: ReRoPE / Leaky x windows x log-n x GQA x causal (float32), odd lengths, left padding.
+
+WINDOWS = (1, 7, 64, 10_000)
+LEAKY = (0.0, 16.0, 64.0)
+GQA = ((1, 1), (2, 1), (4, 1), (8, 1))  # (q heads per kv head, kv heads)
+GRID = list(itertools.product(LEAKY, WINDOWS, (0, 50), GQA, (True, False)))
+
+
+@pytest.mark.parametrize("leaky_k,window,logn_length,gqa,causal", GRID)
+def test_cpu_matches_reference_grid(leaky_k, window, logn_length, gqa, causal):
+    index = GRID.index((leaky_k, window, logn_length, gqa, causal))
+    group, kv_heads = gqa
+    q_len, k_len = [(37, 37), (150, 150), (1, 131), (70, 201)][index % 4]  # odd; > 1 key/query block
+    dim = (16, 10, 32)[index % 3]
+    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, pad=index % 3 * 5, seed=index)
+    inv_freq = ops.default_inv_freq(dim, BASE)
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, leaky_k, None, logn_length, causal)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, None, logn_length, causal)
+    assert_matches_reference(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5, lse_atol=1e-5)
+
+
+def low_precision_tolerance(q, k, v, qp, kp, inv_freq, window, leaky_k, ref_out, **kw):
+    """2x what plain PyTorch makes of the same computation in q's dtype (flash-attention's rule)."""
+    from ropescale.rerope import rerope_attention_naive
+
+    naive_out, _ = rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, leaky_k, **kw)
+    return 2 * (naive_out.double() - ref_out).abs().max().item() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("leaky_k,window,causal", [(0.0, 7, True), (16.0, 64, True), (0.0, 1, False), (64.0, 10_000, True)])
+def test_cpu_low_precision(dtype, leaky_k, window, causal):
+    q, k, v, qp, kp = make_inputs(2, 4, 2, 67, 140, 32, dtype, pad=9, seed=int(window))
+    inv_freq = ops.default_inv_freq(32, BASE)
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, leaky_k, causal=causal)
+    assert out.dtype == dtype
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, causal=causal)
+    tol = low_precision_tolerance(q, k, v, qp, kp, inv_freq, window, leaky_k, ref_out, causal=causal)
+    assert tol < 0.05
+    # lse is accumulated in float32 from the exact (low-precision) inputs
+    assert_matches_reference(out, lse, ref_out, ref_lse, atol=tol, rtol=0, lse_atol=2e-4)
+
+
+@pytest.mark.parametrize("dim", [2, 64, 128, 256])
+def test_head_dims(dim):
+    q, k, v, qp, kp = make_inputs(1, 2, 1, 21, 45, dim, seed=dim)
+    inv_freq = ops.default_inv_freq(dim, BASE)
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 9, 16.0)
+    assert_matches_reference(out, lse, *reference(q, k, v, qp, kp, inv_freq, 9, 16.0), 1e-5, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [8, 24])
+def test_partial_rotary_and_interleaved(interleaved, rotary_dim):
+    q, k, v, qp, kp = make_inputs(2, 2, 2, 33, 33, 24, pad=4, seed=rotary_dim)
+    inv_freq = ops.default_inv_freq(rotary_dim, BASE)  # rotary_dim / 2 pairs of a 24-dim head
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 5, 0.0, interleaved=interleaved)
+    ref = reference(q, k, v, qp, kp, inv_freq, 5, interleaved=interleaved)
+    assert_matches_reference(out, lse, *ref, 1e-5, 1e-5, 1e-5)
+    if interleaved:  # the layouts really differ
+        other, _ = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 5, 0.0, interleaved=False)
+        assert (other - out).abs().max() > 1e-3
+
+
+def test_strided_inputs():
+    """[B, L, H, D] storage seen as [B, H, L, D], a head-sliced k and a non-unit last-dim stride."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 45, 4, 16, generator=g).transpose(1, 2)
+    k_big = torch.randn(2, 3, 45, 16, generator=g)
+    k = k_big[:, 1:]  # [2, 2, 45, 16], offset storage
+    v = torch.randn(2, 2, 16, 45, generator=g).transpose(-1, -2)  # last-dim stride 45
+    kp = torch.arange(45).repeat(2, 1)
+    inv_freq = ops.default_inv_freq(16, BASE)
+    out, lse = ops.rerope_attention(q, k, v, kp, kp, inv_freq, 6, 16.0, logn_length=20)
+    ref = reference(q, k, v, kp, kp, inv_freq, 6, 16.0, logn_length=20)
+    assert_matches_reference(out, lse, *ref, 1e-5, 1e-5, 1e-5)
+    assert out.is_contiguous()
+
+
+def test_arbitrary_positions_and_explicit_scale():
+    """Non-monotonic, repeated and long positions (past 2^20), int32 ids, explicit scale."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v, _, _ = make_inputs(2, 2, 1, 40, 150, 16, seed=11)
+    kp = torch.randint(0, 300, (2, 150), generator=g) + torch.tensor([[0], [1 << 21]])
+    qp = torch.randint(0, 300, (2, 40), generator=g) + torch.tensor([[0], [1 << 21]])
+    inv_freq = ops.yarn_inv_freq(16, BASE, 8.0, 64)
+    for causal in (True, False):
+        out, lse = ops.rerope_attention(q, k, v, qp.int(), kp.int(), inv_freq, 31, 0.0, 0.3, 0, causal)
+        ref = reference(q, k, v, qp, kp, inv_freq, 31, 0.0, 0.3, 0, causal)
+        assert_matches_reference(out, lse, *ref, 2e-5, 1e-5, 2e-5)
+
+
+def test_rows_without_visible_keys_are_zero_with_minus_inf_lse():
+    q, k, v, _, _ = make_inputs(1, 2, 1, 4, 6, 8)
+    kp = torch.tensor([[5, 6, 7, -1, -1, 9]])
+    qp = torch.tensor([[4, 6, -2, 9]])  # sees nothing / 5,6 / padding / everything valid
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, ops.default_inv_freq(8, BASE), 2)
+    assert torch.equal(out[:, :, [0, 2]], torch.zeros(1, 2, 2, 8))
+    assert torch.isneginf(lse[:, :, [0, 2]]).all() and torch.isfinite(lse[:, :, [1, 3]]).all()
+    assert_matches_reference(out, lse, *reference(q, k, v, qp, kp, ops.default_inv_freq(8, BASE), 2),
+                             1e-6, 1e-6, 1e-6)
+    # no keys at all
+    out, lse = ops.rerope_attention(q, k[:, :, :0], v[:, :, :0], qp, kp[:, :0], ops.default_inv_freq(8, BASE), 2)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_window_covering_the_sequence_is_rope_attention():
+    """window >= length: ordinary RoPE attention (SDPA on rotated q, k)."""
+    from ropescale.rerope import rotate
+
+    q, k, v, qp, kp = make_inputs(2, 8, 2, 150, 150, 64, seed=5)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    for leaky_k in (0.0, 16.0):
+        out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 150, leaky_k)
+        expected = F.scaled_dot_product_attention(
+            rotate(q, qp, inv_freq), rotate(k, kp, inv_freq), v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: token by token against PreRopeCache equals the prefill row of each token.
+
+
+@pytest.mark.parametrize("leaky_k,logn_length,gqa", [(0.0, 0, (1, 2)), (16.0, 40, (4, 2)), (64.0, 0, (8, 1))])
+def test_decode_with_cache_equals_prefill(leaky_k, logn_length, gqa):
+    group, kv_heads = gqa
+    window, length, prompt = 24, 150, 101
+    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, length, length, 32, pad=13, seed=group)
+    inv_freq = ops.default_inv_freq(32, BASE)
+    kw = dict(leaky_k=leaky_k, logn_length=logn_length)
+    full_out, full_lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, **kw)
+
+    cache = PreRopeCache(capacity=16)
+    keys, values, positions = cache.append(k[:, :, :prompt], v[:, :, :prompt], kp[:, :prompt])
+    out, lse = ops.rerope_attention(q[:, :, :prompt], keys, values, qp[:, :prompt], positions, inv_freq, window, **kw)
+    torch.testing.assert_close(out, full_out[:, :, :prompt], atol=1e-5, rtol=1e-5)
+    for t in range(prompt, length):
+        keys, values, positions = cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1], kp[:, t : t + 1])
+        out, lse = ops.rerope_attention(q[:, :, t : t + 1], keys, values, qp[:, t : t + 1], positions, inv_freq,
+                                        window, **kw)
+        torch.testing.assert_close(out, full_out[:, :, t : t + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, full_lse[:, :, t : t + 1], atol=1e-5, rtol=1e-5)
+    assert len(cache) == length and torch.equal(cache.keys, k) and torch.equal(cache.positions, kp)
+
+
+def test_pre_rope_cache_views_growth_and_errors():
+    cache = PreRopeCache(capacity=2)
+    with pytest.raises(RuntimeError, match="empty"):
+        cache.keys
+    k = torch.randn(1, 2, 5, 4)
+    cache.append(k[:, :, :3], k[:, :, :3] + 1, torch.arange(3)[None])
+    keys, values, positions = cache.append(k[:, :, 3:], k[:, :, 3:] + 1, torch.arange(3, 5)[None])
+    assert torch.equal(keys, k) and torch.equal(values, k + 1) and torch.equal(positions, torch.arange(5)[None])
+    assert keys.stride(-1) == 1 and keys.data_ptr() == cache.keys.data_ptr()  # a view, no copy
+    with pytest.raises(ValueError, match="positions must be an integer tensor"):
+        cache.append(k[:, :, :1], k[:, :, :1], torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="positions must be"):
+        cache.append(k[:, :, :1], k[:, :, :1], torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="the cache holds"):
+        cache.append(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), torch.zeros(1, 1, dtype=torch.long))
+    cache.reset()
+    assert len(cache) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Composite path: equal to the fused op, differentiable.
+
+
+@pytest.mark.parametrize("leaky_k,window,logn_length,causal", [
+    (0.0, 1, 0, True), (0.0, 7, 30, True), (16.0, 64, 0, False), (64.0, 5, 30, True), (0.0, 10_000, 0, True)])
+def test_composite_equals_fused(leaky_k, window, logn_length, causal):
+    q, k, v, qp, kp = make_inputs(2, 4, 2, 77, 150, 16, pad=20, seed=window)
+    inv_freq = ops.default_inv_freq(16, BASE)
+    args = (q, k, v, qp, kp, inv_freq, window, leaky_k, None, logn_length, causal)
+    out, lse = ops.rerope_attention(*args)
+    c_out, c_lse = ops.rerope_attention_composite(*args)
+    torch.testing.assert_close(c_out, out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(c_lse), torch.isinf(lse))
+    torch.testing.assert_close(c_lse[lse.isfinite()], lse[lse.isfinite()], atol=1e-5, rtol=1e-6)
+
+
+def test_composite_handles_large_scores():
+    """Scores in the hundreds: the sentinel shift keeps the denominator in range."""
+    q, k, v, qp, kp = make_inputs(1, 2, 1, 40, 40, 16, seed=2)
+    inv_freq = ops.default_inv_freq(16, BASE)
+    out, lse = ops.rerope_attention_composite(q * 30, k * 30, v, qp, kp, inv_freq, 5, 0.0)
+    ref_out, ref_lse = reference(q * 30, k * 30, v, qp, kp, inv_freq, 5)
+    assert ref_lse.max() > 200
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("leaky_k,causal,logn_length,fast", [
+    (0.0, True, 0, False), (4.0, True, 3, True), (0.0, False, 3, True)])
+def test_composite_gradcheck(leaky_k, causal, logn_length, fast):
+    """Both outputs, through both sides of the window; the fast (random projection) checks have a
+    padded batch row too, the full Jacobian check one small batch row."""
+    q, k, v, qp, kp = make_inputs(2 if fast else 1, 2, 1, 4, 6, 4, torch.float64, pad=2, seed=1)
+    inv_freq = ops.default_inv_freq(4, BASE).double()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return ops.rerope_attention_composite(q, k, v, qp, kp, inv_freq, 2, leaky_k, None, logn_length, causal)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=fast)
+
+
+def test_fused_op_has_no_backward():
+    q, k, v, qp, kp = make_inputs(1, 2, 1, 5, 5, 8)
+    q.requires_grad_()
+    out, _ = ops.rerope_attention(q, k, v, qp, kp, ops.default_inv_freq(8, BASE), 2)
+    with pytest.raises(RuntimeError, match="rerope_attention_composite"):
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: a 32k-token prefill never materialises Lq x Lk scores.
+
+
+def test_32k_prefill_peak_memory():
+    script = textwrap.dedent("""
+        import resource, torch
+        from ropescale import ops
+        torch.set_num_threads(2)
+        L, D = 32768, 128
+        q, k, v = (torch.randn(1, 1, L, D) for _ in range(3))
+        pos = torch.arange(L)[None]
+        inv_freq = ops.default_inv_freq(D, 1e4)
+        with open("/proc/self/statm") as f:
+            rss_before = int(f.read().split()[1]) * resource.getpagesize()
+        out, lse = ops.rerope_attention(q, k, v, pos, pos, inv_freq, 512, 16.0)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        print((peak - rss_before) / 2**20)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    extra_mib = float(result.stdout.strip().splitlines()[-1])
+    # Inputs and outputs are 16 MiB each; one Lq x Lk float32 matrix would be 4 GiB.
+    assert extra_mib < 512, f"extra peak RSS {extra_mib:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck and bad input
+
+
+def _opcheck_samples():
+    q, k, v, qp, kp = make_inputs(2, 4, 2, 9, 13, 8, pad=3)
+    inv_freq = ops.default_inv_freq(8, BASE)
+    yield (q, k, v, qp, kp, inv_freq, 3), {}
+    yield (q, k, v, qp, kp, inv_freq, 3, 16.0, 0.5, 5, False, True), {}
+    yield (q[:, :, -1:], k, v, qp[:, -1:], kp, inv_freq, 100), {"leaky_k": 32.0}
+    yield (q.bfloat16(), k.bfloat16(), v.bfloat16(), qp, kp, inv_freq, 2), {}
+
+
+@pytest.mark.parametrize("sample", list(_opcheck_samples()), ids=range(4))
+def test_opcheck(sample):
+    args, kwargs = sample
+    opcheck(torch.ops.ropescale.rerope_attention.default, args, kwargs)
+
+
+def _bad_inputs():
+    q, k, v, qp, kp = make_inputs(2, 4, 2, 5, 5, 8)
+    f = ops.default_inv_freq(8, BASE)
+    yield (q, k, v, qp, kp, f, 0), {}, "window must be > 0, got 0"
+    yield (q, k, v, qp, kp, f, -3), {}, "window must be > 0, got -3"
+    yield (q, k, v, qp, kp, f, 4, 0.5), {}, r"leaky_k must be 0 \(ReRoPE\) or >= 1"
+    yield (q, k, v, qp, kp, f, 4, -2.0), {}, r"leaky_k must be 0 \(ReRoPE\) or >= 1"
+    yield (q[:, :3], k, v, qp, kp, f, 4), {}, r"the number of q heads \(3\) must be a multiple of the number of k/v heads \(2\)"
+    yield (q, k, v, qp.float(), kp, f, 4), {}, "q_positions must be an integer tensor"
+    yield (q, k, v, qp, kp.double(), f, 4), {}, "k_positions must be an integer tensor"
+    yield (q, k, v, qp[:1], kp, f, 4), {}, r"q_positions must have shape \[2, 5\]"
+    yield (q, k, v, qp, kp[:, :4], f, 4), {}, r"k_positions must have shape \[2, 5\]"
+    yield (q[:1], k, v, qp[:1], kp, f, 4), {}, "q and k must have the same batch size, got 1 and 2"
+    yield (q, k, v[:, :, :4], qp, kp, f, 4), {}, "k and v must have the same shape"
+    yield (q[..., :7], k[..., :7], v[..., :7], qp, kp, f[:3], 4), {}, "head dim D must be even"
+    big = torch.randn(1, 1, 2, 258)
+    yield (big, big, big, qp[:1, :2], kp[:1, :2], ops.default_inv_freq(258, BASE), 4), {}, "head dim D must be even and in \\[2, 256\\], got 258"
+    yield (q, k, v, qp, kp, ops.default_inv_freq(10, BASE), 4), {}, "inv_freq must have between 1 and D/2 = 4"
+    yield (q, k.double(), v, qp, kp, f, 4), {}, "q, k and v must have the same dtype"
+    yield (q.double(), k.double(), v.double(), qp, kp, f, 4), {}, "q must be float32, float16 or bfloat16"
+    yield (q[0], k, v, qp, kp, f, 4), {}, r"q must be \[B, Hq, Lq, D\]"
+    yield (q, k, v, qp, kp, f, 4), {"logn_length": 1}, "logn_length must be 0 \\(off\\) or >= 2"
+
+
+@pytest.mark.parametrize("args,kwargs,message", list(_bad_inputs()), ids=range(18))
+def test_bad_input_raises_clear_error(args, kwargs, message):
+    with pytest.raises(RuntimeError, match="rerope_attention: " + message):
+        ops.rerope_attention(*args, **kwargs)
+
+
+def test_composite_bad_input():
+    q, k, v, qp, kp = make_inputs(1, 3, 2, 5, 5, 8)
+    f = ops.default_inv_freq(8, BASE)
+    with pytest.raises(ValueError, match="window must be > 0"):
+        ops.rerope_attention_composite(q[:, :2], k, v, qp, kp, f, 0)
+    with pytest.raises(ValueError, match="leaky_k must be 0"):
+        ops.rerope_attention_composite(q[:, :2], k, v, qp, kp, f, 2, 0.5)
+    with pytest.raises(ValueError, match="must be a multiple"):
+        ops.rerope_attention_composite(q, k, v, qp, kp, f, 2)
+    with pytest.raises(ValueError, match="integer"):
+        ops.rerope_attention_composite(q[:, :2], k, v, qp.float(), kp, f, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run where a GPU exists): the prefill and decode kernels against the reference and the CPU op.
+
+CUDA_GRID = list(itertools.product((0.0, 16.0), (1, 7, 64, 10_000), (0, 50), ((1, 2), (4, 2), (8, 1)), (True, False)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("leaky_k,window,logn_length,gqa,causal", CUDA_GRID)
+def test_cuda_matches_reference_grid(leaky_k, window, logn_length, gqa, causal):
+    index = CUDA_GRID.index((leaky_k, window, logn_length, gqa, causal))
+    group, kv_heads = gqa
+    q_len, k_len = [(37, 37), (150, 150), (1, 531), (3, 200), (70, 201)][index % 5]  # prefill and decode kernels
+    dim = (16, 64, 128, 256, 10)[index % 5]
+    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, pad=index % 3 * 5, seed=index,
+                                  device="cuda")
+    inv_freq = ops.default_inv_freq(dim, BASE).cuda()
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, leaky_k, None, logn_length, causal)
+    assert out.is_cuda and lse.is_cuda
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, None, logn_length, causal)
+    assert_matches_reference(out, lse, ref_out, ref_lse, atol=2e-5, rtol=2e-5, lse_atol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_and_decode_against_cpu(dtype):
+    q, k, v, qp, kp = make_inputs(2, 8, 2, 1, 5000, 128, dtype, pad=100, seed=9, device="cuda")
+    inv_freq = ops.default_inv_freq(128, BASE).cuda()
+    for leaky_k in (0.0, 16.0):
+        out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 512, leaky_k, logn_length=4096)
+        cpu_out, cpu_lse = ops.rerope_attention(q.cpu(), k.cpu(), v.cpu(), qp.cpu(), kp.cpu(), inv_freq.cpu(), 512,
+                                                leaky_k, logn_length=4096)
+        torch.testing.assert_close(out.cpu().float(), cpu_out.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_decode_with_cache_and_opcheck():
+    q, k, v, qp, kp = make_inputs(1, 4, 2, 40, 40, 64, device="cuda", pad=0, seed=4)
+    inv_freq = ops.default_inv_freq(64, BASE).cuda()
+    full_out, _ = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 8, 16.0)
+    cache = PreRopeCache()
+    for t in range(40):
+        keys, values, positions = cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1], kp[:, t : t + 1])
+        out, _ = ops.rerope_attention(q[:, :, t : t + 1], keys, values, qp[:, t : t + 1], positions, inv_freq, 8, 16.0)
+        torch.testing.assert_close(out, full_out[:, :, t : t + 1], atol=1e-5, rtol=1e-5)
+    opcheck(torch.ops.ropescale.rerope_attention.default, (q, k, v, qp, kp, inv_freq, 8))
+    c_out, _ = ops.rerope_attention_composite(q, k, v, qp, kp, inv_freq, 8, 16.0)
+    torch.testing.assert_close(c_out, full_out, atol=1e-5, rtol=1e-5)
