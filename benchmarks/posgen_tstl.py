@@ -4,9 +4,8 @@ A small Llama (transformers, from a LlamaConfig) learns each PosGen task at a sh
 and with Resonance RoPE; each model is then tested at 4x the length with its own table and with
 YaRN's (s = 4) put in at test time, as in the authors' code. OOD accuracy = teacher-forced next-token
 accuracy on the positions past the training length, mean and standard deviation over seeds, and the
-paired difference to RoPE (same seed, same data). Inference-time ReRoPE and Dynamic-YaRN run on the
-RoPE model through ``ropescale.hf`` when this build has the ops it needs, and say what is missing
-otherwise.
+paired difference to RoPE (same seed, same data). ReRoPE and Dynamic-YaRN are put in at test time on
+the RoPE model (``ropescale.hf.patch``).
 
 OOD figures of a task are reported only when the RoPE model reached >= 95% in distribution for every
 seed (otherwise the comparison says nothing about length generalisation).
@@ -76,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--factor", type=float, default=4.0, help="test length / train length, and YaRN's s")
     parser.add_argument("--beta-fast", type=float, default=32.0,
                         help="YaRN beta_fast (default 32, ropescale's; the authors' PosGen runs used 2)")
+    parser.add_argument("--rerope-window", type=int, default=None, help="ReRoPE window (default: half the training length)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is fastest for the tiny model)")
     parser.add_argument("--device", default=None, help="default: cuda with --full when available, else cpu")
     parser.add_argument("--json", metavar="FILE", help="write every per-seed, per-position result")
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     train_length, tasks = cfg["train_length"], cfg["tasks"]
     test_length = int(round(args.factor * train_length))
     methods = tstl.paper_methods(train_length, factor=args.factor, beta_fast=args.beta_fast)
-    extra = tstl.hf_methods(train_length)
+    methods += tstl.inference_methods(train_length, args.rerope_window)
     m, t = cfg["model"], cfg["train"]
     print(f"PosGen train {train_length} -> test {test_length}; {'paper setting' if args.full else 'CPU setting'}: "
           f"{m.layers} layers, d_model {m.hidden_size}, {m.heads} heads of {m.head_dim}, d_ff {m.intermediate_size}; "
@@ -114,12 +114,12 @@ def main(argv=None) -> int:
     progress = not args.quiet and sys.stderr.isatty()
     for task, seed in runs:
         data = posgen.splits(task, cfg["n_train"], 0, cfg["n_test"], train_length, test_length, seed=seed)
-        run = tstl.run_task(data, methods, m, t, seed=seed, progress=progress, device=device, extra_methods=extra)
+        run = tstl.run_task(data, methods, m, t, seed=seed, progress=progress, device=device)
         results += run
         rope = next(r for r in run if r.method == "RoPE")
         print(f"  {task:<15} seed {seed:<5} trained in {rope.train_seconds:5.1f} s; RoPE in-dist. "
               f"{100 * rope.id_accuracy:5.1f}%; OOD " + ", ".join(
-                  f"{r.method} {100 * r.ood_accuracy:.1f}" for r in run if r.accuracy is not None), flush=True)
+                  f"{r.method} {100 * r.ood_accuracy:.1f}" for r in run), flush=True)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
 
     runs_dicts = [r.as_dict() for r in results]
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         task = tasks[0]
         curves = {}
         for name in dict.fromkeys(r.method for r in results):
-            accs = [r.accuracy for r in results if r.task == task and r.method == name and r.accuracy is not None]
+            accs = [r.accuracy for r in results if r.task == task and r.method == name]
             if accs:
                 curves[name] = torch.stack(accs).mean(0)
         plots.accuracy_by_position(curves, args.plot, train_length, first_position=4, smooth=4,
@@ -160,6 +160,7 @@ def summarize(runs: list[dict], tasks: list[str]) -> list[dict]:
         rope = by_method["RoPE"]
         gate = all(r["id_accuracy"] >= ID_GATE for r in rope.values())
         for name, rows in by_method.items():
+            # Runs saved before a method could run hold NaN (JSON null) for it.
             scored = [r for r in rows.values() if r["ood_accuracy"] is not None and not math.isnan(r["ood_accuracy"])]
             diffs = [r["ood_accuracy"] - rope[seed]["ood_accuracy"] for seed, r in rows.items()
                      if r in scored and name != "RoPE"]
@@ -167,7 +168,7 @@ def summarize(runs: list[dict], tasks: list[str]) -> list[dict]:
                 task=task, method=name, gate=gate, n=len(scored),
                 id=mean_std([r["id_accuracy"] for r in scored]), ood=mean_std([r["ood_accuracy"] for r in scored]),
                 diff=mean_std(diffs), wins=sum(d > 0 for d in diffs), paper=tstl.paper_ood(task, name),
-                note=next(iter(rows.values()))["note"],
+                note=next(iter(rows.values())).get("note", "not run"),
                 worst_rope_id=min(r["id_accuracy"] for r in rope.values()),
             ))
     return table

@@ -377,7 +377,7 @@ def _load_model(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ._apply_rope import apply_method
+    from . import hf
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -385,9 +385,10 @@ def _load_model(args):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     if args.method is not None:
         args.original_max_position = args.original_max_position or model.config.max_position_embeddings
+        method = _method(args)
         try:
-            apply_method(model, _method(args))
-        except (ValueError, TypeError) as err:  # e.g. a dynamic method in a build without the rotation ops
+            hf.patch(model, method)
+        except TypeError as err:  # a model family ropescale does not patch
             raise UsageError(f"--method {args.method}: {err}") from None
     return model, tokenizer
 

@@ -2,8 +2,7 @@
 
 A tiny Llama learns a PosGen task at a short length with RoPE and with Resonance RoPE; both are then
 tested at 4x the length with their own table and with YaRN's put in at test time (the Resonance RoPE
-paper's protocol). Inference-time ReRoPE and Dynamic-YaRN run on the RoPE model when this build has
-the ops ``ropescale.hf`` patches in.
+paper's protocol), and the RoPE model also with ReRoPE and Dynamic-YaRN put in at test time.
 """
 
 from __future__ import annotations
@@ -42,13 +41,12 @@ def run(
     torch.set_num_threads(threads)
     try:
         data = posgen.splits(task, n_train, 0, n_test, train_length, test_length, seed=seed)
-        methods = tstl.paper_methods(train_length, factor=factor)
-        extra = tstl.hf_methods(train_length)
+        methods = tstl.paper_methods(train_length, factor=factor) + tstl.inference_methods(train_length)
         say(f"PosGen {task} (j=1, k=3, h = sum mod 17): tiny Llama ({tstl.TINY.layers} layers, "
             f"d={tstl.TINY.hidden_size}) trained at length {train_length} with RoPE and with Resonance RoPE "
             f"({steps} steps each), tested at {test_length}.")
         results = tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=steps), seed=seed,
-                                progress=progress, extra_methods=extra)
+                                progress=progress)
     finally:
         torch.set_num_threads(previous_threads)
     elapsed = time.perf_counter() - started
@@ -59,12 +57,9 @@ def run(
     say(header)
     say("-" * len(header))
     for r in results:
-        if r.accuracy is None:
-            say(f"{r.method:<24} {'RoPE':<15} {'':>12} {'':>9}   ({r.note})")
-        else:
-            paper = tstl.paper_ood(task, r.method)
-            say(f"{r.method:<24} {trained_with.get(r.method, 'RoPE'):<15} {100 * r.id_accuracy:>11.1f}% "
-                f"{100 * r.ood_accuracy:>8.1f}% " + (f"{paper:>9.2f}%" if paper is not None else ""))
+        paper = tstl.paper_ood(task, r.method)
+        say(f"{r.method:<24} {trained_with[r.method]:<15} {100 * r.id_accuracy:>11.1f}% "
+            f"{100 * r.ood_accuracy:>8.1f}% " + (f"{paper:>9.2f}%" if paper is not None else ""))
     say(f"\nin-distribution: positions {data.j + data.k}..{train_length - 1}; OOD: positions "
         f"{train_length}..{test_length - 1} (teacher-forced next-token accuracy, {n_test} test sequences).\n"
         "paper OOD: Resonance RoPE's Table 1 (T5-small widths, trained at 64 for 150 epochs, tested at 256).")
@@ -75,7 +70,7 @@ def run(
     if plot:
         from . import plots
 
-        curves = {r.method: r.accuracy for r in results if r.accuracy is not None}
+        curves = {r.method: r.accuracy for r in results}
         plots.accuracy_by_position(
             curves, plot, train_length, first_position=data.j + data.k,
             title=f"PosGen {task}: trained at {train_length}, tested at {test_length}",

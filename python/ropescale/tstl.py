@@ -3,8 +3,9 @@
 This is the experiment of Resonance RoPE's section 6.1, as the authors' code runs it: a model is
 trained at ``train_length`` with one table (RoPE or Resonance RoPE) and evaluated at
 ``test_length`` with a possibly different one; YaRN and Resonance YaRN are the YaRN tables put
-in at evaluation time on the RoPE and Resonance RoPE models (no training with YaRN). Methods that
-need the attention patched (ReRoPE, Dynamic-YaRN) go through ``ropescale.hf``.
+in at evaluation time on the RoPE and Resonance RoPE models (no training with YaRN); ReRoPE and
+Dynamic-YaRN are put in at evaluation time on the RoPE model. Every table and attention goes into the
+transformers model through ``ropescale.hf.patch``.
 
 Accuracy is teacher-forced next-token accuracy per position ``l`` (predicting ``x_l`` from
 ``x_0 .. x_{l-1}``): in-distribution over ``j + k <= l < train_length``, out-of-distribution
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from . import posgen, scaling
-from ._apply_rope import apply_scaling
+from . import hf, posgen, scaling
 
 __all__ = [
     "Method",
@@ -35,7 +35,7 @@ __all__ = [
     "position_accuracy",
     "MethodResult",
     "run_task",
-    "hf_methods",
+    "inference_methods",
     "PAPER_TABLE1",
     "paper_ood",
 ]
@@ -56,13 +56,14 @@ def paper_ood(task: str, method_name: str) -> float | None:
 
 @dataclass(frozen=True)
 class Method:
-    """A row of the table: the table the model is trained with and the one it is tested with.
-    ``patch``, when set, is called on the trained model before testing (and must return an undo)."""
+    """A row of the table: the table the model is trained with, and the table and attention
+    (``ropescale.hf.patch`` arguments) it is tested with."""
 
     name: str
     train: scaling.RopeScaling
     test: scaling.RopeScaling
-    patch: Callable[[torch.nn.Module], Callable[[], None]] | None = field(default=None, compare=False)
+    attention: str = "sdpa"
+    window: int | None = None
 
 
 def paper_methods(train_length: int, factor: float = 4.0, beta_fast: float = 32.0, beta_slow: float = 1.0) -> list[Method]:
@@ -83,34 +84,14 @@ def paper_methods(train_length: int, factor: float = 4.0, beta_fast: float = 32.
     ]
 
 
-def hf_methods(train_length: int, rerope_window: int | None = None) -> list[Method] | str:
-    """Inference-time ReRoPE and Dynamic-YaRN on the RoPE model through ``ropescale.hf.patch``, or
-    the reason they cannot run in this build (a string)."""
-    try:
-        from . import hf
-    except ImportError:
-        return "needs ropescale.hf (issue 5)"
-    if not hasattr(hf, "patch") or not hasattr(hf, "unpatch"):
-        return "needs ropescale.hf (issue 5)"
-    # The patched attention runs ropescale's rotation and ReRoPE ops; until those are built in,
-    # the rows say so instead of running.
-    missing = [op for op in ("apply_rotary_pos", "rerope_attention") if not hasattr(torch.ops.ropescale, op)]
-    if missing:
-        return f"needs the {' and '.join(missing)} op{'s' if len(missing) > 1 else ''}"
+def inference_methods(train_length: int, rerope_window: int | None = None) -> list[Method]:
+    """ReRoPE (window ``train_length // 2`` unless given; Su's best is 1/4 to 1/2 of the training
+    length) and Dynamic-YaRN, put in at test time on the RoPE model."""
     window = rerope_window or max(1, train_length // 2)
     rope = scaling.Default()
-
-    def rerope(model):
-        hf.patch(model, rope, attention="rerope", window=window)
-        return lambda: hf.unpatch(model)
-
-    def dynamic_yarn(model):
-        hf.patch(model, scaling.DynamicYaRN(original_max_position=train_length))
-        return lambda: hf.unpatch(model)
-
     return [
-        Method(f"ReRoPE (w={window})", rope, rope, patch=rerope),
-        Method("Dynamic-YaRN", rope, rope, patch=dynamic_yarn),
+        Method(f"ReRoPE (w={window})", rope, rope, attention="rerope", window=window),
+        Method("Dynamic-YaRN", rope, scaling.DynamicYaRN(original_max_position=train_length)),
     ]
 
 
@@ -234,18 +215,17 @@ class MethodResult:
     task: str
     seed: int
     train_length: int
-    accuracy: torch.Tensor | None  #: per position (``position_accuracy``), None when not run
+    accuracy: torch.Tensor  #: per position, as ``position_accuracy`` returns it
     first_target: int
     train_seconds: float = 0.0
-    note: str = ""
 
     @property
     def id_accuracy(self) -> float:
-        return _mean(self.accuracy, self.first_target, self.train_length)
+        return float(self.accuracy[self.first_target : self.train_length].mean())
 
     @property
     def ood_accuracy(self) -> float:
-        return _mean(self.accuracy, self.train_length, None)
+        return float(self.accuracy[self.train_length :].mean())
 
     def as_dict(self) -> dict:
         return {
@@ -255,15 +235,8 @@ class MethodResult:
             "id_accuracy": self.id_accuracy,
             "ood_accuracy": self.ood_accuracy,
             "train_seconds": self.train_seconds,
-            "note": self.note,
-            "accuracy_by_position": None if self.accuracy is None else self.accuracy.tolist(),
+            "accuracy_by_position": self.accuracy.tolist(),
         }
-
-
-def _mean(acc: torch.Tensor | None, start: int, stop: int | None) -> float:
-    if acc is None:
-        return math.nan
-    return float(acc[start:stop].mean())
 
 
 def run_task(
@@ -274,36 +247,29 @@ def run_task(
     seed: int = 0,
     progress: bool = False,
     device: str | torch.device = "cpu",
-    extra_methods: Sequence[Method] | str = (),
 ) -> list[MethodResult]:
-    """Train one model per distinct training table in ``methods`` on ``data.train``, evaluate every
-    method on ``data.test``. ``extra_methods`` (``hf_methods``' result) run on the model trained with
-    their ``train`` table, or are reported as not run with the reason when it is a string."""
+    """Train one model per distinct training table in ``methods`` on ``data.train`` (same seed, so
+    the same initialisation and batches for every table), then test every method on ``data.test``."""
     first_target = data.j + data.k
     results: list[MethodResult] = []
     trained: dict[scaling.RopeScaling, tuple[torch.nn.Module, float]] = {}
-    all_methods = list(methods) + (list(extra_methods) if not isinstance(extra_methods, str) else [])
-    for method in all_methods:
+    for method in methods:
         if method.train not in trained:
             model = build_model(data.modulus, model_config, data.train_length, seed).to(device)
-            apply_scaling(model, method.train)
+            hf.patch(model, method.train)
             start = time.perf_counter()
             train(model, data.train, first_target, train_config, seed, progress,
                   desc=f"{data.task} seed {seed} {_train_name(method.train)}")
             trained[method.train] = (model, time.perf_counter() - start)
         model, seconds = trained[method.train]
-        apply_scaling(model, method.test)
-        undo = method.patch(model) if method.patch else None
+        hf.unpatch(model)
+        hf.patch(model, method.test, attention=method.attention, window=method.window)
         try:
             accuracy = position_accuracy(model, data.test)
         finally:
-            if undo:
-                undo()
-            apply_scaling(model, method.train)
+            hf.unpatch(model)
+            hf.patch(model, method.train)
         results.append(MethodResult(method.name, data.task, seed, data.train_length, accuracy, first_target, seconds))
-    if isinstance(extra_methods, str):
-        for name in ("ReRoPE", "Dynamic-YaRN"):
-            results.append(MethodResult(name, data.task, seed, data.train_length, None, first_target, note=extra_methods))
     return results
 
 

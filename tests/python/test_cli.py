@@ -199,8 +199,8 @@ def test_demo_small(capsys, tmp_path):
     assert (out["task"], out["train_length"], out["test_length"], out["steps"]) == ("recursive", 12, 48, 20)
     names = [r["method"] for r in out["results"]]
     assert names[:4] == ["RoPE", "Resonance RoPE", "YaRN (s=4)", "Resonance YaRN (s=4)"]
-    assert len(names) == 6 and names[4].startswith("ReRoPE") and names[5] == "Dynamic-YaRN"
-    for r in out["results"][:4]:
+    assert len(names) == 6 and names[4] == "ReRoPE (w=6)" and names[5] == "Dynamic-YaRN"
+    for r in out["results"]:
         assert 0 <= r["id_accuracy"] <= 1 and 0 <= r["ood_accuracy"] <= 1
         assert len(r["accuracy_by_position"]) == 48 and r["accuracy_by_position"][0] is None
     assert_png(path)
@@ -248,16 +248,15 @@ def test_eval_perplexity(capsys, tmp_path, saved_model):
 
 
 def test_eval_dynamic_method(capsys, tmp_path, saved_model):
-    path, _, _ = saved_model
+    path, model, tokenizer = saved_model
     text_file = tmp_path / "t.txt"
     text_file.write_text("abc " * 100)
     argv = ["eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150", "--stride", "100",
             "--device", "cpu", "--method", "dynamic_yarn", "--original-max-position", "50"]
-    if hasattr(torch.ops.ropescale, "apply_rotary_pos") and hasattr(torch.ops.ropescale, "apply_rotary_qk"):
-        assert run_json(capsys, *argv)["tokens"] == 399  # patched through ropescale.hf
-    else:
-        assert "--method dynamic_yarn: apply_scaling: DynamicYaRN is dynamic and needs ropescale.hf.patch" in (
-            usage_error(capsys, *argv))
+    out = run_json(capsys, *argv)
+    plain = run_json(capsys, *argv[:-4])
+    assert out["tokens"] == plain["tokens"] == 399
+    assert out["perplexity"] != pytest.approx(plain["perplexity"], rel=1e-6)  # windows past 50 are rescaled
 
 
 def test_eval_passkey(capsys, saved_model):

@@ -1,5 +1,5 @@
-"""ropescale.tstl and _apply_rope: tables written into a transformers model (parity with transformers'
-own YaRN), per-position accuracy, a model that really learns PosGen, one training per table."""
+"""ropescale.tstl: a RoPE-trained model tested with YaRN's table is transformers' own YaRN model,
+per-position accuracy, a model that really learns PosGen, one training per table, every method run."""
 
 import math
 import warnings
@@ -10,8 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from ropescale import posgen, scaling, tstl  # noqa: E402
-from ropescale._apply_rope import apply_scaling  # noqa: E402
+from ropescale import hf, posgen, scaling, tstl  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +38,9 @@ def llama(rope_parameters, seed=0):
     return model
 
 
-def test_apply_scaling_matches_transformers_yarn():
+def test_test_time_yarn_is_transformers_yarn():
+    # What the YaRN rows do: a model built for RoPE, patched with YaRN's table at test time, is the
+    # model transformers builds for that YaRN config, logit for logit.
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     native = llama(yarn)
     ours = llama({"rope_type": "default"})
@@ -47,35 +48,11 @@ def test_apply_scaling_matches_transformers_yarn():
     x = torch.randint(31, (2, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = ours(x).logits
-        apply_scaling(ours, scaling.YaRN(factor=4.0, original_max_position=32))
+        hf.patch(ours, scaling.YaRN(factor=4.0, original_max_position=32))
         after = ours(x).logits
         expected = native(x).logits
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
     assert (before - expected).abs().max() > 1e-2  # the table really changed the model
-    rotary = ours.model.rotary_emb
-    assert rotary.attention_scaling == pytest.approx(0.1 * math.log(4) + 1)
-    torch.testing.assert_close(rotary.original_inv_freq, rotary.inv_freq)
-
-
-def test_apply_scaling_writes_resonance_table_and_back():
-    model = llama({"rope_type": "default"})
-    default = model.model.rotary_emb.inv_freq.clone()
-    apply_scaling(model, scaling.Default(resonance=True))
-    table = model.model.rotary_emb.inv_freq
-    torch.testing.assert_close(table, scaling.Default(resonance=True).inv_freq(16, 10000.0))
-    wavelengths = 2 * math.pi / table.double()
-    torch.testing.assert_close(wavelengths, wavelengths.round(), rtol=1e-6, atol=1e-4)
-    apply_scaling(model, scaling.Default())
-    torch.testing.assert_close(model.model.rotary_emb.inv_freq, default)
-
-
-def test_apply_scaling_bad_input():
-    with pytest.raises(ValueError, match="apply_scaling: DynamicYaRN is dynamic and needs ropescale.hf.patch"):
-        apply_scaling(llama({"rope_type": "default"}), scaling.DynamicYaRN(original_max_position=32))
-    with pytest.raises(ValueError, match="apply_scaling: Linear has no rotary embedding module"):
-        mod = torch.nn.Linear(2, 2)
-        mod.config = llama({"rope_type": "default"}).config
-        apply_scaling(mod, scaling.Default())
 
 
 def test_position_accuracy_counts_argmax_hits():
@@ -106,23 +83,39 @@ def test_run_task_trains_once_per_table_and_scores_the_right_positions(monkeypat
     real_train = tstl.train
 
     def counting_train(model, sequences, first_target, config, seed=0, progress=False, desc=""):
-        calls.append((model.model.rotary_emb.inv_freq.clone(), first_target, sequences.shape))
+        calls.append((model._ropescale_patch.method, first_target, sequences.shape))
         return real_train(model, sequences, first_target, config, seed, progress, desc)
 
     monkeypatch.setattr(tstl, "train", counting_train)
     data = posgen.splits("cot", 50, 0, 10, train_length=12, test_length=48, seed=0)
-    methods = tstl.paper_methods(12)
-    results = tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=3), seed=0, extra_methods="reason")
-    assert len(calls) == 2  # RoPE and Resonance RoPE; the YaRN rows reuse those models
-    torch.testing.assert_close(calls[0][0], scaling.Default().inv_freq(32, 1e4))
-    torch.testing.assert_close(calls[1][0], scaling.Default(resonance=True).inv_freq(32, 1e4))
+    methods = tstl.paper_methods(12) + tstl.inference_methods(12)
+    results = tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=3), seed=0)
+    # RoPE and Resonance RoPE; the YaRN, ReRoPE and Dynamic-YaRN rows reuse those models.
+    assert [c[0] for c in calls] == [scaling.Default(), scaling.Default(resonance=True)]
     assert all(c[1] == 4 and c[2] == (50, 12) for c in calls)
-    assert [r.method for r in results] == [m.name for m in methods] + ["ReRoPE", "Dynamic-YaRN"]
-    for r in results[:4]:
+    assert [r.method for r in results] == [m.name for m in methods]
+    for r in results:
         assert r.accuracy.shape == (48,)
         assert r.id_accuracy == pytest.approx(float(r.accuracy[4:12].mean()))
         assert r.ood_accuracy == pytest.approx(float(r.accuracy[12:].mean()))
-    assert results[4].accuracy is None and results[4].note == "reason" and math.isnan(results[4].ood_accuracy)
+
+
+def test_run_task_tests_each_method_with_its_own_table_and_attention(monkeypatch):
+    seen = []
+    real = tstl.position_accuracy
+
+    def recording(model, sequences, batch_size=250):
+        state = model._ropescale_patch
+        seen.append((state.method, state.attention, state.window))
+        return real(model, sequences, batch_size)
+
+    monkeypatch.setattr(tstl, "position_accuracy", recording)
+    data = posgen.splits("recursive", 30, 0, 6, train_length=12, test_length=48, seed=0)
+    methods = tstl.paper_methods(12) + tstl.inference_methods(12, rerope_window=5)
+    tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=2), seed=0)
+    assert seen == [(m.test, m.attention, m.window) for m in methods]
+    assert seen[4] == (scaling.Default(), "rerope", 5)
+    assert seen[5] == (scaling.DynamicYaRN(original_max_position=12), "sdpa", None)
 
 
 def test_paper_methods_tables():
@@ -136,16 +129,10 @@ def test_paper_methods_tables():
     assert tstl.paper_ood("cot", yarn.name) == 98.71 and tstl.paper_ood("cot", "ReRoPE") is None
 
 
-def test_inference_time_methods_run_or_say_why():
-    extra = tstl.hf_methods(12)
-    if not (hasattr(torch.ops.ropescale, "rerope_attention") and hasattr(torch.ops.ropescale, "apply_rotary_pos")):
-        assert isinstance(extra, str) and extra.startswith("needs")
-        return
-    # With the ops built in, the rows really run on the RoPE model through ropescale.hf.
-    data = posgen.splits("cot", 30, 0, 6, train_length=12, test_length=48, seed=0)
-    results = tstl.run_task(data, tstl.paper_methods(12)[:1], tstl.TINY, tstl.TrainConfig(steps=3), extra_methods=extra)
-    assert [r.method for r in results][1:] == [m.name for m in extra]
-    assert all(r.accuracy is not None and r.accuracy.shape == (48,) for r in results)
+def test_inference_methods():
+    rerope, dynamic = tstl.inference_methods(32)
+    assert (rerope.name, rerope.attention, rerope.window, rerope.train) == ("ReRoPE (w=16)", "rerope", 16, scaling.Default())
+    assert dynamic.test == scaling.DynamicYaRN(original_max_position=32) and dynamic.train == scaling.Default()
 
 
 def test_benchmark_script_runs_end_to_end(capsys, tmp_path):
@@ -167,6 +154,7 @@ def test_benchmark_script_runs_end_to_end(capsys, tmp_path):
     assert "| cot | YaRN (s=4) |" in out
     saved = json.loads(result.read_text())
     assert len(saved["runs"]) == 2 * 6 and {r["seed"] for r in saved["runs"]} == {0, 1}
+    assert all(len(r["accuracy_by_position"]) == 48 for r in saved["runs"])
     assert [row["method"] for row in saved["table"]][:4] == ["RoPE", "Resonance RoPE", "YaRN (s=4)",
                                                               "Resonance YaRN (s=4)"]
     assert all(row["gate"] is False for row in saved["table"])
