@@ -194,16 +194,29 @@ def train(
 
 
 @torch.no_grad()
-def position_accuracy(model: torch.nn.Module, sequences: torch.Tensor, batch_size: int = 250) -> torch.Tensor:
+def position_accuracy(
+    model: torch.nn.Module, sequences: torch.Tensor, batch_size: int = 250, incremental: bool = False
+) -> torch.Tensor:
     """Teacher-forced accuracy per position, float64 ``[length]``: entry ``l`` is the fraction of
-    sequences whose ``x_l`` is the argmax prediction from ``x_0 .. x_{l-1}`` (entry 0 is NaN)."""
+    sequences whose ``x_l`` is the argmax prediction from ``x_0 .. x_{l-1}`` (entry 0 is NaN).
+
+    ``incremental`` feeds the tokens one at a time through a ``PreRopeCache``, as generation would:
+    a dynamic method then predicts ``x_l`` with its table for length ``l`` (plain RoPE up to the
+    original length), not with the table for the whole sequence."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     correct = torch.zeros(sequences.shape[1] - 1, dtype=torch.float64)
     for batch in sequences.split(batch_size):
         batch = batch.to(device)
-        predicted = model(input_ids=batch[:, :-1]).logits.argmax(-1)
+        if incremental:
+            cache = hf.PreRopeCache()
+            predicted = torch.stack([
+                model(input_ids=batch[:, l : l + 1], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+                for l in range(batch.shape[1] - 1)
+            ], dim=1)
+        else:
+            predicted = model(input_ids=batch[:, :-1]).logits.argmax(-1)
         correct += (predicted == batch[:, 1:]).sum(0).double().cpu()
     model.train(was_training)
     return torch.cat([torch.tensor([math.nan], dtype=torch.float64), correct / sequences.shape[0]])
@@ -265,7 +278,7 @@ def run_task(
         hf.unpatch(model)
         hf.patch(model, method.test, attention=method.attention, window=method.window)
         try:
-            accuracy = position_accuracy(model, data.test)
+            accuracy = position_accuracy(model, data.test, incremental=method.test.dynamic)
         finally:
             hf.unpatch(model)
             hf.patch(model, method.train)

@@ -104,18 +104,36 @@ def test_run_task_tests_each_method_with_its_own_table_and_attention(monkeypatch
     seen = []
     real = tstl.position_accuracy
 
-    def recording(model, sequences, batch_size=250):
+    def recording(model, sequences, batch_size=250, incremental=False):
         state = model._ropescale_patch
-        seen.append((state.method, state.attention, state.window))
-        return real(model, sequences, batch_size)
+        seen.append((state.method, state.attention, state.window, incremental))
+        return real(model, sequences, batch_size, incremental)
 
     monkeypatch.setattr(tstl, "position_accuracy", recording)
     data = posgen.splits("recursive", 30, 0, 6, train_length=12, test_length=48, seed=0)
     methods = tstl.paper_methods(12) + tstl.inference_methods(12, rerope_window=5)
     tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=2), seed=0)
-    assert seen == [(m.test, m.attention, m.window) for m in methods]
-    assert seen[4] == (scaling.Default(), "rerope", 5)
-    assert seen[5] == (scaling.DynamicYaRN(original_max_position=12), "sdpa", None)
+    assert seen == [(m.test, m.attention, m.window, m.test.dynamic) for m in methods]
+    assert seen[4] == (scaling.Default(), "rerope", 5, False)
+    assert seen[5] == (scaling.DynamicYaRN(original_max_position=12), "sdpa", None, True)
+
+
+def test_incremental_accuracy():
+    # Token by token through the pre-RoPE cache: a static table scores as the full forward does, and
+    # Dynamic-YaRN is plain RoPE up to the original length, then not.
+    data = posgen.splits("cot", 300, 0, 40, train_length=16, test_length=64, seed=0)
+    model = tstl.build_model(17, tstl.TINY, 16, seed=0)
+    hf.patch(model, scaling.Default())
+    tstl.train(model, data.train, 4, tstl.TrainConfig(steps=60, lr=3e-3), seed=0)
+    full = tstl.position_accuracy(model, data.test)
+    torch.testing.assert_close(tstl.position_accuracy(model, data.test, batch_size=16, incremental=True), full,
+                               atol=1 / 40 + 1e-9, rtol=0, equal_nan=True)  # at most one argmax flip per position
+    hf.unpatch(model)
+    hf.patch(model, scaling.DynamicYaRN(original_max_position=16))
+    dynamic = tstl.position_accuracy(model, data.test, incremental=True)
+    whole = tstl.position_accuracy(model, data.test)  # the table for length 63 at every position
+    torch.testing.assert_close(dynamic[1:17], full[1:17], atol=1 / 40 + 1e-9, rtol=0)
+    assert (whole[1:17] - full[1:17]).abs().max() > 0.05
 
 
 def test_paper_methods_tables():
