@@ -527,11 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(pg)
     pg.set_defaults(func=_cmd_posgen)
 
-    dm = _sub(sub, "demo", "train short, test long: RoPE, Resonance, YaRN side by side (~1 min, CPU)",
+    dm = _sub(sub, "demo", "train short, test long: RoPE, Resonance, YaRN, ReRoPE side by side (~1 min, CPU)",
               "Train a tiny Llama on PosGen at a short length with RoPE and with Resonance RoPE, then test "
               "at 4x the length with RoPE, Resonance RoPE, YaRN and Resonance YaRN (YaRN put in at test "
-              "time, as in the Resonance RoPE paper). Prints a table and writes accuracy by position as a "
-              "PNG. No downloads.",
+              "time, as in the Resonance RoPE paper), and the RoPE model with ReRoPE and Dynamic-YaRN. "
+              "Prints a table and writes accuracy by position as a PNG. No downloads.",
               ["ropescale demo", "ropescale demo --task recursive --plot recursive.png",
                "ropescale demo --steps 200 --json"])
     dm.add_argument("--task", choices=TASKS, default="cot", help="PosGen task (default cot)")
