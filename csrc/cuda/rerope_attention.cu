@@ -8,6 +8,7 @@
 
 #include <limits>
 
+#include "cuda_element.h"
 #include "ops.h"
 #include "rerope_attention.h"
 #include "ropescale/rerope_attention.cuh"
@@ -17,18 +18,6 @@ namespace {
 
 using rerope_cuda::ReropeParams;
 
-template <typename scalar_t>
-struct CudaType {
-  using type = scalar_t;
-};
-template <>
-struct CudaType<at::Half> {
-  using type = __half;
-};
-template <>
-struct CudaType<at::BFloat16> {
-  using type = __nv_bfloat16;
-};
 
 // Up to this many query tokens, the decode plan (keys split over the grid, rotation of the window
 // tiles in shared memory) beats rotating every key of the cache first.
@@ -112,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
 
   AT_DISPATCH_SWITCH(a.q.scalar_type(), "rerope_attention_cuda",
                      AT_DISPATCH_CASE_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, [&] {
-                       using T = typename CudaType<scalar_t>::type;
+                       using T = typename CudaElement<scalar_t>::type;
                        if constexpr (!std::is_same_v<T, double>) {
                          if (a.head_dim <= 64)
                            launch<T, 64>(a, p, stream);

@@ -8,25 +8,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "cuda_element.h"
 #include "ropescale/rotary_kernels.cuh"
 #include "rotary_args.h"
 
 namespace ropescale {
 namespace {
-
-// CUDA's own element type for an ATen dtype (same size and bits).
-template <class T>
-struct CudaElement {
-  using type = T;
-};
-template <>
-struct CudaElement<at::Half> {
-  using type = __half;
-};
-template <>
-struct CudaElement<at::BFloat16> {
-  using type = __nv_bfloat16;
-};
 
 // Blocks of kBlockThreads that fill every SM of the current device to its resident-thread limit.
 int64_t resident_blocks() {
