@@ -3,13 +3,19 @@
 // so a tile of (query block x key block) wholly inside or outside the window costs one product and
 // only the band around the window edge costs two.
 //
-// Plan: classify every tile from the position bounds of its blocks; prepare just the key blocks some
-// tile needs, as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: rotated
-// at p/k; ReRoPE far side: the raw keys, used in place when decoding); then run one task per
-// (batch, q head, query block), heaviest first: scores by BLAS (or, for a few query rows, plain
-// vector loops), the online softmax with a vectorised exp, and P.V by BLAS.
+// Two plans share the tile classification, the masking and the online softmax:
+// * prefill (more than kDecodeRows query rows): compute-bound. The key blocks some tile needs are
+//   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: at
+//   p/k; ReRoPE far side: raw), then one task per (batch, q head, query block), heaviest first:
+//   scores and P.V by BLAS, the online softmax with a vectorised exp.
+// * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
+//   GQA group share one pass over their kv head, so every key and value is read once; the keys are
+//   split into chunks over the threads and the chunks' partial softmax states merged by their lse
+//   (flash-decoding); keys are read where they lie and only the window's (near and band tiles) are
+//   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE also rotates far keys,
+//   at p/k).
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
@@ -37,9 +43,9 @@
 namespace ropescale {
 namespace {
 
-constexpr int64_t kBlockQ = 128;  // query rows per task
-constexpr int64_t kBlockK = 128;  // keys per tile: small enough that the band stays thin
-constexpr int64_t kFewRows = 4;   // up to this many rows (decoding), scores are vector loops, not BLAS
+constexpr int64_t kBlockQ = 128;    // query rows per prefill task
+constexpr int64_t kBlockK = 128;    // keys per tile: small enough that the band stays thin
+constexpr int64_t kDecodeRows = 4;  // up to this many query rows take the decode plan
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for the softmax: Cephes' polynomial on [-ln2/2, ln2/2] times 2^n (about 1 ulp), written
@@ -114,44 +120,11 @@ ROPESCALE_CPU_CLONES void select_band_and_mask(float* near_scores, const float* 
   }
 }
 
-// Key operand of one tile: a transposed panel [D x kBlockK] (prepared blocks), or key rows in place.
-struct KeyTile {
-  const float* data;
-  int64_t ld;
-  bool panel;
-};
-
-// scores[rows x cols] (ld_scores) = q[rows x D] . K^T. Panels go through BLAS; a few rows (decoding)
-// take vector loops instead, where BLAS' matrix-vector shapes are slow.
-ROPESCALE_CPU_CLONES void tile_scores(const float* q, int64_t rows, int64_t dim, const KeyTile& keys, int64_t cols,
-                                      float* scores, int64_t ld_scores) {
-  if (rows > kFewRows) {
-    TORCH_INTERNAL_ASSERT(keys.panel, "rerope_attention: BLAS scores need key panels");
-    at::native::cpublas::brgemm(rows, cols, dim, dim, keys.ld, ld_scores, /*add_C=*/false, q, keys.data, scores,
-                                /*is_vnni=*/false);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* query = q + r * dim;
-    float* s = scores + r * ld_scores;
-    if (keys.panel) {  // s += q[d] * panel row d
-      std::fill(s, s + cols, 0.0f);
-      for (int64_t d = 0; d < dim; ++d) {
-        const float* panel_row = keys.data + d * keys.ld;
-        const float qd = query[d];
-#pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) s[c] += qd * panel_row[c];
-      }
-    } else {  // one dot product per key row
-      for (int64_t c = 0; c < cols; ++c) {
-        const float* key = keys.data + c * keys.ld;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < dim; ++d) sum += key[d] * query[d];
-        s[c] = sum;
-      }
-    }
-  }
+// scores[rows x cols] (ld_scores) = q[rows x D] . panel, a transposed key panel [D x kBlockK].
+inline void tile_scores(const float* q, int64_t rows, int64_t dim, const float* panel, int64_t cols, float* scores,
+                        int64_t ld_scores) {
+  at::native::cpublas::brgemm(rows, cols, dim, dim, kBlockK, ld_scores, /*add_C=*/false, q, panel, scores,
+                              /*is_vnni=*/false);
 }
 
 // acc[rows x D] += probs[rows x cols] . V[cols x D] (V rows with stride ld_v).
@@ -180,8 +153,54 @@ inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-// k or v as float rows BLAS can read: the tensor itself when it already is float32 with rows at
-// least D apart, a float copy otherwise.
+// cos/sin rows [kBlockK x 2P] (cos then sin) for the keys of the flagged (batch, key block)s, at
+// position_of(p): one sincos per key and pair, shared by every head.
+struct KeyRotations {
+  std::vector<int64_t> slot;  // per (b, kb): its rows in `cs`, -1 when not flagged
+  std::vector<float> cs;
+  int64_t pairs = 0;
+
+  template <typename PositionOf>
+  KeyRotations(const std::vector<uint8_t>& flagged, const int64_t* k_pos, int64_t k_len, int64_t n_kb,
+               const float* inv_freq, int64_t pair_count, PositionOf position_of)
+      : slot(flagged.size(), -1), pairs(pair_count) {
+    std::vector<int64_t> blocks;
+    for (size_t i = 0; i < flagged.size(); ++i)
+      if (flagged[i]) {
+        slot[i] = static_cast<int64_t>(blocks.size());
+        blocks.push_back(static_cast<int64_t>(i));
+      }
+    cs.resize(blocks.size() * kBlockK * 2 * pairs);
+    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t b = blocks[n] / n_kb, j0 = (blocks[n] % n_kb) * kBlockK, j1 = std::min(k_len, j0 + kBlockK);
+        for (int64_t j = j0; j < j1; ++j) {
+          float* row = &cs[(n * kBlockK + j - j0) * 2 * pairs];
+          sincos_row(position_of(k_pos[b * k_len + j]), inv_freq, pairs, row, row + pairs);
+        }
+      }
+    });
+  }
+  const float* rows(int64_t block) const { return slot[block] < 0 ? nullptr : &cs[slot[block] * kBlockK * 2 * pairs]; }
+};
+
+
+// Key rows [j0, j0 + cols) of one head (rows ld apart) as float rows [cols x D]: rotated with a
+// KeyRotations block's cos/sin rows when `rot` is given, as stored otherwise.
+template <typename scalar_t>
+void load_key_rows(const scalar_t* k_head, int64_t ld, int64_t j0, int64_t cols, int64_t dim, const float* rot,
+                   int64_t pairs, bool interleaved, float* scratch, float* dst) {
+  for (int64_t c = 0; c < cols; ++c) {
+    load_row(k_head + (j0 + c) * ld, dim, scratch);
+    if (rot)
+      rotate_row(scratch, 1.0f, rot + c * 2 * pairs, rot + c * 2 * pairs + pairs, pairs, dim, interleaved, dst + c * dim);
+    else
+      std::copy(scratch, scratch + dim, dst + c * dim);
+  }
+}
+
+// v as float rows BLAS can read: the tensor itself when it already is float32 with rows at least
+// D apart, a float copy otherwise.
 struct FloatRows {
   at::Tensor storage;
   const float* data = nullptr;
@@ -211,11 +230,10 @@ struct KeyPanels {
         blocks(blocks_),
         dim(dim_) {}
   float* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * dim * kBlockK; }
-  KeyTile tile(int64_t b, int64_t h, int64_t kb) const { return {panel(b, h, kb), kBlockK, true}; }
 };
 
 template <typename scalar_t>
-void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
+void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
   const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
   const int64_t P = a.rotary_pairs, group = Hq / Hkv;
   const bool leaky = a.leaky_inv != 0.0;
@@ -223,8 +241,6 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
   const float* inv_freq = a.inv_freq.data_ptr<float>();
   const int64_t n_qb = (Lq + kBlockQ - 1) / kBlockQ, n_kb = (Lk + kBlockK - 1) / kBlockK;
-  // Decoding reads the raw far keys in place; BLAS (more query rows) needs them as panels too.
-  const bool raw_far_panels = !leaky && Lq > kFewRows;
 
   // ---- tile classification, and which key blocks each side needs
   std::vector<PositionRange> q_ranges(B * n_qb), k_ranges(B * n_kb);
@@ -261,42 +277,30 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   });
 
   // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
-  const FloatRows k_rows(a.k), v_rows(a.v);
-  const KeyPanels near_panels(B, Hkv, n_kb, D);
-  const KeyPanels far_panels = (leaky || raw_far_panels) ? KeyPanels(B, Hkv, n_kb, D) : KeyPanels(0, 0, 0, 0);
-  at::parallel_for(0, B * n_kb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cs(2 * P), rotated(D);
-    // Rotates key j of every head at `position` (or copies it when position is null) into column c.
-    auto write_column = [&](const KeyPanels& panels, int64_t b, int64_t kb, int64_t j, int64_t c,
-                            const double* position) {
-      if (position) sincos_row(*position, inv_freq, P, cs.data(), cs.data() + P);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const float* key = k_rows.row(b, h, j);
-        if (position) {
-          rotate_row(key, 1.0f, cs.data(), cs.data() + P, P, D, a.interleaved, rotated.data());
-          key = rotated.data();
-        }
+  const KeyRotations near_rot(needs_near, k_pos, Lk, n_kb, inv_freq, P,
+                              [](int64_t p) { return static_cast<double>(p); });
+  const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(B * n_kb, 0), k_pos, Lk, n_kb, inv_freq, P,
+                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
+  const KeyPanels near_panels(B, Hkv, n_kb, D), far_panels(B, Hkv, n_kb, D);
+  const auto* k_data = a.k.data_ptr<scalar_t>();
+  at::parallel_for(0, B * Hkv * n_kb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(D), key_rows(kBlockK * D);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t kb = unit % n_kb, h = (unit / n_kb) % Hkv, b = unit / (n_kb * Hkv), block = b * n_kb + kb;
+      const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+      // The block's keys, rotated for one side, transposed into that side's panel.
+      auto write_panel = [&](const KeyPanels& panels, const float* rot) {
+        load_key_rows(k_data + b * a.k.stride(0) + h * a.k.stride(1), a.k.stride(2), j0, cols, D, rot, P,
+                      a.interleaved, scratch.data(), key_rows.data());
         float* panel = panels.panel(b, h, kb);
-        for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key[d];
-      }
-    };
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t b = block / n_kb, kb = block % n_kb, j0 = kb * kBlockK, j1 = std::min(Lk, j0 + kBlockK);
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t p = k_pos[b * Lk + j];
-        if (needs_near[block]) {
-          const double near_position = static_cast<double>(p);
-          write_column(near_panels, b, kb, j, j - j0, &near_position);
-        }
-        if (needs_far[block] && leaky) {
-          const double far_position = rerope_far_key_position(p, a.leaky_inv);
-          write_column(far_panels, b, kb, j, j - j0, &far_position);
-        } else if (needs_far[block] && raw_far_panels) {
-          write_column(far_panels, b, kb, j, j - j0, nullptr);
-        }
-      }
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key_rows[c * D + d];
+      };
+      if (needs_near[block]) write_panel(near_panels, near_rot.rows(block));
+      if (needs_far[block]) write_panel(far_panels, far_rot.rows(block));  // ReRoPE: no rotation, raw keys
     }
   });
+  const FloatRows v_rows(a.v);
 
   // ---- attention tasks, heaviest first, handed out dynamically (causal rows differ in cost)
   std::vector<int64_t> tasks;
@@ -340,12 +344,10 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
         const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
         const bool band = tc.kind == TileKind::kBand;
         if (tc.kind != TileKind::kFar)
-          tile_scores(q_near.data(), rows, D, near_panels.tile(b, hkv, kb), cols, scores.data(), kBlockK);
-        if (tc.kind != TileKind::kNear) {
-          const KeyTile far_keys = (leaky || raw_far_panels) ? far_panels.tile(b, hkv, kb)
-                                                             : KeyTile{k_rows.row(b, hkv, j0), k_rows.stride_l, false};
-          tile_scores(q_far.data(), rows, D, far_keys, cols, band ? far_scores.data() : scores.data(), kBlockK);
-        }
+          tile_scores(q_near.data(), rows, D, near_panels.panel(b, hkv, kb), cols, scores.data(), kBlockK);
+        if (tc.kind != TileKind::kNear)
+          tile_scores(q_far.data(), rows, D, far_panels.panel(b, hkv, kb), cols,
+                      band ? far_scores.data() : scores.data(), kBlockK);
         if (band || tc.needs_mask)
           select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
                                a.window, a.causal, band, tc.needs_mask);
@@ -369,6 +371,203 @@ void rerope_attention_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tenso
   });
 }
 
+
+// ---- decode plan
+
+// <q, key> in float for a key row of any cache dtype: 16 independent lanes (one AVX-512 register)
+// reduced as a tree, so neither the FMAs nor the final sum form one long dependency chain.
+template <typename key_t>
+__attribute__((always_inline)) inline float dot_row(const float* q, const key_t* key, int64_t dim) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes)
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(key[d + l]);
+  float tail = 0.0f;
+  for (; d < dim; ++d) tail += q[d] * static_cast<float>(key[d]);
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0] + tail;
+}
+
+// Scores of a few query rows against key rows (ld_keys apart, read where they lie, any cache
+// dtype): every key is read once for all the rows.
+template <typename key_t>
+__attribute__((always_inline)) inline void row_scores_impl(const float* q, int64_t rows, int64_t dim,
+                                                           const key_t* keys, int64_t ld_keys, int64_t cols,
+                                                           float* scores, int64_t ld_scores) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
+}
+
+// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype): every value row
+// is read once for all the rows.
+template <typename value_t>
+__attribute__((always_inline)) inline void row_accumulate_impl(const float* probs, int64_t rows, int64_t cols,
+                                                               int64_t ld_probs, const value_t* v, int64_t ld_v,
+                                                               int64_t dim, float* acc) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const value_t* value = v + c * ld_v;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p = probs[r * ld_probs + c];
+      if (p == 0.0f) continue;
+      float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  }
+}
+
+// The ISA clones (target_clones cannot multiversion templates): one overload per cache dtype.
+#define ROPESCALE_DECODE_LOOPS(cache_t)                                                                          \
+  ROPESCALE_CPU_CLONES void row_scores(const float* q, int64_t rows, int64_t dim, const cache_t* keys,          \
+                                       int64_t ld_keys, int64_t cols, float* scores, int64_t ld_scores) {       \
+    row_scores_impl(q, rows, dim, keys, ld_keys, cols, scores, ld_scores);                                       \
+  }                                                                                                              \
+  ROPESCALE_CPU_CLONES void row_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs,    \
+                                           const cache_t* v, int64_t ld_v, int64_t dim, float* acc) {           \
+    row_accumulate_impl(probs, rows, cols, ld_probs, v, ld_v, dim, acc);                                         \
+  }
+ROPESCALE_DECODE_LOOPS(float)
+ROPESCALE_DECODE_LOOPS(at::Half)
+ROPESCALE_DECODE_LOOPS(at::BFloat16)
+#undef ROPESCALE_DECODE_LOOPS
+
+template <typename scalar_t>
+void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
+  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
+  const int64_t rows = group * Lq;  // query rows sharing a kv head: row r is head (r / Lq) of the group, token r % Lq
+  const bool leaky = a.leaky_inv != 0.0;
+  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
+  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
+  const float* inv_freq = a.inv_freq.data_ptr<float>();
+  const int64_t n_kb = (Lk + kBlockK - 1) / kBlockK;
+
+  // ---- tile classification: the query rows of a batch row are one block
+  std::vector<TileClass> tiles(B * n_kb);
+  std::vector<uint8_t> near_blocks(B * n_kb, 0), leaky_far_blocks(B * n_kb, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    PositionRange queries;
+    for (int64_t i = 0; i < Lq; ++i) queries.add(q_pos[b * Lq + i]);
+    for (int64_t kb = 0; kb < n_kb; ++kb) {
+      PositionRange keys;
+      for (int64_t j = kb * kBlockK; j < std::min(Lk, (kb + 1) * kBlockK); ++j) keys.add(k_pos[b * Lk + j]);
+      const TileClass tc = rerope_classify_tile(queries, keys, a.window, a.causal);
+      tiles[b * n_kb + kb] = tc;
+      near_blocks[b * n_kb + kb] = tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
+      leaky_far_blocks[b * n_kb + kb] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
+    }
+  }
+  const KeyRotations near_rot(near_blocks, k_pos, Lk, n_kb, inv_freq, P,
+                              [](int64_t p) { return static_cast<double>(p); });
+  const KeyRotations far_rot(leaky_far_blocks, k_pos, Lk, n_kb, inv_freq, P,
+                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
+
+  // ---- chunks of key blocks: about four work units per thread
+  const int64_t wanted = std::max<int64_t>(1, (4 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv));
+  const int64_t chunk_blocks = (n_kb + std::min(wanted, n_kb) - 1) / std::min(wanted, n_kb);
+  const int64_t chunks = (n_kb + chunk_blocks - 1) / chunk_blocks, units = B * Hkv * chunks;
+  std::vector<float> part_acc(units * rows * D), part_max(units * rows), part_sum(units * rows);
+
+  const auto* q_data = a.q.data_ptr<scalar_t>();
+  const auto* k_data = a.k.data_ptr<scalar_t>();
+  const auto* v_data = a.v.data_ptr<scalar_t>();
+  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
+  const int64_t sk0 = a.k.stride(0), sk1 = a.k.stride(1), sk2 = a.k.stride(2);
+  const int64_t sv0 = a.v.stride(0), sv1 = a.v.stride(1), sv2 = a.v.stride(2);
+
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(D), cs(2 * P), q_near(rows * D), q_far(rows * D);
+    std::vector<float> near_keys(kBlockK * D), far_keys(kBlockK * D);
+    std::vector<float> scores(rows * kBlockK), far_scores(rows * kBlockK);
+    std::vector<int64_t> row_pos(rows);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t chunk = unit % chunks, hkv = (unit / chunks) % Hkv, b = unit / (chunks * Hkv);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = hkv * group + r / Lq, i = r % Lq, p = q_pos[b * Lq + i];
+        row_pos[r] = p;
+        load_row(q_data + b * sq0 + h * sq1 + i * sq2, D, scratch.data());
+        const float factor = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
+        sincos_row(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
+        rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_near[r * D]);
+        sincos_row(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, cs.data(), cs.data() + P);
+        rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_far[r * D]);
+      }
+      float* acc = &part_acc[unit * rows * D];
+      float* row_max = &part_max[unit * rows];
+      float* row_sum = &part_sum[unit * rows];
+      std::fill(row_max, row_max + rows, kNegInf);
+      std::fill(row_sum, row_sum + rows, 0.0f);
+      std::fill(acc, acc + rows * D, 0.0f);
+      const scalar_t* k_head = k_data + b * sk0 + hkv * sk1;
+      const scalar_t* v_head = v_data + b * sv0 + hkv * sv1;
+
+      for (int64_t kb = chunk * chunk_blocks; kb < std::min(n_kb, (chunk + 1) * chunk_blocks); ++kb) {
+        const int64_t block = b * n_kb + kb;
+        const TileClass tc = tiles[block];
+        if (tc.kind == TileKind::kSkip) continue;
+        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+        const bool band = tc.kind == TileKind::kBand;
+        if (tc.kind != TileKind::kFar) {
+          load_key_rows(k_head, sk2, j0, cols, D, near_rot.rows(block), P, a.interleaved, scratch.data(),
+                        near_keys.data());
+          row_scores(q_near.data(), rows, D, near_keys.data(), D, cols, scores.data(), kBlockK);
+        }
+        if (tc.kind != TileKind::kNear) {
+          float* far_dst = band ? far_scores.data() : scores.data();
+          if (!leaky) {  // ReRoPE's far keys are the stored keys: read in place
+            row_scores(q_far.data(), rows, D, k_head + j0 * sk2, sk2, cols, far_dst, kBlockK);
+          } else {
+            load_key_rows(k_head, sk2, j0, cols, D, far_rot.rows(block), P, a.interleaved, scratch.data(),
+                          far_keys.data());
+            row_scores(q_far.data(), rows, D, far_keys.data(), D, cols, far_dst, kBlockK);
+          }
+        }
+        if (band || tc.needs_mask)
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(),
+                               k_pos + b * Lk + j0, a.window, a.causal, band, tc.needs_mask);
+        online_softmax_update(scores.data(), rows, cols, kBlockK, row_max, row_sum, acc, D);
+        row_accumulate(scores.data(), rows, cols, kBlockK, v_head + j0 * sv2, sv2, D, acc);
+      }
+    }
+  });
+
+  // ---- merge the chunks of every row by their lse
+  auto* out_data = out.data_ptr<scalar_t>();
+  float* lse_data = lse.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(D);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t r = index % rows, head_unit = index / rows;  // head_unit = b * Hkv + hkv
+      const int64_t b = head_unit / Hkv, h = (head_unit % Hkv) * group + r / Lq;
+      const int64_t out_row = (b * Hq + h) * Lq + r % Lq;
+      float global_max = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) global_max = std::max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
+      scalar_t* o = out_data + out_row * D;
+      if (global_max == kNegInf) {  // no visible key
+        std::fill(o, o + D, static_cast<scalar_t>(0.0f));
+        lse_data[out_row] = kNegInf;
+        continue;
+      }
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t part = (head_unit * chunks + c) * rows + r;
+        if (part_max[part] == kNegInf) continue;
+        const float weight = std::exp(part_max[part] - global_max);
+        total += weight * part_sum[part];
+        const float* acc = &part_acc[part * D];
+        for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(merged[d] * inv);
+      lse_data[out_row] = global_max + std::log(total);
+    }
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -387,8 +586,13 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.q.scalar_type(), "rerope_attention_cpu",
-                                  [&] { rerope_attention_cpu_kernel<scalar_t>(args, out, lse); });
+  AT_DISPATCH_V2(args.q.scalar_type(), "rerope_attention_cpu", AT_WRAP([&] {
+                   if (args.q_len <= kDecodeRows)
+                     rerope_decode_cpu_kernel<scalar_t>(args, out, lse);
+                   else
+                     rerope_prefill_cpu_kernel<scalar_t>(args, out, lse);
+                 }),
+                 at::kFloat, at::kHalf, at::kBFloat16);
   return {out, lse};
 }
 

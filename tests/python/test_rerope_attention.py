@@ -142,6 +142,36 @@ def test_cpu_matches_reference_grid(leaky_k, window, logn_length, gqa, causal):
     assert_matches_reference(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5, lse_atol=1e-5)
 
 
+# The decode plan (up to 4 query rows): GQA heads share one pass over the cache, keys split in
+# chunks merged by lse. Caches long enough for several chunks per head, read in place from a
+# strided view (a cache with spare capacity), in every dtype.
+DECODE_GRID = list(itertools.product((1, 2, 4), (0.0, 16.0), (1, 64, 10_000), ((1, 1), (4, 2), (8, 1)), (True, False)))
+
+
+@pytest.mark.parametrize("q_len,leaky_k,window,gqa,causal", DECODE_GRID)
+def test_cpu_decode_matches_reference(q_len, leaky_k, window, gqa, causal):
+    index = DECODE_GRID.index((q_len, leaky_k, window, gqa, causal))
+    group, kv_heads = gqa
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[index % 3]
+    k_len, dim = (1100, 130, 517)[index % 3], (32, 18, 64)[index % 3]
+    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, dtype, pad=index % 2 * 37,
+                                  seed=index)
+    spare = torch.zeros(2, kv_heads, k_len + 9, dim, dtype=dtype)
+    k_view, v_view = spare.clone()[:, :, :k_len], spare.clone()[:, :, 3 : k_len + 3]
+    k_view.copy_(k), v_view.copy_(v)
+    inv_freq = ops.default_inv_freq(dim, BASE)
+    out, lse = ops.rerope_attention(q, k_view, v_view, qp, kp, inv_freq, window, leaky_k, causal=causal,
+                                    logn_length=40 if index % 2 else 0)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, causal=causal,
+                                 logn_length=40 if index % 2 else 0)
+    if dtype == torch.float32:
+        assert_matches_reference(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5, lse_atol=1e-5)
+    else:
+        # output rounded to the dtype once; everything else in float32 from the exact inputs
+        eps = torch.finfo(dtype).eps
+        assert_matches_reference(out, lse, ref_out, ref_lse, atol=2 * eps, rtol=2 * eps, lse_atol=1e-4)
+
+
 def low_precision_tolerance(q, k, v, qp, kp, inv_freq, window, leaky_k, ref_out, **kw):
     """2x what plain PyTorch makes of the same computation in q's dtype (flash-attention's rule)."""
     from ropescale.rerope import rerope_attention_naive
