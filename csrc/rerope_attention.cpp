@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace ropescale {
 
@@ -93,6 +94,18 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
   args.causal = causal;
   args.interleaved = interleaved;
   return args;
+}
+
+bool empty_rerope_outputs(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse) {
+  out = at::empty({args.batch, args.q_heads, args.q_len, args.head_dim}, args.q.options());
+  lse = at::empty({args.batch, args.q_heads, args.q_len}, args.q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return true;
+  if (args.k_len == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return true;
+  }
+  return false;
 }
 
 }  // namespace ropescale

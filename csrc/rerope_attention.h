@@ -29,4 +29,8 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                        int64_t logn_length, bool causal, bool interleaved);
 
+// The op's outputs, out [B, Hq, Lq, D] in q's dtype and lse [B, Hq, Lq] float32; returns true when
+// they are already final (no query, or no key: zeros and -inf) and no kernel needs to run.
+bool empty_rerope_outputs(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse);
+
 }  // namespace ropescale

@@ -578,14 +578,8 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
   const ReropeArgs args = check_rerope_attention_args(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
                                                       scale, logn_length, causal, interleaved);
   TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention: the CPU kernel got tensors on ", args.q.device());
-  at::Tensor out = at::empty({args.batch, args.q_heads, args.q_len, args.head_dim}, args.q.options());
-  at::Tensor lse = at::empty({args.batch, args.q_heads, args.q_len}, args.q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
-  if (args.k_len == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  at::Tensor out, lse;
+  if (empty_rerope_outputs(args, out, lse)) return {out, lse};
   AT_DISPATCH_V2(args.q.scalar_type(), "rerope_attention_cpu", AT_WRAP([&] {
                    if (args.q_len <= kDecodeRows)
                      rerope_decode_cpu_kernel<scalar_t>(args, out, lse);

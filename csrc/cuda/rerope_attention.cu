@@ -66,14 +66,8 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
                                                    scale, logn_length, causal, interleaved);
   TORCH_CHECK(a.q.is_cuda(), "rerope_attention: the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
-  at::Tensor out = at::empty({a.batch, a.q_heads, a.q_len, a.head_dim}, a.q.options());
-  at::Tensor lse = at::empty({a.batch, a.q_heads, a.q_len}, a.q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
-  if (a.k_len == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  at::Tensor out, lse;
+  if (empty_rerope_outputs(a, out, lse)) return {out, lse};
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   TORCH_CHECK(a.q_len <= kIntMax && a.k_len <= kIntMax && a.batch * a.kv_heads <= 65535,
               "rerope_attention: sizes too large for one launch (batch x k/v heads must be <= 65535)");
