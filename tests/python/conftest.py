@@ -12,3 +12,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+class BytesWritten:
+    """Counts the bytes every non-view ATen op writes while active (``with counter: ...``), i.e. the size of
+    each op's tensor outputs: ``copy_`` into a slice counts the slice, ``cat`` its whole result."""
+
+    def __init__(self):
+        self.total = 0
+        self.ops = []
+
+    def __enter__(self):
+        from torch.utils import _pytree as pytree
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view:
+                    written = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out) if torch.is_tensor(t))
+                    counter.total += written
+                    counter.ops.append((str(func), written))
+                return out
+
+        self.total, self.ops = 0, []
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.fixture
+def bytes_written():
+    """A fresh :class:`BytesWritten` counter (a context manager; reusable)."""
+    return BytesWritten()

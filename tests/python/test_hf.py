@@ -229,6 +229,182 @@ def test_rerope_batch_generation_with_left_padding():
 
 
 # ---------------------------------------------------------------------------------------------
+# the pre-RoPE cache's layers: buffers that grow by doubling, transformers' layer API
+
+
+def test_pre_rope_cache_decode_step_copies_only_its_tokens(bytes_written):
+    model = hf.patch(tiny("llama", layers=2, mpe=16), scaling.DynamicNTK(factor=2.0, original_max_position=16))
+    x = ids(length=60)
+    cache = hf.PreRopeCache()
+    with torch.no_grad():
+        model(x[:, :40], past_key_values=cache)
+        pointers = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr())
+                    for layer in cache.layers]
+        for t in range(40, 60):
+            model(x[:, t:t + 1], past_key_values=cache)
+        # The buffers (capacity 256) were written in place: no step reallocated them.
+        assert [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr())
+                for layer in cache.layers] == pointers
+        assert cache.get_seq_length() == 60 and cache.layers[0].keys.shape == (2, 2, 60, 16)
+        # One step through transformers' Cache.update writes the step's k, v and positions, not the cache.
+        k, v, p = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.tensor([[60]])
+        with bytes_written:
+            keys, values = cache.update(k, v, 0, {"positions": p})
+    step = 2 * k.numel() * k.element_size() + 2 * 8
+    assert step <= bytes_written.total <= step + 2 * 8, bytes_written.ops  # (+ positions cast to int64)
+    assert bytes_written.total < keys.numel() * keys.element_size() / 10
+    assert keys.data_ptr() == pointers[0][0] and torch.equal(keys[:, :, -1:], k) and torch.equal(values[:, :, -1:], v)
+    assert cache.positions(0)[:, -1].tolist() == [60, 60]
+
+
+def _filled_hf_cache(batch=3, length=9, layers=2, seed=0):
+    """A hf.PreRopeCache filled through Cache.update, and per layer the same (keys, values, positions) as tensors."""
+    g = torch.Generator().manual_seed(seed)
+    cache, expected = hf.PreRopeCache(), []
+    for layer in range(layers):
+        k, v = torch.randn(batch, 2, length, 4, generator=g), torch.randn(batch, 2, length, 4, generator=g)
+        p = torch.randint(0, 50, (batch, length), generator=g)
+        with torch.no_grad():
+            cache.update(k[:, :, :5], v[:, :, :5], layer, {"positions": p[:, :5]})  # prefill, then decode steps
+            for t in range(5, length):
+                cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], layer, {"positions": p[:, t:t + 1]})
+        expected.append((k, v, p))
+    return cache, expected
+
+
+def _assert_cache_holds(cache, expected):
+    for i, (layer, (k, v, p)) in enumerate(zip(cache.layers, expected)):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v), i
+        assert torch.equal(layer.positions, p) and torch.equal(cache.positions(i), p), i
+        assert layer.get_seq_length() == k.shape[2] == cache.get_seq_length(i)
+        assert cache.get_mask_sizes(1, i) == (k.shape[2] + 1, 0)
+
+
+def _then_one_more_token(cache, expected, seed=5):
+    """Appends one token to every layer; returns the expected tensors after it."""
+    after = []
+    for i, (k, v, p) in enumerate(expected):
+        g = torch.Generator().manual_seed(seed + i)
+        nk, nv = torch.randn(k.shape[0], 2, 1, 4, generator=g), torch.randn(k.shape[0], 2, 1, 4, generator=g)
+        np_ = torch.full((k.shape[0], 1), 99)
+        with torch.no_grad():
+            keys, values = cache.update(nk, nv, i, {"positions": np_})
+        assert torch.equal(keys, torch.cat((k, nk), 2)) and torch.equal(values, torch.cat((v, nv), 2))
+        after.append((torch.cat((k, nk), 2), torch.cat((v, nv), 2), torch.cat((p, np_), 1)))
+    return after
+
+
+@pytest.mark.parametrize("op,apply", [
+    ("crop(-3)", lambda t: t[..., :-3, :] if t.dim() == 4 else t[:, :-3]),
+    ("crop(-20)", lambda t: t[..., :0, :] if t.dim() == 4 else t[:, :0]),
+    ("crop(0)", lambda t: t),
+    ("batch_select_indices(tensor)", lambda t: t[torch.tensor([2, 0])]),
+    ("batch_select_indices(list)", lambda t: t[[1, 1, -1]]),
+    ("batch_select_indices(mask)", lambda t: t[torch.tensor([True, False, True])]),
+    ("batch_select_indices(slice)", lambda t: t[1:]),
+    ("batch_repeat_interleave", lambda t: t.repeat_interleave(3, dim=0)),
+    ("reorder_cache", lambda t: t.index_select(0, torch.tensor([1, 1, 0]))),
+])
+def test_pre_rope_cache_layer_ops_keep_keys_values_positions_together(op, apply):
+    cache, expected = _filled_hf_cache()
+    _assert_cache_holds(cache, expected)
+    {
+        "crop(-3)": lambda: cache.crop(-3),
+        "crop(-20)": lambda: cache.crop(-20),
+        "crop(0)": lambda: cache.crop(0),
+        "batch_select_indices(tensor)": lambda: cache.batch_select_indices(torch.tensor([2, 0])),
+        "batch_select_indices(list)": lambda: cache.batch_select_indices([1, 1, -1]),
+        "batch_select_indices(mask)": lambda: cache.batch_select_indices(torch.tensor([True, False, True])),
+        "batch_select_indices(slice)": lambda: cache.batch_select_indices(slice(1, None)),
+        "batch_repeat_interleave": lambda: cache.batch_repeat_interleave(3),
+        "reorder_cache": lambda: cache.reorder_cache(torch.tensor([1, 1, 0])),
+    }[op]()
+    expected = [tuple(apply(t) for t in layer) for layer in expected]
+    _assert_cache_holds(cache, expected)
+    _assert_cache_holds(cache, _then_one_more_token(cache, expected))  # and decoding goes on from there
+
+
+def test_pre_rope_cache_layer_api_edges():
+    cache, expected = _filled_hf_cache()
+    layer = cache.layers[0]
+    with pytest.raises(ValueError, match="positive value"):  # DynamicLayer's rule
+        cache.crop(2)
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        layer.keys = torch.zeros(3, 2, 9, 4)
+    with pytest.raises(AttributeError):
+        layer.positions = torch.zeros(3, 9, dtype=torch.long)
+    with pytest.raises(IndexError):
+        cache.reorder_cache(torch.tensor([0, 3]))
+    _assert_cache_holds(cache, expected)  # refused calls change nothing
+    assert [k.shape for k, _ in ((layer.keys, layer.values) for layer in cache.layers)] == [(3, 2, 9, 4)] * 2
+    layer.offload(), layer.prefetch()  # same device: nothing moves
+    _assert_cache_holds(cache, expected)
+    cache.reset()
+    assert layer.keys is None and layer.values is None and layer.positions is None
+    assert not layer.is_initialized and cache.get_seq_length() == 0 and cache.get_mask_sizes(4, 0) == (4, 0)
+    cache.crop(-1), cache.batch_repeat_interleave(2), cache.batch_select_indices([0]), cache.reorder_cache(
+        torch.tensor([0]))  # no-ops on an empty layer, as for DynamicLayer
+    # A reset layer starts over with any batch size; early initialization gives [B, H, 0, D] views.
+    layer.lazy_initialization(torch.zeros(4, 2, 0, 4), torch.zeros(4, 2, 0, 4))
+    assert layer.keys.shape == (4, 2, 0, 4) and layer.positions.shape == (4, 0) and layer.get_seq_length() == 0
+    with torch.no_grad():
+        keys, _ = cache.update(torch.ones(4, 2, 3, 4), torch.ones(4, 2, 3, 4), 0, {"positions": torch.arange(3)[None]})
+    assert keys.shape == (4, 2, 3, 4) and cache.positions(0).tolist() == [[0, 1, 2]] * 4
+
+
+def test_pre_rope_cache_gradients_through_cached_steps():
+    # With grad mode on the cache updates out of place, so a backward through several cached steps
+    # (keys saved for backward at each) equals the one through a full forward (static YaRN: the
+    # cached steps compute the same logits).
+    torch.manual_seed(0)
+    stepped, full = (hf.patch(tiny("llama"), STATIC["yarn"]).train() for _ in range(2))
+    x = ids(length=24)
+    cache = hf.PreRopeCache()
+    logits = [stepped(x[:, :16], past_key_values=cache).logits]
+    for t in range(16, 24):
+        logits.append(stepped(x[:, t:t + 1], past_key_values=cache).logits)
+    weights = torch.randn(2, 24, VOCAB)
+    (torch.cat(logits, 1) * weights).sum().backward()
+    (full(x, use_cache=False).logits * weights).sum().backward()
+    for (name, a), (_, b) in zip(full.named_parameters(), stepped.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_beam_search_with_pre_rope_cache():
+    # Beam search reorders the cache every step (reorder_cache); the tokens equal the native model's
+    # (static YaRN) and a dynamic model's without a cache (one layer: the cache is then exact).
+    native = tiny("llama", STATIC["yarn"])
+    patched = hf.patch(tiny("llama"), STATIC["yarn"])
+    x = ids(length=12)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, num_beams=3)
+    assert torch.equal(patched.generate(x, past_key_values=hf.PreRopeCache(), **kw), native.generate(x, **kw))
+    dynamic = hf.patch(tiny("llama", layers=1, mpe=16), scaling.DynamicNTK(factor=2.0, original_max_position=16))
+    kw.update(max_new_tokens=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(dynamic.generate(ids(length=8), past_key_values=hf.PreRopeCache(), **kw),
+                           dynamic.generate(ids(length=8), use_cache=False, **kw))
+
+
+@pytest.mark.cuda
+def test_pre_rope_cache_layer_offload_and_prefetch_cuda():
+    cache, expected = _filled_hf_cache()
+    moved = hf.PreRopeCache()
+    for i, (k, v, p) in enumerate(expected):
+        with torch.no_grad():
+            moved.update(k.cuda(), v.cuda(), i, {"positions": p.cuda()})
+    layer = moved.layers[0]
+    layer.offload()
+    torch.cuda.synchronize()
+    assert layer.keys.device.type == layer.values.device.type == layer.positions.device.type == "cpu"
+    _assert_cache_holds(moved, expected)
+    layer.prefetch()
+    torch.cuda.synchronize()
+    assert layer.keys.is_cuda and layer.values.is_cuda and layer.positions.is_cuda
+    assert torch.equal(layer.keys.cpu(), expected[0][0]) and torch.equal(layer.positions.cpu(), expected[0][2])
+
+
+# ---------------------------------------------------------------------------------------------
 # rope types registered in transformers
 
 

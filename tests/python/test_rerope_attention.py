@@ -315,6 +315,127 @@ def test_pre_rope_cache_views_growth_and_errors():
     assert len(cache) == 0
 
 
+def _filled_cache(batch=3, heads=2, length=7, dim=4, capacity=16, seed=0):
+    """A cache holding ``length`` random tokens, and the same tokens as plain tensors."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, length, dim, generator=g)
+    v = torch.randn(batch, heads, length, dim, generator=g)
+    p = torch.randint(-1, 100, (batch, length), generator=g)
+    cache = PreRopeCache(capacity=capacity)
+    with torch.no_grad():
+        cache.append(k, v, p)
+    return cache, k, v, p
+
+
+def _assert_holds(cache, k, v, p):
+    assert len(cache) == k.shape[2]
+    assert torch.equal(cache.keys, k) and torch.equal(cache.values, v) and torch.equal(cache.positions, p)
+    assert cache.positions.dtype == torch.int64
+
+
+def test_pre_rope_cache_decode_step_writes_only_its_tokens(bytes_written):
+    cache, k, v, p = _filled_cache(batch=2, heads=4, length=100, dim=32, capacity=128)
+    token = k.element_size() * 4 * 32  # one token of one batch row, all heads
+    new_k, new_v, new_p = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 1, 32), torch.full((2, 1), 100)
+    with torch.no_grad():
+        data_ptr = cache.keys.data_ptr()
+        with bytes_written:
+            keys, values, positions = cache.append(new_k, new_v, new_p)
+    assert keys.data_ptr() == data_ptr and cache.capacity == 128  # no reallocation
+    # k, v and positions of the one new token: O(T), where torch.cat would write the 101 tokens.
+    assert bytes_written.total == 2 * (2 * token) + 2 * 8, bytes_written.ops
+    _assert_holds(cache, torch.cat((k, new_k), 2), torch.cat((v, new_v), 2), torch.cat((p, new_p), 1))
+
+
+def test_pre_rope_cache_with_autograd_updates_out_of_place():
+    # A view handed out may be saved for backward: with grad mode on, appends leave it untouched.
+    k = torch.randn(1, 2, 6, 4, requires_grad=True)
+    q = torch.randn(1, 2, 1, 4, requires_grad=True)
+    cache = PreRopeCache(capacity=8)
+    keys, _, _ = cache.append(k[:, :, :5], k[:, :, :5] * 2, torch.arange(5)[None])
+    loss = (q @ keys.transpose(-1, -2)).sum()  # saves the view `keys`
+    keys2, values2, _ = cache.append(k[:, :, 5:], k[:, :, 5:] * 2, torch.tensor([[5]]))
+    (loss + (q @ keys2.transpose(-1, -2)).sum() + values2.sum()).backward()
+    expected_k = q.detach().sum(2, keepdim=True).expand(1, 2, 6, 4).clone()
+    expected_k[:, :, :5] *= 2  # the first five keys were read twice
+    torch.testing.assert_close(k.grad, expected_k + 2)
+    torch.testing.assert_close(q.grad, k.detach()[:, :, :5].sum(2, keepdim=True) + k.detach().sum(2, keepdim=True))
+
+
+def test_pre_rope_cache_crop():
+    cache, k, v, p = _filled_cache()
+    ptr = cache.keys.data_ptr()
+    cache.crop(7)  # no-op
+    _assert_holds(cache, k, v, p)
+    cache.crop(4)
+    _assert_holds(cache, k[:, :, :4], v[:, :, :4], p[:, :4])
+    assert cache.keys.data_ptr() == ptr and cache.capacity == 16  # no copy
+    with torch.no_grad():
+        cache.append(v[:, :, :2], k[:, :, :2], p[:, :2])  # overwrites the cropped tokens
+    _assert_holds(cache, torch.cat((k[:, :, :4], v[:, :, :2]), 2), torch.cat((v[:, :, :4], k[:, :, :2]), 2),
+                  torch.cat((p[:, :4], p[:, :2]), 1))
+    cache.crop(0)
+    assert len(cache) == 0 and cache.keys.shape == (3, 2, 0, 4)
+
+
+@pytest.mark.parametrize("indices", [[2, 0, 1], [1], [0, 0, 2, 2, 1], []])
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_pre_rope_cache_index_select(indices, grad_mode):
+    cache, k, v, p = _filled_cache()
+    rows = torch.tensor(indices, dtype=torch.int32)
+    with torch.set_grad_enabled(grad_mode):
+        cache.index_select(rows)
+        _assert_holds(cache, k[rows.long()], v[rows.long()], p[rows.long()])
+        assert cache.capacity == 16  # room for the next tokens is kept
+        extra = torch.randn(len(indices), 2, 3, 4)
+        cache.append(extra, -extra, torch.arange(3).expand(len(indices), 3))
+    _assert_holds(cache, torch.cat((k[rows.long()], extra), 2), torch.cat((v[rows.long()], -extra), 2),
+                  torch.cat((p[rows.long()], torch.arange(3).expand(len(indices), 3)), 1))
+
+
+def test_pre_rope_cache_repeat_interleave():
+    cache, k, v, p = _filled_cache()
+    cache.repeat_interleave(2)
+    _assert_holds(cache, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), p.repeat_interleave(2, 0))
+    cache.repeat_interleave(1)
+    _assert_holds(cache, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), p.repeat_interleave(2, 0))
+
+
+def test_pre_rope_cache_bad_input_to_crop_index_select_repeat_interleave():
+    empty = PreRopeCache()
+    empty.crop(0)  # nothing cached, nothing to crop
+    with pytest.raises(RuntimeError, match="index_select: the cache is empty"):
+        empty.index_select(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="repeat_interleave: the cache is empty"):
+        empty.repeat_interleave(2)
+    cache, k, v, p = _filled_cache()
+    with pytest.raises(ValueError, match=r"crop: length must be in \[0, 7\] .*got 8"):
+        cache.crop(8)
+    with pytest.raises(ValueError, match=r"crop: length must be in \[0, 7\] .*got -1"):
+        cache.crop(-1)
+    with pytest.raises(TypeError, match="crop: length must be an int, got 2.5"):
+        cache.crop(2.5)
+    with pytest.raises(TypeError, match="crop: length must be an int, got True"):
+        cache.crop(True)
+    with pytest.raises(IndexError, match=r"indices must be in \[0, 3\) .*got values in \[0, 3\]"):
+        cache.index_select(torch.tensor([0, 3]))
+    with pytest.raises(IndexError, match=r"indices must be in \[0, 3\) .*got values in \[-1, 1\]"):
+        cache.index_select(torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match="indices must be a 1-D integer tensor, got torch.float32"):
+        cache.index_select(torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="indices must be a 1-D integer tensor, got torch.bool"):
+        cache.index_select(torch.tensor([True, False, True]))
+    with pytest.raises(ValueError, match=r"1-D integer tensor, got torch.int64 tensor of shape \(1, 2\)"):
+        cache.index_select(torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="indices must be a 1-D integer tensor, got list"):
+        cache.index_select([0, 1])
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        cache.repeat_interleave(0)
+    with pytest.raises(TypeError, match="repeats must be an int, got 2.0"):
+        cache.repeat_interleave(2.0)
+    _assert_holds(cache, k, v, p)  # a refused call changes nothing
+
+
 # ---------------------------------------------------------------------------------------------
 # Composite path: equal to the fused op, differentiable.
 

@@ -4,6 +4,10 @@ Dynamic scaling changes the rotation of every earlier token when the length grow
 rotated keys goes stale (YaRN paper, section 3.4; transformers issue 25104). ReRoPE rotates keys by
 a distance that depends on the query. Both need the un-rotated keys; a model patched by
 ``ropescale.hf.patch`` rotates them at attention time.
+
+Each layer keeps its tokens in a :class:`ropescale.cache.PreRopeCache` (buffers that grow by
+doubling), so a decoding step under ``torch.no_grad()`` (as in ``generate()``) copies only its own
+tokens, where transformers' ``DynamicLayer`` concatenates, copying the whole cache every step.
 """
 
 from __future__ import annotations
@@ -11,13 +15,61 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..cache import PreRopeCache as _TokenStore
+
+# Tokens a layer's buffers hold at first (or the prompt's length, if longer); they double when full.
+_INITIAL_CAPACITY = 256
+
 
 class PreRopeLayer(DynamicLayer):
-    """One layer: un-rotated keys and values ``[B, Hkv, S, D]`` and int64 positions ``[B, S]``."""
+    """One layer: un-rotated keys and values ``[B, Hkv, S, D]`` and int64 positions ``[B, S]``.
+
+    ``keys``, ``values`` and ``positions`` are read-only views of the layer's
+    :class:`ropescale.cache.PreRopeCache` (None before the first update); every method transformers
+    calls on a ``DynamicLayer`` (``update``, ``crop``, ``reorder_cache``, ``batch_select_indices``,
+    ``batch_repeat_interleave``, ``reset``, ``offload``/``prefetch``, ...) changes the three together.
+    """
+
+    def __init__(self, **kwargs):
+        self._store: _TokenStore | None = None
+        super().__init__(**kwargs)
+
+    # CacheLayerMixin.__init__ sets keys/values to None; nothing else may assign them.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._store is None else self._store.keys
+
+    @keys.setter
+    def keys(self, value):
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._store is None else self._store.values
+
+    @values.setter
+    def values(self, value):
+        self._refuse_assignment("values", value)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """int64 ``[B, S]``: the position each cached key was seen at."""
+        return None if self._store is None else self._store.positions
+
+    def _refuse_assignment(self, name, value):
+        if value is None and self._store is None:
+            return
+        raise AttributeError(
+            f"PreRopeLayer.{name} is a view of the layer's pre-RoPE cache and cannot be assigned; change the "
+            "layer through update, crop, reorder_cache, batch_select_indices, batch_repeat_interleave or reset")
 
     def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        self.positions = torch.empty(key_states.shape[0], 0, dtype=torch.int64, device=key_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch = key_states.shape[0]
+        self._store = _TokenStore(capacity=max(_INITIAL_CAPACITY, key_states.shape[-2]))
+        self._store.append(key_states[:, :, :0], value_states[:, :, :0],
+                           torch.empty(batch, 0, dtype=torch.int64, device=key_states.device))
+        self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, **kwargs):
         positions = (cache_kwargs or {}).get("positions")
@@ -29,39 +81,56 @@ class PreRopeLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         positions = positions.to(device=key_states.device, dtype=torch.int64).expand(key_states.shape[0], -1)
-        self.positions = torch.cat([self.positions, positions], dim=-1)
-        return super().update(key_states, value_states)
+        keys, values, _ = self._store.append(key_states, value_states, positions)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return 0 if self._store is None else len(self._store)
 
     def reset(self):
-        super().reset()
-        self.positions = None
+        """Drops the tokens and the buffers, as ``DynamicLayer.reset`` does."""
+        self._store = None
+        self.is_initialized = False
 
     def crop(self, tokens_to_remove):
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.is_initialized:
-            self.positions = self.positions[..., :tokens_to_remove]
+        if tokens_to_remove > 0:  # DynamicLayer's rule and message
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._store.crop(max(0, len(self._store) + int(tokens_to_remove)))
 
     def batch_repeat_interleave(self, repeats):
-        super().batch_repeat_interleave(repeats)
-        if self.get_seq_length() > 0:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        if self.is_initialized:
+            self._store.repeat_interleave(repeats)
 
     def batch_select_indices(self, indices):
-        super().batch_select_indices(indices)
-        if self.get_seq_length() > 0:
-            self.positions = self.positions[indices, ...]
+        if self.is_initialized:
+            # Anything ``keys[indices, ...]`` accepts (a slice, a list, negative or boolean indices) as rows.
+            rows = torch.arange(self._store.keys.shape[0], device=self._store.keys.device)[indices]
+            self._store.index_select(rows)
 
     def reorder_cache(self, beam_idx):
-        super().reorder_cache(beam_idx)
-        if self.get_seq_length() > 0:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+        if self.is_initialized:
+            self._store.index_select(beam_idx)
+
+    def offload(self):
+        if self.is_initialized:
+            self._store.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        if self.is_initialized and self._store.keys.device != self.device:
+            self._store.to(self.device, non_blocking=True)
 
 
 class PreRopeCache(Cache):
     """A growing KV cache of un-rotated keys and their positions; no arguments needed.
 
     Works with ``model.generate(..., past_key_values=PreRopeCache())``, batch generation with left
-    padding, and ``model(..., past_key_values=cache)`` on a model patched by ``ropescale.hf.patch``.
+    padding, beam search, and ``model(..., past_key_values=cache)`` on a model patched by
+    ``ropescale.hf.patch``.
     """
 
     def __init__(self):
