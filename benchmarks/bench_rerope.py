@@ -15,6 +15,7 @@ score matrices would not fit (naive at 16k: 2 x 8 GiB) are reported as skipped.
 
     python benchmarks/bench_rerope.py                 # everything (a few minutes on 2 cores)
     python benchmarks/bench_rerope.py --prefill 1024 4096 --decode 16384
+    python benchmarks/bench_rerope.py --prefill --decode 16384 --dtype bfloat16 --kv-heads 2 --methods fused sdpa
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker(kind: str, method: str, length: int, repeats: int) -> dict:
+def worker(kind: str, method: str, length: int, repeats: int, dtype_name: str, kv_heads: int) -> dict:
     """Times one method in this process; returns median seconds and extra peak RSS (MiB)."""
     import torch
     import torch.nn.functional as F
@@ -68,9 +69,10 @@ def worker(kind: str, method: str, length: int, repeats: int) -> dict:
     torch.manual_seed(0)
     inv_freq = ops.default_inv_freq(DIM, BASE)
     q_len = length if kind == "prefill" else 1
-    q = torch.randn(1, HEADS, q_len, DIM)
-    k = torch.randn(1, HEADS, length, DIM)
-    v = torch.randn(1, HEADS, length, DIM)
+    dtype = getattr(torch, dtype_name)
+    q = torch.randn(1, HEADS, q_len, DIM).to(dtype)
+    k = torch.randn(1, kv_heads, length, DIM).to(dtype)
+    v = torch.randn(1, kv_heads, length, DIM).to(dtype)
     k_pos = torch.arange(length)[None]
     q_pos = k_pos[:, -q_len:]
     if kind == "decode":  # the pre-RoPE cache as decoding holds it (views of a growing buffer)
@@ -84,7 +86,8 @@ def worker(kind: str, method: str, length: int, repeats: int) -> dict:
         q_rot, k_rot = rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq)  # a rotated-key cache
 
         def run():
-            return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=kind == "prefill")
+            return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=kind == "prefill",
+                                                  enable_gqa=kv_heads != HEADS)
     elif method == "naive":
         def run():
             return rerope_attention_naive(q, k, v, q_pos, k_pos, inv_freq, WINDOW)
@@ -116,12 +119,12 @@ def score_matrix_gib(kind: str, length: int) -> float:
     return HEADS * q_len * length * 4 / 2**30
 
 
-def run_case(kind: str, method: str, length: int, repeats: int) -> dict | None:
+def run_case(kind: str, method: str, length: int, repeats: int, dtype: str, kv_heads: int) -> dict | None:
     if method == "naive" and 3 * score_matrix_gib(kind, length) > MEMORY_LIMIT_GIB:
         return None
     if method == "composite" and kind == "prefill" and 6 * length * length / 2**30 > MEMORY_LIMIT_GIB:
         return None  # its boolean + additive masks
-    cmd = [sys.executable, __file__, "--worker", kind, method, str(length), str(repeats)]
+    cmd = [sys.executable, __file__, "--worker", kind, method, str(length), str(repeats), dtype, str(kv_heads)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"), env.get("PYTHONPATH", "")])
@@ -133,27 +136,39 @@ def run_case(kind: str, method: str, length: int, repeats: int) -> dict | None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 16384])
-    parser.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536])
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 16384],
+                        help="prefill lengths (default 1024 4096 16384; none: skip prefill)")
+    parser.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536],
+                        help="cache lengths of the decode steps (default 4096 16384 65536; none: skip decode)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="q, k, v and cache dtype (default float32, the issue's targets)")
+    parser.add_argument("--kv-heads", type=int, default=HEADS,
+                        help=f"k/v heads; fewer than the {HEADS} q heads is GQA (default {HEADS})")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="methods to time (sdpa is always timed: the ratios are against it)")
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, method, length, repeats = args.worker
-        print(json.dumps(worker(kind, method, int(length), int(repeats))))
+        kind, method, length, repeats, dtype, kv_heads = args.worker
+        print(json.dumps(worker(kind, method, int(length), int(repeats), dtype, int(kv_heads))))
         return
+    if args.kv_heads < 1 or HEADS % args.kv_heads:
+        parser.error(f"--kv-heads must divide the {HEADS} q heads, got {args.kv_heads}")
+    methods = [m for m in METHODS if m in args.methods or m == "sdpa"]
 
     import torch
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
-          f"B=1, {HEADS} heads, D={DIM}, float32, window {WINDOW}; median of N calls")
+          f"B=1, {HEADS} q heads, {args.kv_heads} k/v heads, D={DIM}, {args.dtype}, window {WINDOW}; "
+          "median of N calls")
     header = f"{'case':<16}{'method':<11}{'ms':>10}{'x sdpa':>9}{'naive/x':>9}{'peak MiB':>10}"
     summary = {}
     for kind, lengths in (("prefill", args.prefill), ("decode", args.decode)):
         print("\n" + header)
         for length in lengths:
             repeats = 3 if kind == "prefill" and length <= 4096 else (1 if kind == "prefill" else 21)
-            results = {m: run_case(kind, m, length, repeats) for m in METHODS}
-            sdpa, naive = results["sdpa"]["seconds"], results["naive"] and results["naive"]["seconds"]
+            results = {m: run_case(kind, m, length, repeats, args.dtype, args.kv_heads) for m in methods}
+            sdpa, naive = results["sdpa"]["seconds"], results.get("naive") and results["naive"]["seconds"]
             for method, r in results.items():
                 case = f"{kind} {length // 1024}k"
                 if r is None:
@@ -163,12 +178,14 @@ def main():
                 print(f"{case:<16}{method:<11}{r['seconds'] * 1e3:>10.1f}{r['seconds'] / sdpa:>9.2f}"
                       f"{vs_naive:>9}{r['extra_peak_mib']:>10.0f}")
             summary[(kind, length)] = results
+    if args.dtype != "float32" or args.kv_heads != HEADS or "fused" not in methods:
+        return  # the issue's targets are for float32, 8 k/v heads
     print("\ntargets:")
     if ("prefill", 4096) in summary:
         r = summary[("prefill", 4096)]
         ratio = r["fused"]["seconds"] / r["sdpa"]["seconds"]
         print(f"  prefill 4k: fused / sdpa = {ratio:.2f} (target <= 1.6): {'met' if ratio <= 1.6 else 'MISSED'}")
-        if r["naive"]:
+        if r.get("naive"):
             speedup = r["naive"]["seconds"] / r["fused"]["seconds"]
             print(f"  prefill 4k: naive / fused = {speedup:.1f} (target >= 5): {'met' if speedup >= 5 else 'MISSED'}")
     if ("decode", 16384) in summary:
