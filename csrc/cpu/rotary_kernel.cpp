@@ -112,6 +112,32 @@ void rotate_row(const T* in, T* out, int64_t half, const TokenCoeffs<Acc>& c) {
   }
 }
 
+// Coefficients of every pair of a token at `position` (the kPositions table) into the four arrays
+// of `base`, vectorised: the angle is reduced in double as rotary_reduced_angle does (a loop the
+// compiler vectorises), then at::vec's sin/cos (Sleef, 3.5 ulp on the reduced angle) replace the
+// scalar libm calls, which dominated the op when a token has few heads to share them (decode,
+// k/v heads of a GQA model, re-rotating a pre-RoPE cache).
+void position_coeffs_row(double position, const float* inv_freq, int64_t half, float scale, bool conjugate,
+                         float* reduced, float* base) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < half; ++i) reduced[i] = static_cast<float>(rotary_reduced_angle(position, inv_freq[i]));
+  const Vec scale_v(scale), sign_v(conjugate ? -scale : scale);
+  int64_t i = 0;
+  for (; i + Vec::size() <= half; i += Vec::size()) {
+    const Vec angle = Vec::loadu(reduced + i);
+    const Vec c = angle.cos() * scale_v, s = angle.sin() * sign_v;
+    c.store(base + i);
+    s.store(base + half + i);
+    c.store(base + 2 * half + i);
+    s.store(base + 3 * half + i);
+  }
+  for (; i < half; ++i) {
+    const rotary::PairCoeffs<float> c = rotary::position_coeffs<float>(position, inv_freq[i], scale);
+    base[i] = base[2 * half + i] = c.cos_a;
+    base[half + i] = base[3 * half + i] = conjugate ? -c.sin_a : c.sin_a;
+  }
+}
+
 template <class T, bool kInterleaved>
 void rotary_cpu_kernel(const Params<T>& p) {
   using Acc = at::opmath_type<T>;
@@ -127,8 +153,14 @@ void rotary_cpu_kernel(const Params<T>& p) {
   const int64_t grain = elements < kMinParallelElements ? tasks : 1;
   const auto to_acc = [](T v) { return static_cast<Acc>(v); };
 
+  // Positions with float math: the vectorised coefficients (the symmetric pair (c, s, c, s), so the
+  // conjugate is (c, -s, c, -s)).
+  constexpr bool kFloatAcc = std::is_same_v<Acc, float>;
+  const bool vector_positions = kFloatAcc && p.table == rotary::TableKind::kPositions;
+
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<Acc> buffer(4 * kTileTokens * half);
+    std::vector<float> reduced(vector_positions ? half : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / groups, group = task % groups;
       const int64_t first_token = tile * kTileTokens;
@@ -140,6 +172,13 @@ void rotary_cpu_kernel(const Params<T>& p) {
         coeffs[t] = {base, base + half, base + 2 * half, base + 3 * half};
         const int64_t token = first_token + t;
         const int64_t table_row = token / p.seq_len, seq = token % p.seq_len;
+        if constexpr (kFloatAcc) {
+          if (vector_positions) {
+            position_coeffs_row(rotary::token_position(p, table_row, seq), p.inv_freq, half,
+                                static_cast<float>(p.scale), p.conjugate, reduced.data(), base);
+            continue;
+          }
+        }
         for (int64_t i = 0; i < half; ++i) {
           const PairCoeffs<Acc> c = rotary::pair_coeffs<Acc>(p, table_row, seq, i, to_acc);
           base[i] = c.cos_a;
