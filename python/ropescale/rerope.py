@@ -128,6 +128,24 @@ def _row_max(q, k, visible, scale, budget_bytes=64 << 20):
     return out
 
 
+def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
+               interleaved):
+    """The fused op's lse (no gradient), or None where the op does not take these inputs (float64,
+    mixed dtypes, head dims it does not compile, a device this build has no kernel for). The lse is
+    >= every visible score of its row, so it serves as the composite's shift in place of two
+    ``q k^T`` passes for the row maxima (which cost more than both SDPA calls together)."""
+    from . import _C, ops
+
+    dtype, dim = q.dtype, q.shape[-1]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != dtype or v.dtype != dtype:
+        return None
+    if dim % 2 or dim > 256 or not (q.device.type == "cpu" or (q.is_cuda and _C.build_info()["cuda"])):
+        return None
+    _, lse = ops.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
+                                  causal, interleaved)
+    return lse
+
+
 def _sdpa_with_denominator(q, k, v, visible, shift, scale):
     """One side through SDPA, returning its UNnormalised parts relative to ``exp(shift)``:
     ``A = sum_j exp(s_j - shift) v_j`` and ``N = sum_j exp(s_j - shift)``.
@@ -137,7 +155,8 @@ def _sdpa_with_denominator(q, k, v, visible, shift, scale):
     ``shift`` (an extra q column carries ``shift / scale``, matched by a 1 in the sentinel key).
     With ``w`` the sentinel's probability and ``u`` the real keys' total one, ``N = u / w`` and
     ``A = out / w``, exactly and differentiably (``shift`` is a constant the result does not depend
-    on). Because ``shift`` is the row's largest visible score, ``w >= 1 / (Lk + 1)``: no underflow.
+    on). Because ``shift`` is at least the row's largest visible score (the fused op's lse, or the
+    row maximum), ``w >= 1 / (Lk + 1)``: no underflow.
     """
     batch, q_heads, q_len, dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
@@ -175,16 +194,20 @@ def rerope_attention_composite(
     softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
     path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
     sentinel key and two value columns that make it return its softmax denominator too (see
-    ``_sdpa_with_denominator``); the shift they need (the row's largest visible score) is found
-    first, without gradient, in query chunks. Cost: two SDPA calls plus one ``q k^T`` pass per side;
-    memory: the ``Lq x Lk`` boolean masks SDPA takes (plus what the chosen SDPA backend needs).
+    ``_sdpa_with_denominator``); the shift they need (at least the row's largest visible score) is
+    the fused op's lse, computed first without gradient (float64 inputs, which the op does not take:
+    the row maxima, in query chunks). Cost: two SDPA calls plus one fused call; memory: the
+    ``Lq x Lk`` boolean masks SDPA takes (plus what the chosen SDPA backend needs).
     """
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
         q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
     )
     mask_near, mask_far = visible & near, visible & ~near
     with torch.no_grad():
-        shift = torch.maximum(_row_max(q_near, k_near, mask_near, scale), _row_max(q_far, k_far, mask_far, scale))
+        shift = _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
+                           interleaved)
+        if shift is None:
+            shift = torch.maximum(_row_max(q_near, k_near, mask_near, scale), _row_max(q_far, k_far, mask_far, scale))
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     a_near, n_near, shift_eff = _sdpa_with_denominator(q_near, k_near, v, mask_near, shift, scale)
     a_far, n_far, _ = _sdpa_with_denominator(q_far, k_far, v, mask_far, shift, scale)
