@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from ropescale import hf, scaling  # noqa: E402
+from ropescale import hf, ops, scaling  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*rope.*")
 
@@ -444,6 +444,27 @@ def test_yarn_gradients_equal_native():
         model(x, labels=x).loss.backward()
     for (name, a), (_, b) in zip(native.named_parameters(), patched.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("leaky_k", [0.0, 16.0])
+def test_rerope_training_gradients_equal_naive_reference(monkeypatch, leaky_k):
+    """A patched ReRoPE model trains (the fused op has no backward; the patch takes the composite
+    path when gradients are wanted): its gradients equal those of the same model whose attention is
+    Su's plain-PyTorch two-matrix form."""
+    from ropescale import rerope
+
+    x = ids(length=24)
+    grads = []
+    for attention in ("composite", "naive"):
+        if attention == "naive":
+            monkeypatch.setattr(ops, "rerope_attention_composite", rerope.rerope_attention_naive)
+        model = hf.patch(tiny("llama"), None, attention="rerope", window=8, leaky_k=leaky_k).train()
+        model(x, labels=x).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # inference still takes the fused op, which has no backward
+        model(x)
 
 
 def test_torch_compile_of_patched_model_matches_eager():

@@ -280,8 +280,12 @@ def _rerope(module, state, query, key, value, positions, key_positions, inv_freq
     pad = _padding_keys(attention_mask, key.shape[-2])
     if pad is not None and bool(pad.any()):
         key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
+    # The fused op has no backward: when gradients are wanted (fine-tuning with Leaky ReRoPE), the
+    # differentiable composite path computes the same attention.
+    wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    attention = ops.rerope_attention_composite if wants_grad else ops.rerope_attention
     # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
-    out, _lse = ops.rerope_attention(
+    out, _lse = attention(
         query, key, value, positions, key_positions, inv_freq, state.window,
         leaky_k=state.leaky_k, scale=module.scaling * factor * factor, logn_length=state.logn_length,
     )
