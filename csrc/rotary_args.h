@@ -75,6 +75,9 @@ rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
 void rotary_cpu(const RotaryArgs& args);
 // The instruction set of the CPU kernel rotary_cpu runs: "AVX512", "AVX2" or "DEFAULT".
 std::string rotary_cpu_isa();
+// cos/sin of position * inv_freq[i], i < pairs, as rotary_cpu computes them (the angle reduced in
+// double, vectorised sin/cos of this CPU's instruction set); for the ReRoPE CPU kernel's tables.
+void rotary_cos_sin_cpu(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out);
 #ifdef ROPESCALE_WITH_CUDA
 void rotary_cuda(const RotaryArgs& args);
 #endif

@@ -29,6 +29,7 @@
 
 #include "ops.h"
 #include "rerope_attention.h"
+#include "rotary_args.h"
 #include "ropescale/rerope_math.h"
 #include "ropescale/rotary_math.h"
 
@@ -134,22 +135,28 @@ inline void tile_accumulate(const float* probs, int64_t rows, int64_t cols, int6
 }
 
 // out = rot(x * factor) with the pair angles' cos/sin; dims past the rotary ones are only scaled.
-inline void rotate_row(const float* x, float factor, const float* cos_v, const float* sin_v, int64_t pairs,
-                       int64_t dim, bool interleaved, float* out) {
-  for (int64_t d = 0; d < dim; ++d) out[d] = x[d] * factor;
-  for (int64_t i = 0; i < pairs; ++i) {
-    int a, b;
-    rotary_pair_dims(static_cast<int>(i), static_cast<int>(pairs), interleaved, &a, &b);
-    rotate_pair(x[a] * factor, x[b] * factor, cos_v[i], sin_v[i], &out[a], &out[b]);
+// Inlined into the ISA clones below; one loop per layout so that each vectorises.
+__attribute__((always_inline)) inline void rotate_row(const float* x, float factor, const float* cos_v,
+                                                      const float* sin_v, int64_t pairs, int64_t dim, bool interleaved,
+                                                      float* out) {
+  for (int64_t d = 2 * pairs; d < dim; ++d) out[d] = x[d] * factor;
+  if (interleaved) {
+    for (int64_t i = 0; i < pairs; ++i)
+      rotate_pair(x[2 * i] * factor, x[2 * i + 1] * factor, cos_v[i], sin_v[i], &out[2 * i], &out[2 * i + 1]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < pairs; ++i)
+      rotate_pair(x[i] * factor, x[i + pairs] * factor, cos_v[i], sin_v[i], &out[i], &out[i + pairs]);
   }
 }
 
+// cos/sin of every pair at `position`, by the rotary kernel's vectorised code (cpu/rotary.cpp).
 inline void sincos_row(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
-  for (int64_t i = 0; i < pairs; ++i) rotary_sincos(position, inv_freq[i], &sin_out[i], &cos_out[i]);
+  rotary_cos_sin_cpu(position, inv_freq, pairs, cos_out, sin_out);
 }
 
 template <typename scalar_t>
-inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
+__attribute__((always_inline)) inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
@@ -184,20 +191,87 @@ struct KeyRotations {
   const float* rows(int64_t block) const { return slot[block] < 0 ? nullptr : &cs[slot[block] * kBlockK * 2 * pairs]; }
 };
 
-
 // Key rows [j0, j0 + cols) of one head (rows ld apart) as float rows [cols x D]: rotated with a
 // KeyRotations block's cos/sin rows when `rot` is given, as stored otherwise.
 template <typename scalar_t>
-void load_key_rows(const scalar_t* k_head, int64_t ld, int64_t j0, int64_t cols, int64_t dim, const float* rot,
-                   int64_t pairs, bool interleaved, float* scratch, float* dst) {
+__attribute__((always_inline)) inline void load_key_rows_impl(const scalar_t* k_head, int64_t ld, int64_t j0,
+                                                              int64_t cols, int64_t dim, const float* rot,
+                                                              int64_t pairs, bool interleaved, float* scratch,
+                                                              float* dst) {
   for (int64_t c = 0; c < cols; ++c) {
     load_row(k_head + (j0 + c) * ld, dim, scratch);
     if (rot)
-      rotate_row(scratch, 1.0f, rot + c * 2 * pairs, rot + c * 2 * pairs + pairs, pairs, dim, interleaved, dst + c * dim);
+      rotate_row(scratch, 1.0f, rot + c * 2 * pairs, rot + c * 2 * pairs + pairs, pairs, dim, interleaved,
+                 dst + c * dim);
     else
       std::copy(scratch, scratch + dim, dst + c * dim);
   }
 }
+
+// <q, key> in float for a key row of any cache dtype: 16 independent lanes (one AVX-512 register)
+// reduced as a tree, so neither the FMAs nor the final sum form one long dependency chain.
+template <typename key_t>
+__attribute__((always_inline)) inline float dot_row(const float* q, const key_t* key, int64_t dim) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes)
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(key[d + l]);
+  float tail = 0.0f;
+  for (; d < dim; ++d) tail += q[d] * static_cast<float>(key[d]);
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0] + tail;
+}
+
+// Scores of a few query rows against key rows (ld_keys apart, read where they lie, any cache
+// dtype): every key is read once for all the rows.
+template <typename key_t>
+__attribute__((always_inline)) inline void row_scores_impl(const float* q, int64_t rows, int64_t dim,
+                                                           const key_t* keys, int64_t ld_keys, int64_t cols,
+                                                           float* scores, int64_t ld_scores) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
+}
+
+// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype): every value row
+// is read once for all the rows.
+template <typename value_t>
+__attribute__((always_inline)) inline void row_accumulate_impl(const float* probs, int64_t rows, int64_t cols,
+                                                               int64_t ld_probs, const value_t* v, int64_t ld_v,
+                                                               int64_t dim, float* acc) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const value_t* value = v + c * ld_v;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p = probs[r * ld_probs + c];
+      if (p == 0.0f) continue;
+      float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  }
+}
+
+// The ISA clones (target_clones cannot multiversion templates): one overload per cache dtype.
+#define ROPESCALE_CACHE_LOOPS(cache_t)                                                                           \
+  ROPESCALE_CPU_CLONES void load_key_rows(const cache_t* k_head, int64_t ld, int64_t j0, int64_t cols, int64_t dim, \
+                                          const float* rot, int64_t pairs, bool interleaved, float* scratch,     \
+                                          float* dst) {                                                          \
+    load_key_rows_impl(k_head, ld, j0, cols, dim, rot, pairs, interleaved, scratch, dst);                        \
+  }                                                                                                              \
+  ROPESCALE_CPU_CLONES void row_scores(const float* q, int64_t rows, int64_t dim, const cache_t* keys,          \
+                                       int64_t ld_keys, int64_t cols, float* scores, int64_t ld_scores) {       \
+    row_scores_impl(q, rows, dim, keys, ld_keys, cols, scores, ld_scores);                                       \
+  }                                                                                                              \
+  ROPESCALE_CPU_CLONES void row_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs,    \
+                                           const cache_t* v, int64_t ld_v, int64_t dim, float* acc) {           \
+    row_accumulate_impl(probs, rows, cols, ld_probs, v, ld_v, dim, acc);                                         \
+  }
+ROPESCALE_CACHE_LOOPS(float)
+ROPESCALE_CACHE_LOOPS(at::Half)
+ROPESCALE_CACHE_LOOPS(at::BFloat16)
+#undef ROPESCALE_CACHE_LOOPS
 
 // v as float rows BLAS can read: the tensor itself when it already is float32 with rows at least
 // D apart, a float copy otherwise.
@@ -371,68 +445,7 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
   });
 }
 
-
 // ---- decode plan
-
-// <q, key> in float for a key row of any cache dtype: 16 independent lanes (one AVX-512 register)
-// reduced as a tree, so neither the FMAs nor the final sum form one long dependency chain.
-template <typename key_t>
-__attribute__((always_inline)) inline float dot_row(const float* q, const key_t* key, int64_t dim) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes)
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(key[d + l]);
-  float tail = 0.0f;
-  for (; d < dim; ++d) tail += q[d] * static_cast<float>(key[d]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
-}
-
-// Scores of a few query rows against key rows (ld_keys apart, read where they lie, any cache
-// dtype): every key is read once for all the rows.
-template <typename key_t>
-__attribute__((always_inline)) inline void row_scores_impl(const float* q, int64_t rows, int64_t dim,
-                                                           const key_t* keys, int64_t ld_keys, int64_t cols,
-                                                           float* scores, int64_t ld_scores) {
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
-}
-
-// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype): every value row
-// is read once for all the rows.
-template <typename value_t>
-__attribute__((always_inline)) inline void row_accumulate_impl(const float* probs, int64_t rows, int64_t cols,
-                                                               int64_t ld_probs, const value_t* v, int64_t ld_v,
-                                                               int64_t dim, float* acc) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const value_t* value = v + c * ld_v;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = probs[r * ld_probs + c];
-      if (p == 0.0f) continue;
-      float* a = acc + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-    }
-  }
-}
-
-// The ISA clones (target_clones cannot multiversion templates): one overload per cache dtype.
-#define ROPESCALE_DECODE_LOOPS(cache_t)                                                                          \
-  ROPESCALE_CPU_CLONES void row_scores(const float* q, int64_t rows, int64_t dim, const cache_t* keys,          \
-                                       int64_t ld_keys, int64_t cols, float* scores, int64_t ld_scores) {       \
-    row_scores_impl(q, rows, dim, keys, ld_keys, cols, scores, ld_scores);                                       \
-  }                                                                                                              \
-  ROPESCALE_CPU_CLONES void row_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs,    \
-                                           const cache_t* v, int64_t ld_v, int64_t dim, float* acc) {           \
-    row_accumulate_impl(probs, rows, cols, ld_probs, v, ld_v, dim, acc);                                         \
-  }
-ROPESCALE_DECODE_LOOPS(float)
-ROPESCALE_DECODE_LOOPS(at::Half)
-ROPESCALE_DECODE_LOOPS(at::BFloat16)
-#undef ROPESCALE_DECODE_LOOPS
 
 template <typename scalar_t>
 void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {

@@ -12,15 +12,18 @@ namespace cpu {
 // One declaration per variant CMakeLists.txt builds (ROPESCALE_CPU_AVX2 / _AVX512 say which).
 namespace DEFAULT {
 void rotary_kernel(const RotaryArgs& args);
+void cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out);
 }
 #ifdef ROPESCALE_CPU_AVX2
 namespace AVX2 {
 void rotary_kernel(const RotaryArgs& args);
+void cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out);
 }
 #endif
 #ifdef ROPESCALE_CPU_AVX512
 namespace AVX512 {
 void rotary_kernel(const RotaryArgs& args);
+void cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out);
 }
 #endif
 }  // namespace cpu
@@ -28,21 +31,23 @@ void rotary_kernel(const RotaryArgs& args);
 namespace {
 
 using RotaryKernel = void (*)(const RotaryArgs&);
+using CosSin = void (*)(double, const float*, int64_t, float*, float*);
 
 struct CpuVariant {
   RotaryKernel kernel;
+  CosSin cos_sin;
   const char* isa;
 };
 
 CpuVariant pick_cpu_variant() {
   const std::string capability = at::get_cpu_capability();
 #ifdef ROPESCALE_CPU_AVX512
-  if (capability == "AVX512") return {&cpu::AVX512::rotary_kernel, "AVX512"};
+  if (capability == "AVX512") return {&cpu::AVX512::rotary_kernel, &cpu::AVX512::cos_sin, "AVX512"};
 #endif
 #ifdef ROPESCALE_CPU_AVX2
-  if (capability == "AVX512" || capability == "AVX2") return {&cpu::AVX2::rotary_kernel, "AVX2"};
+  if (capability == "AVX512" || capability == "AVX2") return {&cpu::AVX2::rotary_kernel, &cpu::AVX2::cos_sin, "AVX2"};
 #endif
-  return {&cpu::DEFAULT::rotary_kernel, "DEFAULT"};
+  return {&cpu::DEFAULT::rotary_kernel, &cpu::DEFAULT::cos_sin, "DEFAULT"};
 }
 
 const CpuVariant& cpu_variant() {
@@ -55,5 +60,9 @@ const CpuVariant& cpu_variant() {
 void rotary_cpu(const RotaryArgs& args) { cpu_variant().kernel(args); }
 
 std::string rotary_cpu_isa() { return cpu_variant().isa; }
+
+void rotary_cos_sin_cpu(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
+  cpu_variant().cos_sin(position, inv_freq, pairs, cos_out, sin_out);
+}
 
 }  // namespace ropescale

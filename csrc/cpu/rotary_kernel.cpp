@@ -112,29 +112,42 @@ void rotate_row(const T* in, T* out, int64_t half, const TokenCoeffs<Acc>& c) {
   }
 }
 
-// Coefficients of every pair of a token at `position` (the kPositions table) into the four arrays
-// of `base`, vectorised: the angle is reduced in double as rotary_reduced_angle does (a loop the
-// compiler vectorises), then at::vec's sin/cos (Sleef, 3.5 ulp on the reduced angle) replace the
-// scalar libm calls, which dominated the op when a token has few heads to share them (decode,
-// k/v heads of a GQA model, re-rotating a pre-RoPE cache).
-void position_coeffs_row(double position, const float* inv_freq, int64_t half, float scale, bool conjugate,
-                         float* reduced, float* base) {
+// cos/sin of position * inv_freq[i] for i < pairs, vectorised: the angle is reduced in double as
+// rotary_reduced_angle does (a loop the compiler vectorises), then at::vec's sin/cos (Sleef, 3.5 ulp
+// on the reduced angle) replace per-pair libm calls, which dominated whenever few rows share a
+// token's coefficients (decode, GQA k/v heads, re-rotating a pre-RoPE cache, ReRoPE's key tables).
+void vector_cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
   using Vec = at::vec::Vectorized<float>;
-  for (int64_t i = 0; i < half; ++i) reduced[i] = static_cast<float>(rotary_reduced_angle(position, inv_freq[i]));
-  const Vec scale_v(scale), sign_v(conjugate ? -scale : scale);
-  int64_t i = 0;
-  for (; i + Vec::size() <= half; i += Vec::size()) {
-    const Vec angle = Vec::loadu(reduced + i);
-    const Vec c = angle.cos() * scale_v, s = angle.sin() * sign_v;
-    c.store(base + i);
-    s.store(base + half + i);
-    c.store(base + 2 * half + i);
-    s.store(base + 3 * half + i);
+  constexpr int64_t kChunk = 64;  // reduced angles on the stack, a chunk at a time
+  float reduced[kChunk];
+  for (int64_t first = 0; first < pairs; first += kChunk) {
+    const int64_t count = std::min(kChunk, pairs - first);
+    for (int64_t i = 0; i < count; ++i)
+      reduced[i] = static_cast<float>(rotary_reduced_angle(position, inv_freq[first + i]));
+    int64_t i = 0;
+    for (; i + Vec::size() <= count; i += Vec::size()) {
+      const Vec angle = Vec::loadu(reduced + i);
+      angle.cos().store(cos_out + first + i);
+      angle.sin().store(sin_out + first + i);
+    }
+    for (; i < count; ++i) {
+      cos_out[first + i] = std::cos(reduced[i]);
+      sin_out[first + i] = std::sin(reduced[i]);
+    }
   }
-  for (; i < half; ++i) {
-    const rotary::PairCoeffs<float> c = rotary::position_coeffs<float>(position, inv_freq[i], scale);
-    base[i] = base[2 * half + i] = c.cos_a;
-    base[half + i] = base[3 * half + i] = conjugate ? -c.sin_a : c.sin_a;
+}
+
+// Coefficients of every pair of a token at `position` (the kPositions table) into the four arrays
+// of `base`: the symmetric pair (c, s, c, s) times scale, (c, -s, c, -s) for the conjugate.
+void position_coeffs_row(double position, const float* inv_freq, int64_t half, float scale, bool conjugate,
+                         float* base) {
+  vector_cos_sin(position, inv_freq, half, base, base + half);
+  const float sin_scale = conjugate ? -scale : scale;
+  for (int64_t i = 0; i < half; ++i) {
+    base[i] *= scale;
+    base[half + i] *= sin_scale;
+    base[2 * half + i] = base[i];
+    base[3 * half + i] = base[half + i];
   }
 }
 
@@ -153,14 +166,12 @@ void rotary_cpu_kernel(const Params<T>& p) {
   const int64_t grain = elements < kMinParallelElements ? tasks : 1;
   const auto to_acc = [](T v) { return static_cast<Acc>(v); };
 
-  // Positions with float math: the vectorised coefficients (the symmetric pair (c, s, c, s), so the
-  // conjugate is (c, -s, c, -s)).
+  // Positions with float math: the vectorised coefficients.
   constexpr bool kFloatAcc = std::is_same_v<Acc, float>;
   const bool vector_positions = kFloatAcc && p.table == rotary::TableKind::kPositions;
 
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<Acc> buffer(4 * kTileTokens * half);
-    std::vector<float> reduced(vector_positions ? half : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / groups, group = task % groups;
       const int64_t first_token = tile * kTileTokens;
@@ -175,7 +186,7 @@ void rotary_cpu_kernel(const Params<T>& p) {
         if constexpr (kFloatAcc) {
           if (vector_positions) {
             position_coeffs_row(rotary::token_position(p, table_row, seq), p.inv_freq, half,
-                                static_cast<float>(p.scale), p.conjugate, reduced.data(), base);
+                                static_cast<float>(p.scale), p.conjugate, base);
             continue;
           }
         }
@@ -207,6 +218,10 @@ void rotary_cpu_kernel(const Params<T>& p) {
 
 namespace cpu {
 namespace CPU_CAPABILITY {
+
+void cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
+  vector_cos_sin(position, inv_freq, pairs, cos_out, sin_out);
+}
 
 void rotary_kernel(const RotaryArgs& args) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.in[0].scalar_type(), "rotary_cpu", [&] {
