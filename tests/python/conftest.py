@@ -14,6 +14,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, restored after it. Tiny models only add synchronisation with
+    more, and on a busy 2-core machine two threads run several times slower than one."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 class BytesWritten:
     """Counts the bytes every non-view ATen op writes while active (``with counter: ...``), i.e. the size of
     each op's tensor outputs: ``copy_`` into a slice counts the slice, ``cat`` its whole result."""

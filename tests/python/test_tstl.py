@@ -13,14 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from ropescale import hf, posgen, scaling, tstl  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: intra-op threads only add synchronisation, and on a busy 2-core machine two threads
-    # run several times slower than one. Restored after each test.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# Tiny models: one intra-op thread (conftest.py's one_thread fixture).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def llama(rope_parameters, seed=0):
