@@ -150,10 +150,6 @@ __attribute__((always_inline)) inline void rotate_row(const float* x, float fact
   }
 }
 
-// cos/sin of every pair at `position`, by the rotary kernel's vectorised code (cpu/rotary.cpp).
-inline void sincos_row(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
-  rotary_cos_sin_cpu(position, inv_freq, pairs, cos_out, sin_out);
-}
 
 template <typename scalar_t>
 __attribute__((always_inline)) inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
@@ -183,7 +179,7 @@ struct KeyRotations {
         const int64_t b = blocks[n] / n_kb, j0 = (blocks[n] % n_kb) * kBlockK, j1 = std::min(k_len, j0 + kBlockK);
         for (int64_t j = j0; j < j1; ++j) {
           float* row = &cs[(n * kBlockK + j - j0) * 2 * pairs];
-          sincos_row(position_of(k_pos[b * k_len + j]), inv_freq, pairs, row, row + pairs);
+          rotary_cos_sin_cpu(position_of(k_pos[b * k_len + j]), inv_freq, pairs, row, row + pairs);
         }
       }
     });
@@ -338,14 +334,15 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
 
   // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
   std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
-  if (!leaky) sincos_row(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
+  if (!leaky) rotary_cos_sin_cpu(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
   at::parallel_for(0, B * Lq, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t p = q_pos[row];
-      sincos_row(static_cast<double>(p), inv_freq, P, &q_near_cs[2 * row * P], &q_near_cs[(2 * row + 1) * P]);
+      rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, &q_near_cs[2 * row * P],
+                         &q_near_cs[(2 * row + 1) * P]);
       if (leaky)
-        sincos_row(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, &q_far_cs[2 * row * P],
-                   &q_far_cs[(2 * row + 1) * P]);
+        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, &q_far_cs[2 * row * P],
+                           &q_far_cs[(2 * row + 1) * P]);
       row_factor[row] = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
     }
   });
@@ -479,8 +476,8 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
                              [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
 
   // ---- chunks of key blocks: about four work units per thread
-  const int64_t wanted = std::max<int64_t>(1, (4 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv));
-  const int64_t chunk_blocks = (n_kb + std::min(wanted, n_kb) - 1) / std::min(wanted, n_kb);
+  const int64_t wanted = std::clamp<int64_t>((4 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv), 1, n_kb);
+  const int64_t chunk_blocks = (n_kb + wanted - 1) / wanted;
   const int64_t chunks = (n_kb + chunk_blocks - 1) / chunk_blocks, units = B * Hkv * chunks;
   std::vector<float> part_acc(units * rows * D), part_max(units * rows), part_sum(units * rows);
 
@@ -503,9 +500,10 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
         row_pos[r] = p;
         load_row(q_data + b * sq0 + h * sq1 + i * sq2, D, scratch.data());
         const float factor = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
-        sincos_row(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
+        rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
         rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_near[r * D]);
-        sincos_row(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, cs.data(), cs.data() + P);
+        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, cs.data(),
+                           cs.data() + P);
         rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_far[r * D]);
       }
       float* acc = &part_acc[unit * rows * D];
@@ -557,7 +555,8 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
       const int64_t b = head_unit / Hkv, h = (head_unit % Hkv) * group + r / Lq;
       const int64_t out_row = (b * Hq + h) * Lq + r % Lq;
       float global_max = kNegInf;
-      for (int64_t c = 0; c < chunks; ++c) global_max = std::max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
+      for (int64_t c = 0; c < chunks; ++c)
+        global_max = std::max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
       scalar_t* o = out_data + out_row * D;
       if (global_max == kNegInf) {  // no visible key
         std::fill(o, o + D, static_cast<scalar_t>(0.0f));

@@ -513,7 +513,7 @@ def test_bad_patch_arguments():
 
 
 DDP_SCRIPT = textwrap.dedent("""
-    import os, sys, warnings
+    import gc, os, sys, warnings
     import torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     warnings.filterwarnings("ignore")
@@ -538,7 +538,7 @@ DDP_SCRIPT = textwrap.dedent("""
         # interpreter go: a gloo thread that reaches for the GIL during interpreter shutdown is
         # killed by a forced unwind, which aborts the process (seen about 1 run in 6).
         del model, module, opt
-        import gc; gc.collect()
+        gc.collect()
         dist.destroy_process_group()
 """)
 
