@@ -39,13 +39,33 @@ struct CpuVariant {
   const char* isa;
 };
 
+// ATEN_CPU_CAPABILITY=avx512 makes at::get_cpu_capability() say AVX512 without asking the CPU, so
+// the variant is also capped at what the CPU itself reports: never an illegal instruction.
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
 CpuVariant pick_cpu_variant() {
   const std::string capability = at::get_cpu_capability();
 #ifdef ROPESCALE_CPU_AVX512
-  if (capability == "AVX512") return {&cpu::AVX512::rotary_kernel, &cpu::AVX512::cos_sin, "AVX512"};
+  if (capability == "AVX512" && cpu_has_avx512()) return {&cpu::AVX512::rotary_kernel, &cpu::AVX512::cos_sin, "AVX512"};
 #endif
 #ifdef ROPESCALE_CPU_AVX2
-  if (capability == "AVX512" || capability == "AVX2") return {&cpu::AVX2::rotary_kernel, &cpu::AVX2::cos_sin, "AVX2"};
+  if ((capability == "AVX512" || capability == "AVX2") && cpu_has_avx2())
+    return {&cpu::AVX2::rotary_kernel, &cpu::AVX2::cos_sin, "AVX2"};
 #endif
   return {&cpu::DEFAULT::rotary_kernel, &cpu::DEFAULT::cos_sin, "DEFAULT"};
 }

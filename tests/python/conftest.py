@@ -1,5 +1,16 @@
+import getpass
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch.compile's on-disk cache does not key on ATEN_CPU_CAPABILITY: a kernel compiled for AVX2 is
+# reused under `ATEN_CPU_CAPABILITY=default` with headers that lack at::vec, and fails to build.
+# One cache per forced capability keeps the suite runnable under every setting.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
 
 import ropescale  # noqa: F401  (registers torch.ops.ropescale)
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds and tests ropescale against another torch than the pinned one, the way a user installs it:
+# a venv holding that torch and the test packages, `pip install --no-build-isolation .` (a CPU-only
+# torch gives a CPU-only build even where nvcc is installed), then the core suite against the
+# installed package (not python/ in this tree).
+#   ./scripts/test_torch_compat.sh [TORCH_VERSION]     default 2.13.0 (the CPU-only build on disk)
+# Extra pytest arguments: PYTEST_ARGS="-x -k yarn". The venv (.venv-torchVERSION) and the build
+# directory (build/torch-VERSION) persist, so a re-run is incremental. COMPAT_VENV=DIR uses an
+# existing venv as it is (e.g. one with the GPU machines' torch 2.11 and transformers 5.17).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:-2.13.0}
+VENV=${COMPAT_VENV:-$PWD/.venv-torch$VERSION}
+BUILD=build/torch-$VERSION
+# ccache keys on paths relative to the checkout, so a fresh clone elsewhere reuses earlier compiles.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+mkdir -p "$BUILD"
+LOG="$BUILD/compat.log"
+: >"$LOG"
+
+fail() { echo "compat: $1 FAILED; its output ($LOG):" >&2; cat "$LOG" >&2; exit 1; }
+
+start=$SECONDS
+# The pinned test packages with this torch instead of the pin.
+grep -v -E '^torch([=<>~ ]|$)' requirements-dev.txt >"$BUILD/requirements.txt"
+if [ -z "${COMPAT_VENV:-}" ]; then
+  { [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"; } >>"$LOG" 2>&1 || fail "venv"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check "torch==$VERSION" -r "$BUILD/requirements.txt" \
+    >>"$LOG" 2>&1 || fail "pip install torch==$VERSION and the test packages"
+fi
+echo "compat: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV ($((SECONDS - start)) s)"
+
+start=$SECONDS
+"$VENV/bin/python" -m pip install --disable-pip-version-check --no-build-isolation --no-deps \
+  -C build-dir="$BUILD/wheel" . >>"$LOG" 2>&1 || fail "pip install --no-build-isolation ."
+echo "compat: built and installed ($((SECONDS - start)) s): $(cd /tmp && "$VENV/bin/python" -c \
+  'import ropescale; print(ropescale.__file__, ropescale.build_info())')"
+
+start=$SECONDS
+# The core suite: every op against its float64 reference, and the transformers patching.
+status=0
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" ${PYTEST_ARGS:-} \
+  tests/python/test_frequencies.py tests/python/test_rotary.py tests/python/test_rerope_attention.py \
+  tests/python/test_hf.py tests/python/test_import.py || status=$?
+echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s)"
+exit $status
