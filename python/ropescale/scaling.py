@@ -6,7 +6,9 @@ rounds every wavelength of the method's table to an integer AFTER the method (Re
 Algorithm 1; Resonance-YaRN rounds the YaRN table), and leaves the attention factor unchanged.
 
 ``from_hf`` reads transformers 5.x ``rope_parameters`` (and the legacy ``rope_scaling`` dict);
-``to_hf`` writes one back.
+``to_hf`` writes one back. Resonance on top of a method is the rope type ``resonance_<type>``
+(``resonance`` alone for plain RoPE), except LongRoPE, whose per-pair factors can hold the rounded
+table exactly: ``to_hf`` writes Resonance-LongRoPE as a plain ``longrope`` with those factors.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class RopeScaling:
     def _hf_type(self) -> str:
         if not self.resonance:
             return self.rope_type
-        return {"default": "resonance", "yarn": "resonance_yarn"}.get(self.rope_type, self.rope_type)
+        return "resonance" if self.rope_type == "default" else RESONANCE_PREFIX + self.rope_type
 
     def _table(self, dim: int, base: float, seq_len: int | None, dtype: torch.dtype) -> torch.Tensor:
         return ops.default_inv_freq(dim, base, dtype=dtype)
@@ -219,6 +221,24 @@ class LongRoPE(RopeScaling):
             return float(self.attention_factor_override)
         return ops.longrope_attention_factor(self.factor or 1.0, self.original_max_position)
 
+    def to_hf(self, base=None):
+        """``factor`` is always written (1.0 when unset, as the attention factor uses it): without it
+        transformers would derive one from ``max_position_embeddings``. With ``resonance=True`` the
+        rounded short and long tables are written as the factors of a plain ``longrope`` (``theta_i /
+        rounded_i``), which transformers and vLLM run natively; that needs ``base``."""
+        params = super().to_hf(base)
+        params["factor"] = float(self.factor or 1.0)
+        if self.resonance:
+            if base is None:
+                raise ValueError("to_hf: Resonance LongRoPE is written as longrope factors, which needs base")
+            dim = 2 * len(self.short_factor)
+            plain = ops.default_inv_freq(dim, float(base), dtype=torch.float64)
+            for name, seq_len in (("short_factor", None), ("long_factor", self.original_max_position + 1)):
+                rounded = self.inv_freq(dim, float(base), seq_len=seq_len, dtype=torch.float64)
+                params[name] = (plain / rounded).tolist()
+            params["rope_type"] = "longrope"
+        return params
+
 
 # transformers' parameter names for ours.
 _HF_NAMES = {
@@ -237,8 +257,8 @@ METHODS: dict[str, type[RopeScaling]] = {
     "longrope": LongRoPE,
 }
 
-# ropescale's own rope types that are Resonance on top of another method.
-_RESONANCE_TYPES = {"resonance": "default", "resonance_yarn": "yarn"}
+# Resonance on top of another method: ``resonance`` (plain RoPE) or ``resonance_<rope type>``.
+RESONANCE_PREFIX = "resonance_"
 
 
 def from_hf(
@@ -253,8 +273,10 @@ def from_hf(
     params = dict(rope_parameters)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     resonance = bool(params.pop("resonance", False))
-    if rope_type in _RESONANCE_TYPES:
-        rope_type, resonance = _RESONANCE_TYPES[rope_type], True
+    if rope_type == "resonance":
+        rope_type, resonance = "default", True
+    elif rope_type.startswith(RESONANCE_PREFIX) and rope_type[len(RESONANCE_PREFIX):] in METHODS:
+        rope_type, resonance = rope_type[len(RESONANCE_PREFIX):], True
     if rope_type not in METHODS:
         raise ValueError(f"from_hf: unknown rope_type {rope_type!r}; ropescale knows {sorted(METHODS)}")
     # Not scaling parameters: the caller passes base and rotary dim to inv_freq().

@@ -27,3 +27,80 @@ def test_generate_rerope_agrees_with_full_forward():
     out = run(ROOT / "examples/generate_rerope.py", "--prompt-length", "200", "--new-tokens", "8", "--window", "16")
     assert "generated 8 tokens" in out
     assert "agrees with the cached decode at the last step: True" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/finetune.py with transformers' Trainer and with PEFT LoRA: run in this process (one
+# transformers import for all), saved, reloaded, compared.
+
+
+def finetune(capsys, *args):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_example", ROOT / "examples/finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(a) for a in args])
+    out = capsys.readouterr().out
+    return out, {int(step): float(loss) for step, loss in re.findall(r"step +(\d+)  loss (\d+\.\d+)", out)}
+
+
+TINY = ("--seq-len", "48", "--original-length", "16", "--factor", "4", "--batch", "2", "--warmup", "2",
+        "--lr", "1e-2")
+
+
+def assert_reload_matches_probe(out_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.load(out_dir / "probe.pt")
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "final").eval()
+    with torch.no_grad():
+        logits = model(probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
+    return model
+
+
+def test_finetune_trainer_checkpoints_resume_and_reload(tmp_path, capsys, one_thread):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from ropescale import hf
+
+    first, second = tmp_path / "run", tmp_path / "resumed"
+    out, losses = finetune(capsys, "--trainer", "--method", "resonance_yarn", "--steps", "6", "--save-steps", "3",
+                           "--output-dir", first, *TINY)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6], out
+    # Every Trainer checkpoint is a loadable patched model: its config records the method.
+    for step in (3, 6):
+        config = json.loads((first / f"checkpoint-{step}" / "config.json").read_text())
+        assert config["rope_parameters"]["rope_type"] == "resonance_yarn"
+        assert config["max_position_embeddings"] == 64
+    out, resumed = finetune(capsys, "--trainer", "--method", "resonance_yarn", "--steps", "6", "--save-steps", "3",
+                            "--output-dir", second, "--resume", first / "checkpoint-3", *TINY)
+    assert sorted(resumed) == [4, 5, 6], out
+    assert {s: losses[s] for s in resumed} == resumed  # the same loss curve from the checkpoint on
+    a, b = load_file(first / "final" / "model.safetensors"), load_file(second / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = assert_reload_matches_probe(first)  # (ropescale's type: loads after import ropescale.hf)
+    hf.patch(model)  # and patching the reload re-applies the method: same logits again
+    probe = torch.load(first / "probe.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], atol=1e-5, rtol=0)
+
+
+def test_finetune_lora_merge_keeps_the_patch_and_reloads(tmp_path, capsys, one_thread):
+    import json
+
+    out, losses = finetune(capsys, "--lora", "--trainer", "--steps", "4", "--output-dir", tmp_path, *TINY)
+    assert sorted(losses) == [1, 2, 3, 4], out
+    assert "LoRA merged: ropescale patch kept: True" in out
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["max_position_embeddings"] == 64
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "final" / "model.safetensors")  # plain merged weights, no adapter left
+    assert "model.layers.0.self_attn.q_proj.weight" in saved and not any("lora" in k for k in saved)
+    assert_reload_matches_probe(tmp_path)  # the merged weights, reloaded, give the trained LoRA model's logits

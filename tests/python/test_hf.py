@@ -547,8 +547,8 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     script = tmp_path / "ddp_step.py"
     out = str(tmp_path / "params")
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__), out=out))
-    python_dir = os.path.join(os.path.dirname(__file__), "..", "..", "python")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", PYTHONPATH=os.path.abspath(python_dir))
+    python_dir = os.path.dirname(os.path.dirname(ops.__file__))  # the tree's python/, or site-packages
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", PYTHONPATH=python_dir)
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), WORLD_SIZE="2"))
              for r in range(2)]
     assert all(p.wait(timeout=300) == 0 for p in procs)

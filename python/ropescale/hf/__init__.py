@@ -1,9 +1,12 @@
 """Hugging Face integration: ``patch``/``unpatch`` Llama-family models, the pre-RoPE KV cache, and
-ropescale's rope types (``resonance``, ``resonance_yarn``, ``dynamic_yarn``) registered in transformers.
+ropescale's rope types (``ntk``, ``dynamic_yarn``, ``resonance``, ``resonance_<type>``, ``rerope_<type>``)
+registered in transformers. A patch is recorded in ``model.config`` (``ropescale.hf.checkpoint``), so
+``save_pretrained`` writes the model that was trained and ``patch(model)`` on a reload re-applies it.
 
 Supported transformers: 5.x (CI tests 5.23.0).
 """
 
+from . import checkpoint
 from .cache import PreRopeCache
 from .patch import SUPPORTED_ATTENTION, is_patched, patch, unpatch
 from .rope_types import ROPESCALE_ROPE_TYPES, register_rope_types
@@ -11,4 +14,4 @@ from .rope_types import ROPESCALE_ROPE_TYPES, register_rope_types
 register_rope_types()
 
 __all__ = ["patch", "unpatch", "is_patched", "PreRopeCache", "SUPPORTED_ATTENTION", "ROPESCALE_ROPE_TYPES",
-           "register_rope_types"]
+           "register_rope_types", "checkpoint"]

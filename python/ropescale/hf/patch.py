@@ -11,6 +11,10 @@ What changes (per model instance, undone by ``unpatch``):
     current length (largest position + 1), which keeps incremental decoding exact when the table
     changes; ReRoPE runs ``rerope_attention`` on the un-rotated q/k.
 
+What is recorded (in ``model.config``, so ``save_pretrained`` writes it; see ``ropescale.hf.checkpoint``):
+the method as ``rope_parameters``, ``max_position_embeddings`` for it, and for ReRoPE the attention
+side. ``unpatch`` restores the config exactly; ``patch(model)`` on a reloaded model re-applies it.
+
 Patching a model twice raises an error; ``unpatch`` first to change the method.
 """
 
@@ -27,8 +31,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.cache_utils import DynamicLayer
 
 from .. import ops, scaling as scaling_lib
+from . import checkpoint
 from .cache import PreRopeCache, PreRopeLayer
-from .rope_types import rotary_dim_of
+from .rope_types import rotary_dim_of, table_parameters
 
 # Attention classes whose forward ropescale re-implements (they share one code path: projections,
 # optional per-head q/k RMSNorm (Qwen3), rotation, cache, attention function, o_proj).
@@ -54,6 +59,8 @@ class _PatchState:
     base: float
     rotary_modules: list[nn.Module]
     attention_modules: list[nn.Module]
+    config: Any = None
+    saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
     _tables: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -74,7 +81,7 @@ class _PatchState:
 
 def _as_method(scaling, config) -> scaling_lib.RopeScaling:
     if scaling is None:
-        return scaling_lib.from_hf(config.rope_parameters, config.max_position_embeddings)
+        return scaling_lib.from_hf(table_parameters(config.rope_parameters)[0], config.max_position_embeddings)
     if isinstance(scaling, scaling_lib.RopeScaling):
         return scaling
     if isinstance(scaling, Mapping):
@@ -98,22 +105,35 @@ def patch(
     model: nn.Module,
     scaling: scaling_lib.RopeScaling | Mapping[str, Any] | None = None,
     *,
-    attention: str = "sdpa",
+    attention: str | None = None,
     window: int | None = None,
-    leaky_k: float = 0.0,
-    logn_length: int = 0,
+    leaky_k: float | None = None,
+    logn_length: int | None = None,
 ) -> nn.Module:
-    """Swap ropescale's frequencies and kernels into a transformers Llama/Mistral/Qwen2/Qwen3 model.
+    """Swap ropescale's frequencies and kernels into a transformers Llama/Mistral/Qwen2/Qwen3 model,
+    and record the method in ``model.config`` (``save_pretrained`` then writes it).
 
     ``scaling``: a ``ropescale.scaling`` method, a transformers-style ``rope_parameters`` dict, or None
     to keep the model's own rope settings. ``attention="rerope"`` needs ``window`` (and optionally
-    ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). Returns the model.
+    ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). ``attention=None`` (the
+    default) takes the attention side the config records (a reloaded ReRoPE checkpoint), else "sdpa";
+    so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. Returns the model.
     """
     if getattr(model, "_ropescale_patch", None) is not None:
         raise RuntimeError("patch: this model is already patched by ropescale; call ropescale.hf.unpatch(model) first")
+    rotary_modules, attention_modules = _find_modules(model)
+    config = attention_modules[0].config
+    if attention is None:
+        saved = checkpoint.saved_attention(config) or {"attention": "sdpa"}
+        attention = saved["attention"]
+        if attention == "rerope":
+            window = saved.get("window") if window is None else window
+            leaky_k = saved.get("leaky_k", 0.0) if leaky_k is None else leaky_k
+            logn_length = saved.get("logn_length", 0) if logn_length is None else logn_length
     if attention not in ("sdpa", "rerope"):
         raise ValueError(f"patch: attention must be 'sdpa' or 'rerope', got {attention!r}")
     if attention == "rerope":
+        leaky_k, logn_length = leaky_k or 0.0, logn_length or 0
         if window is None or window <= 0:
             raise ValueError(f"patch: attention='rerope' needs window > 0, got {window}")
         if leaky_k != 0 and leaky_k < 1:
@@ -121,22 +141,24 @@ def patch(
     elif window is not None or leaky_k or logn_length:
         raise ValueError("patch: window, leaky_k and logn_length apply to attention='rerope' only")
 
-    rotary_modules, attention_modules = _find_modules(model)
-    config = attention_modules[0].config
     params = config.rope_parameters
     state = _PatchState(
         method=_as_method(scaling, config),
         attention=attention,
         window=window,
-        leaky_k=float(leaky_k),
-        logn_length=int(logn_length),
+        leaky_k=float(leaky_k or 0.0),
+        logn_length=int(logn_length or 0),
         rotary_dim=rotary_dim_of(config, params),
         base=float(params["rope_theta"]),
         rotary_modules=rotary_modules,
         attention_modules=attention_modules,
+        config=config,
     )
     if state.pre_rope and any(_sliding_window(m) for m in attention_modules):
         raise ValueError("patch: pre-RoPE attention (dynamic methods, ReRoPE) does not support sliding-window layers")
+    state.saved_config = checkpoint.snapshot(config)
+    checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
+                      state.logn_length)
     for module in rotary_modules:
         module.forward = types.MethodType(_rotary_forward, module)
         module._ropescale_patch = state
@@ -148,13 +170,15 @@ def patch(
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Restore the model's own rotary and attention forwards exactly."""
+    """Restore the model's own rotary and attention forwards and its config exactly (a
+    ``save_pretrained`` after it writes the config the model had before ``patch``)."""
     state = getattr(model, "_ropescale_patch", None)
     if state is None:
         raise RuntimeError("unpatch: this model is not patched by ropescale")
     for module in state.rotary_modules + state.attention_modules:
         del module.forward  # the class's forward shows through again
         del module._ropescale_patch
+    checkpoint.restore(state.config, state.saved_config)
     model._ropescale_patch = None
     return model
 

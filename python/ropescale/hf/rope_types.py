@@ -1,32 +1,81 @@
-"""ropescale's rope types in transformers: ``resonance``, ``resonance_yarn`` and ``dynamic_yarn``.
+"""ropescale's rope types in transformers, registered by ``import ropescale.hf``.
+
+A rope type names the frequency table. transformers has ``default``, ``linear``, ``dynamic``,
+``yarn``, ``llama3`` and ``longrope``; ropescale adds, by rule:
+
+- ``ntk`` (static NTK-aware) and ``dynamic_yarn``;
+- ``resonance`` (Resonance RoPE on plain RoPE) and ``resonance_<type>`` for Resonance on top of
+  ``linear``, ``ntk``, ``dynamic``, ``yarn``, ``dynamic_yarn`` and ``llama3``. (Resonance on
+  ``longrope`` is written as a plain ``longrope`` whose per-pair factors hold the rounded table:
+  transformers and vLLM run it natively);
+- ``rerope`` and ``rerope_<table type>``: a checkpoint trained with ReRoPE attention, whose table is
+  ``<table type>`` (``default`` for ``rerope``). The window and the rest of the attention side are in
+  the config's ``ropescale`` entry (see ``ropescale.hf.checkpoint``). The marker exists so that
+  a ReRoPE checkpoint never loads silently as a plain-attention model: without ropescale it fails,
+  and with it the model warns until ``ropescale.hf.patch(model)`` puts the attention back.
 
 Registering them in ``ROPE_INIT_FUNCTIONS`` (and giving the config mixin a validator for each) lets a
 config such as ``rope_parameters={"rope_type": "resonance_yarn", "factor": 8,
 "original_max_position_embeddings": 4096}`` load and run in an unpatched transformers model. The
-tables come from ropescale's ops, through ``ropescale.scaling.from_hf``.
+tables come from ropescale's ops, through ``ropescale.scaling.from_hf``. Without ``import
+ropescale.hf`` transformers refuses such a config (``KeyError`` naming the type when the model is
+built), so a checkpoint never loads silently as default RoPE.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
 
 from transformers import modeling_rope_utils as rope_utils
 
 from .. import scaling
 
-ROPESCALE_ROPE_TYPES = ("resonance", "resonance_yarn", "dynamic_yarn")
+REROPE_MARKER = "rerope"
+REROPE_PREFIX = REROPE_MARKER + "_"
 
-_OPTIONAL_KEYS = {
-    "resonance": {"rope_theta"},
-    "resonance_yarn": {
-        "rope_theta", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-        "mscale", "mscale_all_dim", "truncate",
-    },
-    "dynamic_yarn": {"rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "truncate"},
+# Table types transformers itself has, and the ones ropescale registers.
+NATIVE_TABLE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+_RESONANCE_BASES = ("linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3")
+ROPESCALE_TABLE_TYPES = ("ntk", "dynamic_yarn", "resonance",
+                         *(scaling.RESONANCE_PREFIX + b for b in _RESONANCE_BASES))
+REROPE_TYPES = (REROPE_MARKER, *(REROPE_PREFIX + t for t in NATIVE_TABLE_TYPES + ROPESCALE_TABLE_TYPES
+                                 if t != "default"))
+#: Every rope type ``import ropescale.hf`` registers in transformers.
+ROPESCALE_ROPE_TYPES = ROPESCALE_TABLE_TYPES + REROPE_TYPES
+
+# Keys of the types transformers has no validator for (the others use transformers' own).
+_KEYS = {  # rope type: (required, optional)
+    "ntk": ({"rope_type", "factor"}, {"rope_theta"}),
+    "dynamic_yarn": ({"rope_type", "original_max_position_embeddings"},
+                     {"rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                      "mscale_all_dim", "truncate"}),
 }
-_REQUIRED_KEYS = {
-    "resonance": {"rope_type"},
-    "resonance_yarn": {"rope_type", "factor"},
-    "dynamic_yarn": {"rope_type", "original_max_position_embeddings"},
-}
+
+
+def split_rope_type(rope_type: str) -> tuple[bool, str]:
+    """``(rerope, table_type)``: ``"rerope_yarn"`` -> ``(True, "yarn")``, ``"yarn"`` -> ``(False, "yarn")``."""
+    if rope_type == REROPE_MARKER:
+        return True, "default"
+    if rope_type.startswith(REROPE_PREFIX):
+        return True, rope_type[len(REROPE_PREFIX):]
+    return False, rope_type
+
+
+def join_rope_type(rerope: bool, table_type: str) -> str:
+    """The inverse of :func:`split_rope_type`."""
+    if not rerope:
+        return table_type
+    return REROPE_MARKER if table_type == "default" else REROPE_PREFIX + table_type
+
+
+def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """``rope_parameters`` with the ReRoPE marker taken off the type, and whether it was there."""
+    params = dict(rope_parameters or {})
+    rerope, table_type = split_rope_type(params.get("rope_type") or params.get("type") or "default")
+    params["rope_type"] = table_type
+    params.pop("type", None)
+    return params, rerope
 
 
 def rotary_dim_of(config, rope_parameters) -> int:
@@ -38,27 +87,49 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
     """A ``ROPE_INIT_FUNCTIONS`` entry: (inv_freq, attention_factor) from ropescale's ops."""
     config.standardize_rope_params()
     params = config.rope_parameters[layer_type] if layer_type is not None else config.rope_parameters
-    method = scaling.from_hf(params, config.max_position_embeddings)
+    table, rerope = table_parameters(params)
+    if rerope and seq_len is None:
+        warnings.warn(
+            f"ropescale: rope_type {params['rope_type']!r} marks a checkpoint trained with ReRoPE attention "
+            f"(config.ropescale = {getattr(config, 'ropescale', None)}); call ropescale.hf.patch(model) to run it "
+            "as trained: unpatched, it attends with plain RoPE",
+            stacklevel=2,
+        )
+    method = scaling.from_hf(table, config.max_position_embeddings)
     seq_len = None if seq_len is None else int(seq_len)
     inv_freq = method.inv_freq(rotary_dim_of(config, params), params["rope_theta"], seq_len=seq_len)
     return inv_freq.to(device), method.attention_factor_for(seq_len)
 
 
 def _make_validator(rope_type: str):
+    _, table_type = split_rope_type(rope_type)
+    base_type = table_type
+    if table_type == "resonance":
+        base_type = "default"
+    elif table_type.startswith(scaling.RESONANCE_PREFIX):
+        base_type = table_type[len(scaling.RESONANCE_PREFIX):]
+
     def validate(self, rope_parameters, ignore_keys=None):
-        self._check_received_keys(
-            rope_type, set(rope_parameters.keys()), set(_REQUIRED_KEYS[rope_type]),
-            optional_keys=set(_OPTIONAL_KEYS[rope_type]), ignore_keys=ignore_keys,
-        )
+        if base_type in _KEYS:
+            required, optional = _KEYS[base_type]
+            self._check_received_keys(rope_type, set(rope_parameters.keys()), set(required),
+                                      optional_keys=set(optional), ignore_keys=ignore_keys)
+        else:  # transformers' own checks for the underlying type (keys, value warnings)
+            checked = dict(rope_parameters)
+            if base_type in ("yarn", "llama3", "longrope"):  # what standardize_rope_params does for those
+                checked.setdefault("original_max_position_embeddings", getattr(self, "max_position_embeddings", None))
+            getattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{base_type}_rope_parameters")(
+                self, checked, ignore_keys=ignore_keys)
         # Build the method once: bad values get ropescale's own clear errors at load time.
-        scaling.from_hf(rope_parameters, getattr(self, "max_position_embeddings", None))
+        table, _ = table_parameters(rope_parameters)
+        scaling.from_hf(table, getattr(self, "max_position_embeddings", None))
 
     validate.__name__ = f"_validate_{rope_type}_rope_parameters"
     return validate
 
 
 def register_rope_types() -> None:
-    """Idempotent: adds the three rope types to transformers (done on ``import ropescale.hf``)."""
+    """Idempotent: adds ropescale's rope types to transformers (done on ``import ropescale.hf``)."""
     for rope_type in ROPESCALE_ROPE_TYPES:
         rope_utils.ROPE_INIT_FUNCTIONS[rope_type] = _init_function
         setattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters",

@@ -1,0 +1,382 @@
+"""A patched model's checkpoint is the model it trained: every method x (Llama, Mistral, Qwen2, Qwen3)
+is patched, trained a few steps, saved (plain and sharded safetensors) and reloaded, and the reload's
+logits equal the trained model's: with plain transformers in a process that never imports ropescale
+(transformers' own rope types), after ``import ropescale.hf`` (ropescale's types), after
+``hf.patch(model)`` (ReRoPE). A ropescale type without ropescale fails to load, never loads as RoPE.
+``unpatch`` restores the config byte for byte; ``ropescale extend`` writes such a checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from ropescale import cli, hf, scaling  # noqa: E402
+from test_hf import FAMILIES, VOCAB, ids, tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NATIVE = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ORIGINAL = 16  # the tiny models' "pre-training" length; inputs are longer
+LENGTH = 48
+LONG = [1.0 + 0.5 * i for i in range(8)]
+SHORT = [1.0 + 0.05 * i for i in range(8)]
+
+# name: (method or None, patch keyword arguments, rope_type written, max_position_embeddings written)
+CASES = {
+    "linear": (scaling.Linear(factor=4.0), {}, "linear", 64),
+    "dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}, "dynamic", ORIGINAL),
+    "yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), {}, "yarn", 64),
+    "yarn_betas_mscale": (scaling.YaRN(factor=8.0, original_max_position=ORIGINAL, beta_fast=16.0, beta_slow=2.0,
+                                       truncate=False, mscale=0.707, mscale_all_dim=1.0), {}, "yarn", 128),
+    "llama3": (scaling.Llama3(factor=8.0, original_max_position=ORIGINAL), {}, "llama3", 128),
+    "longrope": (scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG), original_max_position=ORIGINAL,
+                                  factor=4.0), {}, "longrope", 64),
+    "ntk": (scaling.NTK(factor=4.0), {}, "ntk", 64),
+    "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=ORIGINAL), {}, "dynamic_yarn", ORIGINAL),
+    "resonance": (scaling.Default(resonance=True), {}, "resonance", 64),
+    "resonance_linear": (scaling.Linear(factor=4.0, resonance=True), {}, "resonance_linear", 64),
+    "resonance_ntk": (scaling.NTK(factor=4.0, resonance=True), {}, "resonance_ntk", 64),
+    "resonance_dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL, resonance=True), {},
+                          "resonance_dynamic", ORIGINAL),
+    "resonance_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True), {},
+                       "resonance_yarn", 64),
+    "resonance_dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True), {},
+                               "resonance_dynamic_yarn", 32),
+    "resonance_llama3": (scaling.Llama3(factor=8.0, original_max_position=ORIGINAL, resonance=True), {},
+                         "resonance_llama3", 128),
+    # Resonance on LongRoPE: the rounded tables become the per-pair factors of a plain longrope.
+    "resonance_longrope": (scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG),
+                                            original_max_position=ORIGINAL, factor=4.0, resonance=True), {},
+                           "longrope", 64),
+    "rerope": (None, dict(attention="rerope", window=8), "rerope", 64),
+    "leaky_rerope_logn_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL),
+                               dict(attention="rerope", window=8, leaky_k=4.0, logn_length=ORIGINAL),
+                               "rerope_yarn", 64),
+}
+# Mistral and Qwen3 checkpoints are written as several safetensors shards.
+SHARDED = {"mistral", "qwen3"}
+SHARD_SIZE = "40KB"
+
+
+def model_for(family, seed=0):
+    extra = {"sliding_window": None} if family == "mistral" else {}  # pre-RoPE attention refuses sliding windows
+    return tiny(family, seed=seed, **extra)
+
+
+def train(model, steps=2):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x = ids(length=LENGTH, seed=10 + step)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def load(path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    return model, [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every (family, case): patched, trained, saved; with its input and the trained model's logits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (module fixtures are set up before the function-scoped one_thread)
+    root = tmp_path_factory.mktemp("checkpoints")
+    x = ids(length=LENGTH, seed=99)
+    torch.save(x, root / "ids.pt")
+    out = {}
+    for family in sorted(FAMILIES):
+        for name, (method, kwargs, _, _) in CASES.items():
+            model = train(hf.patch(model_for(family), method, **kwargs))
+            path = root / f"{family}-{name}"
+            with torch.no_grad():
+                logits = model(x).logits
+            model.save_pretrained(path, max_shard_size=SHARD_SIZE if family in SHARDED else "1GB")
+            out[family, name] = (path, logits, model)
+    torch.set_num_threads(threads)
+    return root, x, out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_reload_gives_the_trained_model(checkpoints, family, name):
+    root, x, saved = checkpoints
+    path, trained_logits, trained = saved[family, name]
+    method, kwargs, rope_type, mpe = CASES[name]
+    config = json.loads((path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == rope_type
+    assert config["max_position_embeddings"] == mpe
+    assert config.get("ropescale") == (None if not kwargs else {
+        "attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
+        "logn_length": kwargs.get("logn_length", 0)})
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    assert (len(shards) > 2) == (family in SHARDED), shards
+    if family in SHARDED:
+        assert (path / "model.safetensors.index.json").exists()
+
+    model, messages = load(path)
+    assert not hf.is_patched(model)
+    loaded = model.config.to_json_string()
+    with torch.no_grad():
+        if kwargs:  # ReRoPE: the load warns that the attention needs the patch, and the patch restores it
+            assert any("ReRoPE" in m and "ropescale.hf.patch(model)" in m for m in messages), messages
+            unpatched = model(x).logits
+            assert (unpatched - trained_logits).abs().max() > 1e-3  # plain attention is another model
+        else:  # the unpatched reload (transformers' forward, with ropescale's table for ropescale's types)
+            torch.testing.assert_close(model(x).logits, trained_logits, atol=1e-5, rtol=0)
+        # hf.patch(model) with no arguments re-applies what was saved: same logits, same method, and
+        # nothing in the config changes.
+        hf.patch(model)
+        assert model.config.to_json_string() == loaded
+        torch.testing.assert_close(model(x).logits, trained_logits, atol=1e-5, rtol=0)
+    ours, theirs = model._ropescale_patch, trained._ropescale_patch
+    assert (ours.attention, ours.window, ours.leaky_k, ours.logn_length) == (
+        theirs.attention, theirs.window, theirs.leaky_k, theirs.logn_length)
+    if name == "resonance_longrope":  # the same tables, now as plain longrope factors
+        for seq_len in (ORIGINAL, LENGTH):
+            torch.testing.assert_close(ours.method.inv_freq(16, 1e4, seq_len=seq_len),
+                                       theirs.method.inv_freq(16, 1e4, seq_len=seq_len), rtol=1e-12, atol=0)
+        assert ours.method.attention_factor == theirs.method.attention_factor
+    else:
+        assert ours.method == theirs.method
+    hf.unpatch(model)
+    assert model.config.to_json_string() == loaded
+
+
+PLAIN_TRANSFORMERS = textwrap.dedent("""
+    # Loads every checkpoint with transformers alone: ropescale is never imported.
+    import json, sys, warnings
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    jobs = json.loads(sys.argv[1])
+    x = torch.load(jobs["ids"])
+    report = {}
+    for path in jobs["paths"]:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+        except Exception as err:  # noqa: BLE001 (the error is the result)
+            report[path] = {"error": type(err).__name__, "message": str(err)}
+            continue
+        with torch.no_grad():
+            torch.save(model(x).logits, path + "/plain_logits.pt")
+        report[path] = {"loaded": True}
+    report["ropescale imported"] = any(name.split(".")[0] == "ropescale" for name in sys.modules)
+    print(json.dumps(report))
+""")
+
+
+def test_plain_transformers_loads_native_types_and_refuses_ropescale_types(checkpoints, tmp_path):
+    root, x, saved = checkpoints
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_TRANSFORMERS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    jobs = {"ids": str(root / "ids.pt"), "paths": [str(path) for path, _, _ in saved.values()]}
+    result = subprocess.run([sys.executable, str(script), json.dumps(jobs)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report.pop("ropescale imported") is False
+    native = refused = 0
+    for (family, name), (path, trained_logits, _) in saved.items():
+        rope_type = CASES[name][2]
+        outcome = report[str(path)]
+        if rope_type in NATIVE and not CASES[name][1]:
+            assert outcome == {"loaded": True}, (family, name, outcome)
+            plain = torch.load(path / "plain_logits.pt")
+            torch.testing.assert_close(plain, trained_logits, atol=1e-5, rtol=0, msg=f"{family} {name}")
+            native += 1
+        else:  # transformers' own refusal, naming the type: never a silent default RoPE
+            assert outcome == {"error": "KeyError", "message": repr(rope_type)}, (family, name, outcome)
+            refused += 1
+    assert native == 4 * 7 and refused == 4 * 11
+
+
+# ---------------------------------------------------------------------------------------------
+# unpatch: the original config, byte for byte
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unpatch_restores_the_config_exactly(name):
+    method, kwargs, rope_type, _ = CASES[name]
+    model = model_for("qwen2")
+    model.config.original_max_position_embeddings = 48  # a Phi-3-style copy outside rope_parameters
+    before = model.config.to_json_string()
+    hf.patch(model, method, **kwargs)
+    assert model.config.rope_parameters["rope_type"] == rope_type
+    assert model.config.to_json_string() != before
+    if method is not None and hasattr(method, "original_max_position"):
+        assert model.config.original_max_position_embeddings == method.original_max_position
+    hf.unpatch(model)
+    assert model.config.to_json_string() == before
+
+
+def test_unpatch_then_save_pretrained_writes_the_original_config_json(tmp_path):
+    model = model_for("llama")
+    model.save_pretrained(tmp_path / "before")
+    hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), attention="rerope", window=8)
+    model.save_pretrained(tmp_path / "patched")
+    hf.unpatch(model)
+    model.save_pretrained(tmp_path / "after")
+    before = (tmp_path / "before" / "config.json").read_bytes()
+    assert (tmp_path / "patched" / "config.json").read_bytes() != before
+    assert (tmp_path / "after" / "config.json").read_bytes() == before
+
+
+def test_patch_on_a_reload_keeps_dynamic_methods_exact_with_the_pre_rope_cache(checkpoints):
+    # A reloaded dynamic checkpoint, patched with no arguments, decodes through the pre-RoPE cache
+    # exactly as the trained model does (its table changes with the length).
+    root, x, saved = checkpoints
+    for name in ("dynamic", "dynamic_yarn", "rerope"):
+        path, _, trained = saved["llama", name]
+        model, _ = load(path)
+        hf.patch(model)
+        assert model._ropescale_patch.pre_rope
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(x[:, :20], past_key_values=hf.PreRopeCache(), **kw),
+                           trained.generate(x[:, :20], past_key_values=hf.PreRopeCache(), **kw)), name
+
+
+def test_explicit_arguments_override_what_the_config_records(checkpoints):
+    root, x, saved = checkpoints
+    path, _, _ = saved["llama", "leaky_rerope_logn_yarn"]
+    model, _ = load(path)
+    hf.patch(model, attention="rerope", window=4)  # the saved leaky_k and logn_length are not mixed in
+    state = model._ropescale_patch
+    assert (state.window, state.leaky_k, state.logn_length) == (4, 0.0, 0)
+    assert model.config.ropescale == {"attention": "rerope", "window": 4, "leaky_k": 0.0, "logn_length": 0}
+    hf.unpatch(model)
+    hf.patch(model, attention="sdpa")  # plain attention over the saved table: the marker and entry go
+    assert model.config.rope_parameters["rope_type"] == "yarn" and not hasattr(model.config, "ropescale")
+    assert model._ropescale_patch.method == scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)
+
+
+def test_bad_recorded_attention_gets_a_clear_error():
+    model = model_for("llama")
+    model.config.ropescale = {"attention": "flash"}
+    with pytest.raises(ValueError, match="config.ropescale must be a dict with keys"):
+        hf.patch(model)
+    model = model_for("llama")
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "rerope"}
+    with pytest.raises(ValueError, match="marks ReRoPE attention but the config has no 'ropescale' entry"):
+        hf.patch(model)
+    assert not hf.is_patched(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# ropescale extend
+
+
+def source_model(tmp_path, family="llama"):
+    from tiny_lm import char_tokenizer
+
+    src = tmp_path / "src"
+    model = model_for(family)
+    model.save_pretrained(src)
+    char_tokenizer().save_pretrained(src)
+    return src, model
+
+
+def test_extend_writes_a_checkpoint_that_loads_as_the_patched_model(tmp_path, capsys):
+    src, model = source_model(tmp_path)
+    dst = tmp_path / "dst"
+    assert cli.main(["extend", str(src), str(dst), "--method", "yarn", "--factor", "4",
+                     "--original-max-position", str(ORIGINAL)]) == 0
+    out = capsys.readouterr().out
+    assert "yarn" in out and str(dst) in out
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "rope_theta": 10000.0}
+    assert config["max_position_embeddings"] == 64
+    # weights linked (or copied where links cannot be made), tokenizer files copied byte for byte
+    for f in src.iterdir():
+        if f.name == "config.json":
+            continue
+        assert (dst / f.name).read_bytes() == f.read_bytes(), f.name
+    assert os.path.samefile(src / "model.safetensors", dst / "model.safetensors")
+    assert not os.path.samefile(src / "tokenizer.json", dst / "tokenizer.json")
+    reloaded, _ = load(dst)
+    hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    x = ids(length=LENGTH)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x).logits, model(x).logits, atol=1e-5, rtol=0)
+
+
+def test_extend_resonance_and_dry_run(tmp_path, capsys):
+    src, model = source_model(tmp_path, "qwen3")
+    dst = tmp_path / "dst"
+    assert cli.main(["extend", str(src), str(dst), "--method", "yarn", "--factor", "4", "--resonance",
+                     "--original-max-position", "16", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rope_parameters"]["rope_type"] == "resonance_yarn" and printed["max_position_embeddings"] == 64
+    assert not dst.exists()
+    assert cli.main(["extend", str(src), str(dst), "--method", "yarn", "--factor", "4", "--resonance",
+                     "--original-max-position", "16"]) == 0
+    assert json.loads((dst / "config.json").read_text()) == printed
+    assert "rope_type resonance_yarn, max_position_embeddings 64" in capsys.readouterr().out
+    # The default original length is the model's max_position_embeddings (64 here).
+    assert cli.main(["extend", str(src), str(tmp_path / "d2"), "--method", "linear", "--factor", "2", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rope_parameters"]["rope_type"] == "linear" and printed["max_position_embeddings"] == 64
+    assert cli.main(["extend", str(src), str(tmp_path / "d3"), "--method", "yarn", "--factor", "2", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rope_parameters"]["original_max_position_embeddings"] == 64
+    assert printed["max_position_embeddings"] == 128
+
+
+def usage_error(capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([str(a) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: ropescale extend" in err
+    return err
+
+
+def test_extend_refusals(tmp_path, capsys):
+    src, _ = source_model(tmp_path)
+    (tmp_path / "empty").mkdir()
+    err = usage_error(capsys, "extend", tmp_path / "empty", tmp_path / "d", "--method", "yarn", "--factor", "4")
+    assert "is not a transformers model directory (no config.json)" in err
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text('{"hello": 1}')
+    err = usage_error(capsys, "extend", tmp_path / "junk", tmp_path / "d", "--method", "yarn", "--factor", "4")
+    assert "is not a transformers model directory" in err
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    err = usage_error(capsys, "extend", tmp_path / "gpt2", tmp_path / "d", "--method", "yarn", "--factor", "4")
+    assert "has no RoPE parameters" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "nope", "--factor", "4")
+    assert "invalid choice: 'nope'" in err
+    err = usage_error(capsys, "extend", src, src, "--method", "yarn", "--factor", "4")
+    assert "already exists" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn")
+    assert "needs --factor" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "longrope", "--factor", "4")
+    assert "longrope needs per-dimension factor lists" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_extend_help_shows_an_example(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["extend", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "ropescale extend ./llama ./llama-yarn --method yarn --factor 4" in out
+    assert "--dry-run" in out and "--resonance" in out and "--original-max-position" in out
