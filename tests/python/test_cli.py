@@ -1,6 +1,7 @@
 """The ``ropescale`` command: values against the ops, the --json schemas, PNGs written at the expected
 size, --help with examples for every command, and usage errors (exit 2) for bad arguments."""
 
+import copy
 import json
 import math
 import os
@@ -263,6 +264,67 @@ def test_eval_passkey(capsys, saved_model):
         assert set(r["trials"][0]) == {"key", "depth", "prompt_tokens", "answer", "correct"}
 
 
+def _perplexity_direct(model, text, tokenizer, *patch_args, **patch_kwargs):
+    from ropescale import evaluate, hf
+
+    hf.patch(model, *patch_args, **patch_kwargs)
+    try:
+        return evaluate.perplexity(model, text, tokenizer, max_length=150, stride=100).perplexity
+    finally:
+        hf.unpatch(model)
+
+
+@pytest.mark.parametrize("options,patch_args,patch_kwargs,described", [
+    (["--method", "rerope", "--window", "16"], (None,), dict(attention="rerope", window=16),
+     {"method": "default", "window": 16, "leaky_k": None, "logn": False}),
+    (["--method", "rerope", "--window", "16", "--leaky-k", "8", "--logn"], (None,),
+     dict(attention="rerope", window=16, leaky_k=8.0, logn_length=50),
+     {"method": "default", "window": 16, "leaky_k": 8.0, "logn": True}),
+    # --factor defaults to the evaluated length over the trained length: 150 / 50
+    (["--method", "yarn"], (scaling.YaRN(factor=3.0, original_max_position=50),), {},
+     {"method": "yarn", "factor": 3.0}),
+    (["--method", "yarn", "--window", "16"], (scaling.YaRN(factor=3.0, original_max_position=50),),
+     dict(attention="rerope", window=16), {"method": "yarn", "factor": 3.0, "window": 16}),
+])
+def test_eval_perplexity_method_and_window(capsys, tmp_path, saved_model, options, patch_args, patch_kwargs,
+                                            described):
+    path, model, tokenizer = saved_model
+    text_file = tmp_path / "t.txt"
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    text_file.write_text(text)
+    out = run_json(capsys, "eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150",
+                   "--stride", "100", "--device", "cpu", "--original-max-position", "50", *options)
+    assert out["perplexity"] == pytest.approx(_perplexity_direct(model, text, tokenizer, *patch_args,
+                                                                 **patch_kwargs), rel=1e-6)
+    assert described.items() <= out.items() and out["original_max_position"] == 50
+    plain = run_json(capsys, "eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "150",
+                     "--stride", "100", "--device", "cpu")
+    assert plain["method"] is None and out["perplexity"] != pytest.approx(plain["perplexity"], rel=1e-6)
+
+
+def test_eval_loads_a_gguf_file_or_folder(capsys, tmp_path, monkeypatch, saved_model):
+    # The real GGUF checkpoint is loaded in test_real_model.py; here the command's plumbing: the path it
+    # passes, the dtype/device, and the patch applied to what the loader returned.
+    from ropescale import realmodel
+
+    _, model, tokenizer = saved_model
+    calls = []
+
+    def fake_load(path=None, *, dtype, device, progress):
+        calls.append((path, dtype, device, progress))
+        return copy.deepcopy(model), tokenizer
+
+    monkeypatch.setattr(realmodel, "load_gguf", fake_load)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    for gguf in ([str(tmp_path / "m.gguf")], [str(tmp_path)], []):
+        out = run_json(capsys, "eval", "passkey", "--gguf", *gguf, "--context-length", "300", "--trials", "1",
+                       "--device", "cpu", "--method", "rerope", "--window", "32")
+        assert out["method"] == "default" and out["window"] == 32 and len(out["results"]) == 1
+    assert calls == [(str(tmp_path / "m.gguf"), torch.float32, "cpu", False),
+                     (str(tmp_path), torch.float32, "cpu", False), (None, torch.float32, "cpu", False)]
+    assert out["model"].startswith("SmolLM2-135M-Instruct")
+
+
 # ---------------------------------------------------------------------------------------------
 # help and usage errors
 
@@ -310,6 +372,15 @@ def test_top_level_help_lists_every_command(capsys):
     (["eval"], "the following arguments are required: EVALUATOR"),
     (["eval", "passkey", "some-model"], "the following arguments are required: --context-length"),
     (["eval", "perplexity", "some-model", "--text", "/nonexistent/file.txt"], "--text: cannot read"),
+    (["eval", "passkey", "--context-length", "64"], "give a model directory (or hub name), or --gguf FILE"),
+    (["eval", "passkey", "some-model", "--gguf", "--context-length", "64"], "not both"),
+    (["eval", "passkey", "--gguf", "/nonexistent/m.gguf", "--context-length", "64"],
+     "--gguf: /nonexistent/m.gguf: no such GGUF file or folder"),
+    (["eval", "passkey", "--gguf", "README.md", "--context-length", "64"], "not a GGUF file"),
+    (["eval", "passkey", "m", "--context-length", "64", "--leaky-k", "1"], "argument --leaky-k: must be > 1"),
+    (["eval", "passkey", "m", "--context-length", "64", "--window", "0"], "argument --window: must be > 0, got 0"),
+    (["eval", "passkey", "m", "--context-length", "64", "--method", "rerope"], "--method rerope needs --window W"),
+    (["eval", "perplexity", "m", "--text", "t", "--logn"], "--leaky-k and --logn belong to ReRoPE: add --window W"),
 ])
 def test_bad_arguments_exit_2_with_usage(capsys, argv, message):
     err = usage_error(capsys, *argv)
