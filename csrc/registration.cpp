@@ -6,6 +6,7 @@
 #include <torch/python.h>
 
 #include "ops.h"
+#include "rerope_attention.h"
 #include "rotary_args.h"
 
 #include <string>
@@ -188,4 +189,6 @@ PYBIND11_MODULE(_C, module) {
   module.def("build_info", &build_info, "torch version built against, whether CUDA kernels were compiled, CUDA archs");
   module.def("rotary_cpu_isa", &ropescale::rotary_cpu_isa,
              "instruction set of the rotary CPU kernel in use: AVX512, AVX2 or DEFAULT (ATEN_CPU_CAPABILITY lowers it)");
+  module.def("rerope_attention_cpu_isa", &ropescale::rerope_attention_cpu_isa,
+             "instruction set of the rerope_attention CPU kernel in use: AVX512, AVX2 or DEFAULT (as rotary_cpu_isa)");
 }

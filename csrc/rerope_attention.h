@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace ropescale {
 
@@ -32,5 +33,8 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
 // The op's outputs, out [B, Hq, Lq, D] in q's dtype and lse [B, Hq, Lq] float32; returns true when
 // they are already final (no query, or no key: zeros and -inf) and no kernel needs to run.
 bool empty_rerope_outputs(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse);
+
+// The instruction set of the CPU kernel rerope_attention runs: "AVX512", "AVX2" or "DEFAULT".
+std::string rerope_attention_cpu_isa();
 
 }  // namespace ropescale

@@ -1,586 +1,61 @@
-// rerope_attention on the CPU: flash-style (blocked over keys, online softmax), never an Lq x Lk
-// matrix. Each side of the window is ordinary attention over pre-rotated operands (rerope_math.h),
-// so a tile of (query block x key block) wholly inside or outside the window costs one product and
-// only the band around the window edge costs two.
-//
-// Two plans share the tile classification, the masking and the online softmax:
-// * prefill (more than kDecodeRows query rows): compute-bound. The key blocks some tile needs are
-//   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: at
-//   p/k; ReRoPE far side: raw), then one task per (batch, q head, query block), heaviest first:
-//   scores and P.V by BLAS, the online softmax with a vectorised exp.
-// * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
-//   GQA group share one pass over their kv head, so every key and value is read once; the keys are
-//   split into chunks over the threads and the chunks' partial softmax states merged by their lse
-//   (flash-decoding); keys are read where they lie and only the window's (near and band tiles) are
-//   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE also rotates far keys,
-//   at p/k).
+// rerope_attention on the CPU: the entry point. The kernel (cpu/rerope_attention_kernel.cpp) is
+// compiled once per instruction set (DEFAULT, AVX2, AVX512) and picked here for this CPU the way
+// ATen picks its own kernels: at::get_cpu_capability(), which honours ATEN_CPU_CAPABILITY.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch_v2.h>
-#include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
+#include <ATen/Version.h>
 
-#include <algorithm>
-#include <atomic>
-#include <bit>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <vector>
+#include <string>
+#include <tuple>
 
 #include "ops.h"
 #include "rerope_attention.h"
-#include "rotary_args.h"
-#include "ropescale/rerope_math.h"
-#include "ropescale/rotary_math.h"
-
-// The vector loops are compiled for the x86-64 ISA levels and picked at load time: the extension
-// cannot assume more than the baseline ISA, and AVX-512 doubles the softmax throughput.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ROPESCALE_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define ROPESCALE_CPU_CLONES
-#endif
 
 namespace ropescale {
+namespace cpu {
+// One declaration per variant CMakeLists.txt builds (ROPESCALE_CPU_AVX2 / _AVX512 say which).
+namespace DEFAULT {
+void rerope_attention_kernel(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse);
+}
+#ifdef ROPESCALE_CPU_AVX2
+namespace AVX2 {
+void rerope_attention_kernel(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse);
+}
+#endif
+#ifdef ROPESCALE_CPU_AVX512
+namespace AVX512 {
+void rerope_attention_kernel(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse);
+}
+#endif
+}  // namespace cpu
+
 namespace {
 
-constexpr int64_t kBlockQ = 128;    // query rows per prefill task
-constexpr int64_t kBlockK = 128;    // keys per tile: small enough that the band stays thin
-constexpr int64_t kDecodeRows = 4;  // up to this many query rows take the decode plan
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using ReropeKernel = void (*)(const ReropeArgs&, at::Tensor&, at::Tensor&);
 
-// exp(x) for the softmax: Cephes' polynomial on [-ln2/2, ln2/2] times 2^n (about 1 ulp), written
-// branch-free so that it vectorises; exactly 0 below the float range (x = -inf included).
-inline __attribute__((always_inline)) float softmax_exp(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
-  const float shifted = clamped * kLog2e + kRound;
-  const float n = shifted - kRound;
-  const int32_t n_int = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kRound);
-  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float result = p * std::bit_cast<float>((n_int + 127) << 23);
-  return x < -87.0f ? 0.0f : result;
-}
-
-// Folds a tile of scores into the running softmax of its rows: row_max/row_sum are updated, the
-// scores become their unnormalised probabilities, and each acc row is rescaled by exp(old - new).
-ROPESCALE_CPU_CLONES void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld_scores,
-                                                float* row_max, float* row_sum, float* acc, int64_t dim) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * ld_scores;
-    float tile_max = kNegInf;
-#pragma omp simd reduction(max : tile_max)
-    for (int64_t c = 0; c < cols; ++c) tile_max = s[c] > tile_max ? s[c] : tile_max;
-    const float old_max = row_max[r];
-    const float new_max = std::max(old_max, tile_max);
-    if (new_max == kNegInf) {  // nothing visible in this row so far
-      std::fill(s, s + cols, 0.0f);
-      continue;
-    }
-    float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-    for (int64_t c = 0; c < cols; ++c) {
-      const float p = softmax_exp(s[c] - new_max);
-      s[c] = p;
-      tile_sum += p;
-    }
-    const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-    row_sum[r] = row_sum[r] * alpha + tile_sum;
-    row_max[r] = new_max;
-    if (alpha != 1.0f) {
-      float* a = acc + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] *= alpha;
-    }
-  }
-}
-
-// Scores of a band tile: the near product where the pair is inside the window, the far one outside;
-// -inf where the pair is masked (causal edge, padding).
-ROPESCALE_CPU_CLONES void select_band_and_mask(float* near_scores, const float* far_scores, int64_t rows,
-                                               int64_t cols, int64_t ld, const int64_t* q_pos, const int64_t* k_pos,
-                                               int64_t window, bool causal, bool band, bool mask) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = near_scores + r * ld;
-    const float* s_far = far_scores + r * ld;
-    const int64_t pq = q_pos[r];
-    if (band)
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_is_near(pq, k_pos[c], window) ? s[c] : s_far[c];
-    if (mask)
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_visible(pq, k_pos[c], causal) ? s[c] : kNegInf;
-  }
-}
-
-// scores[rows x cols] (ld_scores) = q[rows x D] . panel, a transposed key panel [D x kBlockK].
-inline void tile_scores(const float* q, int64_t rows, int64_t dim, const float* panel, int64_t cols, float* scores,
-                        int64_t ld_scores) {
-  at::native::cpublas::brgemm(rows, cols, dim, dim, kBlockK, ld_scores, /*add_C=*/false, q, panel, scores,
-                              /*is_vnni=*/false);
-}
-
-// acc[rows x D] += probs[rows x cols] . V[cols x D] (V rows with stride ld_v).
-inline void tile_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs, const float* v,
-                            int64_t ld_v, int64_t dim, float* acc) {
-  at::native::cpublas::brgemm(rows, dim, cols, ld_probs, ld_v, dim, /*add_C=*/true, probs, v, acc, /*is_vnni=*/false);
-}
-
-// out = rot(x * factor) with the pair angles' cos/sin; dims past the rotary ones are only scaled.
-// Inlined into the ISA clones below; one loop per layout so that each vectorises.
-__attribute__((always_inline)) inline void rotate_row(const float* x, float factor, const float* cos_v,
-                                                      const float* sin_v, int64_t pairs, int64_t dim, bool interleaved,
-                                                      float* out) {
-  for (int64_t d = 2 * pairs; d < dim; ++d) out[d] = x[d] * factor;
-  if (interleaved) {
-    for (int64_t i = 0; i < pairs; ++i)
-      rotate_pair(x[2 * i] * factor, x[2 * i + 1] * factor, cos_v[i], sin_v[i], &out[2 * i], &out[2 * i + 1]);
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < pairs; ++i)
-      rotate_pair(x[i] * factor, x[i + pairs] * factor, cos_v[i], sin_v[i], &out[i], &out[i + pairs]);
-  }
-}
-
-
-template <typename scalar_t>
-__attribute__((always_inline)) inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-// cos/sin rows [kBlockK x 2P] (cos then sin) for the keys of the flagged (batch, key block)s, at
-// position_of(p): one sincos per key and pair, shared by every head.
-struct KeyRotations {
-  std::vector<int64_t> slot;  // per (b, kb): its rows in `cs`, -1 when not flagged
-  std::vector<float> cs;
-  int64_t pairs = 0;
-
-  template <typename PositionOf>
-  KeyRotations(const std::vector<uint8_t>& flagged, const int64_t* k_pos, int64_t k_len, int64_t n_kb,
-               const float* inv_freq, int64_t pair_count, PositionOf position_of)
-      : slot(flagged.size(), -1), pairs(pair_count) {
-    std::vector<int64_t> blocks;
-    for (size_t i = 0; i < flagged.size(); ++i)
-      if (flagged[i]) {
-        slot[i] = static_cast<int64_t>(blocks.size());
-        blocks.push_back(static_cast<int64_t>(i));
-      }
-    cs.resize(blocks.size() * kBlockK * 2 * pairs);
-    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t b = blocks[n] / n_kb, j0 = (blocks[n] % n_kb) * kBlockK, j1 = std::min(k_len, j0 + kBlockK);
-        for (int64_t j = j0; j < j1; ++j) {
-          float* row = &cs[(n * kBlockK + j - j0) * 2 * pairs];
-          rotary_cos_sin_cpu(position_of(k_pos[b * k_len + j]), inv_freq, pairs, row, row + pairs);
-        }
-      }
-    });
-  }
-  const float* rows(int64_t block) const { return slot[block] < 0 ? nullptr : &cs[slot[block] * kBlockK * 2 * pairs]; }
+struct ReropeVariant {
+  ReropeKernel kernel;
+  const char* isa;
 };
 
-// Key rows [j0, j0 + cols) of one head (rows ld apart) as float rows [cols x D]: rotated with a
-// KeyRotations block's cos/sin rows when `rot` is given, as stored otherwise.
-template <typename scalar_t>
-__attribute__((always_inline)) inline void load_key_rows_impl(const scalar_t* k_head, int64_t ld, int64_t j0,
-                                                              int64_t cols, int64_t dim, const float* rot,
-                                                              int64_t pairs, bool interleaved, float* scratch,
-                                                              float* dst) {
-  for (int64_t c = 0; c < cols; ++c) {
-    load_row(k_head + (j0 + c) * ld, dim, scratch);
-    if (rot)
-      rotate_row(scratch, 1.0f, rot + c * 2 * pairs, rot + c * 2 * pairs + pairs, pairs, dim, interleaved,
-                 dst + c * dim);
-    else
-      std::copy(scratch, scratch + dim, dst + c * dim);
-  }
+ReropeVariant pick_rerope_variant() {
+  const std::string capability = at::get_cpu_capability();
+#ifdef ROPESCALE_CPU_AVX512
+  if (capability == "AVX512") return {&cpu::AVX512::rerope_attention_kernel, "AVX512"};
+#endif
+#ifdef ROPESCALE_CPU_AVX2
+  if (capability == "AVX512" || capability == "AVX2") return {&cpu::AVX2::rerope_attention_kernel, "AVX2"};
+#endif
+  return {&cpu::DEFAULT::rerope_attention_kernel, "DEFAULT"};
 }
 
-// <q, key> in float for a key row of any cache dtype: 16 independent lanes (one AVX-512 register)
-// reduced as a tree, so neither the FMAs nor the final sum form one long dependency chain.
-template <typename key_t>
-__attribute__((always_inline)) inline float dot_row(const float* q, const key_t* key, int64_t dim) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes)
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(key[d + l]);
-  float tail = 0.0f;
-  for (; d < dim; ++d) tail += q[d] * static_cast<float>(key[d]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
-}
-
-// Scores of a few query rows against key rows (ld_keys apart, read where they lie, any cache
-// dtype): every key is read once for all the rows.
-template <typename key_t>
-__attribute__((always_inline)) inline void row_scores_impl(const float* q, int64_t rows, int64_t dim,
-                                                           const key_t* keys, int64_t ld_keys, int64_t cols,
-                                                           float* scores, int64_t ld_scores) {
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
-}
-
-// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype): every value row
-// is read once for all the rows.
-template <typename value_t>
-__attribute__((always_inline)) inline void row_accumulate_impl(const float* probs, int64_t rows, int64_t cols,
-                                                               int64_t ld_probs, const value_t* v, int64_t ld_v,
-                                                               int64_t dim, float* acc) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const value_t* value = v + c * ld_v;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = probs[r * ld_probs + c];
-      if (p == 0.0f) continue;
-      float* a = acc + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-    }
-  }
-}
-
-// The ISA clones (target_clones cannot multiversion templates): one overload per cache dtype.
-#define ROPESCALE_CACHE_LOOPS(cache_t)                                                                           \
-  ROPESCALE_CPU_CLONES void load_key_rows(const cache_t* k_head, int64_t ld, int64_t j0, int64_t cols, int64_t dim, \
-                                          const float* rot, int64_t pairs, bool interleaved, float* scratch,     \
-                                          float* dst) {                                                          \
-    load_key_rows_impl(k_head, ld, j0, cols, dim, rot, pairs, interleaved, scratch, dst);                        \
-  }                                                                                                              \
-  ROPESCALE_CPU_CLONES void row_scores(const float* q, int64_t rows, int64_t dim, const cache_t* keys,          \
-                                       int64_t ld_keys, int64_t cols, float* scores, int64_t ld_scores) {       \
-    row_scores_impl(q, rows, dim, keys, ld_keys, cols, scores, ld_scores);                                       \
-  }                                                                                                              \
-  ROPESCALE_CPU_CLONES void row_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs,    \
-                                           const cache_t* v, int64_t ld_v, int64_t dim, float* acc) {           \
-    row_accumulate_impl(probs, rows, cols, ld_probs, v, ld_v, dim, acc);                                         \
-  }
-ROPESCALE_CACHE_LOOPS(float)
-ROPESCALE_CACHE_LOOPS(at::Half)
-ROPESCALE_CACHE_LOOPS(at::BFloat16)
-#undef ROPESCALE_CACHE_LOOPS
-
-// v as float rows BLAS can read: the tensor itself when it already is float32 with rows at least
-// D apart, a float copy otherwise.
-struct FloatRows {
-  at::Tensor storage;
-  const float* data = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_l = 0;
-
-  explicit FloatRows(const at::Tensor& t) {
-    const bool usable = t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.stride(2) >= t.size(3);
-    storage = usable ? t : t.to(at::kFloat).contiguous();
-    data = storage.data_ptr<float>();
-    stride_b = storage.stride(0);
-    stride_h = storage.stride(1);
-    stride_l = storage.stride(2);
-  }
-  const float* row(int64_t b, int64_t h, int64_t l) const { return data + b * stride_b + h * stride_h + l * stride_l; }
-};
-
-// Transposed key panels [B, Hkv, n_kb, D, kBlockK], written only for the blocks that need them.
-struct KeyPanels {
-  at::Tensor storage;
-  float* data = nullptr;
-  int64_t heads = 0, blocks = 0, dim = 0;
-
-  KeyPanels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t dim_)
-      : storage(at::empty({batch, heads_, blocks_, dim_, kBlockK}, at::TensorOptions().dtype(at::kFloat))),
-        data(storage.data_ptr<float>()),
-        heads(heads_),
-        blocks(blocks_),
-        dim(dim_) {}
-  float* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * dim * kBlockK; }
-};
-
-template <typename scalar_t>
-void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
-  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = a.leaky_inv != 0.0;
-  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
-  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
-  const float* inv_freq = a.inv_freq.data_ptr<float>();
-  const int64_t n_qb = (Lq + kBlockQ - 1) / kBlockQ, n_kb = (Lk + kBlockK - 1) / kBlockK;
-
-  // ---- tile classification, and which key blocks each side needs
-  std::vector<PositionRange> q_ranges(B * n_qb), k_ranges(B * n_kb);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < Lq; ++i) q_ranges[b * n_qb + i / kBlockQ].add(q_pos[b * Lq + i]);
-    for (int64_t j = 0; j < Lk; ++j) k_ranges[b * n_kb + j / kBlockK].add(k_pos[b * Lk + j]);
-  }
-  std::vector<TileClass> tiles(B * n_qb * n_kb);
-  std::vector<uint8_t> needs_near(B * n_kb, 0), needs_far(B * n_kb, 0);
-  std::vector<int64_t> task_cost(B * n_qb, 0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t qb = 0; qb < n_qb; ++qb)
-      for (int64_t kb = 0; kb < n_kb; ++kb) {
-        const TileClass tc =
-            rerope_classify_tile(q_ranges[b * n_qb + qb], k_ranges[b * n_kb + kb], a.window, a.causal);
-        tiles[(b * n_qb + qb) * n_kb + kb] = tc;
-        needs_near[b * n_kb + kb] |= tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
-        needs_far[b * n_kb + kb] |= tc.kind == TileKind::kFar || tc.kind == TileKind::kBand;
-        task_cost[b * n_qb + qb] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
-      }
-
-  // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
-  std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
-  if (!leaky) rotary_cos_sin_cpu(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
-  at::parallel_for(0, B * Lq, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t p = q_pos[row];
-      rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, &q_near_cs[2 * row * P],
-                         &q_near_cs[(2 * row + 1) * P]);
-      if (leaky)
-        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, &q_far_cs[2 * row * P],
-                           &q_far_cs[(2 * row + 1) * P]);
-      row_factor[row] = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
-    }
-  });
-
-  // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
-  const KeyRotations near_rot(needs_near, k_pos, Lk, n_kb, inv_freq, P,
-                              [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(B * n_kb, 0), k_pos, Lk, n_kb, inv_freq, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
-  const KeyPanels near_panels(B, Hkv, n_kb, D), far_panels(B, Hkv, n_kb, D);
-  const auto* k_data = a.k.data_ptr<scalar_t>();
-  at::parallel_for(0, B * Hkv * n_kb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(D), key_rows(kBlockK * D);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t kb = unit % n_kb, h = (unit / n_kb) % Hkv, b = unit / (n_kb * Hkv), block = b * n_kb + kb;
-      const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
-      // The block's keys, rotated for one side, transposed into that side's panel.
-      auto write_panel = [&](const KeyPanels& panels, const float* rot) {
-        load_key_rows(k_data + b * a.k.stride(0) + h * a.k.stride(1), a.k.stride(2), j0, cols, D, rot, P,
-                      a.interleaved, scratch.data(), key_rows.data());
-        float* panel = panels.panel(b, h, kb);
-        for (int64_t c = 0; c < cols; ++c)
-          for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key_rows[c * D + d];
-      };
-      if (needs_near[block]) write_panel(near_panels, near_rot.rows(block));
-      if (needs_far[block]) write_panel(far_panels, far_rot.rows(block));  // ReRoPE: no rotation, raw keys
-    }
-  });
-  const FloatRows v_rows(a.v);
-
-  // ---- attention tasks, heaviest first, handed out dynamically (causal rows differ in cost)
-  std::vector<int64_t> tasks;
-  tasks.reserve(B * Hq * n_qb);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t qb = 0; qb < n_qb; ++qb) tasks.push_back((b * Hq + h) * n_qb + qb);
-  auto cost_of = [&](int64_t task) { return task_cost[(task / (Hq * n_qb)) * n_qb + task % n_qb]; };
-  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) { return cost_of(x) > cost_of(y); });
-  std::atomic<int64_t> next_task{0};
-  const auto* q_data = a.q.data_ptr<scalar_t>();
-  auto* out_data = out.data_ptr<scalar_t>();
-  float* lse_data = lse.data_ptr<float>();
-  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
-
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
-    std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
-    for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
-      const int64_t task = tasks[t];
-      const int64_t qb = task % n_qb, h = (task / n_qb) % Hq, b = task / (n_qb * Hq), hkv = h / group;
-      const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, Lq - i0);
-      const int64_t* row_pos = q_pos + b * Lq + i0;
-
-      // The query block's operands for both sides, scaled by scale * log-n.
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = b * Lq + i0 + r;
-        load_row(q_data + b * sq0 + h * sq1 + (i0 + r) * sq2, D, q_row.data());
-        const float* near_cs = &q_near_cs[2 * row * P];
-        const float* far_cs = leaky ? &q_far_cs[2 * row * P] : q_far_cs.data();
-        rotate_row(q_row.data(), row_factor[row], near_cs, near_cs + P, P, D, a.interleaved, &q_near[r * D]);
-        rotate_row(q_row.data(), row_factor[row], far_cs, far_cs + P, P, D, a.interleaved, &q_far[r * D]);
-      }
-      std::fill(row_max.begin(), row_max.end(), kNegInf);
-      std::fill(row_sum.begin(), row_sum.end(), 0.0f);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-
-      for (int64_t kb = 0; kb < n_kb; ++kb) {
-        const TileClass tc = tiles[(b * n_qb + qb) * n_kb + kb];
-        if (tc.kind == TileKind::kSkip) continue;
-        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
-        const bool band = tc.kind == TileKind::kBand;
-        if (tc.kind != TileKind::kFar)
-          tile_scores(q_near.data(), rows, D, near_panels.panel(b, hkv, kb), cols, scores.data(), kBlockK);
-        if (tc.kind != TileKind::kNear)
-          tile_scores(q_far.data(), rows, D, far_panels.panel(b, hkv, kb), cols,
-                      band ? far_scores.data() : scores.data(), kBlockK);
-        if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
-                               a.window, a.causal, band, tc.needs_mask);
-        online_softmax_update(scores.data(), rows, cols, kBlockK, row_max.data(), row_sum.data(), acc.data(), D);
-        tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows.row(b, hkv, j0), v_rows.stride_l, D, acc.data());
-      }
-
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t out_row = (b * Hq + h) * Lq + i0 + r;
-        scalar_t* o = out_data + out_row * D;
-        if (row_sum[r] > 0.0f) {
-          const float inv = 1.0f / row_sum[r];
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
-          lse_data[out_row] = row_max[r] + std::log(row_sum[r]);
-        } else {  // no visible key
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(0.0f);
-          lse_data[out_row] = kNegInf;
-        }
-      }
-    }
-  });
-}
-
-// ---- decode plan
-
-template <typename scalar_t>
-void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
-  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
-  const int64_t rows = group * Lq;  // query rows sharing a kv head: row r is head (r / Lq) of the group, token r % Lq
-  const bool leaky = a.leaky_inv != 0.0;
-  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
-  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
-  const float* inv_freq = a.inv_freq.data_ptr<float>();
-  const int64_t n_kb = (Lk + kBlockK - 1) / kBlockK;
-
-  // ---- tile classification: the query rows of a batch row are one block
-  std::vector<TileClass> tiles(B * n_kb);
-  std::vector<uint8_t> near_blocks(B * n_kb, 0), leaky_far_blocks(B * n_kb, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    PositionRange queries;
-    for (int64_t i = 0; i < Lq; ++i) queries.add(q_pos[b * Lq + i]);
-    for (int64_t kb = 0; kb < n_kb; ++kb) {
-      PositionRange keys;
-      for (int64_t j = kb * kBlockK; j < std::min(Lk, (kb + 1) * kBlockK); ++j) keys.add(k_pos[b * Lk + j]);
-      const TileClass tc = rerope_classify_tile(queries, keys, a.window, a.causal);
-      tiles[b * n_kb + kb] = tc;
-      near_blocks[b * n_kb + kb] = tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
-      leaky_far_blocks[b * n_kb + kb] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
-    }
-  }
-  const KeyRotations near_rot(near_blocks, k_pos, Lk, n_kb, inv_freq, P,
-                              [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky_far_blocks, k_pos, Lk, n_kb, inv_freq, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
-
-  // ---- chunks of key blocks: about four work units per thread
-  const int64_t wanted = std::clamp<int64_t>((4 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv), 1, n_kb);
-  const int64_t chunk_blocks = (n_kb + wanted - 1) / wanted;
-  const int64_t chunks = (n_kb + chunk_blocks - 1) / chunk_blocks, units = B * Hkv * chunks;
-  std::vector<float> part_acc(units * rows * D), part_max(units * rows), part_sum(units * rows);
-
-  const auto* q_data = a.q.data_ptr<scalar_t>();
-  const auto* k_data = a.k.data_ptr<scalar_t>();
-  const auto* v_data = a.v.data_ptr<scalar_t>();
-  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
-  const int64_t sk0 = a.k.stride(0), sk1 = a.k.stride(1), sk2 = a.k.stride(2);
-  const int64_t sv0 = a.v.stride(0), sv1 = a.v.stride(1), sv2 = a.v.stride(2);
-
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(D), cs(2 * P), q_near(rows * D), q_far(rows * D);
-    std::vector<float> near_keys(kBlockK * D), far_keys(kBlockK * D);
-    std::vector<float> scores(rows * kBlockK), far_scores(rows * kBlockK);
-    std::vector<int64_t> row_pos(rows);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t chunk = unit % chunks, hkv = (unit / chunks) % Hkv, b = unit / (chunks * Hkv);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = hkv * group + r / Lq, i = r % Lq, p = q_pos[b * Lq + i];
-        row_pos[r] = p;
-        load_row(q_data + b * sq0 + h * sq1 + i * sq2, D, scratch.data());
-        const float factor = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
-        rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
-        rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_near[r * D]);
-        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, cs.data(),
-                           cs.data() + P);
-        rotate_row(scratch.data(), factor, cs.data(), cs.data() + P, P, D, a.interleaved, &q_far[r * D]);
-      }
-      float* acc = &part_acc[unit * rows * D];
-      float* row_max = &part_max[unit * rows];
-      float* row_sum = &part_sum[unit * rows];
-      std::fill(row_max, row_max + rows, kNegInf);
-      std::fill(row_sum, row_sum + rows, 0.0f);
-      std::fill(acc, acc + rows * D, 0.0f);
-      const scalar_t* k_head = k_data + b * sk0 + hkv * sk1;
-      const scalar_t* v_head = v_data + b * sv0 + hkv * sv1;
-
-      for (int64_t kb = chunk * chunk_blocks; kb < std::min(n_kb, (chunk + 1) * chunk_blocks); ++kb) {
-        const int64_t block = b * n_kb + kb;
-        const TileClass tc = tiles[block];
-        if (tc.kind == TileKind::kSkip) continue;
-        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
-        const bool band = tc.kind == TileKind::kBand;
-        if (tc.kind != TileKind::kFar) {
-          load_key_rows(k_head, sk2, j0, cols, D, near_rot.rows(block), P, a.interleaved, scratch.data(),
-                        near_keys.data());
-          row_scores(q_near.data(), rows, D, near_keys.data(), D, cols, scores.data(), kBlockK);
-        }
-        if (tc.kind != TileKind::kNear) {
-          float* far_dst = band ? far_scores.data() : scores.data();
-          if (!leaky) {  // ReRoPE's far keys are the stored keys: read in place
-            row_scores(q_far.data(), rows, D, k_head + j0 * sk2, sk2, cols, far_dst, kBlockK);
-          } else {
-            load_key_rows(k_head, sk2, j0, cols, D, far_rot.rows(block), P, a.interleaved, scratch.data(),
-                          far_keys.data());
-            row_scores(q_far.data(), rows, D, far_keys.data(), D, cols, far_dst, kBlockK);
-          }
-        }
-        if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(),
-                               k_pos + b * Lk + j0, a.window, a.causal, band, tc.needs_mask);
-        online_softmax_update(scores.data(), rows, cols, kBlockK, row_max, row_sum, acc, D);
-        row_accumulate(scores.data(), rows, cols, kBlockK, v_head + j0 * sv2, sv2, D, acc);
-      }
-    }
-  });
-
-  // ---- merge the chunks of every row by their lse
-  auto* out_data = out.data_ptr<scalar_t>();
-  float* lse_data = lse.data_ptr<float>();
-  at::parallel_for(0, B * Hkv * rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(D);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t r = index % rows, head_unit = index / rows;  // head_unit = b * Hkv + hkv
-      const int64_t b = head_unit / Hkv, h = (head_unit % Hkv) * group + r / Lq;
-      const int64_t out_row = (b * Hq + h) * Lq + r % Lq;
-      float global_max = kNegInf;
-      for (int64_t c = 0; c < chunks; ++c)
-        global_max = std::max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
-      scalar_t* o = out_data + out_row * D;
-      if (global_max == kNegInf) {  // no visible key
-        std::fill(o, o + D, static_cast<scalar_t>(0.0f));
-        lse_data[out_row] = kNegInf;
-        continue;
-      }
-      std::fill(merged.begin(), merged.end(), 0.0f);
-      float total = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t part = (head_unit * chunks + c) * rows + r;
-        if (part_max[part] == kNegInf) continue;
-        const float weight = std::exp(part_max[part] - global_max);
-        total += weight * part_sum[part];
-        const float* acc = &part_acc[part * D];
-        for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(merged[d] * inv);
-      lse_data[out_row] = global_max + std::log(total);
-    }
-  });
+const ReropeVariant& rerope_variant() {
+  static const ReropeVariant variant = pick_rerope_variant();
+  return variant;
 }
 
 }  // namespace
+
+std::string rerope_attention_cpu_isa() { return rerope_variant().isa; }
 
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, const at::Tensor& q_positions,
@@ -592,13 +67,7 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
   TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention: the CPU kernel got tensors on ", args.q.device());
   at::Tensor out, lse;
   if (empty_rerope_outputs(args, out, lse)) return {out, lse};
-  AT_DISPATCH_V2(args.q.scalar_type(), "rerope_attention_cpu", AT_WRAP([&] {
-                   if (args.q_len <= kDecodeRows)
-                     rerope_decode_cpu_kernel<scalar_t>(args, out, lse);
-                   else
-                     rerope_prefill_cpu_kernel<scalar_t>(args, out, lse);
-                 }),
-                 at::kFloat, at::kHalf, at::kBFloat16);
+  rerope_variant().kernel(args, out, lse);
   return {out, lse};
 }
 

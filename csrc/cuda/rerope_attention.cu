@@ -1,35 +1,67 @@
-// rerope_attention on CUDA: ATen glue around the kernels of ropescale/rerope_attention.cuh (checks,
-// device guard, current stream, workspaces, dtype and head-dim dispatch, checked launches).
+// rerope_attention on CUDA: ATen glue around the kernels of ropescale/rerope_attention.cuh (SIMT:
+// fp32, decode, other head dims) and ropescale/rerope_attention_tc.cuh (tensor cores: fp16/bf16
+// prefill, head dims 64/80/96/128): checks, device guard, current stream, workspaces, dtype and
+// head-dim dispatch, a check after every launch.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // (not ATen/cuda/CUDAContext.h: it needs the cuSPARSE/cuBLAS headers)
 
+#include <atomic>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "cuda_element.h"
 #include "ops.h"
 #include "rerope_attention.h"
 #include "ropescale/rerope_attention.cuh"
+#include "ropescale/rerope_attention_tc.cuh"
 
 namespace ropescale {
 namespace {
 
 using rerope_cuda::ReropeParams;
 
-
 // Up to this many query tokens, the decode plan (keys split over the grid, rotation of the window
-// tiles in shared memory) beats rotating every key of the cache first.
+// tiles in shared memory) beats rotating every key of the cache first. Decode stays on the SIMT
+// kernel at every dtype: it is bound by memory bandwidth (see rerope_attention.cuh).
 constexpr int64_t kDecodeMaxQueries = 16;
 
+// Multiprocessor count of a device, asked once per device.
+int multiprocessor_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) {
+    int value = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
+    return value;
+  }
+  int value = counts[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
+    counts[device].store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
+
+// The launchers' check after every launch: throws, so no kernel reads the output of a failed one.
+struct ThrowOnLaunchError {
+  void operator()(int status, const char* what) const {
+    TORCH_CHECK(status == 0, "rerope_attention: ", what, " failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(status)));
+  }
+};
+
 template <typename T, int kMaxDim>
-void launch(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
+void launch_simt(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
   const auto f32 = a.q.options().dtype(at::kFloat);
   if (a.q_len <= kDecodeMaxQueries) {
-    int multiprocessors = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, a.q.get_device()));
-    const int splits = rerope_cuda::rerope_decode_splits<kMaxDim>(p, multiprocessors);
+    TORCH_CHECK(rerope_cuda::rerope_decode_grid_y<kMaxDim>(p) <= 65535,
+                "rerope_attention: too many query rows per k/v head for one decode launch (", a.q_len, " x ",
+                a.q_heads / a.kv_heads, " heads)");
+    const int splits = rerope_cuda::rerope_decode_splits<kMaxDim>(p, multiprocessor_count(a.q.get_device()));
     at::Tensor partial_out, partial_lse;
     if (splits > 1) {
       const int64_t rows = a.batch * a.q_heads * a.q_len;
@@ -38,21 +70,69 @@ void launch(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
       p.partial_out = partial_out.data_ptr<float>();
       p.partial_lse = partial_lse.data_ptr<float>();
     }
-    rerope_cuda::launch_rerope_decode<T, kMaxDim>(p, splits, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rerope_cuda::launch_rerope_decode<T, kMaxDim>(p, splits, stream, ThrowOnLaunchError{});
   } else {
-    const int64_t query_blocks = (a.q_len + rerope_cuda::TileShape<kMaxDim>::kRows - 1) /
-                                 rerope_cuda::TileShape<kMaxDim>::kRows;
-    TORCH_CHECK(query_blocks * (a.q_heads / a.kv_heads) <= 65535,
+    TORCH_CHECK(rerope_cuda::rerope_prefill_grid_y<kMaxDim>(p) <= 65535,
                 "rerope_attention: too many queries per k/v head for one launch (", a.q_len, " x ",
                 a.q_heads / a.kv_heads, " heads); split the queries into chunks");
     at::Tensor k_near = at::empty({a.batch, a.kv_heads, a.k_len, a.head_dim}, f32);
     at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
     p.k_near = k_near.data_ptr<float>();
     p.k_far = k_far.defined() ? k_far.data_ptr<float>() : nullptr;
-    rerope_cuda::launch_rerope_prefill<T, kMaxDim>(p, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rerope_cuda::launch_rerope_prefill<T, kMaxDim>(p, stream, ThrowOnLaunchError{});
   }
+}
+
+// cp.async moves 16-byte rows: base and every stride (in 2-byte elements) must be 16-byte aligned.
+bool rows_16_byte_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+         t.stride(2) % 8 == 0;
+}
+at::Tensor aligned_rows(const at::Tensor& t) {
+  return rows_16_byte_aligned(t) ? t : at::empty(t.sizes(), t.options()).copy_(t);
+}
+
+// fp16 / bf16 prefill on tensor cores (rerope_attention_tc.cuh): keys rotated to T, key-tile bounds,
+// then the FlashAttention-2-style kernel.
+template <typename T, int kHeadDim>
+void launch_tensor_core(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
+  TORCH_CHECK(a.q_heads <= 65535 && a.batch <= 65535, "rerope_attention: batch and q heads must be <= 65535, got ",
+              a.batch, " and ", a.q_heads);
+  const at::Tensor k = aligned_rows(a.k), v = aligned_rows(a.v);
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.k_stride_b = k.stride(0), p.k_stride_h = k.stride(1), p.k_stride_l = k.stride(2);
+  p.v_stride_b = v.stride(0), p.v_stride_h = v.stride(1), p.v_stride_l = v.stride(2);
+  at::Tensor k_near = at::empty({a.batch, a.kv_heads, a.k_len, a.head_dim}, a.q.options());
+  at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
+  p.k_near = k_near.data_ptr();
+  p.k_far = k_far.defined() ? k_far.data_ptr() : nullptr;
+  const int64_t tiles = a.batch * rerope_cuda::rerope_tc_key_tiles(static_cast<int>(a.k_len));
+  at::Tensor tile_bounds =
+      at::empty({tiles * static_cast<int64_t>(sizeof(rerope_cuda::KeyTile))}, a.q.options().dtype(at::kByte));
+  rerope_cuda::launch_rerope_prefill_tc<T, kHeadDim>(
+      p, reinterpret_cast<rerope_cuda::KeyTile*>(tile_bounds.data_ptr()), stream, ThrowOnLaunchError{});
+}
+
+template <typename T>
+void launch(const ReropeArgs& a, const ReropeParams& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+    if (a.q_len > kDecodeMaxQueries && rerope_cuda::rerope_tc_head_dim(static_cast<int>(a.head_dim))) {
+      switch (a.head_dim) {
+        case 64: return launch_tensor_core<T, 64>(a, p, stream);
+        case 80: return launch_tensor_core<T, 80>(a, p, stream);
+        case 96: return launch_tensor_core<T, 96>(a, p, stream);
+        default: return launch_tensor_core<T, 128>(a, p, stream);
+      }
+    }
+  }
+  // fp32, decode, and the head dims the tensor-core kernel does not take (256 among them).
+  if (a.head_dim <= 64)
+    launch_simt<T, 64>(a, p, stream);
+  else if (a.head_dim <= 128)
+    launch_simt<T, 128>(a, p, stream);
+  else
+    launch_simt<T, 256>(a, p, stream);
 }
 
 }  // namespace
@@ -68,8 +148,11 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out, lse;
   if (empty_rerope_outputs(a, out, lse)) return {out, lse};
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  TORCH_CHECK(a.q_len <= kIntMax && a.k_len <= kIntMax && a.batch * a.kv_heads <= 65535,
+  // int index sums (a key split's end, a tile's first key) stay below INT_MAX.
+  constexpr int64_t kMaxLength = std::numeric_limits<int>::max() - 4096;
+  TORCH_CHECK(a.q_len <= kMaxLength && a.k_len <= kMaxLength, "rerope_attention: sequence lengths must be <= ",
+              kMaxLength, " on CUDA, got ", a.q_len, " queries and ", a.k_len, " keys");
+  TORCH_CHECK(a.batch * a.kv_heads <= 65535,
               "rerope_attention: sizes too large for one launch (batch x k/v heads must be <= 65535)");
 
   ReropeParams p;
@@ -96,14 +179,7 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
   AT_DISPATCH_SWITCH(a.q.scalar_type(), "rerope_attention_cuda",
                      AT_DISPATCH_CASE_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, [&] {
                        using T = typename CudaElement<scalar_t>::type;
-                       if constexpr (!std::is_same_v<T, double>) {
-                         if (a.head_dim <= 64)
-                           launch<T, 64>(a, p, stream);
-                         else if (a.head_dim <= 128)
-                           launch<T, 128>(a, p, stream);
-                         else
-                           launch<T, 256>(a, p, stream);
-                       }
+                       if constexpr (!std::is_same_v<T, double>) launch<T>(a, p, stream);
                      }));
   return {out, lse};
 }

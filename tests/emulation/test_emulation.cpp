@@ -3,6 +3,7 @@
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include "emu_matrix_kernels.cuh"
 #include "emu_test_kernels.cuh"
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -315,4 +318,277 @@ TEST_CASE("host fallbacks of device math intrinsics", "[math]") {
   CHECK(__ffs(8) == 4);
   const float value = 7.0f;
   CHECK(__ldg(&value) == 7.0f);
+}
+
+// ---- tensor-core and asynchronous-copy primitives ----------------------------------------------
+// Every value is a small integer, so f16/bf16 hold it exactly and every f32 sum of products is
+// exact in any order: the kernels must reproduce the plain product below bit for bit.
+
+namespace {
+
+template <typename T>
+T to_element(float x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half(x);
+  else
+    return __float2bfloat16(x);
+}
+
+// The reference: d = a b + c, row-major, written as the plain triple loop (independent of any
+// fragment layout).
+std::vector<float> plain_product(const std::vector<float>& a, const std::vector<float>& b,
+                                 const std::vector<float>& c, int m, int k, int n) {
+  std::vector<float> d(static_cast<std::size_t>(m) * n);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double sum = c.empty() ? 0.0 : c[i * n + j];
+      for (int p = 0; p < k; ++p) sum += static_cast<double>(a[i * k + p]) * b[p * n + j];
+      d[i * n + j] = static_cast<float>(sum);
+    }
+  return d;
+}
+
+std::vector<float> small_integers(std::size_t n, unsigned seed, int range) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> dist(-range, range);
+  std::vector<float> v(n);
+  for (float& x : v) x = static_cast<float>(dist(gen));
+  return v;
+}
+
+template <typename T>
+std::vector<float> run_mma_from_global(const std::vector<float>& a, const std::vector<float>& b,
+                                       const std::vector<float>& c, int mapping) {
+  std::vector<T> at(a.size()), bt(b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) at[i] = to_element<T>(a[i]);
+  for (std::size_t i = 0; i < b.size(); ++i) bt[i] = to_element<T>(b[i]);
+  std::vector<float> d(16 * 8, -12345.0f);
+  ROPESCALE_LAUNCH_KERNEL(emu_test::mma_from_global_kernel<T>, dim3(1), dim3(32), 0,
+                          kDefaultStream, at.data(), bt.data(), c.data(), d.data(), mapping);
+  return d;
+}
+
+template <typename T>
+void check_mma_layout() {
+  for (unsigned seed = 1; seed <= 3; ++seed) {
+    const auto a = small_integers(16 * 16, seed, 8), b = small_integers(16 * 8, seed + 10, 8),
+               c = small_integers(16 * 8, seed + 20, 100);
+    const auto expected = plain_product(a, b, c, 16, 16, 8);
+    INFO("seed " << seed);
+    CHECK(run_mma_from_global<T>(a, b, c, emu_test::kDocumented) == expected);
+    // A wrong lane mapping on the loading side gives a different matrix: the comparison sees it.
+    CHECK(run_mma_from_global<T>(a, b, c, emu_test::kRowHalvesSwapped) != expected);
+    CHECK(run_mma_from_global<T>(a, b, c, emu_test::kGroupThreadSwapped) != expected);
+    CHECK(run_mma_from_global<T>(a, b, c, emu_test::kBHalvesSwapped) != expected);
+  }
+  // One-hot operands pin every element to its place: A = e_(i,k), B = e_(k,j) give D = e_(i,j).
+  for (int i = 0; i < 16; i += 5)
+    for (int k = 0; k < 16; k += 3)
+      for (int j = 0; j < 8; j += 3) {
+        std::vector<float> a(256, 0.0f), b(128, 0.0f), c(128, 0.0f);
+        a[i * 16 + k] = 1.0f;
+        b[k * 8 + j] = 2.0f;
+        std::vector<float> expected(128, 0.0f);
+        expected[i * 8 + j] = 2.0f;
+        INFO("i " << i << " k " << k << " j " << j);
+        CHECK(run_mma_from_global<T>(a, b, c, emu_test::kDocumented) == expected);
+      }
+}
+
+}  // namespace
+
+TEST_CASE("mma.m16n8k16 follows the PTX fragment layout (f16, bf16)", "[mma]") {
+  SECTION("f16") { check_mma_layout<__half>(); }
+  SECTION("bf16") { check_mma_layout<__nv_bfloat16>(); }
+  SECTION("f16 products are exact, the sum is f32") {
+    // f16 holds 2047 and 2045 (11 significant bits); their product needs 22 bits, and + 0.5 one
+    // more: exact in f32 (24 bits), far from any f16.
+    std::vector<float> a(256, 0.0f), b(128, 0.0f), c(128, 0.0f);
+    a[0] = 2047.0f, b[0] = 2045.0f;
+    c[0] = 0.5f;
+    const auto d = run_mma_from_global<__half>(a, b, c, emu_test::kDocumented);
+    CHECK(d[0] == 2047.0f * 2045.0f + 0.5f);
+  }
+}
+
+namespace {
+
+// The documented ldmatrix result, written from the PTX ISA's description: lane l gets in register
+// m the cells (row l/4, columns 2(l%4), 2(l%4)+1) of matrix m, or transposed (rows 2(l%4),
+// 2(l%4)+1, column l/4); the lower column (row) in the lower 16 bits.
+std::vector<uint32_t> documented_ldmatrix(const std::vector<uint16_t>& mats, int num, bool trans) {
+  std::vector<uint32_t> out(32 * num);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int m = 0; m < num; ++m) {
+      const auto cell = [&](int row, int col) { return uint32_t{mats[m * 64 + row * 8 + col]}; };
+      const int r = lane / 4, c = 2 * (lane % 4);
+      out[lane * num + m] = trans ? cell(c, r) | cell(c + 1, r) << 16 : cell(r, c) | cell(r, c + 1) << 16;
+    }
+  return out;
+}
+
+template <int kNum, bool kTrans>
+void check_ldmatrix() {
+  std::vector<uint16_t> mats(kNum * 64);
+  for (std::size_t i = 0; i < mats.size(); ++i) mats[i] = static_cast<uint16_t>(0x1000 + i * 7);
+  const std::size_t smem = kNum * 8 * emu_test::kLdmatrixStride * sizeof(uint16_t);
+  std::vector<uint32_t> out(32 * kNum, 0);
+  ROPESCALE_LAUNCH_KERNEL((emu_test::ldmatrix_kernel<kNum, kTrans>), dim3(1), dim3(32), smem,
+                          kDefaultStream, mats.data(), out.data(), 0);
+  const auto expected = documented_ldmatrix(mats, kNum, kTrans);
+  CHECK(out == expected);
+  // The row addresses are per lane: handing rows to the wrong lanes changes the result.
+  ROPESCALE_LAUNCH_KERNEL((emu_test::ldmatrix_kernel<kNum, kTrans>), dim3(1), dim3(32), smem,
+                          kDefaultStream, mats.data(), out.data(), 1);
+  CHECK(out != expected);
+  // And the documented layout is not symmetric in .trans.
+  CHECK(documented_ldmatrix(mats, kNum, !kTrans) != expected);
+}
+
+}  // namespace
+
+TEST_CASE("ldmatrix x1/x2/x4 and .trans follow the PTX layout", "[ldmatrix]") {
+  SECTION("x1") { check_ldmatrix<1, false>(); }
+  SECTION("x2") { check_ldmatrix<2, false>(); }
+  SECTION("x4") { check_ldmatrix<4, false>(); }
+  SECTION("x1.trans") { check_ldmatrix<1, true>(); }
+  SECTION("x2.trans") { check_ldmatrix<2, true>(); }
+  SECTION("x4.trans") { check_ldmatrix<4, true>(); }
+}
+
+namespace {
+template <typename T>
+void check_ldmatrix_mma() {
+  const auto a = small_integers(256, 5, 6), b = small_integers(128, 6, 6);
+  std::vector<T> at(256), bt(128);
+  for (int i = 0; i < 256; ++i) at[i] = to_element<T>(a[i]);
+  for (int i = 0; i < 128; ++i) bt[i] = to_element<T>(b[i]);
+  std::vector<float> d_trans(128, -1.0f), d_x1(128, -1.0f);
+  const std::size_t smem = (16 * 24 + 16 * 16 + 8 * 24) * sizeof(T);
+  ROPESCALE_LAUNCH_KERNEL(emu_test::ldmatrix_mma_kernel<T>, dim3(1), dim3(32), smem, kDefaultStream,
+                          at.data(), bt.data(), d_trans.data(), d_x1.data());
+  const auto expected = plain_product(a, b, {}, 16, 16, 8);
+  CHECK(d_trans == expected);
+  CHECK(d_x1 == expected);
+}
+}  // namespace
+
+TEST_CASE("ldmatrix feeding mma gives the plain product", "[ldmatrix][mma]") {
+  SECTION("f16") { check_ldmatrix_mma<__half>(); }
+  SECTION("bf16") { check_ldmatrix_mma<__nv_bfloat16>(); }
+}
+
+TEST_CASE("cp.async groups: zero fill, wait_group, and in-flight data is poisoned", "[cp_async]") {
+  std::vector<float4> src(128);
+  for (int i = 0; i < 128; ++i) src[i] = float4{i + 0.25f, i + 0.5f, -1.0f * i, 7.0f};
+  std::vector<float4> own(64), pending(64), other(64);
+  const emu_test::CpAsyncOutputs out{own.data(), pending.data(), other.data()};
+  ROPESCALE_LAUNCH_KERNEL(emu_test::cp_async_kernel, dim3(1), dim3(64), 128 * sizeof(float4),
+                          kDefaultStream, src.data(), out);
+  const auto same = [](float4 x, float4 y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  const auto expected_chunk = [&](int chunk) {  // after the copy, with its zero fill
+    if (chunk < 64) return src[chunk];
+    const int t = chunk - 64;
+    float4 v = src[chunk];
+    if (t % 3 == 2) v = float4{0.0f, 0.0f, 0.0f, 0.0f};                  // 0 source bytes
+    if (t % 3 == 1) v.z = 0.0f, v.w = 0.0f;                              // 8 source bytes
+    return v;
+  };
+  for (int t = 0; t < 64; ++t) {
+    INFO("thread " << t);
+    CHECK(same(own[t], src[t]));
+    CHECK(same(other[t], expected_chunk(127 - t)));
+    // Still in flight after wait_group 1: the emulation hands out 0xFF bytes (NaN).
+    uint32_t bits[4];
+    std::memcpy(bits, &pending[t], sizeof bits);
+    CHECK((bits[0] == 0xffffffffu && bits[3] == 0xffffffffu));
+  }
+}
+
+TEST_CASE("misused matrix instructions are reported", "[mma][ldmatrix][cp_async][errors]") {
+  std::vector<__half> halves(64, __float2half(1.0f));
+  std::vector<float> floats(256, 0.0f);
+  const std::size_t smem = 1024;
+  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
+                                            kDefaultStream, halves.data(), floats.data(), 0),
+                    Catch::Contains("all 32 lanes"));
+  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
+                                            kDefaultStream, halves.data(), floats.data(), 1),
+                    Catch::Contains("shared memory"));
+  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
+                                            kDefaultStream, halves.data(), floats.data(), 2),
+                    Catch::Contains("aligned"));
+  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
+                                            kDefaultStream, halves.data(), floats.data(), 3),
+                    Catch::Contains("not in shared memory"));
+  // mma in a partial warp (48 threads: the second warp has 16 lanes).
+  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(48), smem,
+                                            kDefaultStream, halves.data(), floats.data(), 0),
+                    Catch::Contains("all 32 lanes"));
+}
+
+// ---- launch rules that make the emulation stricter than a lucky GPU run ---------------------------
+
+TEST_CASE("static __shared__ memory is poisoned before every block", "[shared][poison]") {
+  if (!ROPESCALE_EMU_POISONS_STATIC_SHARED) {
+    WARN("no ELF section for static __shared__ on this platform: not poisoned");
+    return;
+  }
+  constexpr int kCells = emu_test::kCells;
+  std::vector<int> out(3 * kCells, 0);
+  ROPESCALE_LAUNCH_KERNEL(emu_test::static_shared_first_read_kernel, dim3(3), dim3(kCells), 0,
+                          kDefaultStream, out.data());
+  CHECK(out == std::vector<int>(3 * kCells, -1));  // 0xFF bytes; never the previous block's 1000 + b
+}
+
+TEST_CASE("blocks run in order, reversed or shuffled", "[launch][order]") {
+  const dim3 grid(4, 3, 2);
+  const unsigned n = 24;
+  const auto run = [&] {
+    unsigned counter = 0;
+    std::vector<unsigned> tickets(n, 0xffffffffu);
+    ROPESCALE_LAUNCH_KERNEL(emu_test::block_ticket_kernel, grid, dim3(32), 0, kDefaultStream, &counter,
+                            tickets.data());
+    return tickets;
+  };
+  std::vector<unsigned> in_order(n);
+  std::iota(in_order.begin(), in_order.end(), 0u);
+  {
+    const ropescale_emu::ScopedBlockOrder order(ropescale_emu::BlockOrder::kInOrder);
+    CHECK(run() == in_order);
+  }
+  {
+    const ropescale_emu::ScopedBlockOrder order(ropescale_emu::BlockOrder::kReversed);
+    std::vector<unsigned> reversed(in_order.rbegin(), in_order.rend());
+    CHECK(run() == reversed);
+  }
+  {
+    const ropescale_emu::ScopedBlockOrder order(ropescale_emu::BlockOrder::kShuffled, 7);
+    const auto first = run(), second = run();
+    CHECK(std::set<unsigned>(first.begin(), first.end()) == std::set<unsigned>(in_order.begin(), in_order.end()));
+    CHECK(first != in_order);
+    CHECK(first != second);  // every launch draws its own order
+  }
+}
+
+TEST_CASE("shared memory limits: 48 KiB without the opt-in, the target's cap with it", "[shared][limits]") {
+  std::vector<unsigned char> out(1, 0);
+  const auto launch = [&](int bytes) {
+    ROPESCALE_LAUNCH_KERNEL(emu_test::dynamic_smem_kernel, dim3(1), dim3(64), static_cast<std::size_t>(bytes),
+                            kDefaultStream, out.data(), bytes);
+  };
+  CHECK_NOTHROW(launch(32 * 1024));
+  CHECK_THROWS_WITH(launch(48 * 1024 + 16), Catch::Contains("without the kernel's opt-in"));
+  CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 100 * 1024) == 0);
+  CHECK_NOTHROW(launch(100 * 1024));
+  CHECK(out[0] == 1);
+  CHECK_THROWS_WITH(launch(100 * 1024 + 16), Catch::Contains("opt-in of"));
+  // sm_80 (the default target) caps a block at 163 KiB; sm_90 at 227 KiB.
+  CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 200 * 1024) != 0);
+  {
+    const ropescale_emu::ScopedTarget hopper(ropescale_emu::Target::kSm90);
+    CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 200 * 1024) == 0);
+    CHECK_NOTHROW(launch(200 * 1024));
+  }
+  CHECK_THROWS_WITH(launch(200 * 1024), Catch::Contains("above the target's"));
 }

@@ -1,5 +1,6 @@
-// The CUDA kernels of rerope_attention (csrc/include/ropescale/rerope_attention.cuh), run on the CPU
-// SIMT emulation against a double-precision reference written from the definition:
+// The CUDA kernels of rerope_attention (csrc/include/ropescale/rerope_attention.cuh, and the
+// tensor-core prefill of rerope_attention_tc.cuh), run on the CPU SIMT emulation against a
+// double-precision reference written from the definition:
 //   score(i, j) = scale * <rot(q_i * logn(p_i), r(p_i - p_j)), k_j>,
 //   r(d) = d for d < w, else w (ReRoPE) or w + (d - w)/k (Leaky ReRoPE),
 // masked where p_j > p_i (causal) or either position is negative (padding).
@@ -7,10 +8,13 @@
 #include <catch2/catch.hpp>
 
 #include "ropescale/rerope_attention.cuh"
+#include "ropescale/rerope_attention_tc.cuh"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
@@ -131,6 +135,156 @@ T from_float_host(float x) {
 
 enum class Plan { kPrefill, kDecode };
 
+ReropeParams make_params(const Case& c, const Problem& pr) {
+  ReropeParams p;
+  p.q_stride_l = c.dim, p.q_stride_h = static_cast<int64_t>(c.q_len) * c.dim, p.q_stride_b = p.q_stride_h * c.q_heads;
+  p.k_stride_l = c.dim, p.k_stride_h = static_cast<int64_t>(c.k_len) * c.dim, p.k_stride_b = p.k_stride_h * c.kv_heads;
+  p.v_stride_l = p.k_stride_l, p.v_stride_h = p.k_stride_h, p.v_stride_b = p.k_stride_b;
+  p.q_positions = pr.q_pos.data();
+  p.k_positions = pr.k_pos.data();
+  p.inv_freq = pr.inv_freq.data();
+  p.batch = c.batch, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = c.q_len, p.k_len = c.k_len;
+  p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
+  p.window = c.window, p.logn_length = c.logn_length;
+  p.leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  p.inv_log_train = c.logn_length > 0 ? 1.0 / std::log(static_cast<double>(c.logn_length)) : 0.0;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
+  p.causal = c.causal, p.interleaved = c.interleaved;
+  return p;
+}
+
+// ---- the tensor-core prefill (fp16 / bf16) ------------------------------------------------------
+//
+// Its tolerance is relative to what the ordinary low-precision computation loses: the same ReRoPE
+// attention done "the SDPA way" in T, as a user would with two FlashAttention / SDPA calls on
+// operands rotated in float64 and rounded to T: scores accumulated in f32 from the rounded q and k,
+// softmax in f32, probabilities rounded to T before P.V (f32 accumulation), the output rounded to T.
+// The kernel may be at most twice as far from the float64 reference as that computation is, on the
+// same inputs (FlashAttention's own test criterion).
+
+template <typename T>
+float round_to(double x) {
+  return to_float_host(from_float_host<T>(static_cast<float>(x)));
+}
+
+// Rotation of `src` (dims [0, D)) at `position` in float64 (pairs per the case), rounded to T.
+template <typename T>
+void rotate_rounded(const Case& c, const std::vector<float>& inv_freq, const float* src, double position, double factor,
+                    float* dst) {
+  const int pairs = c.rotary_dim / 2;
+  for (int d = 0; d < c.dim; ++d) dst[d] = round_to<T>(src[d] * factor);
+  for (int e = 0; e < pairs; ++e) {
+    const int a = c.interleaved ? 2 * e : e, b = c.interleaved ? 2 * e + 1 : e + pairs;
+    const double angle = position * static_cast<double>(inv_freq[e]);
+    const double x1 = src[a] * factor, x2 = src[b] * factor;
+    dst[a] = round_to<T>(x1 * std::cos(angle) - x2 * std::sin(angle));
+    dst[b] = round_to<T>(x2 * std::cos(angle) + x1 * std::sin(angle));
+  }
+}
+
+template <typename T>
+void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& lse) {
+  const Case& c = pr.c;
+  const int group = c.q_heads / c.kv_heads, D = c.dim;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const double leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  // Keys rotated once per side, rounded to T.
+  std::vector<float> k_near(pr.k.size()), k_far(pr.k.size());
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.kv_heads; ++h)
+      for (int j = 0; j < c.k_len; ++j) {
+        const size_t at = ((static_cast<size_t>(b) * c.kv_heads + h) * c.k_len + j) * D;
+        const int64_t pj = pr.k_pos[static_cast<size_t>(b) * c.k_len + j];
+        rotate_rounded<T>(c, pr.inv_freq, &pr.k[at], static_cast<double>(pj), 1.0, &k_near[at]);
+        rotate_rounded<T>(c, pr.inv_freq, &pr.k[at], static_cast<double>(pj) * leaky_inv, 1.0, &k_far[at]);
+      }
+  out.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len * D, 0.0f);
+  lse.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len, -INFINITY);
+  std::vector<float> q_near(D), q_far(D), scores(c.k_len);
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.q_heads; ++h)
+      for (int i = 0; i < c.q_len; ++i) {
+        const size_t row = (static_cast<size_t>(b) * c.q_heads + h) * c.q_len + i;
+        const int64_t pi = pr.q_pos[static_cast<size_t>(b) * c.q_len + i];
+        double factor = 1.0;
+        if (c.logn_length > 0 && pi + 1 > c.logn_length)
+          factor = std::log(static_cast<double>(pi + 1)) / std::log(static_cast<double>(c.logn_length));
+        rotate_rounded<T>(c, pr.inv_freq, &pr.q[row * D], static_cast<double>(pi), factor, q_near.data());
+        rotate_rounded<T>(c, pr.inv_freq, &pr.q[row * D], c.window + static_cast<double>(pi - c.window) * leaky_inv,
+                          factor, q_far.data());
+        float row_max = -INFINITY;
+        for (int j = 0; j < c.k_len; ++j) {
+          const int64_t pj = pr.k_pos[static_cast<size_t>(b) * c.k_len + j];
+          if (!(pi >= 0 && pj >= 0 && (!c.causal || pj <= pi))) {
+            scores[j] = -INFINITY;
+            continue;
+          }
+          const bool near = pi - pj < c.window;
+          const float* qq = near ? q_near.data() : q_far.data();
+          const float* kk = &(near ? k_near : k_far)[((static_cast<size_t>(b) * c.kv_heads + h / group) * c.k_len + j) * D];
+          float dot = 0.0f;
+          for (int d = 0; d < D; ++d) dot = std::fma(qq[d], kk[d], dot);
+          scores[j] = dot * scale;
+          row_max = std::max(row_max, scores[j]);
+        }
+        if (row_max == -INFINITY) continue;
+        float sum = 0.0f;
+        std::vector<float> acc(D, 0.0f);
+        for (int j = 0; j < c.k_len; ++j) {
+          if (scores[j] == -INFINITY) continue;
+          const float prob = std::exp(scores[j] - row_max);
+          sum += prob;
+          const float rounded = round_to<T>(prob);
+          const float* vv = &pr.v[((static_cast<size_t>(b) * c.kv_heads + h / group) * c.k_len + j) * D];
+          for (int d = 0; d < D; ++d) acc[d] = std::fma(rounded, vv[d], acc[d]);
+        }
+        for (int d = 0; d < D; ++d) out[row * D + d] = round_to<T>(acc[d] / sum);
+        lse[row] = row_max + std::log(sum);
+      }
+}
+
+// Checks the kernel's (out, lse) against the float64 reference: rows with no visible key exactly
+// zeros and -inf; otherwise the largest error at most twice that of the SDPA way in T.
+template <typename T>
+void check_within_sdpa_error(const Problem& pr, const std::vector<double>& ref_out, const std::vector<double>& ref_lse,
+                             const std::vector<T>& out, const std::vector<float>& lse, const char* kernel) {
+  const Case& c = pr.c;
+  std::vector<float> low_out, low_lse;
+  sdpa_way<T>(pr, low_out, low_lse);
+  const size_t rows = lse.size();
+  // Largest errors against float64: the low-precision SDPA way, and the kernel.
+  double low_out_err = 0, low_lse_err = 0, out_err = 0, lse_err = 0;
+  size_t worst_out = 0, worst_lse = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    INFO(c.name() << " " << kernel << " row " << r << " lse " << lse[r] << " ref " << ref_lse[r]);
+    if (std::isinf(ref_lse[r])) {  // nothing visible: exactly zeros and -inf
+      REQUIRE((std::isinf(lse[r]) && lse[r] < 0));
+      for (int d = 0; d < c.dim; ++d) REQUIRE(to_float_host(out[r * c.dim + d]) == 0.0f);
+      continue;
+    }
+    REQUIRE(std::isfinite(lse[r]));
+    low_lse_err = std::max(low_lse_err, std::abs(low_lse[r] - ref_lse[r]));
+    if (std::abs(lse[r] - ref_lse[r]) > lse_err) lse_err = std::abs(lse[r] - ref_lse[r]), worst_lse = r;
+    for (int d = 0; d < c.dim; ++d) {
+      const size_t i = r * c.dim + d;
+      REQUIRE(std::isfinite(to_float_host(out[i])));
+      low_out_err = std::max(low_out_err, std::abs(low_out[i] - ref_out[i]));
+      if (std::abs(to_float_host(out[i]) - ref_out[i]) > out_err)
+        out_err = std::abs(to_float_host(out[i]) - ref_out[i]), worst_out = i;
+    }
+  }
+  INFO(c.name() << (std::is_same_v<T, __half> ? " fp16" : " bf16") << ": kernel error out " << out_err << " (at "
+                << worst_out << ", got " << to_float_host(out[worst_out]) << " want " << ref_out[worst_out]
+                << "), lse " << lse_err << " (row " << worst_lse << "); SDPA-way error out " << low_out_err << ", lse "
+                << low_lse_err);
+  if (std::getenv("ROPESCALE_EMU_PRINT"))  // the margins, for whoever tunes the grid
+    std::printf("%s %s %s: out error %.3g (SDPA way %.3g), lse error %.3g (SDPA way %.3g)\n", kernel,
+                c.name().c_str(), std::is_same_v<T, __half> ? "fp16" : "bf16", out_err, low_out_err, lse_err,
+                low_lse_err);
+  CHECK(out_err <= 2 * low_out_err + 1e-6);
+  CHECK(lse_err <= 2 * low_lse_err + 1e-6);
+}
+
 template <typename T>
 void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   const Case& c = pr.c;
@@ -149,29 +303,16 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   std::vector<float> k_far(k_near.size(), NAN);
   std::vector<float> partial_out(static_cast<size_t>(splits) * rows * c.dim, NAN), partial_lse(splits * rows, NAN);
 
-  ReropeParams p;
+  ReropeParams p = make_params(c, pr);
   p.q = q.data();
   p.k = k.data();
   p.v = v.data();
-  p.q_stride_l = c.dim, p.q_stride_h = static_cast<int64_t>(c.q_len) * c.dim, p.q_stride_b = p.q_stride_h * c.q_heads;
-  p.k_stride_l = c.dim, p.k_stride_h = static_cast<int64_t>(c.k_len) * c.dim, p.k_stride_b = p.k_stride_h * c.kv_heads;
-  p.v_stride_l = p.k_stride_l, p.v_stride_h = p.k_stride_h, p.v_stride_b = p.k_stride_b;
-  p.q_positions = pr.q_pos.data();
-  p.k_positions = pr.k_pos.data();
-  p.inv_freq = pr.inv_freq.data();
   p.k_near = k_near.data();
   p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
   p.out = out.data();
   p.lse = lse.data();
   p.partial_out = partial_out.data();
   p.partial_lse = partial_lse.data();
-  p.batch = c.batch, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = c.q_len, p.k_len = c.k_len;
-  p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
-  p.window = c.window, p.logn_length = c.logn_length;
-  p.leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
-  p.inv_log_train = c.logn_length > 0 ? 1.0 / std::log(static_cast<double>(c.logn_length)) : 0.0;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
-  p.causal = c.causal, p.interleaved = c.interleaved;
 
   const auto launch = [&]<int kMaxDim>() {
     if (plan == Plan::kPrefill)
@@ -187,6 +328,11 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
     launch.template operator()<256>();
 
   INFO(c.name() << (plan == Plan::kPrefill ? " prefill" : " decode") << " splits " << splits);
+  if constexpr (!std::is_same_v<T, float>) {  // fp16/bf16: rounded like SDPA, judged against its error
+    check_within_sdpa_error<T>(pr, ref_out, ref_lse, out, lse, plan == Plan::kPrefill ? "SIMT prefill" : "decode");
+    (void)atol;
+    return;
+  }
   for (size_t r = 0; r < rows; ++r) {
     INFO("row " << r << " lse " << lse[r] << " ref " << ref_lse[r]);
     if (std::isinf(ref_lse[r])) {
@@ -200,6 +346,46 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
       REQUIRE(std::abs(got - want) <= atol + atol * std::abs(want));
     }
   }
+}
+
+template <typename T>
+void launch_tc(const ReropeParams& p, ropescale::rerope_cuda::KeyTile* tiles) {
+  using namespace ropescale::rerope_cuda;
+  switch (p.head_dim) {
+    case 64: launch_rerope_prefill_tc<T, 64>(p, tiles, nullptr, IgnoreLaunchStatus{}); break;
+    case 80: launch_rerope_prefill_tc<T, 80>(p, tiles, nullptr, IgnoreLaunchStatus{}); break;
+    case 96: launch_rerope_prefill_tc<T, 96>(p, tiles, nullptr, IgnoreLaunchStatus{}); break;
+    case 128: launch_rerope_prefill_tc<T, 128>(p, tiles, nullptr, IgnoreLaunchStatus{}); break;
+    default: FAIL("no tensor-core kernel for head dim " << p.head_dim);
+  }
+}
+
+template <typename T>
+void run_tensor_core(Problem pr) {
+  const Case& c = pr.c;
+  std::vector<T> q(pr.q.size()), k(pr.k.size()), v(pr.v.size());
+  for (size_t i = 0; i < q.size(); ++i) pr.q[i] = to_float_host(q[i] = from_float_host<T>(pr.q[i]));
+  for (size_t i = 0; i < k.size(); ++i) pr.k[i] = to_float_host(k[i] = from_float_host<T>(pr.k[i]));
+  for (size_t i = 0; i < v.size(); ++i) pr.v[i] = to_float_host(v[i] = from_float_host<T>(pr.v[i]));
+  std::vector<double> ref_out, ref_lse;
+  reference(pr, ref_out, ref_lse);
+
+  const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
+  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<float> lse(rows, -7.0f);
+  // Workspaces start as NaN: whatever the kernels read before writing shows.
+  std::vector<T> k_near(k.size(), from_float_host<T>(NAN)), k_far(k.size(), from_float_host<T>(NAN));
+  std::vector<ropescale::rerope_cuda::KeyTile> tiles(
+      static_cast<size_t>(c.batch) * ropescale::rerope_cuda::rerope_tc_key_tiles(c.k_len),
+      ropescale::rerope_cuda::KeyTile{-5, -5, -5, -5});
+  ReropeParams p = make_params(c, pr);
+  p.q = q.data(), p.k = k.data(), p.v = v.data();
+  p.k_near = k_near.data();
+  p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+  p.out = out.data(), p.lse = lse.data();
+  launch_tc<T>(p, tiles.data());
+
+  check_within_sdpa_error<T>(pr, ref_out, ref_lse, out, lse, "tensor-core prefill");
 }
 
 }  // namespace
@@ -231,11 +417,17 @@ TEST_CASE("decode kernel matches the double reference, with and without key spli
   }
 }
 
-TEST_CASE("half and bfloat16 inputs accumulate in float", "[rerope][lowp]") {
+TEST_CASE("half and bfloat16 inputs on the SIMT kernels: within twice the SDPA-way error", "[rerope][lowp]") {
+  // Rounded where the tensor-core prefill rounds (rotated q/k, probabilities): the same precision at
+  // every size. D 32 and 256 are SIMT-only head dims; decode is SIMT at every head dim.
   const Case c{2, 4, 2, 11, 50, 32, 32, 7, 16.0, 0, true, false, 4};
-  // Output rounding only: the reference sees the rounded inputs.
-  run_kernels<__half>(make_problem(c, 7), Plan::kPrefill, 1, 2e-3);
-  run_kernels<__nv_bfloat16>(make_problem(c, 8), Plan::kDecode, 2, 1e-2);
+  run_kernels<__half>(make_problem(c, 7), Plan::kPrefill, 1, 0.0);
+  run_kernels<__nv_bfloat16>(make_problem(c, 8), Plan::kDecode, 2, 0.0);
+  const Case wide{1, 2, 1, 3, 70, 256, 256, 9, 0.0, 20, true, false, 0};
+  run_kernels<__nv_bfloat16>(make_problem(wide, 9), Plan::kPrefill, 1, 0.0);
+  run_kernels<__half>(make_problem(wide, 10), Plan::kDecode, 3, 0.0);
+  const Case tc_dim{1, 4, 1, 1, 90, 128, 128, 20, 16.0, 0, true, false, 0};
+  run_kernels<__nv_bfloat16>(make_problem(tc_dim, 11), Plan::kDecode, 2, 0.0);
 }
 
 TEST_CASE("rows without a visible key give zeros and -inf", "[rerope][edge]") {
@@ -249,4 +441,41 @@ TEST_CASE("race check: one small launch of each kernel", "[tsan]") {
   const Case c{1, 4, 2, 9, 70, 8, 8, 5, 16.0, 10, true, false, 0};
   run_kernels<float>(make_problem(c, 9), Plan::kPrefill, 1, 2e-5);
   run_kernels<float>(make_problem(c, 10), Plan::kDecode, 3, 2e-5);
+}
+
+// The same features as kCases (odd sizes, GQA, windows 1 / inside / past the sequence, ReRoPE and
+// Leaky, log-n, padding, causal and not, partial rotary, interleaved pairs) at the tensor-core head
+// dims, with several 64-query blocks and 64-key tiles: near, far, band and skipped tiles, tiles
+// skipped by some warps only, partial last tiles and blocks.
+const std::vector<Case> kTensorCoreCases = {
+    {2, 4, 2, 100, 100, 64, 64, 7, 0.0, 0, true, false, 5},       // two query blocks, band + far + skipped tiles
+    {1, 2, 1, 70, 150, 80, 80, 40, 16.0, 100, true, false, 0},    // Leaky + log-n, D 80, Lq < Lk
+    {1, 8, 2, 65, 130, 96, 96, 1, 0.0, 0, false, false, 0},       // GQA 4, non-causal, window 1, D 96
+    {1, 4, 1, 80, 200, 128, 128, 70, 64.0, 0, true, true, 0},     // band across tiles, interleaved, D 128
+    {2, 2, 2, 33, 90, 64, 32, 1000, 0.0, 0, true, false, 9},      // partial rotary, window past the end
+    {1, 2, 1, 130, 130, 128, 128, 5, 0.0, 60, true, false, 0},    // three query blocks, log-n
+    {2, 2, 1, 20, 70, 96, 64, 20, 16.0, 0, false, true, 30},      // non-causal padding, partial interleaved
+};
+
+TEST_CASE("tensor-core prefill matches the double reference within twice the SDPA-way error",
+          "[rerope][tensor_core]") {
+  // bf16 and fp16 alternate (emulated tensor-core launches are slow), so that each head dim runs in
+  // both; D 80 has one case, which runs twice.
+  unsigned seed = 200;
+  for (size_t i = 0; i < kTensorCoreCases.size(); ++i) {
+    const Case& c = kTensorCoreCases[i];
+    if (i % 2 == 0 || c.dim == 80) run_tensor_core<__nv_bfloat16>(make_problem(c, seed++));
+    if (i % 2 == 1 || c.dim == 80) run_tensor_core<__half>(make_problem(c, seed++));
+  }
+}
+
+TEST_CASE("tensor-core prefill: rows without a visible key give zeros and -inf", "[rerope][tensor_core][edge]") {
+  // Non-causal with every key padded for batch row 1; causal queries before every key.
+  run_tensor_core<__nv_bfloat16>(make_problem(Case{2, 2, 1, 17, 9, 64, 64, 3, 0.0, 0, false, false, 9}, 5));
+  run_tensor_core<__half>(make_problem(Case{2, 2, 1, 17, 9, 64, 64, 3, 0.0, 0, true, false, 9}, 6));
+}
+
+TEST_CASE("race check: one small tensor-core launch, blocks shuffled", "[tsan]") {
+  const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 3);
+  run_tensor_core<__nv_bfloat16>(make_problem(Case{1, 2, 1, 70, 70, 64, 64, 7, 16.0, 0, true, false, 0}, 11));
 }

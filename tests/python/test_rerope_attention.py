@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import ropescale
 from ropescale import ops
 from ropescale.cache import PreRopeCache
 
@@ -167,31 +168,224 @@ def test_cpu_decode_matches_reference(q_len, leaky_k, window, gqa, causal):
     if dtype == torch.float32:
         assert_matches_reference(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5, lse_atol=1e-5)
     else:
-        # output rounded to the dtype once; everything else in float32 from the exact inputs
-        eps = torch.finfo(dtype).eps
-        assert_matches_reference(out, lse, ref_out, ref_lse, atol=2 * eps, rtol=2 * eps, lse_atol=1e-4)
+        # A handful of rows is too few for an error statistic (test_cpu_low_precision_grid judges
+        # decode-sized problems with enough heads); here the decode plan must give what the prefill
+        # plan gives for the same rows: a padding query row (position -1) makes it 5 rows.
+        q_ext = torch.cat((q, q[:, :, :1].expand(-1, -1, 5 - q_len, -1)), 2)
+        qp_ext = torch.cat((qp, torch.full((2, 5 - q_len), -1)), 1)
+        p_out, p_lse = ops.rerope_attention(q_ext, k_view, v_view, qp_ext, kp, inv_freq, window, leaky_k,
+                                            causal=causal, logn_length=40 if index % 2 else 0)
+        assert_same_rounding(out, lse, p_out[:, :, :q_len], p_lse[:, :, :q_len], v, same_key_blocks=False)
 
 
-def low_precision_tolerance(q, k, v, qp, kp, inv_freq, window, leaky_k, ref_out, **kw):
-    """2x what plain PyTorch makes of the same computation in q's dtype (flash-attention's rule)."""
-    from ropescale.rerope import rerope_attention_naive
+# ---------------------------------------------------------------------------------------------
+# float16 / bfloat16 (DESIGN.md, "Versions and precision"): the rotated q/k operands and the
+# probabilities before P.V are rounded to the input dtype, as SDPA and FlashAttention round them,
+# with float32 accumulation, on the same path at every size. Judged against float64 relative to the
+# error PyTorch's own SDPA makes in that dtype on the same inputs.
 
-    naive_out, _ = rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, leaky_k, **kw)
-    return 2 * (naive_out.double() - ref_out).abs().max().item() + 1e-3
+# Bound = 2 x SDPA's largest error on the same inputs, flash-attention's rule. A largest error is a
+# statistic of the sample: every problem judged this way has at least 64 rows (the op's error is
+# then 0.5x to 1.25x SDPA's on this grid); on problems of 2 to 40 rows the ratio of two maxima
+# ranged up to 2.8 on its own, so smaller decode problems are judged against the prefill plan instead.
+SDPA_ERROR_FACTOR = 2
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("leaky_k,window,causal", [(0.0, 7, True), (16.0, 64, True), (0.0, 1, False), (64.0, 10_000, True)])
-def test_cpu_low_precision(dtype, leaky_k, window, causal):
-    q, k, v, qp, kp = make_inputs(2, 4, 2, 67, 140, 32, dtype, pad=9, seed=int(window))
-    inv_freq = ops.default_inv_freq(32, BASE)
-    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, leaky_k, causal=causal)
-    assert out.dtype == dtype
-    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, causal=causal)
-    tol = low_precision_tolerance(q, k, v, qp, kp, inv_freq, window, leaky_k, ref_out, causal=causal)
-    assert tol < 0.05
-    # lse is accumulated in float32 from the exact (low-precision) inputs
-    assert_matches_reference(out, lse, ref_out, ref_lse, atol=tol, rtol=0, lse_atol=2e-4)
+def sdpa_error(q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True, interleaved=False):
+    """Largest |error| against float64 of (out, lse) from PyTorch's SDPA in q's dtype on the
+    plain-attention problem with the same inputs: RoPE attention (ReRoPE with a window past every
+    distance), q (times its log-n factor) and k rotated and rounded to the dtype, the same
+    visibility (causal, padding), through the CPU flash kernel SDPA runs (it returns the lse too).
+    Rows with no visible key are left out."""
+    from ropescale.rerope import rotate
+
+    dtype, group = q.dtype, q.shape[1] // k.shape[1]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    factor = logn_factor(qp, logn_length)[:, None, :, None]
+    q_rot = rotate(q.double() * factor, qp, inv_freq, interleaved).to(dtype)
+    k_rot = rotate(k.double(), kp, inv_freq, interleaved).to(dtype)
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+    if causal:
+        visible &= kp[:, None, :] <= qp[:, :, None]
+    mask = torch.zeros(visible.shape).masked_fill(~visible, -math.inf)[:, None]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_rot, k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 0.0, False, attn_mask=mask,
+        scale=scale)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, 1 << 40, 0.0, scale, logn_length, causal, interleaved)
+    rows = torch.isfinite(ref_lse)
+    return ((out.double() - ref_out).abs()[rows].max().item(), (lse.double() - ref_lse).abs()[rows].max().item())
+
+
+def assert_within_sdpa_error(out, lse, ref_out, ref_lse, sdpa_err):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    rows = torch.isfinite(ref_lse)
+    assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))
+    err_out = (out.double() - ref_out).abs()[rows].max().item()
+    err_lse = (lse.double() - ref_lse).abs()[rows].max().item()
+    assert 0 < sdpa_err[0] and 0 < sdpa_err[1]
+    assert err_out <= SDPA_ERROR_FACTOR * sdpa_err[0], f"out error {err_out:.3g}, SDPA's {sdpa_err[0]:.3g}"
+    assert err_lse <= SDPA_ERROR_FACTOR * sdpa_err[1], f"lse error {err_lse:.3g}, SDPA's {sdpa_err[1]:.3g}"
+
+
+def assert_same_rounding(out, lse, other_out, other_lse, v, same_key_blocks):
+    """Two runs of the op over the same rows rounded the same operands: the lse (which the rounded
+    probabilities do not enter) agrees to float32 summation order (observed <= 5e-7), far below what
+    rounding q or k moves it by (about 1e-3). When the rows meet the keys in the same blocks (the
+    prefill plan with other query rows around them), the probabilities are the same too and out
+    agrees up to its own rounding; otherwise (the decode plan's chunks, keys shifted across blocks)
+    each probability is rounded against another running maximum, which moves out by at most
+    2u max|v| (u: the dtype's unit roundoff)."""
+    assert torch.equal(torch.isinf(lse), torch.isinf(other_lse))
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(lse[finite], other_lse[finite], atol=2e-5, rtol=0)
+    u = torch.finfo(out.dtype).eps / 2
+    atol = 2 * u * out.abs().max().item() + (0.0 if same_key_blocks else 2 * u * v.abs().max().item())
+    torch.testing.assert_close(out.float(), other_out.float(), atol=atol, rtol=0)
+
+
+def as_layout(t, layout, spare=9):
+    """t [B, H, L, D] with other strides holding the same values: "blhd" the [B, H, L, D] view of
+    [B, L, H, D] storage (as attention layers hand it over), "cache" a view of a longer buffer (a
+    cache with spare capacity, starting 3 tokens in)."""
+    if layout == "blhd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "cache":
+        buffer = torch.zeros(*t.shape[:2], t.shape[2] + spare, t.shape[3], dtype=t.dtype)
+        buffer[:, :, 3 : 3 + t.shape[2]] = t
+        return buffer[:, :, 3 : 3 + t.shape[2]]
+    return t
+
+
+# batch, q heads, kv heads, q_len, k_len, dim, left padding, leaky_k, window, logn_length, causal, layout,
+# interleaved, rotary_dim (0: dim). Odd sizes, sizes at the 128-token block edges, the decode plan
+# (q_len <= 4) with many heads so that every problem has >= 64 rows.
+LOW_PRECISION_CASES = [
+    (2, 4, 2, 67, 140, 32, 9, 0.0, 7, 0, True, "contiguous", False, 0),
+    (2, 4, 2, 67, 140, 32, 9, 16.0, 64, 0, True, "blhd", False, 0),
+    (2, 4, 2, 67, 140, 32, 9, 0.0, 1, 0, False, "contiguous", False, 0),
+    (1, 8, 1, 129, 129, 64, 0, 64.0, 10_000, 0, True, "contiguous", False, 0),
+    (1, 4, 1, 128, 128, 80, 0, 0.0, 50, 30, True, "blhd", False, 0),
+    (1, 2, 2, 127, 257, 128, 5, 16.0, 100, 100, True, "contiguous", False, 0),
+    (2, 2, 1, 256, 256, 96, 20, 0.0, 130, 0, False, "blhd", False, 0),
+    (2, 4, 2, 50, 90, 32, 3, 0.0, 9, 0, True, "contiguous", True, 24),
+    (1, 2, 1, 40, 200, 256, 0, 16.0, 64, 0, True, "contiguous", False, 0),
+    (1, 16, 2, 5, 300, 64, 0, 0.0, 33, 0, True, "contiguous", False, 0),
+    (2, 32, 4, 1, 1100, 64, 37, 0.0, 64, 0, True, "cache", False, 0),
+    (2, 16, 2, 4, 517, 18, 0, 16.0, 1, 40, True, "cache", False, 0),
+    (2, 16, 16, 2, 130, 32, 11, 0.0, 7, 0, False, "cache", False, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=range(len(LOW_PRECISION_CASES)))
+def test_cpu_low_precision_grid(dtype, case):
+    batch, q_heads, kv_heads, q_len, k_len, dim, pad, leaky_k, window, logn_length, causal, layout, interleaved, \
+        rotary_dim = case
+    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
+                                  seed=LOW_PRECISION_CASES.index(case))
+    inv_freq = ops.default_inv_freq(rotary_dim or dim, BASE)
+    kw = dict(leaky_k=leaky_k, logn_length=logn_length, causal=causal, interleaved=interleaved)
+    out, lse = ops.rerope_attention(as_layout(q, layout if layout != "cache" else "contiguous"),
+                                    as_layout(k, layout), as_layout(v, layout), qp, kp, inv_freq, window, **kw)
+    assert out.dtype == dtype and out.is_contiguous()
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, **kw)
+    sdpa_err = sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn_length, causal=causal, interleaved=interleaved)
+    assert_within_sdpa_error(out, lse, ref_out, ref_lse, sdpa_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_low_precision_same_path_at_every_size(dtype):
+    """No size-dependent precision: the same rows computed as part of problems of every size (the
+    decode plan up to 4 query rows, the prefill plan from 5, query blocks of 128 cut anywhere, key
+    blocks of 128 cut anywhere) round the same operands."""
+    q, k, v, qp, kp = make_inputs(2, 4, 2, 300, 300, 64, dtype, pad=20, seed=13)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    kw = dict(leaky_k=16.0, logn_length=100)
+    window = 40
+    full_out, full_lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, window, **kw)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, **kw)
+    assert_within_sdpa_error(full_out, full_lse, ref_out, ref_lse,
+                             sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=100))
+    # The last q_len rows alone: around the decode / prefill switch and the query block size.
+    for q_len in (1, 2, 4, 5, 6, 127, 128, 129, 256):
+        out, lse = ops.rerope_attention(q[:, :, -q_len:], k, v, qp[:, -q_len:], kp, inv_freq, window, **kw)
+        assert_same_rounding(out, lse, full_out[:, :, -q_len:], full_lse[:, :, -q_len:], v, same_key_blocks=q_len > 4)
+    # The rows of tokens 0..126 against 127 keys, then with invisible (padding) keys that push the
+    # keys past one 128-key block (after them and before them).
+    k_short, v_short, kp_short = k[:, :, 20:147], v[:, :, 20:147], kp[:1, 20:147].expand(2, -1)
+    q_rows, qp_rows = q[:, :, 60:147], kp[:1, 60:147].expand(2, -1)
+    base_out, base_lse = ops.rerope_attention(q_rows, k_short, v_short, qp_rows, kp_short, inv_freq, window, **kw)
+    for extra in (1, 2, 130):
+        k_pad, v_pad = k[:, :, :extra], v[:, :, :extra]
+        kp_pad = torch.full((2, extra), -1)
+        for keys, values, positions in (
+                (torch.cat((k_short, k_pad), 2), torch.cat((v_short, v_pad), 2), torch.cat((kp_short, kp_pad), 1)),
+                (torch.cat((k_pad, k_short), 2), torch.cat((v_pad, v_short), 2), torch.cat((kp_pad, kp_short), 1))):
+            out, lse = ops.rerope_attention(q_rows, keys, values, qp_rows, positions, inv_freq, window, **kw)
+            assert_same_rounding(out, lse, base_out, base_lse, v, same_key_blocks=False)
+            out, lse = ops.rerope_attention(q_rows[:, :, -3:], keys, values, qp_rows[:, -3:], positions, inv_freq,
+                                            window, **kw)
+            assert_same_rounding(out, lse, base_out[:, :, -3:], base_lse[:, :, -3:], v, same_key_blocks=False)
+
+
+# The CPU kernel is built once per instruction set (DEFAULT, AVX2, AVX512) and picked at run time;
+# each variant, forced with ATEN_CPU_CAPABILITY in a fresh process, against the reference. Row
+# lengths that are not a multiple of any vector width exercise the vector bodies and the remainders.
+
+_VARIANT_SCRIPT = """
+import sys, torch, ropescale
+from ropescale import ops
+sys.path.insert(0, sys.argv[2])
+from test_rerope_attention import make_inputs, BASE
+results = {"torch": torch.backends.cpu.get_cpu_capability(), "ropescale": ropescale._C.rerope_attention_cpu_isa(),
+           "cases": []}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for q_len, k_len, dim, leaky_k in ((37, 150, 80, 16.0), (2, 300, 18, 0.0)):
+        q, k, v, qp, kp = make_inputs(2, 16, 4, q_len, k_len, dim, dtype, pad=11, seed=q_len)
+        inv_freq = ops.default_inv_freq(dim, BASE)
+        out = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 20, leaky_k, logn_length=30)
+        results["cases"].append(((q, k, v, qp, kp, inv_freq, 20, leaky_k), out))
+torch.save(results, sys.argv[1])
+"""
+
+
+def test_every_cpu_instruction_set_variant(tmp_path):
+    from pathlib import Path
+
+    # torch trusts ATEN_CPU_CAPABILITY as given (it does not check the CPU), so only the instruction
+    # sets this CPU runs are forced: DEFAULT and AVX2 on an AVX2 machine, AVX512 too where it exists.
+    native = torch.backends.cpu.get_cpu_capability()
+    variants = {}
+    for isa in ["default", "avx2", "avx512"][: {"AVX2": 2, "AVX512": 3}.get(native, 1)]:
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "PYTHONPATH": str(Path(ops.__file__).parents[1])}
+        subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / f"{isa}.pt"), os.path.dirname(__file__)],
+                       env=env, check=True)
+        results = torch.load(tmp_path / f"{isa}.pt")
+        # The variant torch uses for its own kernels under this setting is the one ropescale runs
+        # (x86 builds have AVX2 and AVX512 variants; anything else runs the DEFAULT one).
+        expected = results["torch"] if results["torch"] in ("AVX2", "AVX512") else "DEFAULT"
+        assert results["ropescale"] == expected, results
+        for (q, k, v, qp, kp, inv_freq, window, leaky_k), (out, lse) in results["cases"]:
+            ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, window, leaky_k, logn_length=30)
+            if q.dtype == torch.float32:
+                assert_matches_reference(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5, lse_atol=1e-5)
+            else:
+                assert_within_sdpa_error(out, lse, ref_out, ref_lse,
+                                         sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=30))
+        variants[results["ropescale"]] = results["cases"]
+    assert "DEFAULT" in variants and (native not in ("AVX2", "AVX512") or native in variants)
+    # Every variant rounds the same operands (to nearest even): their lse agree to float32 order in
+    # almost every row. Not in all: the variants rotate with and without FMA, and a rotated value one
+    # float32 ulp apart can round to the neighbouring bf16/fp16 value (0.8% of the rows here); an
+    # operand left unrounded would move nearly every row by ~1e-3.
+    for cases in variants.values():
+        for (args, (out, lse)), (_, (out0, lse0)) in zip(cases, variants["DEFAULT"]):
+            finite = torch.isfinite(lse0)
+            assert torch.equal(finite, torch.isfinite(lse))
+            moved = (lse[finite] - lse0[finite]).abs() > 2e-5
+            assert moved.double().mean() < 0.05, f"{args[0].dtype}: {moved.sum()} of {moved.numel()} rows"
 
 
 @pytest.mark.parametrize("dim", [2, 64, 128, 256])
@@ -492,22 +686,31 @@ def test_fused_op_has_no_backward():
 
 
 def test_32k_prefill_peak_memory():
+    # The peak is this process's VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across
+    # fork + exec, so under a large pytest parent it reports the parent's RSS (seen in CI: +2 GiB).
     script = textwrap.dedent("""
-        import resource, torch
+        import torch
         from ropescale import ops
+        def status_kib(field):
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
         torch.set_num_threads(2)
         L, D = 32768, 128
         q, k, v = (torch.randn(1, 1, L, D) for _ in range(3))
         pos = torch.arange(L)[None]
         inv_freq = ops.default_inv_freq(D, 1e4)
-        with open("/proc/self/statm") as f:
-            rss_before = int(f.read().split()[1]) * resource.getpagesize()
+        try:  # reset VmHWM to the current RSS (Linux >= 4.0); without it the import's peak counts too
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        rss_before = status_kib("VmRSS")
         out, lse = ops.rerope_attention(q, k, v, pos, pos, inv_freq, 512, 16.0)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = status_kib("VmHWM")
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-        print((peak - rss_before) / 2**20)
+        print((peak - rss_before) / 1024)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(ropescale.__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -16,9 +16,13 @@
 //
 // Thread layout: 4 warps; warp w owns the query rows w, w+4, ...; lane j owns key j of a tile for
 // the scores and head-dim slots lane, lane+32, ... of the output accumulators for P.V.
+//
+// These scalar-FMA kernels serve fp32 inputs, head dims the tensor-core prefill does not take, and
+// every decode. Decode stays here on purpose: one query token against the cache reads every key and
+// value once and does about one FLOP per byte read, so it is bound by memory bandwidth; tensor
+// cores would raise a compute rate that is not the limit. The fp16/bf16 prefill runs on tensor
+// cores (rerope_attention_tc.cuh).
 #pragma once
-
-#include "ropescale/portable.h"  // ROPESCALE_LAUNCH_KERNEL, ROPESCALE_DYNAMIC_SMEM (nvcc or the emulation)
 
 #include <cmath>
 #include <cstddef>
@@ -45,6 +49,17 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
+// x rounded to T and back. For fp16/bf16 inputs every kernel rounds where FlashAttention and SDPA
+// round (the rotated q and k, the probabilities before P.V) and accumulates in f32, so the
+// precision is the same at every problem size, tensor-core prefill and SIMT decode alike; fp32
+// inputs are untouched.
+template <typename T>
+__device__ __forceinline__ float round_like(float x) {
+  return to_float(from_float<T>(x));
+}
+template <>
+__device__ __forceinline__ float round_like<float>(float x) { return x; }
+
 // Everything a launch needs. Strides are in elements, last dim unit-stride.
 struct ReropeParams {
   const void* q = nullptr;  // [B, Hq, Lq, D]
@@ -56,8 +71,8 @@ struct ReropeParams {
   const int64_t* q_positions = nullptr;  // [B, Lq], contiguous
   const int64_t* k_positions = nullptr;  // [B, Lk], contiguous
   const float* inv_freq = nullptr;       // [rotary_pairs]
-  float* k_near = nullptr;               // prefill: keys rotated at p, float [B, Hkv, Lk, D]
-  float* k_far = nullptr;                // prefill, Leaky: keys rotated at p/k, float [B, Hkv, Lk, D]
+  void* k_near = nullptr;  // prefill: keys rotated at p, [B, Hkv, Lk, D] (float; T for the tensor-core prefill)
+  void* k_far = nullptr;   // prefill, Leaky: keys rotated at p/k, the same layout and type
   void* out = nullptr;                   // [B, Hq, Lq, D], contiguous
   float* lse = nullptr;                  // [B, Hq, Lq]
   float* partial_out = nullptr;          // decode splits: float [splits, B, Hq, Lq, D]
@@ -85,9 +100,21 @@ struct TileShape {
   static constexpr int kQStride = kMaxDim;     // rows read as broadcasts
   static constexpr int kKStride = kMaxDim + 4;  // lane j reads row j as float4: +4 spreads the banks
   static constexpr int kVStride = kMaxDim;     // lanes read consecutive dims
-  // Dynamic shared memory, in floats: q near/far, k near/far, v, per-row probabilities.
+  // Dynamic shared memory: in floats, q near/far, k near/far, v, per-row probabilities; then the
+  // block's row table (BlockRows) and the positions of the current key tile. Everything is dynamic,
+  // so the emulation poisons all of it before each block.
   static constexpr int kSmemFloats = 2 * kRows * kQStride + 2 * kBlockK * kKStride + kBlockK * kVStride + kRows * kBlockK;
-  static constexpr std::size_t kSmemBytes = kSmemFloats * sizeof(float);
+  static constexpr std::size_t kRowTableBytes = kRows * (2 * sizeof(int) + sizeof(long long) + sizeof(bool));
+  static constexpr std::size_t kRowTableOffset = kSmemFloats * sizeof(float);
+  static constexpr std::size_t kTilePositionsOffset = (kRowTableOffset + kRowTableBytes + 7) / 8 * 8;
+  static constexpr std::size_t kSmemBytes = kTilePositionsOffset + 2 * kBlockK * sizeof(long long);
+  // No static shared memory; the whole block must fit an A100 (163 KiB per block, opted in).
+  static_assert(kSmemBytes <= 166912, "shared memory above the sm_80 per-block maximum");
+  // Blocks per SM the shared memory allows on an A100 (164 KiB per SM, 1 KiB reserved per block),
+  // handed to ptxas through __launch_bounds__: without it, ptxas aims at a higher occupancy than
+  // the shared memory allows and spills to get there (CUDA 13: 128 registers and spills at D 128).
+  static constexpr int kMinBlocksPerSm =
+      167936 / (kSmemBytes + 1024) > 0 ? static_cast<int>(167936 / (kSmemBytes + 1024)) : 1;
 };
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -129,8 +156,8 @@ struct BlockRows {
   bool valid[TileShape<kMaxDim>::kRows];
 };
 
-// Writes the rotated (and scale * log-n scaled) operands of the block's query rows: near side at p,
-// far side at w + (p - w)/k. Rows past the problem and padded head dims are zeros.
+// Writes the rotated (rounded like T, then scale * log-n scaled in f32) operands of the block's query
+// rows: near side at p, far side at w + (p - w)/k. Rows past the problem and padded head dims are zeros.
 template <typename T, int kMaxDim>
 __device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<kMaxDim>& rows, SmemTiles<kMaxDim>& s,
                                 int padded_dim) {
@@ -163,12 +190,16 @@ __device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<kM
     const int64_t pos = rows.position[r];
     const float factor = p.scale * rerope_logn_scale(pos, p.logn_length, p.inv_log_train);
     const T* src = q + b * p.q_stride_b + rows.head[r] * p.q_stride_h + rows.query[r] * p.q_stride_l;
-    const float x1 = to_float(src[first]) * factor, x2 = to_float(src[second]) * factor;
-    float sin_v, cos_v;
+    const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+    float sin_v, cos_v, a, c;
     rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
-    rotate_pair(x1, x2, cos_v, sin_v, &near_row[first], &near_row[second]);
+    rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
+    near_row[first] = round_like<T>(a) * factor;
+    near_row[second] = round_like<T>(c) * factor;
     rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
-    rotate_pair(x1, x2, cos_v, sin_v, &far_row[first], &far_row[second]);
+    rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
+    far_row[first] = round_like<T>(a) * factor;
+    far_row[second] = round_like<T>(c) * factor;
   }
 }
 
@@ -220,17 +251,20 @@ __device__ __forceinline__ void warp_scores(const float* q_tile, const float* k_
   }
 }
 
-// One key tile through the warp's rows: scores (near, far or both), masks, online softmax, P.V.
-template <int kMaxDim>
+// One key tile through the warp's rows: scores (near, far or both), masks, online softmax, P.V
+// (with the probabilities rounded like T).
+template <typename T, int kMaxDim>
 __device__ void process_tile(const ReropeParams& p, const BlockRows<kMaxDim>& rows, const SmemTiles<kMaxDim>& s,
                              TileClass tile, int64_t key_position, int padded_dim, RowAccumulators<kMaxDim>& st) {
   using Shape = TileShape<kMaxDim>;
   constexpr int kR = Shape::kRowsPerWarp;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   float scores[kR], far_scores[kR];
-  if (tile.kind != TileKind::kFar) warp_scores<kMaxDim>(s.q_near, s.k_near, padded_dim, scores);
-  if (tile.kind != TileKind::kNear)
-    warp_scores<kMaxDim>(s.q_far, s.k_far, padded_dim, tile.kind == TileKind::kFar ? scores : far_scores);
+  // Operands picked by pointer, never a score array picked at run time (that would demote both arrays
+  // to local memory): far tiles score from the far operands, band tiles fill far_scores as well.
+  const bool far = tile.kind == TileKind::kFar;
+  warp_scores<kMaxDim>(far ? s.q_far : s.q_near, far ? s.k_far : s.k_near, padded_dim, scores);
+  if (tile.kind == TileKind::kBand) warp_scores<kMaxDim>(s.q_far, s.k_far, padded_dim, far_scores);
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
     const int row = warp + kWarps * r;
@@ -249,7 +283,7 @@ __device__ void process_tile(const ReropeParams& p, const BlockRows<kMaxDim>& ro
     st.row_max[r] = new_max;
 #pragma unroll
     for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] *= alpha;
-    s.probs[row * kBlockK + lane] = prob;
+    s.probs[row * kBlockK + lane] = round_like<T>(prob);
   }
   __syncwarp();
   for (int j = 0; j < kBlockK; ++j) {
@@ -326,8 +360,10 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
   using Shape = TileShape<kMaxDim>;
   ROPESCALE_DYNAMIC_SMEM(float, smem);
   SmemTiles<kMaxDim> s(smem);
-  __shared__ BlockRows<kMaxDim> rows;
-  __shared__ long long tile_positions[2][kBlockK];  // by tile parity: a skipped tile may run ahead
+  unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
+  BlockRows<kMaxDim>& rows = *reinterpret_cast<BlockRows<kMaxDim>*>(smem_bytes + Shape::kRowTableOffset);
+  // By tile parity: a skipped tile may run ahead.
+  long long (*tile_positions)[kBlockK] = reinterpret_cast<long long (*)[kBlockK]>(smem_bytes + Shape::kTilePositionsOffset);
 
   const int split = static_cast<int>(blockIdx.x);
   const int query_blocks = (p.q_len + p.queries_per_block - 1) / p.queries_per_block;
@@ -371,11 +407,13 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     load_tile<T, Shape::kVStride>(v + j0 * p.v_stride_l, p.v_stride_l, keys_in_tile, p.head_dim, padded_dim, s.v);
     if constexpr (kKeysPreRotated) {
       if (need_near)
-        load_tile<float, Shape::kKStride>(p.k_near + rotated_offset + static_cast<int64_t>(j0) * p.head_dim,
-                                          p.head_dim, keys_in_tile, p.head_dim, padded_dim, s.k_near);
+        load_tile<float, Shape::kKStride>(
+            static_cast<const float*>(p.k_near) + rotated_offset + static_cast<int64_t>(j0) * p.head_dim, p.head_dim,
+            keys_in_tile, p.head_dim, padded_dim, s.k_near);
       if (need_far && leaky)
-        load_tile<float, Shape::kKStride>(p.k_far + rotated_offset + static_cast<int64_t>(j0) * p.head_dim,
-                                          p.head_dim, keys_in_tile, p.head_dim, padded_dim, s.k_far);
+        load_tile<float, Shape::kKStride>(
+            static_cast<const float*>(p.k_far) + rotated_offset + static_cast<int64_t>(j0) * p.head_dim, p.head_dim,
+            keys_in_tile, p.head_dim, padded_dim, s.k_far);
       else if (need_far)
         load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim,
                                       s.k_far);
@@ -399,41 +437,51 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           const float x1 = raw[first], x2 = raw[second];
           const int64_t pos = j < keys_in_tile ? k_positions[j0 + j] : 0;
           float sin_v, cos_v;
+          float a, c;
           if (need_near) {
             rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
             float* near_row = s.k_near + j * Shape::kKStride;
-            rotate_pair(x1, x2, cos_v, sin_v, &near_row[first], &near_row[second]);
+            rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
+            near_row[first] = round_like<T>(a);
+            near_row[second] = round_like<T>(c);
           }
           if (need_far && leaky) {
             rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
-            rotate_pair(x1, x2, cos_v, sin_v, &raw[first], &raw[second]);
+            rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
+            raw[first] = round_like<T>(a);
+            raw[second] = round_like<T>(c);
           }
         }
     }
     __syncthreads();
-    process_tile<kMaxDim>(p, rows, s, tile, key_position, padded_dim, st);
+    process_tile<T, kMaxDim>(p, rows, s, tile, key_position, padded_dim, st);
   }
   store_rows<T, kMaxDim>(p, b, split, rows, st);
 }
 
 template <typename T, int kMaxDim>
-__global__ void __launch_bounds__(kThreads) rerope_prefill_kernel(const ReropeParams p) {
+__global__ void __launch_bounds__(kThreads, TileShape<kMaxDim>::kMinBlocksPerSm)
+    rerope_prefill_kernel(const ReropeParams p) {
   rerope_attention_block<T, kMaxDim, true>(p);
 }
 
 template <typename T, int kMaxDim>
-__global__ void __launch_bounds__(kThreads) rerope_decode_kernel(const ReropeParams p) {
+__global__ void __launch_bounds__(kThreads, TileShape<kMaxDim>::kMinBlocksPerSm)
+    rerope_decode_kernel(const ReropeParams p) {
   rerope_attention_block<T, kMaxDim, false>(p);
 }
 
 // Prefill pre-pass: every key rotated once, for all kv heads from one sin/cos: near side at p into
-// k_near, and for Leaky ReRoPE the far side at p/k into k_far. One thread per (batch, key, pair);
-// pairs past the rotary ones copy two un-rotated dims.
-template <typename T>
+// k_near, and for Leaky ReRoPE the far side at p/k into k_far, as Out (float for the SIMT prefill,
+// T for the tensor-core one: rounded to the input dtype). One thread per (batch, key, pair); pairs
+// past the rotary ones copy two un-rotated dims.
+template <typename T, typename Out>
 __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropeParams p) {
   const int half_dim = p.head_dim / 2;
   const int64_t total = static_cast<int64_t>(p.batch) * p.k_len * half_dim;
   const T* k = static_cast<const T*>(p.k);
+  Out* const k_near = static_cast<Out*>(p.k_near);
+  Out* const k_far = static_cast<Out*>(p.k_far);
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int pair = static_cast<int>(idx % half_dim);
@@ -446,21 +494,29 @@ __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropePar
     if (rotated) {
       rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
       rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &near_sin, &near_cos);
-      if (p.k_far) rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), p.inv_freq[pair], &far_sin, &far_cos);
+      if (k_far) rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), p.inv_freq[pair], &far_sin, &far_cos);
     }
     for (int h = 0; h < p.kv_heads; ++h) {
       const T* src = k + b * p.k_stride_b + h * p.k_stride_h + j * p.k_stride_l;
       const float x1 = to_float(src[first]), x2 = to_float(src[second]);
       const int64_t dst = ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim;
-      rotate_pair(x1, x2, near_cos, near_sin, &p.k_near[dst + first], &p.k_near[dst + second]);
-      if (p.k_far) rotate_pair(x1, x2, far_cos, far_sin, &p.k_far[dst + first], &p.k_far[dst + second]);
+      float a, c;  // rounded like T (a no-op for fp32; for Out = T, the one rounding to T)
+      rotate_pair(x1, x2, near_cos, near_sin, &a, &c);
+      k_near[dst + first] = from_float<Out>(round_like<T>(a));
+      k_near[dst + second] = from_float<Out>(round_like<T>(c));
+      if (k_far) {
+        rotate_pair(x1, x2, far_cos, far_sin, &a, &c);
+        k_far[dst + first] = from_float<Out>(round_like<T>(a));
+        k_far[dst + second] = from_float<Out>(round_like<T>(c));
+      }
     }
   }
 }
 
 // Merges the decode splits of each row by their log-sum-exp. One warp per row, lanes over D.
+// Memory-bound: 8 resident blocks per SM asked for (64 registers; it needs about 40).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) rerope_combine_kernel(const ReropeParams p) {
+__global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const ReropeParams p) {
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -491,28 +547,41 @@ constexpr std::size_t attention_smem_bytes() {
   return TileShape<kMaxDim>::kSmemBytes;
 }
 
-// Kernels needing more than the default 48 KiB of dynamic shared memory must opt in (nvcc only).
-template <typename Kernel>
-inline void allow_dynamic_smem(Kernel kernel, std::size_t bytes) {
-#if defined(__CUDACC__)
-  if (bytes > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-#else
-  (void)kernel;
-  (void)bytes;
-#endif
+// A launcher calls check(status, what) after every launch and after every shared-memory opt-in, with
+// the CUDA status (0 = ok). The caller's check must not return on an error (it throws), so that no
+// kernel reads the output of a failed one. The emulation throws from the launch itself.
+struct IgnoreLaunchStatus {
+  void operator()(int, const char*) const {}
+};
+
+// Grid y of the prefill and of the decode plan (query blocks x head blocks): must be <= 65535.
+template <int kMaxDim>
+inline int64_t rerope_prefill_grid_y(const ReropeParams& p) {
+  return (static_cast<int64_t>(p.q_len) + TileShape<kMaxDim>::kRows - 1) / TileShape<kMaxDim>::kRows *
+         (p.q_heads / p.kv_heads);
+}
+template <int kMaxDim>
+inline int64_t rerope_decode_grid_y(const ReropeParams& p) {
+  using Shape = TileShape<kMaxDim>;
+  const int group = p.q_heads / p.kv_heads;
+  const int queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
+  const int heads_per_block = group < Shape::kRows / queries_per_block ? group : Shape::kRows / queries_per_block;
+  return (static_cast<int64_t>(p.q_len) + queries_per_block - 1) / queries_per_block *
+         ((group + heads_per_block - 1) / heads_per_block);
 }
 
 // Prefill plan: one block per (32 queries of one head); keys rotated once by the pre-pass into
 // p.k_near (and p.k_far for Leaky), which the caller allocates: float [B, Hkv, Lk, D] each.
-template <typename T, int kMaxDim>
-inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream) {
+template <typename T, int kMaxDim, class Check = IgnoreLaunchStatus>
+inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream, Check&& check = {}) {
   using Shape = TileShape<kMaxDim>;
   const int64_t rotate_items = static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2);
   const int64_t rotate_blocks = (rotate_items + 255) / 256 < 65535 ? (rotate_items + 255) / 256 : 65535;
-  if (rotate_items > 0)
-    ROPESCALE_LAUNCH_KERNEL(rerope_rotate_keys_kernel<T>, dim3(static_cast<unsigned>(rotate_blocks)), dim3(256), 0,
-                            stream, p);
+  if (rotate_items > 0) {
+    ROPESCALE_LAUNCH_KERNEL((rerope_rotate_keys_kernel<T, float>), dim3(static_cast<unsigned>(rotate_blocks)),
+                            dim3(256), 0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the rotate-keys kernel");
+  }
   p.queries_per_block = Shape::kRows;
   p.heads_per_block = 1;
   p.num_splits = 1;
@@ -520,8 +589,10 @@ inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream) {
   const int query_blocks = (p.q_len + Shape::kRows - 1) / Shape::kRows;
   const dim3 grid(1, static_cast<unsigned>(query_blocks * (p.q_heads / p.kv_heads)),
                   static_cast<unsigned>(p.batch * p.kv_heads));
-  allow_dynamic_smem(rerope_prefill_kernel<T, kMaxDim>, Shape::kSmemBytes);
+  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_prefill_kernel<T, kMaxDim>), Shape::kSmemBytes),
+        "the shared-memory opt-in of the prefill kernel");
   ROPESCALE_LAUNCH_KERNEL((rerope_prefill_kernel<T, kMaxDim>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the prefill kernel");
 }
 
 // How many key splits a decode launch uses: enough blocks for ~2 waves on `multiprocessors` SMs,
@@ -543,8 +614,8 @@ inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
 
 // Decode plan: the query rows of every head of a GQA group share a block (and each rotated key
 // tile); keys split `num_splits` ways, merged by rerope_combine_kernel when num_splits > 1.
-template <typename T, int kMaxDim>
-inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t stream) {
+template <typename T, int kMaxDim, class Check = IgnoreLaunchStatus>
+inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
   using Shape = TileShape<kMaxDim>;
   const int group = p.q_heads / p.kv_heads;
   p.queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
@@ -557,12 +628,15 @@ inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t st
   const int head_blocks = (group + p.heads_per_block - 1) / p.heads_per_block;
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(query_blocks * head_blocks),
                   static_cast<unsigned>(p.batch * p.kv_heads));
-  allow_dynamic_smem(rerope_decode_kernel<T, kMaxDim>, Shape::kSmemBytes);
+  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_decode_kernel<T, kMaxDim>), Shape::kSmemBytes),
+        "the shared-memory opt-in of the decode kernel");
   ROPESCALE_LAUNCH_KERNEL((rerope_decode_kernel<T, kMaxDim>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the decode kernel");
   if (p.num_splits > 1) {
     const int64_t rows_total = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
     ROPESCALE_LAUNCH_KERNEL(rerope_combine_kernel<T>, dim3(static_cast<unsigned>((rows_total + kWarps - 1) / kWarps)),
                             dim3(kThreads), 0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the split-combine kernel");
   }
 }
 

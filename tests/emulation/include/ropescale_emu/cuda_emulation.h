@@ -30,13 +30,26 @@
 //     exited threads do on hardware, so the others do not wait for it;
 //   * a barrier wait longer than ROPESCALE_EMU_SYNC_TIMEOUT_MS (default
 //     120000; 0 = forever) throws instead of hanging CI;
-//   * dynamic shared memory is filled with 0xFF bytes before each block.
+//   * dynamic shared memory, and every static __shared__ variable, is filled
+//     with 0xFF bytes (NaN floats, -1 integers) before each block;
+//   * blocks run in blockIdx order, or in a shuffled or reversed order
+//     (ROPESCALE_EMU_BLOCK_ORDER, ScopedBlockOrder), so results that depend on
+//     the order of blocks show up as differences between runs;
+//   * dynamic shared memory above 48 KiB needs the kernel's opt-in
+//     (cudaFuncAttributeMaxDynamicSharedMemorySize, through
+//     ROPESCALE_OPT_IN_DYNAMIC_SMEM), and static + dynamic shared memory is
+//     capped at the emulated target's per-block maximum (sm_80 by default).
 //
 // API (besides the CUDA names themselves):
 //   ropescale_emu::launch(grid, block, dynamic_smem_bytes, kernel, args...)
 //   ropescale_emu::dynamic_shared_memory()     base of the block's dynamic smem
 //   ropescale_emu::ScopedSyncTimeout           override the barrier timeout
+//   ropescale_emu::ScopedBlockOrder            run blocks in order, shuffled, reversed
+//   ropescale_emu::ScopedTarget                sm_80 (default) or sm_90 shared-memory caps
+//   ropescale_emu::set_max_dynamic_shared_memory(kernel, bytes)   the opt-in
 //   ropescale_emu::launch_error, device_error  exception types
+// Tensor-core and asynchronous-copy primitives (mma.sync, ldmatrix, cp.async)
+// are in warp_matrix.h, included at the end of this file.
 //
 // Include portable.h rather than this file from kernel headers.
 #pragma once
@@ -57,13 +70,16 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -73,11 +89,13 @@
 #include <mutex>
 #include <new>
 #include <numbers>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -97,9 +115,23 @@
 #define __constant__
 #define __managed__
 // One block runs at a time, so one static instance per declaration is exactly
-// "shared by the threads of a block". Contents persist from block to block,
-// whereas on a GPU they start undefined: do not rely on either.
+// "shared by the threads of a block". Such a variable is placed in the linker
+// section `ropescale_emu_shared`, which the launch fills with 0xFF bytes before
+// each block (on a GPU the contents start undefined), so a read before the
+// block's first write shows up as NaN / -1. Two limits of GCC (12): it drops
+// the section attribute of a static local in a function template, so
+// __shared__ variables of template kernels are NOT poisoned and keep their
+// contents from block to block (ropescale's kernels use dynamic shared memory
+// only, which is always poisoned); and it refuses ("section type conflict")
+// to mix, in one translation unit, such variables of `inline` functions with
+// those of non-inline functions or of an anonymous namespace.
+#if defined(__ELF__)
+#define __shared__ __attribute__((section("ropescale_emu_shared"))) static
+#define ROPESCALE_EMU_POISONS_STATIC_SHARED 1
+#else
 #define __shared__ static
+#define ROPESCALE_EMU_POISONS_STATIC_SHARED 0
+#endif
 // `inline` (not always_inline): keeps the ODR meaning of device functions
 // defined in headers without forcing the host compiler to inline.
 #define __forceinline__ inline
@@ -137,7 +169,15 @@ struct device_error : std::runtime_error {
 };
 
 inline constexpr unsigned kMaxThreadsPerBlock = 1024;
-inline constexpr std::size_t kMaxDynamicSharedBytes = 227 * 1024;  // sm_90 opt-in maximum
+// Shared memory per block: 48 KiB without the opt-in; with it, up to the
+// target's maximum (static + dynamic; CUDA C Programming Guide, "Compute
+// Capabilities", technical specifications table).
+inline constexpr std::size_t kDefaultSharedBytes = 48 * 1024;
+inline constexpr std::size_t kSm80MaxSharedBytesPerBlock = 166912;  // 163 KiB (A100)
+inline constexpr std::size_t kSm90MaxSharedBytesPerBlock = 232448;  // 227 KiB (H100)
+inline constexpr std::size_t kMaxDynamicSharedBytes = kSm90MaxSharedBytesPerBlock;
+enum class Target { kSm80, kSm90 };
+enum class BlockOrder { kInOrder, kShuffled, kReversed };
 
 namespace detail {
 
@@ -234,6 +274,14 @@ struct WarpState {
   std::uint32_t pending_arrived = 0, pending_votes = 0, pending_mask_and = ~0u;
   std::uint32_t arrived = 0, votes = 0;  // result of the last completed phase
   bool mask_error = false;
+  // Wide slots for the warp-wide matrix instructions (mma.sync, ldmatrix):
+  // every lane deposits up to kWideSlotBytes and reads every lane's deposit.
+  // Same parity double-buffering as `slots`.
+  static constexpr std::size_t kWideSlotBytes = 64;
+  struct alignas(16) WideSlot {
+    unsigned char bytes[kWideSlotBytes];
+  };
+  WideSlot wide_slots[2][32];
 
  private:
   void publish() {
@@ -273,6 +321,7 @@ struct ThreadContext {
   WarpState* warp = nullptr;
   unsigned lane = 0;
   unsigned char* dynamic_smem = nullptr;
+  std::size_t dynamic_smem_bytes = 0;
 };
 inline thread_local ThreadContext tls_context{};
 
@@ -335,6 +384,38 @@ WarpResult<T> warp_collective(const char* operation, unsigned mask, const T& val
         const T* source = std::launder(
             reinterpret_cast<const T*>(warp.slots[phase & 1][source_lane].bytes));
         return {*source, warp.votes, warp.arrived};
+      });
+}
+
+// A warp-wide instruction with the .sync.aligned qualifiers (mma.sync,
+// ldmatrix): all 32 lanes must execute it, none may have exited. Every lane
+// gets every lane's `value`, indexed by lane.
+template <class T>
+std::array<T, 32> warp_all_gather(const char* operation, const T& value) {
+  static_assert(sizeof(T) <= WarpState::kWideSlotBytes && alignof(T) <= 16,
+                "warp_all_gather moves at most 64 bytes per lane");
+  static_assert(std::is_trivially_copyable_v<T>, "warp_all_gather needs a plain value type");
+  ThreadContext& ctx = current_thread(operation);
+  WarpState& warp = *ctx.warp;
+  const unsigned lane = ctx.lane;
+  return warp.sync.arrive_and_wait(
+      operation,
+      [&](std::uint64_t phase) {
+        std::memcpy(warp.wide_slots[phase & 1][lane].bytes, &value, sizeof(T));
+        warp.pending_arrived |= 1u << lane;
+      },
+      [&](std::uint64_t phase) {
+        if (warp.arrived != 0xffffffffu) {
+          char lanes[16];
+          std::snprintf(lanes, sizeof lanes, "0x%08x", warp.arrived);
+          throw device_error(std::string("ropescale_emu: ") + operation +
+                             " is .sync.aligned: all 32 lanes of the warp must execute it "
+                             "(lanes present: " + lanes + ")");
+        }
+        std::array<T, 32> all;
+        for (unsigned l = 0; l < 32; ++l)
+          std::memcpy(&all[l], warp.wide_slots[phase & 1][l].bytes, sizeof(T));
+        return all;
       });
 }
 
@@ -408,7 +489,128 @@ inline std::mutex& launch_mutex() {
   return mutex;
 }
 
-inline void validate_launch(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes) {
+// ---- static __shared__ variables: the linker section they live in ----------
+}  // namespace detail
+}  // namespace ropescale_emu
+#if ROPESCALE_EMU_POISONS_STATIC_SHARED
+// Defined by the linker when some variable is in the section; null otherwise.
+extern "C" __attribute__((weak)) unsigned char __start_ropescale_emu_shared[];
+extern "C" __attribute__((weak)) unsigned char __stop_ropescale_emu_shared[];
+#endif
+namespace ropescale_emu {
+namespace detail {
+
+// [begin, end) of every static __shared__ variable of the program.
+inline std::pair<unsigned char*, unsigned char*> static_shared_range() {
+#if ROPESCALE_EMU_POISONS_STATIC_SHARED
+  if (__start_ropescale_emu_shared != nullptr && __stop_ropescale_emu_shared != nullptr)
+    return {__start_ropescale_emu_shared, __stop_ropescale_emu_shared};
+#endif
+  return {nullptr, nullptr};
+}
+// The emulation cannot tell which kernel declares which static __shared__
+// variable, so every launch is charged all of them: an over-estimate, which
+// errs on the strict side of the shared-memory limits.
+inline std::size_t static_shared_bytes() {
+  const auto [begin, end] = static_shared_range();
+  return static_cast<std::size_t>(end - begin);
+}
+
+// Whether [p, p + bytes) lies in the running block's shared memory (dynamic,
+// or a static __shared__ variable).
+inline bool in_shared_memory(const void* p, std::size_t bytes) {
+  const ThreadContext& ctx = tls_context;
+  const auto* c = static_cast<const unsigned char*>(p);
+  const auto inside = [&](const unsigned char* begin, const unsigned char* end) {
+    return begin != nullptr && c >= begin && c + bytes <= end;
+  };
+  const auto [sbegin, send] = static_shared_range();
+  return inside(ctx.dynamic_smem, ctx.dynamic_smem + ctx.dynamic_smem_bytes) || inside(sbegin, send);
+}
+
+// ---- launch settings: target, block order, per-kernel shared memory opt-in --
+inline std::atomic<Target>& target_setting() {
+  static std::atomic<Target> value{Target::kSm80};
+  return value;
+}
+inline std::size_t max_shared_bytes_per_block() {
+  return target_setting().load() == Target::kSm80 ? kSm80MaxSharedBytesPerBlock
+                                                  : kSm90MaxSharedBytesPerBlock;
+}
+
+struct BlockOrderSetting {
+  BlockOrder order;
+  unsigned seed;
+};
+// ROPESCALE_EMU_BLOCK_ORDER = in_order (default) | reversed | shuffled[:seed]
+inline BlockOrderSetting block_order_from_env() {
+  const char* env = std::getenv("ROPESCALE_EMU_BLOCK_ORDER");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "in_order") == 0)
+    return {BlockOrder::kInOrder, 0};
+  if (std::strcmp(env, "reversed") == 0) return {BlockOrder::kReversed, 0};
+  if (std::strncmp(env, "shuffled", 8) == 0)
+    return {BlockOrder::kShuffled,
+            env[8] == ':' ? static_cast<unsigned>(std::strtoul(env + 9, nullptr, 10)) : 1u};
+  throw launch_error(std::string("ropescale_emu: ROPESCALE_EMU_BLOCK_ORDER must be in_order, "
+                                 "reversed or shuffled[:seed], got ") + env);
+}
+inline std::mutex& settings_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+inline BlockOrderSetting& block_order_setting() {  // guarded by settings_mutex()
+  static BlockOrderSetting value = block_order_from_env();
+  return value;
+}
+inline std::unordered_map<const void*, std::size_t>& dynamic_smem_opt_ins() {  // settings_mutex()
+  static std::unordered_map<const void*, std::size_t> value;
+  return value;
+}
+
+// The blocks of a grid in the order they run: blockIdx order (x fastest), or
+// reversed, or shuffled with the seed plus a per-launch counter (so successive
+// launches differ, and a run is reproducible).
+inline std::vector<uint3> block_schedule(dim3 grid) {
+  std::vector<uint3> blocks;
+  blocks.reserve(std::size_t{grid.x} * grid.y * grid.z);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) blocks.push_back(uint3{bx, by, bz});
+  BlockOrderSetting setting;
+  static std::uint64_t launches = 0;
+  std::uint64_t launch_index;
+  {
+    std::lock_guard lock(settings_mutex());
+    setting = block_order_setting();
+    launch_index = launches++;
+  }
+  if (setting.order == BlockOrder::kReversed) {
+    std::reverse(blocks.begin(), blocks.end());
+  } else if (setting.order == BlockOrder::kShuffled) {
+    std::mt19937_64 gen(setting.seed * 0x9E3779B97F4A7C15ull + launch_index);
+    std::shuffle(blocks.begin(), blocks.end(), gen);
+  }
+  return blocks;
+}
+
+// ---- cp.async: per-thread queues of copies in flight ------------------------
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  unsigned size, src_size;  // src_size < size: the rest is zero-filled
+};
+struct AsyncCopyState {
+  std::vector<AsyncCopy> open;                   // issued, not yet committed
+  std::deque<std::vector<AsyncCopy>> committed;  // oldest first
+  void clear() {
+    open.clear();
+    committed.clear();
+  }
+};
+inline thread_local AsyncCopyState tls_async_copies;
+
+inline void validate_launch(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes,
+                            const void* kernel) {
   const auto fail = [](const std::string& what) {
     throw launch_error("ropescale_emu: invalid configuration argument: " + what);
   };
@@ -419,14 +621,31 @@ inline void validate_launch(dim3 grid, dim3 block, std::size_t dynamic_smem_byte
     fail("more than 1024 threads per block (" +
          std::to_string(std::uint64_t{block.x} * block.y * block.z) + ")");
   if (grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) fail("grid dimension above limit");
-  if (dynamic_smem_bytes > kMaxDynamicSharedBytes)
-    fail("dynamic shared memory above " + std::to_string(kMaxDynamicSharedBytes) + " bytes");
+  const std::size_t static_bytes = static_shared_bytes();
+  std::size_t opt_in = 0;
+  bool opted_in = false;
+  {
+    std::lock_guard lock(settings_mutex());
+    const auto it = dynamic_smem_opt_ins().find(kernel);
+    if (it != dynamic_smem_opt_ins().end()) opted_in = true, opt_in = it->second;
+  }
+  const std::string sizes = std::to_string(static_bytes) + " B static (all static __shared__ of "
+                            "the program) + " + std::to_string(dynamic_smem_bytes) + " B dynamic";
+  if (!opted_in && static_bytes + dynamic_smem_bytes > kDefaultSharedBytes)
+    fail("shared memory " + sizes + " above 48 KiB without the kernel's opt-in "
+         "(cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  if (opted_in && dynamic_smem_bytes > opt_in)
+    fail("dynamic shared memory " + std::to_string(dynamic_smem_bytes) +
+         " B above the kernel's opt-in of " + std::to_string(opt_in) + " B");
+  if (static_bytes + dynamic_smem_bytes > max_shared_bytes_per_block())
+    fail("shared memory " + sizes + " above the target's " +
+         std::to_string(max_shared_bytes_per_block()) + " B per block");
 }
 
 // Runs `kernel_body` once per thread of every block.
-inline void run_grid(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes,
+inline void run_grid(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes, const void* kernel,
                      const std::function<void()>& kernel_body) {
-  validate_launch(grid, block, dynamic_smem_bytes);
+  validate_launch(grid, block, dynamic_smem_bytes, kernel);
   if (tls_context.block != nullptr)
     throw launch_error("ropescale_emu: kernel launch from inside a kernel is not supported");
   std::lock_guard launch_lock(launch_mutex());
@@ -437,41 +656,44 @@ inline void run_grid(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes,
   std::unique_ptr<unsigned char, void (*)(unsigned char*)> smem(
       static_cast<unsigned char*>(::operator new(smem_size, kSmemAlign)),
       [](unsigned char* p) { ::operator delete(p, kSmemAlign); });
+  const auto [static_begin, static_end] = static_shared_range();
 
   std::mutex error_mutex;
   std::exception_ptr first_error;
 
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        // Shared memory is undefined at block start; 0xFF bytes read as NaN
-        // floats / -1 ints, which makes a missing initialisation visible.
-        std::memset(smem.get(), 0xFF, smem_size);
-        BlockState block_state(thread_count);
-        const std::function<void(unsigned)> thread_body = [&](unsigned tid) {
-          WarpState& warp = *block_state.warps[tid / 32];
-          tls_context = ThreadContext{&block_state, &warp, tid % 32, smem.get()};
-          threadIdx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
-          blockIdx = uint3{bx, by, bz};
-          blockDim = block;
-          gridDim = grid;
-          try {
-            block_state.start_gate.arrive_and_wait(
-                "block start", [](std::uint64_t) {}, [](std::uint64_t) { return 0; });
-            kernel_body();
-          } catch (...) {
-            std::lock_guard lock(error_mutex);
-            if (!first_error) first_error = std::current_exception();
-          }
-          // An exited thread no longer takes part in barriers (as on hardware).
-          warp.live_mask.fetch_and(~(1u << (tid % 32)));
-          warp.sync.arrive_and_drop();
-          block_state.barrier.arrive_and_drop();
-          tls_context = ThreadContext{};
-        };
-        worker_pool().run(thread_count, thread_body);
-        if (first_error) std::rethrow_exception(first_error);
+  for (const uint3 block_index : block_schedule(grid)) {
+    // Shared memory is undefined at block start; 0xFF bytes read as NaN
+    // floats / -1 ints, which makes a missing initialisation visible.
+    std::memset(smem.get(), 0xFF, smem_size);
+    if (static_begin != nullptr) std::memset(static_begin, 0xFF, static_end - static_begin);
+    BlockState block_state(thread_count);
+    const std::function<void(unsigned)> thread_body = [&](unsigned tid) {
+      WarpState& warp = *block_state.warps[tid / 32];
+      tls_context = ThreadContext{&block_state, &warp, tid % 32, smem.get(), dynamic_smem_bytes};
+      tls_async_copies.clear();
+      threadIdx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
+      blockIdx = block_index;
+      blockDim = block;
+      gridDim = grid;
+      try {
+        block_state.start_gate.arrive_and_wait(
+            "block start", [](std::uint64_t) {}, [](std::uint64_t) { return 0; });
+        kernel_body();
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!first_error) first_error = std::current_exception();
       }
+      // An exited thread no longer takes part in barriers (as on hardware).
+      // Copies it never waited for are dropped: their data is never seen.
+      tls_async_copies.clear();
+      warp.live_mask.fetch_and(~(1u << (tid % 32)));
+      warp.sync.arrive_and_drop();
+      block_state.barrier.arrive_and_drop();
+      tls_context = ThreadContext{};
+    };
+    worker_pool().run(thread_count, thread_body);
+    if (first_error) std::rethrow_exception(first_error);
+  }
 }
 
 }  // namespace detail
@@ -486,8 +708,56 @@ void launch(dim3 grid, dim3 block, std::size_t dynamic_smem_bytes, void (*kernel
             Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "wrong number of kernel arguments");
   std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-  detail::run_grid(grid, block, dynamic_smem_bytes, [&] { std::apply(kernel, params); });
+  detail::run_grid(grid, block, dynamic_smem_bytes, reinterpret_cast<const void*>(kernel),
+                   [&] { std::apply(kernel, params); });
 }
+
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+// bytes): lets later launches of `kernel` use up to `bytes` of dynamic shared
+// memory. Returns 0, or 1 (cudaErrorInvalidValue) when bytes is negative or
+// static + bytes exceeds the target's per-block maximum.
+template <class... Params>
+int set_max_dynamic_shared_memory(void (*kernel)(Params...), int bytes) {
+  if (bytes < 0 ||
+      detail::static_shared_bytes() + static_cast<std::size_t>(bytes) >
+          detail::max_shared_bytes_per_block())
+    return 1;
+  std::lock_guard lock(detail::settings_mutex());
+  detail::dynamic_smem_opt_ins()[reinterpret_cast<const void*>(kernel)] =
+      static_cast<std::size_t>(bytes);
+  return 0;
+}
+
+// Runs the blocks of later launches in this order for the current scope.
+class ScopedBlockOrder {
+ public:
+  explicit ScopedBlockOrder(BlockOrder order, unsigned seed = 1) {
+    std::lock_guard lock(detail::settings_mutex());
+    previous_ = detail::block_order_setting();
+    detail::block_order_setting() = {order, seed};
+  }
+  ~ScopedBlockOrder() {
+    std::lock_guard lock(detail::settings_mutex());
+    detail::block_order_setting() = previous_;
+  }
+  ScopedBlockOrder(const ScopedBlockOrder&) = delete;
+  ScopedBlockOrder& operator=(const ScopedBlockOrder&) = delete;
+
+ private:
+  detail::BlockOrderSetting previous_;
+};
+
+// Emulates the shared-memory caps of this target for the current scope.
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(Target target) : previous_(detail::target_setting().exchange(target)) {}
+  ~ScopedTarget() { detail::target_setting().store(previous_); }
+  ScopedTarget(const ScopedTarget&) = delete;
+  ScopedTarget& operator=(const ScopedTarget&) = delete;
+
+ private:
+  Target previous_;
+};
 
 // Base of the dynamic shared memory of the running block (see
 // ROPESCALE_DYNAMIC_SMEM); 128-byte aligned.
@@ -796,3 +1066,6 @@ inline double min(float a, double b) { return std::fmin(double{a}, b); }
 inline double max(float a, double b) { return std::fmax(double{a}, b); }
 inline double min(double a, float b) { return std::fmin(a, double{b}); }
 inline double max(double a, float b) { return std::fmax(a, double{b}); }
+
+// mma.sync, ldmatrix and cp.async, emulated from the PTX ISA fragment layouts.
+#include "ropescale_emu/warp_matrix.h"

@@ -1,0 +1,525 @@
+// Tensor-core prefill of rerope_attention for fp16 and bf16 inputs (sm_80 and newer), framework-free
+// like rerope_attention.cuh, whose ReropeParams and rotate-keys pre-pass it shares. The same source
+// compiles with nvcc (inline PTX through ropescale/portable.h) and, with ROPESCALE_EMULATION, runs on
+// the CPU emulation, whose mma.sync / ldmatrix / cp.async follow the PTX ISA's fragment layouts.
+//
+// The FlashAttention-2 structure, with ReRoPE's tile classification:
+//   * one CTA of 4 warps per (64 queries, q head); warp w owns query rows 16w..16w+15 of the block
+//     and keeps its output accumulator (16 x D, f32) and its online-softmax state in registers;
+//   * the block's queries, rotated twice (near side at p, far side at w + (p - w)/k) in f32 and
+//     rounded to T, stay in shared memory; the keys were rotated once by the pre-pass into T
+//     buffers (near side at p; Leaky far side at p/k; plain ReRoPE's far side is the raw key);
+//   * key tiles of 64 go through shared memory with cp.async: the K tile(s) of tile j+1 are fetched
+//     while the warps compute P.V of tile j, and V of tile j while they compute its scores (the
+//     FlashAttention-2 K/V ping-pong: one buffer each, always one load in flight);
+//   * ldmatrix feeds mma.sync.m16n8k16 (f32 accumulators): S = Q K^T in 16-column steps of the head
+//     dim, then O += P V with P (rounded to T) taken from the S accumulators as the A operand;
+//   * every key tile is classified from its position bounds (rerope_math.h) against the block's
+//     queries, which decides what is loaded, and against each warp's 16 queries, which decides what
+//     the warp computes: near or far tiles one product, band tiles both (selected per element by the
+//     distance rule), skipped tiles nothing (not even loaded). A per-tile table of key position bounds
+//     (rerope_key_tiles_kernel) lets a warp look 32 tiles ahead with one load per lane and a ballot.
+//
+// Rounding (the contract for low-precision inputs, DESIGN.md): the rotated q and k and the
+// probabilities are rounded to T as FlashAttention and SDPA round theirs; every product is
+// accumulated in f32 (mma.sync), the softmax is f32, scale and log-n multiply the f32 scores. The
+// same path runs at every problem size.
+//
+// Head dims 64, 80, 96 and 128 (any multiple of 16 up to 128 whose 16-byte chunk count per row
+// leaves a tail of 0, 1, 2 or 4 chunks past a multiple of 8). Head dim 256 would need 128
+// accumulator registers per thread for O alone plus two score fragments on band tiles: past the
+// register file without spills at 4 warps, so the SIMT kernel serves D > 128 (and other dims, and
+// fp32). Decode (a few query tokens) stays on the SIMT split-K kernel: it reads the whole cache once
+// per token and does ~1 FLOP per byte, so it is bound by memory bandwidth, not by the FMA rate that
+// tensor cores raise.
+#pragma once
+
+#include "ropescale/portable.h"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "ropescale/rerope_attention.cuh"
+#include "ropescale/rerope_math.h"
+#include "ropescale/rotary_math.h"
+
+namespace ropescale::rerope_cuda {
+
+// Position bounds of one tile of keys (rerope_math.h's PositionRange, flattened for global memory).
+struct KeyTile {
+  long long min, max;  // over the valid (>= 0) positions
+  int count;           // valid positions
+  int any_padding;     // some key is padding (position < 0) or past the last key
+};
+
+namespace tc {
+
+// 4 warps of 32 threads (rerope_cuda::kWarps, kThreads), 16 query rows each.
+static_assert(kWarps == 4 && kThreads == 128, "the tensor-core prefill uses 4 warps");
+constexpr int kBlockM = 16 * kWarps;  // queries per block
+constexpr int kBlockN = 64;           // keys per tile
+
+template <int kHeadDim>
+struct Shape {
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 128, "tensor-core head dims: 16..128, step 16");
+  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks of a row
+  static constexpr int kKSteps = kHeadDim / 16;    // mma k-steps of S = Q K^T
+  static constexpr int kDimBlocks = kHeadDim / 8;  // n8 blocks of O
+  // Shared rows are padded by one 16-byte chunk: the 8 rows an ldmatrix reads at one column then
+  // start in 8 different 16-byte bank groups (row r at chunk r * (kChunks + 1) mod 8: distinct for
+  // every even kChunks), and every address stays affine in the unrolled loops' indices, so the
+  // compiler folds them into immediate offsets instead of holding one register per address.
+  static constexpr int kRowStride = kHeadDim + 8;
+  // Dynamic shared memory (16-bit elements): q near, q far (kBlockM rows), one K tile, one V tile
+  // (kBlockN rows). A band tile's two K sides take turns in the K tile.
+  static constexpr int kQElems = kBlockM * kRowStride;
+  static constexpr int kKElems = kBlockN * kRowStride;
+  static constexpr std::size_t kSmemBytes = (2 * kQElems + 2 * kKElems) * 2;
+  // Static + dynamic shared memory must fit an A100 block (163 KiB); nothing static here.
+  static_assert(kSmemBytes <= 166912, "shared memory above the sm_80 per-block maximum");
+  // Resident blocks per SM asked of ptxas through __launch_bounds__: 2 (8 warps), which leaves 255
+  // registers per thread. The shared memory would allow 3 blocks up to D 96 on an A100 (164 KiB per
+  // SM), but at 168 registers ptxas spills at D 80 and 96 (sm_90) and has 2 to spare at D 64.
+  static constexpr int kMinBlocksPerSm = 2;
+};
+
+// Element offset of (row, 16-byte chunk) in a padded [rows][kRowStride] shared tile.
+template <int kHeadDim>
+__device__ __forceinline__ int smem_offset(int row, int chunk) {
+  return row * Shape<kHeadDim>::kRowStride + chunk * 8;
+}
+
+// ---- position bounds, reduced over a warp -----------------------------------------------------
+
+__device__ __forceinline__ PositionRange warp_reduce_range(PositionRange r) {
+  long long lo = r.min, hi = r.max;
+  int count = r.count, padding = r.any_padding ? 1 : 0;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const long long other_lo = __shfl_xor_sync(kFullMask, lo, offset);
+    const long long other_hi = __shfl_xor_sync(kFullMask, hi, offset);
+    lo = other_lo < lo ? other_lo : lo;
+    hi = other_hi > hi ? other_hi : hi;
+    count += __shfl_xor_sync(kFullMask, count, offset);
+    padding |= __shfl_xor_sync(kFullMask, padding, offset);
+  }
+  PositionRange out;
+  out.min = lo;
+  out.max = hi;
+  out.count = count;
+  out.any_padding = padding != 0;
+  return out;
+}
+
+__device__ __forceinline__ PositionRange key_tile_range(const KeyTile& t) {
+  PositionRange r;
+  r.min = t.min;
+  r.max = t.max;
+  r.count = t.count;
+  r.any_padding = t.any_padding != 0;
+  return r;
+}
+
+// The first tile >= `from` that the block needs (not skipped), or n_tiles: 32 tiles per step, one
+// per lane, agreed by ballot. Every warp computes the same answer from the same inputs.
+__device__ __forceinline__ int next_active_tile(const KeyTile* tiles, int from, int n_tiles, const PositionRange& queries,
+                                                int64_t window, bool causal) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  for (int base = from; base < n_tiles; base += 32) {
+    const int tile = base + lane;
+    bool active = false;
+    if (tile < n_tiles)
+      active = rerope_classify_tile(queries, key_tile_range(tiles[tile]), window, causal).kind != TileKind::kSkip;
+    const unsigned ballot = __ballot_sync(kFullMask, active);
+    if (ballot != 0u) return base + __ffs(static_cast<int>(ballot)) - 1;
+  }
+  return n_tiles;
+}
+
+// ---- shared-memory tiles ----------------------------------------------------------------------
+
+// cp.async of kBlockN rows (`rows_valid` of them real, the rest zero-filled) into a shared tile.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_key_rows_async(T* dst, const T* src, int64_t row_stride, int rows_valid) {
+  using S = Shape<kHeadDim>;
+  for (int c = static_cast<int>(threadIdx.x); c < kBlockN * S::kChunks; c += kThreads) {
+    const int row = c / S::kChunks, chunk = c % S::kChunks;
+    const bool valid = row < rows_valid;
+    const T* from = valid ? src + row * row_stride + chunk * 8 : src;
+    device::cp_async_16(dst + smem_offset<kHeadDim>(row, chunk), from, valid ? 16 : 0);
+  }
+}
+
+// The block's query rows, rotated near (at p) and far (at w + (p - w)/k) in f32, rounded to T, into
+// the shared q tiles. Rows past the queries and padding rows are zeros.
+template <typename T, int kHeadDim>
+__device__ void store_query_rows(const ReropeParams& p, int b, int head, int q0, T* q_near, T* q_far) {
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + head * p.q_stride_h;
+  const int half_dim = kHeadDim / 2;
+  for (int idx = static_cast<int>(threadIdx.x); idx < kBlockM * half_dim; idx += kThreads) {
+    const int r = idx / half_dim, pair = idx % half_dim;
+    const int query = q0 + r;
+    const int64_t pos = query < p.q_len ? p.q_positions[static_cast<int64_t>(b) * p.q_len + query] : -1;
+    int first = 2 * pair, second = 2 * pair + 1;
+    float near1 = 0.0f, near2 = 0.0f, far1 = 0.0f, far2 = 0.0f;
+    if (pair < p.rotary_pairs) rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
+    if (pos >= 0) {
+      const T* src = q + query * p.q_stride_l;
+      const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+      if (pair < p.rotary_pairs) {
+        float sin_v, cos_v;
+        rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
+        rotate_pair(x1, x2, cos_v, sin_v, &near1, &near2);
+        rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
+        rotate_pair(x1, x2, cos_v, sin_v, &far1, &far2);
+      } else {  // past the rotary dims: the same on both sides
+        near1 = far1 = x1;
+        near2 = far2 = x2;
+      }
+    }
+    const int o1 = smem_offset<kHeadDim>(r, first / 8) + first % 8;
+    const int o2 = smem_offset<kHeadDim>(r, second / 8) + second % 8;
+    q_near[o1] = from_float<T>(near1);
+    q_near[o2] = from_float<T>(near2);
+    q_far[o1] = from_float<T>(far1);
+    q_far[o2] = from_float<T>(far2);
+  }
+}
+
+// ---- the two products ---------------------------------------------------------------------------
+
+// s[j] (n8 block j of the 64 keys, C layout) = Q[warp rows] . K[tile rows]^T over the head dim.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void warp_scores(const T* q_tile, const T* k_tile, float (&s)[kBlockN / 8][4]) {
+  using S = Shape<kHeadDim>;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < S::kKSteps; ++kk) {
+    // A: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15) of the step, in register order a0..a3.
+    uint32_t a[4];
+    device::ldmatrix<4>(a, q_tile + smem_offset<kHeadDim>(16 * warp + lane % 8 + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
+#pragma unroll
+    for (int nn = 0; nn < kBlockN / 16; ++nn) {
+      // B of two n8 blocks: (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, ...), ...
+      uint32_t bk[4];
+      device::ldmatrix<4>(bk, k_tile + smem_offset<kHeadDim>(16 * nn + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+      const uint32_t b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+      device::mma_m16n8k16<T>(s[2 * nn], a, b0);
+      device::mma_m16n8k16<T>(s[2 * nn + 1], a, b1);
+    }
+  }
+}
+
+// Per-element facts of this lane's 32 scores of a tile, one bit each (bit 4j + i for the C-fragment
+// element i of n8 block j: row g + 8 (i / 2), key j0 + 8j + 2t + i % 2): whether the pair is on the
+// near side of the window, and whether it is visible. Two registers instead of 16 key positions.
+struct PairBits {
+  uint32_t near = 0, visible = 0;
+};
+__device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const int64_t* k_positions, int j0, int k_len,
+                                              int64_t window, bool causal) {
+  const int t = static_cast<int>(threadIdx.x) % 4;
+  PairBits bits;
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int key = j0 + 8 * j + 2 * t + c;
+      const int64_t key_pos = key < k_len ? k_positions[key] : -1;  // past the keys: never visible
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int bit = 4 * j + 2 * h + c;
+        bits.near |= static_cast<uint32_t>(rerope_is_near(row_pos[h], key_pos, window)) << bit;
+        bits.visible |= static_cast<uint32_t>(rerope_visible(row_pos[h], key_pos, causal)) << bit;
+      }
+    }
+  return bits;
+}
+
+// Band tiles: the far-side product, 16 keys at a time (the Q fragments reloaded for each group,
+// which keeps only 8 extra accumulators live), replacing s[j][i] wherever the pair is not near.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void warp_far_scores_where_far(const T* q_tile, const T* k_tile, float (&s)[kBlockN / 8][4],
+                                                          uint32_t near_bits) {
+  using S = Shape<kHeadDim>;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int nn = 0; nn < kBlockN / 16; ++nn) {
+    float f[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int kk = 0; kk < S::kKSteps; ++kk) {
+      uint32_t a[4], bk[4];
+      device::ldmatrix<4>(a, q_tile + smem_offset<kHeadDim>(16 * warp + lane % 8 + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
+      device::ldmatrix<4>(bk, k_tile + smem_offset<kHeadDim>(16 * nn + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+      const uint32_t b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+      device::mma_m16n8k16<T>(f[0], a, b0);
+      device::mma_m16n8k16<T>(f[1], a, b1);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (!((near_bits >> (4 * (2 * nn + jj) + i)) & 1u)) s[2 * nn + jj][i] = f[jj][i];
+  }
+}
+
+// o += P V: P (16 x 64, from the score accumulators, rounded to T) times the V tile (64 x D).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void warp_pv(const float (&prob)[kBlockN / 8][4], const T* v_tile,
+                                        float (&o)[Shape<kHeadDim>::kDimBlocks][4]) {
+  using S = Shape<kHeadDim>;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    // The C fragments of key blocks 2kk and 2kk+1 are the A fragment of this 16-key step.
+    const uint32_t a[4] = {device::pack2<T>(prob[2 * kk][0], prob[2 * kk][1]),
+                           device::pack2<T>(prob[2 * kk][2], prob[2 * kk][3]),
+                           device::pack2<T>(prob[2 * kk + 1][0], prob[2 * kk + 1][1]),
+                           device::pack2<T>(prob[2 * kk + 1][2], prob[2 * kk + 1][3])};
+#pragma unroll
+    for (int dd = 0; dd < S::kDimBlocks / 2; ++dd) {
+      // B from V [key][dim], transposed: (keys 0-7, dims 0-7), (keys 8-15, dims 0-7), (keys 0-7,
+      // dims 8-15), (keys 8-15, dims 8-15).
+      uint32_t bv[4];
+      device::ldmatrix<4, true>(bv, v_tile + smem_offset<kHeadDim>(16 * kk + lane % 8 + 8 * ((lane / 8) % 2), 2 * dd + lane / 16));
+      const uint32_t b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
+      device::mma_m16n8k16<T>(o[2 * dd], a, b0);
+      device::mma_m16n8k16<T>(o[2 * dd + 1], a, b1);
+    }
+  }
+}
+
+}  // namespace tc
+
+// Position bounds of every tile of kTile keys, per batch row: tiles[b * n_tiles + t]. Keys past
+// k_len count as padding. One warp per tile. (A template only so that the header may be included
+// by several translation units of one program.)
+template <int kTile>
+__global__ void __launch_bounds__(kThreads) rerope_key_tiles_kernel(const ReropeParams p, KeyTile* tiles) {
+  const int n_tiles = (p.k_len + kTile - 1) / kTile;
+  const int tile = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
+  const int b = static_cast<int>(blockIdx.y), lane = static_cast<int>(threadIdx.x) % 32;
+  if (tile >= n_tiles) return;  // warp-uniform
+  PositionRange range;
+  for (int j = lane; j < kTile; j += 32) {
+    const int key = tile * kTile + j;
+    range.add(key < p.k_len ? p.k_positions[static_cast<int64_t>(b) * p.k_len + key] : -1);
+  }
+  range = tc::warp_reduce_range(range);
+  if (lane == 0) tiles[static_cast<int64_t>(b) * n_tiles + tile] = KeyTile{range.min, range.max, range.count,
+                                                                            range.any_padding ? 1 : 0};
+}
+
+// The prefill. Grid: x = query blocks (heaviest first), y = q heads, z = batch. p.k_near (and p.k_far
+// for Leaky) hold the keys rotated by rerope_rotate_keys_kernel<T, T>: T [B, Hkv, Lk, D], contiguous.
+// p.k and p.v rows must be 16-byte aligned (head dim and row/head/batch strides multiples of 8).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm)
+    rerope_prefill_tc_kernel(const ReropeParams p, const KeyTile* tiles) {
+  using namespace tc;
+  using S = Shape<kHeadDim>;
+  ROPESCALE_DYNAMIC_SMEM(T, smem);
+  T* const q_near_s = smem;
+  T* const q_far_s = q_near_s + S::kQElems;
+  T* const k_s = q_far_s + S::kQElems;  // near-side or far-side keys of the current tile
+  T* const v_s = k_s + S::kKElems;
+
+  const int query_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // the longest rows first
+  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // the row group and column pair of the mma fragments
+  const int q0 = query_block * kBlockM;
+  const int n_tiles = (p.k_len + kBlockN - 1) / kBlockN;
+  const bool leaky = p.leaky_inv != 0.0;
+  const int64_t* q_positions = p.q_positions + static_cast<int64_t>(b) * p.q_len;
+  const int64_t* k_positions = p.k_positions + static_cast<int64_t>(b) * p.k_len;
+  const KeyTile* block_tiles = tiles + static_cast<int64_t>(b) * n_tiles;
+
+  // Rows g and g + 8 of the warp's slice: positions (-1 past the queries: never visible), and the
+  // f32 score factor scale * log-n, times log2(e) for exp2.
+  int64_t row_pos[2];
+  float row_factor[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int query = q0 + 16 * warp + g + 8 * h;
+    row_pos[h] = query < p.q_len ? q_positions[query] : -1;
+    row_factor[h] = p.scale * rerope_logn_scale(row_pos[h], p.logn_length, p.inv_log_train) * 1.4426950408889634f;
+  }
+  // Position bounds of the block's 64 queries and of the warp's 16 (rows past q_len left out).
+  PositionRange block_q, warp_q;
+  for (int r = lane; r < kBlockM; r += 32)
+    if (q0 + r < p.q_len) block_q.add(q_positions[q0 + r]);
+  if (lane < 16 && q0 + 16 * warp + lane < p.q_len) warp_q.add(q_positions[q0 + 16 * warp + lane]);
+  block_q = warp_reduce_range(block_q);
+  warp_q = warp_reduce_range(warp_q);
+
+  store_query_rows<T, kHeadDim>(p, b, head, q0, q_near_s, q_far_s);
+
+  const int64_t rotated_base = (static_cast<int64_t>(b) * p.kv_heads + kv_head) * p.k_len * kHeadDim;
+  const T* k_near_g = static_cast<const T*>(p.k_near) + rotated_base;
+  const T* k_far_g = leaky ? static_cast<const T*>(p.k_far) + rotated_base
+                           : static_cast<const T*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h;
+  const int64_t k_far_stride = leaky ? kHeadDim : p.k_stride_l;
+  const T* v_g = static_cast<const T*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h;
+
+  // The keys of one side of a tile into the K tile (rows past k_len zero-filled), as one cp.async group.
+  const auto load_keys = [&](int tile, bool far_side) {
+    const int j0 = tile * kBlockN, rows = p.k_len - j0 < kBlockN ? p.k_len - j0 : kBlockN;
+    if (far_side)
+      load_key_rows_async<T, kHeadDim>(k_s, k_far_g + static_cast<int64_t>(j0) * k_far_stride, k_far_stride, rows);
+    else
+      load_key_rows_async<T, kHeadDim>(k_s, k_near_g + static_cast<int64_t>(j0) * kHeadDim, kHeadDim, rows);
+    device::cp_async_commit();
+  };
+  // The block's class of a tile: what is loaded. A near tile loads near keys, a far tile far keys, a
+  // band tile near keys first, then far keys into the same K tile.
+  const auto block_class = [&](int tile) {
+    return rerope_classify_tile(block_q, key_tile_range(block_tiles[tile]), p.window, p.causal);
+  };
+
+  float o[S::kDimBlocks][4];
+#pragma unroll
+  for (int j = 0; j < S::kDimBlocks; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // log2 domain; sum: this lane's
+
+  int tile = next_active_tile(block_tiles, 0, n_tiles, block_q, p.window, p.causal);
+  if (tile < n_tiles) load_keys(tile, block_class(tile).kind == TileKind::kFar);
+  while (tile < n_tiles) {
+    device::cp_async_wait<0>();
+    __syncthreads();  // K of `tile` (and the query rows) visible; every warp is done with the last V
+    const int j0 = tile * kBlockN, rows = p.k_len - j0 < kBlockN ? p.k_len - j0 : kBlockN;
+    load_key_rows_async<T, kHeadDim>(v_s, v_g + j0 * p.v_stride_l, p.v_stride_l, rows);
+    device::cp_async_commit();
+
+    const TileKind block_kind = block_class(tile).kind;
+    // This warp's class of the tile (its 16 queries): what it computes.
+    const TileClass mine = rerope_classify_tile(warp_q, key_tile_range(block_tiles[tile]), p.window, p.causal);
+    float s[kBlockN / 8][4];
+    PairBits bits;
+    if (mine.kind == TileKind::kBand || mine.needs_mask)
+      bits = pair_bits(row_pos, k_positions, j0, p.k_len, p.window, p.causal);
+    // Near scores (near and band warps) from the near keys; on a far tile, far scores from the far keys.
+    if (mine.kind == TileKind::kNear || mine.kind == TileKind::kBand ||
+        (mine.kind == TileKind::kFar && block_kind == TileKind::kFar)) {
+      const bool far = block_kind == TileKind::kFar;
+      warp_scores<T, kHeadDim>(far ? q_far_s : q_near_s, k_s, s);
+    }
+    if (block_kind == TileKind::kBand) {  // second turn of the K tile: the far-side keys
+      __syncthreads();  // every warp is done with the near keys
+      load_keys(tile, true);
+      device::cp_async_wait<0>();
+      __syncthreads();
+      if (mine.kind == TileKind::kFar) warp_scores<T, kHeadDim>(q_far_s, k_s, s);
+      // Band warps: the distance rule picks one side per element (near: distance < w).
+      if (mine.kind == TileKind::kBand)
+        warp_far_scores_where_far<T, kHeadDim>(q_far_s, k_s, s, bits.near);
+    }
+    if (mine.kind != TileKind::kSkip) {
+      // f32 scale (and log-n) per row, masking, online softmax in the log2 domain.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float x = s[j][i] * row_factor[i / 2];
+          if (mine.needs_mask && !((bits.visible >> (4 * j + i)) & 1u)) x = -INFINITY;
+          s[j][i] = x;
+          tile_max[i / 2] = fmaxf(tile_max[i / 2], x);
+        }
+      float alpha[2], base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the 4 lanes of a row group hold the row's 64 scores
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
+        const float new_max = fmaxf(row_max[h], tile_max[h]);
+        base[h] = new_max == -INFINITY ? 0.0f : new_max;  // nothing visible yet: exp2(-inf) = 0
+        alpha[h] = exp2f(row_max[h] - base[h]);
+        row_max[h] = new_max;
+        row_sum[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s[j][i] = exp2f(s[j][i] - base[i / 2]);
+          row_sum[i / 2] += s[j][i];
+        }
+#pragma unroll
+      for (int j = 0; j < S::kDimBlocks; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
+    }
+    const int next = next_active_tile(block_tiles, tile + 1, n_tiles, block_q, p.window, p.causal);
+    device::cp_async_wait<0>();
+    __syncthreads();  // V of `tile` visible; every warp is done with the K tile
+    if (next < n_tiles) load_keys(next, block_class(next).kind == TileKind::kFar);
+    if (mine.kind != TileKind::kSkip) warp_pv<T, kHeadDim>(s, v_s, o);
+    tile = next;
+  }
+
+  // Normalise and store rows g and g + 8 of the warp's slice.
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = row_sum[h];
+    total += __shfl_xor_sync(kFullMask, total, 1);
+    total += __shfl_xor_sync(kFullMask, total, 2);
+    const int query = q0 + 16 * warp + g + 8 * h;
+    if (query >= p.q_len) continue;
+    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + head) * p.q_len + query;
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+    for (int j = 0; j < S::kDimBlocks; ++j) {
+      T* dst = out + row * kHeadDim + 8 * j + 2 * t;
+      dst[0] = from_float<T>(o[j][2 * h] * inv);
+      dst[1] = from_float<T>(o[j][2 * h + 1] * inv);
+    }
+    if (t == 0) p.lse[row] = total > 0.0f ? (row_max[h] + log2f(total)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+// ---- host launcher -------------------------------------------------------------------------------
+
+// Whether the tensor-core prefill serves this problem: fp16/bf16 (the caller's choice of T), a
+// supported head dim, and 16-byte aligned k/v rows (checked by the caller on the pointers).
+constexpr bool rerope_tc_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;
+}
+
+// Workspace of the tensor-core prefill, allocated by the caller:
+//   p.k_near: T [B, Hkv, Lk, D]; p.k_far: the same, Leaky only; tiles: KeyTile [B, ceil(Lk / 64)].
+inline int rerope_tc_key_tiles(int k_len) { return (k_len + tc::kBlockN - 1) / tc::kBlockN; }
+
+// Launches the three kernels: keys rotated to T, the key-tile bounds, the prefill. `check(status,
+// what)` runs after every launch (and after the shared-memory opt-in) with the CUDA status (0 = ok);
+// it must not return on an error, so that no kernel reads the output of a failed one.
+template <typename T, int kHeadDim, class Check>
+inline void launch_rerope_prefill_tc(ReropeParams p, KeyTile* tiles, cudaStream_t stream, Check&& check) {
+  using S = tc::Shape<kHeadDim>;
+  const int64_t rotate_items = static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2);
+  const int64_t rotate_blocks = (rotate_items + 255) / 256 < 65535 ? (rotate_items + 255) / 256 : 65535;
+  ROPESCALE_LAUNCH_KERNEL((rerope_rotate_keys_kernel<T, T>), dim3(static_cast<unsigned>(rotate_blocks)), dim3(256), 0,
+                          stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the rotate-keys kernel");
+  const int n_tiles = rerope_tc_key_tiles(p.k_len);
+  ROPESCALE_LAUNCH_KERNEL(rerope_key_tiles_kernel<tc::kBlockN>,
+                          dim3(static_cast<unsigned>((n_tiles + kWarps - 1) / kWarps), static_cast<unsigned>(p.batch)),
+                          dim3(kThreads), 0, stream, p, tiles);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the key-tiles kernel");
+  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_prefill_tc_kernel<T, kHeadDim>), S::kSmemBytes),
+        "the shared-memory opt-in of the tensor-core prefill");
+  const dim3 grid(static_cast<unsigned>((p.q_len + tc::kBlockM - 1) / tc::kBlockM), static_cast<unsigned>(p.q_heads),
+                  static_cast<unsigned>(p.batch));
+  ROPESCALE_LAUNCH_KERNEL((rerope_prefill_tc_kernel<T, kHeadDim>), grid, dim3(kThreads), S::kSmemBytes, stream, p,
+                          static_cast<const KeyTile*>(tiles));
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the tensor-core prefill kernel");
+}
+
+}  // namespace ropescale::rerope_cuda
