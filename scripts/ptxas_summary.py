@@ -6,7 +6,8 @@
 
 One line per (kernel, arch), names demangled with c++filt when it is on the PATH. Exits 1 when a
 kernel spills, so CI can flag it; prints nothing (exit 0) when the log has no ptxas output (nothing
-was recompiled, or a CPU-only build).
+was recompiled, or a CPU-only build), except with --require (the ptxas_no_spills test), where an
+empty report is a failure (exit 2): a check that saw no kernel checked nothing.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def demangle(names):
     return dict(zip(names, out.splitlines())) if out else {n: n for n in names}
 
 
-def main(path: str) -> int:
+def main(path: str, require: bool = False) -> int:
     with open(path, errors="replace") as f:
         kernels = parse(f)
     if not kernels:
+        if require:
+            print(f"{path}: no ptxas -v output: nothing was checked", file=sys.stderr)
+            return 2
         return 0
     names = demangle(sorted({k for k, _ in kernels}))
     spilling = 0
@@ -64,4 +68,7 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "build/build.log"))
+    args = sys.argv[1:]
+    require = "--require" in args
+    paths = [a for a in args if a != "--require"]
+    sys.exit(main(paths[0] if paths else "build/build.log", require))

@@ -2,6 +2,9 @@
 // by the `ptxas_no_spills` test (check_ptxas.cmake) with `nvcc -Xptxas -v` for each target arch, so
 // that registers, stack and spills are printed and checked independently of the library's build
 // log. Compile only; never linked or run. Keep the list in step with csrc/cuda/*.cu.
+// With ROPESCALE_PLANTED_SPILL only planted_spill_kernel below is compiled: the
+// `ptxas_check_detects_spills` test shows that the check fails on a spill. (A register cap cannot plant
+// one in the real kernels: their __launch_bounds__ take precedence over -maxrregcount.)
 #include "ropescale/rerope_attention.cuh"
 #include "ropescale/rerope_attention_tc.cuh"
 #include "ropescale/rotary_kernels.cuh"
@@ -25,9 +28,11 @@ void instantiate_rerope(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
 }
 
 void instantiate_all(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
+#ifndef ROPESCALE_PLANTED_SPILL
   instantiate_rerope<float>(p, tiles, stream);
   instantiate_rerope<__half>(p, tiles, stream);
   instantiate_rerope<__nv_bfloat16>(p, tiles, stream);
+#endif
 }
 
 }  // namespace ropescale::rerope_cuda
@@ -36,9 +41,27 @@ namespace ropescale::rotary {
 
 void instantiate_all(const Params<float>& f, const Params<__half>& h, const Params<__nv_bfloat16>& b,
                      cudaStream_t stream) {
+#ifndef ROPESCALE_PLANTED_SPILL
   launch_rotary(f, 1, stream);
   launch_rotary(h, 1, stream);
   launch_rotary(b, 1, stream);
+#endif
 }
 
 }  // namespace ropescale::rotary
+
+#ifdef ROPESCALE_PLANTED_SPILL
+// 1024 threads x 2 blocks per SM leave 32 registers a thread, and 96 loaded values stay live until
+// their sum is known (the stores may alias the input, so they cannot be re-read): it must spill.
+__global__ void __launch_bounds__(1024, 2) planted_spill_kernel(const float* in, float* out) {
+  float v[96];
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 96; ++i) {
+    v[i] = in[threadIdx.x + i * 1024];
+    sum += v[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 96; ++i) out[threadIdx.x + i * 1024] = v[i] * sum;
+}
+#endif
