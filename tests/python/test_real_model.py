@@ -154,7 +154,7 @@ def _double_angle_rotary(native):
 
 
 @pytest.mark.parametrize("factor", (2.0, 4.0))
-def test_yarn_patch_equals_transformers_native_yarn(smollm2, text_ids, unpatched_logits, float32_error, factor):
+def test_yarn_patch_equals_transformers_native_yarn(smollm2, text_ids, unpatched_logits, factor):
     model, _ = smollm2
     params = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": ORIGINAL}
     native = sibling(model, params, max_position_embeddings=int(ORIGINAL * factor))
@@ -162,14 +162,25 @@ def test_yarn_patch_equals_transformers_native_yarn(smollm2, text_ids, unpatched
     with torch.no_grad():
         near_native = native(text_ids).logits
         far_native = _double_angle_rotary(native)(text_ids, position_ids=far).logits
+        # The truth: transformers' yarn in float64 (angles in float64 too) on the same tokens.
+        exact = copy.deepcopy(native).double()
+        near_exact, far_exact = exact(text_ids).logits, exact(text_ids, position_ids=far).logits
+        del exact
         with patched(model, params):
             near = model(text_ids).logits
             far_patched = model(text_ids, position_ids=far).logits
     assert max_diff(near_native, unpatched_logits) > 1.0  # YaRN does change this model
-    print(f"YaRN s={factor}: patched vs native {max_diff(near, near_native):.3g} at positions < 128, "
-          f"{max_diff(far_patched, far_native):.3g} at the last 128; float32's own error {float32_error:.3g}")
-    assert max_diff(near, near_native) <= 2 * float32_error
-    assert max_diff(far_patched, far_native) <= 2 * float32_error
+    # Judged against float64, relative to the error transformers' own float32 model makes on these
+    # tokens (its level on this input set: the larger of its errors at the two position ranges; that
+    # level depends on the CPU's GEMM kernels: 6e-5 to 1e-4 seen on AVX2 and AVX-512 machines). An
+    # inv_freq 1 ulp off, or a wrong attention factor, moves the far logits by 5e-3 or more.
+    cases = (("positions < 128", near, near_native, near_exact), ("the last 128", far_patched, far_native, far_exact))
+    their_level = max(max_diff(theirs, truth) for _, _, theirs, truth in cases)
+    for where, ours, theirs, truth in cases:
+        our_error = max_diff(ours, truth)
+        print(f"YaRN s={factor} at {where}: patched {our_error:.3g} from float64, transformers' float32 "
+              f"{max_diff(theirs, truth):.3g} (patched vs transformers {max_diff(ours, theirs):.3g})")
+        assert our_error <= 2 * their_level, f"{where}: {our_error:.3g} > 2 x {their_level:.3g}"
 
 
 @pytest.mark.parametrize("kind", ("rerope", "leaky", "logn"))
