@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -100,19 +101,13 @@ inline fVec softmax_exp(const fVec& x) {
   return fVec::blendv(result, fVec(0.0f), x < fVec(-87.0f));
 }
 
-// Largest lane and sum of the lanes of a vector.
+// Largest lane and sum of the lanes of a vector (shuffle trees on AVX2/AVX-512).
 inline float lanes_max(const fVec& v) {
-  float lanes[fVec::size()];
-  v.store(lanes);
-  return *std::max_element(lanes, lanes + fVec::size());
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, v);
 }
 
 inline float lanes_sum(const fVec& v) {
-  float lanes[fVec::size()];
-  v.store(lanes);
-  float sum = 0.0f;
-  for (float lane : lanes) sum += lane;
-  return sum;
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
 
 // x rounded to round_t and back (round to nearest even, as a conversion to the dtype does); float:
@@ -147,13 +142,25 @@ void round_rows(float* x, int64_t n) {
   }
 }
 
+// dst[0, n) = src[0, n) converted to lp_t (bfloat16 / float16), vectorised.
+template <typename lp_t>
+void convert_row(const float* src, int64_t n, lp_t* dst) {
+  constexpr int64_t kStep = 2 * fVec::size();
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep)
+    at::vec::convert_from_float<lp_t>(fVec::loadu(src + i), fVec::loadu(src + i + fVec::size())).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<lp_t>(src[i]);
+}
+
 // Folds a tile of raw scores (q.k, unscaled) into the running softmax of its rows. Row r's scores
 // are scaled by row_factor[r] (softmax scale x log-n, >= 0); row_max (of the scaled scores) and
 // row_sum are updated, the scores become their unnormalised probabilities rounded to round_t (what
 // P.V multiplies; the row sum takes them unrounded), and each acc row is rescaled by exp(old - new).
+// With probs_out (the packed path) the rounded probabilities go there as round_t instead (same ld,
+// columns [0, cols)), and the scores are left as they were.
 template <typename round_t>
 void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld_scores, const float* row_factor,
-                           float* row_max, float* row_sum, float* acc, int64_t dim) {
+                           float* row_max, float* row_sum, float* acc, int64_t dim, round_t* probs_out = nullptr) {
   constexpr int64_t kWidth = fVec::size();
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld_scores;
@@ -169,8 +176,12 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
     for (; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
     const float old_max = row_max[r];
     const float new_max = std::max(old_max, tile_max * factor);  // -inf stays -inf (factor > 0)
+    round_t* out = probs_out ? probs_out + r * ld_scores : nullptr;
     if (new_max == kNegInf) {  // nothing visible in this row so far
-      std::fill(s, s + cols, 0.0f);
+      if (out)
+        std::fill(out, out + cols, round_t(0.0f));
+      else
+        std::fill(s, s + cols, 0.0f);
       continue;
     }
     const fVec factor_vec(factor), shift_vec(-new_max);
@@ -179,6 +190,12 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
       fVec p0 = softmax_exp(at::vec::fmadd(fVec::loadu(s + c), factor_vec, shift_vec));
       fVec p1 = softmax_exp(at::vec::fmadd(fVec::loadu(s + c + kWidth), factor_vec, shift_vec));
       sum_vec = sum_vec + p0 + p1;
+      if constexpr (!std::is_same_v<round_t, float>) {
+        if (out) {
+          at::vec::convert_from_float<round_t>(p0, p1).store(out + c);
+          continue;
+        }
+      }
       round_to<round_t>(p0, p1);
       p0.store(s + c);
       p1.store(s + c + kWidth);
@@ -187,7 +204,10 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
     for (; c < cols; ++c) {
       const float p = softmax_exp(std::fma(s[c], factor, -new_max));
       tile_sum += p;
-      s[c] = round_to<round_t>(p);
+      if (out)
+        out[c] = static_cast<round_t>(p);
+      else
+        s[c] = round_to<round_t>(p);
     }
     const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
     row_sum[r] = row_sum[r] * alpha + tile_sum;
@@ -361,20 +381,46 @@ struct FloatRows {
   const float* row(int64_t b, int64_t h, int64_t l) const { return data + b * stride_b + h * stride_h + l * stride_l; }
 };
 
-// Transposed key panels [B, Hkv, n_kb, D, kBlockK], written only for the blocks that need them.
-struct KeyPanels {
+// Per-(batch, kv head, key block) panels [B, Hkv, n_kb, panel_size] of element type panel_t, written
+// only for the blocks that need them: transposed keys [D x kBlockK] and, on the packed path, values
+// [kBlockK x D], both in the layout the GEMM reads (float rows, or VNNI as cpublas::pack writes it).
+template <typename panel_t>
+struct Panels {
   at::Tensor storage;
-  float* data = nullptr;
-  int64_t heads = 0, blocks = 0, dim = 0;
+  panel_t* data = nullptr;
+  int64_t heads = 0, blocks = 0, size = 0;
 
-  KeyPanels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t dim_)
-      : storage(at::empty({batch, heads_, blocks_, dim_, kBlockK}, at::TensorOptions().dtype(at::kFloat))),
-        data(storage.data_ptr<float>()),
-        heads(heads_),
-        blocks(blocks_),
-        dim(dim_) {}
-  float* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * dim * kBlockK; }
+  Panels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t size_, bool allocate = true)
+      : heads(heads_), blocks(blocks_), size(size_) {
+    if (!allocate) return;
+    storage = at::empty({batch, heads_, blocks_, size_}, at::TensorOptions().dtype(c10::CppTypeToScalarType<panel_t>::value));
+    data = storage.data_ptr<panel_t>();
+  }
+  panel_t* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * size; }
 };
+
+// The bf16/fp16 GEMMs on the packed path: cpublas::brgemm with VNNI-packed B, which oneDNN runs on
+// AMX (or AVX-512 BF16/FP16) tiles, as SDPA's CPU flash kernel does. Operands are the same rounded
+// values as on the float path and accumulation is float32, so both paths compute the same products;
+// only the summation order differs. could_pack says whether this CPU has such a kernel.
+constexpr int64_t kPackN = 64;  // columns per packed B block (oneDNN's largest)
+static_assert(kBlockK % kPackN == 0, "key panels are packed in whole column blocks");
+
+template <typename scalar_t>
+bool use_packed_gemm(int64_t head_dim) {
+#ifdef CPU_CAPABILITY_AVX512
+  // Only in the AVX-512 variant: ATen's pack runs only at that capability (ATEN_CPU_CAPABILITY=avx2 on
+  // an AMX machine makes could_pack true and pack fail).
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return false;
+  } else {
+    // oneDNN packs B in column blocks of 16, 32, 48 or 64 (kPackN); VNNI pairs the reduction dim.
+    return head_dim % 16 == 0 && at::native::cpublas::could_pack(c10::CppTypeToScalarType<scalar_t>::value);
+  }
+#else
+  return false;
+#endif
+}
 
 template <typename scalar_t>
 void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
@@ -426,26 +472,58 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
                               [](int64_t p) { return static_cast<double>(p); });
   const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(B * n_kb, 0), k_pos, Lk, n_kb, inv_freq, P,
                              [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
-  const KeyPanels near_panels(B, Hkv, n_kb, D), far_panels(B, Hkv, n_kb, D);
+  const bool packed = use_packed_gemm<scalar_t>(D);
+  using lp_t = std::conditional_t<std::is_same_v<scalar_t, float>, at::BFloat16, scalar_t>;  // packed operands
+  const at::ScalarType lp_dtype = c10::CppTypeToScalarType<lp_t>::value;
+  const Panels<float> near_panels(B, Hkv, n_kb, D * kBlockK, !packed), far_panels(B, Hkv, n_kb, D * kBlockK, !packed);
+  const Panels<lp_t> near_packed(B, Hkv, n_kb, D * kBlockK, packed), far_packed(B, Hkv, n_kb, D * kBlockK, packed),
+      v_packed(B, Hkv, n_kb, kBlockK * D, packed);
   const auto* k_data = a.k.data_ptr<scalar_t>();
+  const auto* v_data = a.v.data_ptr<scalar_t>();
   at::parallel_for(0, B * Hkv * n_kb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), key_rows(kBlockK * D);
+    std::vector<lp_t> staging(packed ? kBlockK * D : 0);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t kb = unit % n_kb, h = (unit / n_kb) % Hkv, b = unit / (n_kb * Hkv), block = b * n_kb + kb;
       const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
-      // The block's keys, rotated for one side, transposed into that side's panel.
-      auto write_panel = [&](const KeyPanels& panels, const float* rot) {
+      // The block's keys, rotated for one side (and rounded), transposed [D x kBlockK]: into the float
+      // panel, or into the staging panel (zero past cols) that is then packed.
+      auto write_panel = [&](const Panels<float>& panels, const Panels<lp_t>& packed_panels, const float* rot) {
         load_key_rows(k_data + b * a.k.stride(0) + h * a.k.stride(1), a.k.stride(2), j0, cols, D, rot, P,
                       a.interleaved, scratch.data(), key_rows.data());
-        float* panel = panels.panel(b, h, kb);
-        for (int64_t c = 0; c < cols; ++c)
-          for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key_rows[c * D + d];
+        if (!packed) {
+          float* panel = panels.panel(b, h, kb);
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key_rows[c * D + d];
+          return;
+        }
+        // Column blocks of kPackN keys, each [D x kPackN], packed one after the other.
+        lp_t* out = packed_panels.panel(b, h, kb);
+        for (int64_t n0 = 0; n0 < kBlockK; n0 += kPackN) {
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t c = 0; c < kPackN; ++c)
+              staging[d * kPackN + c] = n0 + c < cols ? static_cast<lp_t>(key_rows[(n0 + c) * D + d]) : lp_t(0.0f);
+          at::native::cpublas::pack(D, kPackN, kPackN, kPackN, lp_dtype, lp_dtype, staging.data(), out + n0 * D);
+        }
       };
-      if (needs_near[block]) write_panel(near_panels, near_rot.rows(block));
-      if (needs_far[block]) write_panel(far_panels, far_rot.rows(block));  // ReRoPE: no rotation, raw keys
+      if (needs_near[block]) write_panel(near_panels, near_packed, near_rot.rows(block));
+      if (needs_far[block]) write_panel(far_panels, far_packed, far_rot.rows(block));  // ReRoPE: raw keys
+      if (packed && (needs_near[block] || needs_far[block])) {
+        // The block's values [kBlockK x D] (zero past cols) in column blocks of up to kPackN dims.
+        const scalar_t* v_head = v_data + b * a.v.stride(0) + h * a.v.stride(1);
+        lp_t* out = v_packed.panel(b, h, kb);
+        for (int64_t d0 = 0; d0 < D; d0 += kPackN) {
+          const int64_t width = std::min(kPackN, D - d0);
+          for (int64_t c = 0; c < kBlockK; ++c)
+            for (int64_t d = 0; d < width; ++d)
+              staging[c * width + d] = c < cols ? static_cast<lp_t>(v_head[(j0 + c) * a.v.stride(2) + d0 + d]) : lp_t(0.0f);
+          at::native::cpublas::pack(kBlockK, width, width, width, lp_dtype, lp_dtype, staging.data(), out + kBlockK * d0);
+        }
+      }
     }
   });
-  const FloatRows v_rows(a.v);
+  std::optional<FloatRows> v_rows;  // the float path's V
+  if (!packed) v_rows.emplace(a.v);
 
   // ---- attention tasks, heaviest first, handed out dynamically (causal rows differ in cost)
   std::vector<int64_t> tasks;
@@ -464,6 +542,8 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
     std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<lp_t> q_near_lp(packed ? kBlockQ * D : 0), q_far_lp(packed ? kBlockQ * D : 0),
+        probs_lp(packed ? kBlockQ * kBlockK : 0);
     for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
       const int64_t task = tasks[t];
       const int64_t qb = task % n_qb, h = (task / n_qb) % Hq, b = task / (n_qb * Hq), hkv = h / group;
@@ -481,6 +561,10 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
       }
       round_rows<scalar_t>(q_near.data(), rows * D);
       round_rows<scalar_t>(q_far.data(), rows * D);
+      if (packed) {  // exact: the values are already rounded to lp_t
+        convert_row(q_near.data(), rows * D, q_near_lp.data());
+        convert_row(q_far.data(), rows * D, q_far_lp.data());
+      }
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -490,17 +574,39 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
         if (tc.kind == TileKind::kSkip) continue;
         const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
         const bool band = tc.kind == TileKind::kBand;
-        if (tc.kind != TileKind::kFar)
-          tile_scores(q_near.data(), rows, D, near_panels.panel(b, hkv, kb), cols, scores.data(), kBlockK);
+        // Scores: the packed path computes all kBlockK columns (past cols the keys are zero; not read).
+        auto scores_of = [&](const float* q, const lp_t* q_lp, const Panels<float>& panels,
+                             const Panels<lp_t>& packed_panels, float* dst) {
+          if (packed)
+            for (int64_t n0 = 0; n0 < kBlockK; n0 += kPackN)
+              at::native::cpublas::brgemm(rows, kPackN, D, D, kPackN, kBlockK, /*add_C=*/false, q_lp,
+                                          packed_panels.panel(b, hkv, kb) + n0 * D, dst + n0, /*is_vnni=*/true);
+          else
+            tile_scores(q, rows, D, panels.panel(b, hkv, kb), cols, dst, kBlockK);
+        };
+        if (tc.kind != TileKind::kFar) scores_of(q_near.data(), q_near_lp.data(), near_panels, near_packed, scores.data());
         if (tc.kind != TileKind::kNear)
-          tile_scores(q_far.data(), rows, D, far_panels.panel(b, hkv, kb), cols,
-                      band ? far_scores.data() : scores.data(), kBlockK);
+          scores_of(q_far.data(), q_far_lp.data(), far_panels, far_packed, band ? far_scores.data() : scores.data());
         if (band || tc.needs_mask)
           select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
                                a.window, a.causal, band, tc.needs_mask);
+        scalar_t* probs_out = nullptr;
+        if constexpr (std::is_same_v<scalar_t, lp_t>)
+          if (packed) probs_out = probs_lp.data();
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, &row_factor[b * Lq + i0], row_max.data(),
-                                        row_sum.data(), acc.data(), D);
-        tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows.row(b, hkv, j0), v_rows.stride_l, D, acc.data());
+                                        row_sum.data(), acc.data(), D, probs_out);
+        if (packed) {  // P in lp_t (zero columns past cols) times the packed V
+          if (cols < kBlockK)
+            for (int64_t r = 0; r < rows; ++r)
+              std::fill(&probs_lp[r * kBlockK] + cols, &probs_lp[r * kBlockK] + kBlockK, lp_t(0.0f));
+          for (int64_t d0 = 0; d0 < D; d0 += kPackN) {
+            const int64_t width = std::min(kPackN, D - d0);
+            at::native::cpublas::brgemm(rows, width, kBlockK, kBlockK, width, D, /*add_C=*/true, probs_lp.data(),
+                                        v_packed.panel(b, hkv, kb) + kBlockK * d0, acc.data() + d0, /*is_vnni=*/true);
+          }
+        } else {
+          tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows->row(b, hkv, j0), v_rows->stride_l, D, acc.data());
+        }
       }
 
       for (int64_t r = 0; r < rows; ++r) {
@@ -516,6 +622,7 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
         }
       }
     }
+    if (packed) at::native::cpublas::brgemm_release(/*is_vnni=*/true);  // the AMX tile state of this thread
   });
 }
 

@@ -208,9 +208,17 @@ def sdpa_error(q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True
     if causal:
         visible &= kp[:, None, :] <= qp[:, :, None]
     mask = torch.zeros(visible.shape).masked_fill(~visible, -math.inf)[:, None]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_rot, k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 0.0, False, attn_mask=mask,
-        scale=scale)
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_rot, k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 0.0, False, attn_mask=mask,
+            scale=scale)
+    except RuntimeError as err:
+        # A PyTorch bug: on an AMX CPU with ATEN_CPU_CAPABILITY lowered below AVX512, SDPA's own bf16/fp16
+        # CPU kernel asks oneDNN to pack (the hardware could) with ATen code built only for AVX-512.
+        if "pack_vnni2 is only supported" in str(err):
+            pytest.skip(f"PyTorch's own SDPA cannot run {dtype} at this ATEN_CPU_CAPABILITY on this CPU "
+                        f"({err}), so its error, the bound here, cannot be measured")
+        raise
     ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, 1 << 40, 0.0, scale, logn_length, causal, interleaved)
     rows = torch.isfinite(ref_lse)
     return ((out.double() - ref_out).abs()[rows].max().item(), (lse.double() - ref_lse).abs()[rows].max().item())
