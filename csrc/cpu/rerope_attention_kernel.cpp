@@ -35,6 +35,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -142,6 +146,27 @@ void round_rows(float* x, int64_t n) {
   }
 }
 
+// float -> bfloat16 rows with AVX512-BF16's vcvtne2ps2bf16 (round to nearest even, as the ATen
+// conversion, which takes ~10 integer instructions per vector instead). Compiled for that
+// extension alone and called only where the CPU has it (has_avx512_bf16), from the AVX-512 variant.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define ROPESCALE_NATIVE_BF16 1
+__attribute__((target("avx512f,avx512bf16"))) void convert_row_native_bf16(const float* src, int64_t n,
+                                                                             at::BFloat16* dst) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), reinterpret_cast<__m512i>(packed));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+
+bool has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
 // dst[0, n) = src[0, n) converted to lp_t (bfloat16 / float16), vectorised.
 template <typename lp_t>
 void convert_row(const float* src, int64_t n, lp_t* dst) {
@@ -162,6 +187,10 @@ template <typename round_t>
 void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld_scores, const float* row_factor,
                            float* row_max, float* row_sum, float* acc, int64_t dim, round_t* probs_out = nullptr) {
   constexpr int64_t kWidth = fVec::size();
+  bool native_bf16 = false;
+#ifdef ROPESCALE_NATIVE_BF16
+  if constexpr (std::is_same_v<round_t, at::BFloat16>) native_bf16 = probs_out != nullptr && has_avx512_bf16();
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld_scores;
     float factor = row_factor[r];
@@ -186,13 +215,26 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
     }
     const fVec factor_vec(factor), shift_vec(-new_max);
     fVec sum_vec(0.0f);
+    // float16/bfloat16: ATen's exp_u20 (about 1e-6 relative; SDPA's CPU flash kernel uses it), far
+    // below the rounding of the probabilities to the dtype that follows. float32: the 1-ulp exp.
+    auto exp_of = [](const fVec& x) {
+      if constexpr (std::is_same_v<round_t, float>)
+        return softmax_exp(x);
+      else
+        return x.exp_u20();
+    };
     for (c = 0; c + 2 * kWidth <= cols; c += 2 * kWidth) {
-      fVec p0 = softmax_exp(at::vec::fmadd(fVec::loadu(s + c), factor_vec, shift_vec));
-      fVec p1 = softmax_exp(at::vec::fmadd(fVec::loadu(s + c + kWidth), factor_vec, shift_vec));
+      fVec p0 = exp_of(at::vec::fmadd(fVec::loadu(s + c), factor_vec, shift_vec));
+      fVec p1 = exp_of(at::vec::fmadd(fVec::loadu(s + c + kWidth), factor_vec, shift_vec));
       sum_vec = sum_vec + p0 + p1;
       if constexpr (!std::is_same_v<round_t, float>) {
         if (out) {
-          at::vec::convert_from_float<round_t>(p0, p1).store(out + c);
+          if (native_bf16) {  // converted row-wise below
+            p0.store(s + c);
+            p1.store(s + c + kWidth);
+          } else {
+            at::vec::convert_from_float<round_t>(p0, p1).store(out + c);
+          }
           continue;
         }
       }
@@ -201,6 +243,7 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
       p1.store(s + c + kWidth);
     }
     float tile_sum = lanes_sum(sum_vec);
+    const int64_t vector_cols = c;
     for (; c < cols; ++c) {
       const float p = softmax_exp(std::fma(s[c], factor, -new_max));
       tile_sum += p;
@@ -209,6 +252,10 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
       else
         s[c] = round_to<round_t>(p);
     }
+#ifdef ROPESCALE_NATIVE_BF16
+    if constexpr (std::is_same_v<round_t, at::BFloat16>)
+      if (native_bf16) convert_row_native_bf16(s, vector_cols, out);
+#endif
     const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
     row_sum[r] = row_sum[r] * alpha + tile_sum;
     row_max[r] = new_max;
