@@ -28,6 +28,9 @@
 // values is exact in float32, so float32 GEMMs over them are bf16/fp16 products with float32
 // accumulation on every instruction set. The softmax scale and the log-n factor multiply the
 // float32 scores (SDPA's order), not the rounded operands. float32 inputs round nothing.
+// Where the CPU has a packed-B bf16/fp16 GEMM (AMX; cpublas::could_pack) the prefill multiplies the
+// same rounded operands in the input dtype instead (use_packed_gemm): the same products, another
+// summation order, as SDPA's CPU flash kernel does.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
