@@ -7,7 +7,9 @@ One command on the CPU (a tiny Llama built from a config, synthetic data, a few 
 The same script on GPUs with torch.distributed, unchanged (DDP by default, FSDP with --fsdp):
 
     torchrun --nproc_per_node 8 examples/finetune.py --model /path/to/llama --method yarn --factor 16 \
-        --seq-len 65536 --steps 400 --lr 2e-5 --fsdp
+        --seq-len 65536 --steps 400 --lr 2e-5 --fsdp --output-dir out-fsdp
+
+(with --fsdp every rank gathers the full state dict at the end and rank 0 writes OUTPUT_DIR/final)
 
 With transformers' Trainer (checkpoints every --save-steps, resumable) and/or PEFT LoRA on q/k/v/o:
 
@@ -162,12 +164,25 @@ def probe(args, vocab) -> torch.Tensor:
     return next(batches(args, vocab, rank=0, world=1, seed_offset=1000))
 
 
-def save(model, args, device) -> None:
-    """OUTPUT_DIR/final (LoRA merged in) and OUTPUT_DIR/probe.pt: the trained model's logits on a fixed batch."""
+def save(model, args, device, rank: int = 0, sharded: bool = False) -> None:
+    """OUTPUT_DIR/final (LoRA merged in) and OUTPUT_DIR/probe.pt: the trained model's logits on a fixed batch.
+    FSDP (sharded): every rank runs the probe forward and gathers the full state dict (collectives),
+    rank 0 writes them."""
     x = probe(args, model.config.vocab_size).to(device)
     model.eval()
     with torch.no_grad():
         logits = model(x).logits.float().cpu()
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            final = os.path.join(args.output_dir, "final")
+            model.save_pretrained(final, state_dict=state)
+            torch.save({"input_ids": x.cpu(), "logits": logits}, os.path.join(args.output_dir, "probe.pt"))
+            print(f"saved {final} (rope_type {model.config.rope_parameters['rope_type']}, gathered from FSDP)",
+                  flush=True)
+        return
     if args.lora:
         model = model.merge_and_unload()  # the same module tree with plain Linear layers: still patched
         print(f"LoRA merged: ropescale patch kept: {hf.is_patched(model)}", flush=True)
@@ -206,8 +221,8 @@ def main(argv=None) -> None:
         parser.error("--save-steps and --resume are Trainer options: add --trainer")
     if args.trainer and args.fsdp:
         parser.error("--fsdp shards the plain loop; with --trainer, launch with `accelerate launch` and an FSDP config")
-    if args.fsdp and args.output_dir and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        parser.error("--output-dir with --fsdp: gather the sharded state dict first (not done by this example)")
+    if args.fsdp and args.lora:
+        parser.error("--lora with --fsdp is not supported by this example (merge needs the full weights)")
     if args.method == "saved" and not args.model:
         parser.error("--method saved needs --model (a checkpoint whose config records a method)")
 
@@ -227,8 +242,9 @@ def main(argv=None) -> None:
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         model = train_loop(model.to(device).train(), args, device, rank, world)
-    if args.output_dir and rank == 0:
-        save(model, args, device)
+    sharded = args.fsdp and world > 1 and not args.trainer
+    if args.output_dir and (rank == 0 or sharded):
+        save(model, args, device, rank, sharded)
     if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
 

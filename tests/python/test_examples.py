@@ -104,3 +104,25 @@ def test_finetune_lora_merge_keeps_the_patch_and_reloads(tmp_path, capsys, one_t
     saved = load_file(tmp_path / "final" / "model.safetensors")  # plain merged weights, no adapter left
     assert "model.layers.0.self_attn.q_proj.weight" in saved and not any("lora" in k for k in saved)
     assert_reload_matches_probe(tmp_path)  # the merged weights, reloaded, give the trained LoRA model's logits
+
+
+def test_finetune_fsdp_two_processes_save_the_gathered_model(tmp_path):
+    """FSDP2 on two CPU processes (gloo): every rank gathers the full state dict, rank 0 writes a checkpoint
+    that plain transformers reloads as the trained (sharded) model."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    args = [sys.executable, str(ROOT / "examples/finetune.py"), "--fsdp", "--steps", "3", "--output-dir", str(tmp_path),
+            *TINY]
+    procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "gathered from FSDP" in outs[0], outs[0]
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["max_position_embeddings"] == 64
+    assert_reload_matches_probe(tmp_path)
