@@ -91,45 +91,57 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def make_case(kind: str, length: int, heads: int, kv_heads: int, dtype, device="cpu"):
+    """The inputs of one case, seed 0: q, k, v, q_pos, k_pos, and for decode the pre-RoPE cache whose
+    views k and v are (as decoding holds them: views of a growing buffer; keep it alive)."""
+    import torch
+
+    from ropescale.cache import PreRopeCache
+
+    torch.manual_seed(0)
+    q_len = length if kind == "prefill" else 1
+    q = torch.randn(1, heads, q_len, DIM, device=device).to(dtype)
+    k = torch.randn(1, kv_heads, length, DIM, device=device).to(dtype)
+    v = torch.randn(1, kv_heads, length, DIM, device=device).to(dtype)
+    k_pos = torch.arange(length, device=device)[None]
+    q_pos = k_pos[:, -q_len:]
+    cache = None
+    if kind == "decode":
+        cache = PreRopeCache(capacity=length + 1)
+        k, v, k_pos = cache.append(k, v, k_pos)
+    return q, k, v, q_pos, k_pos, cache
+
+
+def rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window) -> dict:
+    """The ReRoPE methods on one case, as calls (the sdpa floor is built by each mode)."""
+    from ropescale import ops
+    from ropescale.rerope import rerope_attention_naive
+
+    return {
+        "fused": lambda: ops.rerope_attention(q, k, v, q_pos, k_pos, inv_freq, window),
+        "naive": lambda: rerope_attention_naive(q, k, v, q_pos, k_pos, inv_freq, window),
+        "composite": lambda: ops.rerope_attention_composite(q, k, v, q_pos, k_pos, inv_freq, window),
+    }
+
+
 def worker(kind: str, method: str, length: int, repeats: int, dtype_name: str, kv_heads: int) -> dict:
     """Times one method in this process; returns median seconds and extra peak RSS (MiB)."""
     import torch
     import torch.nn.functional as F
 
     from ropescale import ops
-    from ropescale.cache import PreRopeCache
-    from ropescale.rerope import rerope_attention_naive, rotate
+    from ropescale.rerope import rotate
 
-    torch.manual_seed(0)
     inv_freq = ops.default_inv_freq(DIM, BASE)
-    q_len = length if kind == "prefill" else 1
-    dtype = getattr(torch, dtype_name)
-    q = torch.randn(1, HEADS, q_len, DIM).to(dtype)
-    k = torch.randn(1, kv_heads, length, DIM).to(dtype)
-    v = torch.randn(1, kv_heads, length, DIM).to(dtype)
-    k_pos = torch.arange(length)[None]
-    q_pos = k_pos[:, -q_len:]
-    if kind == "decode":  # the pre-RoPE cache as decoding holds it (views of a growing buffer)
-        cache = PreRopeCache(capacity=length + 1)
-        k, v, k_pos = cache.append(k, v, k_pos)
-
-    if method == "fused":
-        def run():
-            return ops.rerope_attention(q, k, v, q_pos, k_pos, inv_freq, WINDOW)
-    elif method == "sdpa":
+    q, k, v, q_pos, k_pos, cache = make_case(kind, length, HEADS, kv_heads, getattr(torch, dtype_name))
+    if method == "sdpa":
         q_rot, k_rot = rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq)  # a rotated-key cache
 
         def run():
             return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=kind == "prefill",
                                                   enable_gqa=kv_heads != HEADS)
-    elif method == "naive":
-        def run():
-            return rerope_attention_naive(q, k, v, q_pos, k_pos, inv_freq, WINDOW)
-    elif method == "composite":
-        def run():
-            return ops.rerope_attention_composite(q, k, v, q_pos, k_pos, inv_freq, WINDOW)
     else:
-        raise ValueError(method)
+        run = rerope_runs(q, k, v, q_pos, k_pos, inv_freq, WINDOW)[method]
 
     # Warm the BLAS kernels on a small problem so that the first timed call is not a JIT.
     ops.rerope_attention(q[:, :, -1:], k[:, :, :64], v[:, :, :64], q_pos[:, -1:], k_pos[:, :64], inv_freq, WINDOW)
@@ -259,8 +271,7 @@ def cuda_main(args) -> int:
 
     import ropescale
     from ropescale import ops
-    from ropescale.cache import PreRopeCache
-    from ropescale.rerope import rerope_attention_naive, rotate
+    from ropescale.rerope import rotate
 
     if not ropescale.build_info().get("cuda"):
         print("bench_rerope: --device cuda: this ropescale build has no CUDA kernels (build_info()['cuda'] is "
@@ -333,25 +344,10 @@ def cuda_main(args) -> int:
     with torch.inference_mode():
         for kind, lengths in (("prefill", args.prefill), ("decode", args.decode)):
             for length in lengths:
-                torch.manual_seed(0)
-                q_len = length if kind == "prefill" else 1
-                q = torch.randn(1, heads, q_len, dim, device=device).to(dtype)
-                k = torch.randn(1, kv_heads, length, dim, device=device).to(dtype)
-                v = torch.randn(1, kv_heads, length, dim, device=device).to(dtype)
-                k_pos = torch.arange(length, device=device)[None]
-                q_pos = k_pos[:, -q_len:]
-                cache = None
-                if kind == "decode":  # the pre-RoPE cache as decoding holds it (views of a growing buffer)
-                    cache = PreRopeCache(capacity=length + 1)
-                    k, v, k_pos = cache.append(k, v, k_pos)
+                q, k, v, q_pos, k_pos, cache = make_case(kind, length, heads, kv_heads, dtype, device)
                 q_rot, k_rot = rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq)  # a rotated-key cache
                 sdpa_run, sdpa_label = pick_sdpa(q_rot, k_rot, v, kind == "prefill")
-                runs = {
-                    "fused": lambda: ops.rerope_attention(q, k, v, q_pos, k_pos, inv_freq, window),
-                    "sdpa": sdpa_run,
-                    "naive": lambda: rerope_attention_naive(q, k, v, q_pos, k_pos, inv_freq, window),
-                    "composite": lambda: ops.rerope_attention_composite(q, k, v, q_pos, k_pos, inv_freq, window),
-                }
+                runs = {**rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window), "sdpa": sdpa_run}
                 results = {}
                 for method in [m for m in METHODS if m in args.methods or m == "sdpa"]:
                     # naive: two f32 score matrices, their selection and the probabilities (~5 of them)
