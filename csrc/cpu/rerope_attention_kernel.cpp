@@ -246,7 +246,7 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
       p1.store(s + c + kWidth);
     }
     float tile_sum = lanes_sum(sum_vec);
-    const int64_t vector_cols = c;
+    [[maybe_unused]] const int64_t vector_cols = c;  // used by the native bf16 conversion
     for (; c < cols; ++c) {
       const float p = softmax_exp(std::fma(s[c], factor, -new_max));
       tile_sum += p;
@@ -609,11 +609,12 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
         rotate_row(q_row.data(), near_cs, near_cs + P, P, D, a.interleaved, &q_near[r * D]);
         rotate_row(q_row.data(), far_cs, far_cs + P, P, D, a.interleaved, &q_far[r * D]);
       }
-      round_rows<scalar_t>(q_near.data(), rows * D);
-      round_rows<scalar_t>(q_far.data(), rows * D);
-      if (packed) {  // exact: the values are already rounded to lp_t
+      if (packed) {  // the GEMM reads them in lp_t: the conversion is the rounding
         convert_row(q_near.data(), rows * D, q_near_lp.data());
         convert_row(q_far.data(), rows * D, q_far_lp.data());
+      } else {
+        round_rows<scalar_t>(q_near.data(), rows * D);
+        round_rows<scalar_t>(q_far.data(), rows * D);
       }
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.0f);
