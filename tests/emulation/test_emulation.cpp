@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <set>
 #include <string>
 #include <vector>
@@ -509,22 +510,18 @@ TEST_CASE("misused matrix instructions are reported", "[mma][ldmatrix][cp_async]
   std::vector<__half> halves(64, __float2half(1.0f));
   std::vector<float> floats(256, 0.0f);
   const std::size_t smem = 1024;
-  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
-                                            kDefaultStream, halves.data(), floats.data(), 0),
-                    Catch::Contains("all 32 lanes"));
-  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
-                                            kDefaultStream, halves.data(), floats.data(), 1),
-                    Catch::Contains("shared memory"));
-  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
-                                            kDefaultStream, halves.data(), floats.data(), 2),
-                    Catch::Contains("aligned"));
-  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(32), smem,
-                                            kDefaultStream, halves.data(), floats.data(), 3),
-                    Catch::Contains("not in shared memory"));
+  auto launch = [&](unsigned threads, int misuse) {
+    ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(threads), smem, kDefaultStream,
+                            halves.data(), floats.data(), misuse);
+  };
+  const std::pair<int, const char*> misuses[] = {
+      {0, "all 32 lanes"}, {1, "shared memory"}, {2, "aligned"}, {3, "not in shared memory"}};
+  for (const auto& [misuse, message] : misuses) {
+    CAPTURE(misuse);
+    CHECK_THROWS_WITH(launch(32, misuse), Catch::Contains(message));
+  }
   // mma in a partial warp (48 threads: the second warp has 16 lanes).
-  CHECK_THROWS_WITH(ROPESCALE_LAUNCH_KERNEL(emu_test::matrix_misuse_kernel, dim3(1), dim3(48), smem,
-                                            kDefaultStream, halves.data(), floats.data(), 0),
-                    Catch::Contains("all 32 lanes"));
+  CHECK_THROWS_WITH(launch(48, 0), Catch::Contains("all 32 lanes"));
 }
 
 // ---- launch rules that make the emulation stricter than a lucky GPU run ---------------------------

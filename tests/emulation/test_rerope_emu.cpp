@@ -285,16 +285,26 @@ void check_within_sdpa_error(const Problem& pr, const std::vector<double>& ref_o
   CHECK(lse_err <= 2 * low_lse_err + 1e-6);
 }
 
+// The problem's inputs in T, and the float64 reference on exactly those rounded values.
+template <typename T>
+void round_inputs_and_reference(Problem& pr, std::vector<T>& q, std::vector<T>& k, std::vector<T>& v,
+                                std::vector<double>& ref_out, std::vector<double>& ref_lse) {
+  auto round = [](std::vector<float>& values, std::vector<T>& rounded) {
+    rounded.resize(values.size());
+    for (size_t i = 0; i < values.size(); ++i) values[i] = to_float_host(rounded[i] = from_float_host<T>(values[i]));
+  };
+  round(pr.q, q);
+  round(pr.k, k);
+  round(pr.v, v);
+  reference(pr, ref_out, ref_lse);
+}
+
 template <typename T>
 void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   const Case& c = pr.c;
-  // Inputs in T; the reference sees exactly the rounded values.
-  std::vector<T> q(pr.q.size()), k(pr.k.size()), v(pr.v.size());
-  for (size_t i = 0; i < q.size(); ++i) pr.q[i] = to_float_host(q[i] = from_float_host<T>(pr.q[i]));
-  for (size_t i = 0; i < k.size(); ++i) pr.k[i] = to_float_host(k[i] = from_float_host<T>(pr.k[i]));
-  for (size_t i = 0; i < v.size(); ++i) pr.v[i] = to_float_host(v[i] = from_float_host<T>(pr.v[i]));
+  std::vector<T> q, k, v;
   std::vector<double> ref_out, ref_lse;
-  reference(pr, ref_out, ref_lse);
+  round_inputs_and_reference(pr, q, k, v, ref_out, ref_lse);
 
   const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
   std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
@@ -363,12 +373,9 @@ void launch_tc(const ReropeParams& p, ropescale::rerope_cuda::KeyTile* tiles) {
 template <typename T>
 void run_tensor_core(Problem pr) {
   const Case& c = pr.c;
-  std::vector<T> q(pr.q.size()), k(pr.k.size()), v(pr.v.size());
-  for (size_t i = 0; i < q.size(); ++i) pr.q[i] = to_float_host(q[i] = from_float_host<T>(pr.q[i]));
-  for (size_t i = 0; i < k.size(); ++i) pr.k[i] = to_float_host(k[i] = from_float_host<T>(pr.k[i]));
-  for (size_t i = 0; i < v.size(); ++i) pr.v[i] = to_float_host(v[i] = from_float_host<T>(pr.v[i]));
+  std::vector<T> q, k, v;
   std::vector<double> ref_out, ref_lse;
-  reference(pr, ref_out, ref_lse);
+  round_inputs_and_reference(pr, q, k, v, ref_out, ref_lse);
 
   const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
   std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
