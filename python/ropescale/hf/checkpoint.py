@@ -53,10 +53,6 @@ def restore(config, saved: dict[str, Any]) -> None:
             setattr(config, name, copy.deepcopy(value))
 
 
-def _original_length(method: scaling.RopeScaling) -> int | None:
-    return getattr(method, "original_max_position", None)
-
-
 def max_position_embeddings_for(method: scaling.RopeScaling, current: int) -> int:
     """``max_position_embeddings`` for a config carrying ``method`` (see the module docstring)."""
     if isinstance(method, scaling.DynamicNTK):
@@ -113,7 +109,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
     else:
         params = rope_parameters_for(method, old["rope_theta"], old, rerope)
         config.max_position_embeddings = max_position_embeddings_for(method, config.max_position_embeddings)
-        original = _original_length(method)
+        original = getattr(method, "original_max_position", None)
         if "original_max_position_embeddings" in config.__dict__ and original is not None:
             # Phi-3-style configs keep it outside rope_parameters, and transformers prefers that copy.
             config.original_max_position_embeddings = int(original)
