@@ -50,9 +50,11 @@ def _check_build() -> None:
 _check_build()
 
 from . import _C, cache, ops, scaling  # noqa: E402,F401
+from . import reference  # noqa: E402  (ROPESCALE_KERNELS=reference: plain-PyTorch kernels registered over the native ones)
 
 
 def build_info() -> dict:
     """What the native library was built with: torch version, whether the CUDA kernels are in it,
-    and the CUDA archs."""
-    return dict(_C.build_info())
+    and the CUDA archs; and which kernels the ops run: ``"kernels": "native"``, or ``"reference"``
+    under ``ROPESCALE_KERNELS=reference`` (plain PyTorch, see ``ropescale.reference``)."""
+    return {**_C.build_info(), "kernels": reference.KERNELS}

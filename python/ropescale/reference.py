@@ -1,0 +1,261 @@
+"""Plain-PyTorch kernels for the ops, taken instead of the native ones with ``ROPESCALE_KERNELS=reference``.
+
+A way around a native kernel that misbehaves on some machine (``ropescale check`` says which): set
+the variable before ``import ropescale`` and every kernel op runs as PyTorch code on the same device:
+
+* the rotary family (``apply_rotary``, ``apply_rotary_qk``, ``apply_rotary_pos``,
+  ``apply_rotary_pos_qk`` and their in-place twins): the definition, with float32 math for
+  half types (float64 for float64 inputs) and the angles of the positions ops formed in float64;
+* ``rerope_attention``: :func:`ropescale.rerope.rerope_attention_composite` (two SDPA calls).
+
+They are registered over the native CPU and CUDA kernels of ``torch.ops.ropescale.*``, so
+``torch.ops.ropescale.X``, ``ropescale.ops.X``, autograd, the fake kernels, ``torch.compile`` and
+``opcheck`` all keep working; ``ropescale.build_info()["kernels"]`` says ``"reference"``. The
+frequency-table ops have no device kernels (float64 scalar code on the CPU) and are not routed.
+
+Inputs are checked by the op's own fake (meta) kernel, run on meta copies of the arguments, so a
+bad argument gives the native op's error; what meta copies cannot show (devices, memory shared by
+in-place operands) is checked here with the native messages.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import ops  # noqa: F401  (the fake kernels the checks below run)
+from .rerope import rerope_attention_composite
+
+ENV = "ROPESCALE_KERNELS"
+CHOICES = ("native", "reference")
+
+
+def _requested() -> str:
+    value = os.environ.get(ENV, "").strip().lower() or "native"
+    if value not in CHOICES:
+        raise ImportError(
+            f"{ENV}={os.environ[ENV]!r} is not a kernel choice: use {ENV}=native (the default, the compiled "
+            f"kernels) or {ENV}=reference (plain PyTorch implementations, a way around a misbehaving kernel)"
+        )
+    return value
+
+
+KERNELS = _requested()
+
+_ROTARY_TABLE_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
+_ROTARY_POSITION_OPS = ("apply_rotary_pos", "apply_rotary_pos_", "apply_rotary_pos_qk", "apply_rotary_pos_qk_")
+ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention",)
+
+_R = torch.ops.ropescale
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def _meta(value):
+    """A meta tensor of ``value``'s shape, strides and dtype (``Tensor.to("meta")`` would make
+    non-dense layouts contiguous and hide a bad stride); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
+def _check_with_fake_kernel(op: str, *args, **kwargs) -> None:
+    """Runs the op on meta copies of its arguments: its fake kernel raises what the op raises."""
+    getattr(_R, op)(*(_meta(a) for a in args), **{k: _meta(v) for k, v in kwargs.items()})
+
+
+def _check_same_device(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise RuntimeError(
+                f"{op}: {name} must be on the same device as the rotated tensor ({x.device}), got {t.device}"
+            )
+
+
+def _check_writable(op: str, written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
+    """The native op's checks on the tensors an in-place op writes (csrc/rotary.cpp)."""
+    for name, x in written.items():
+        if any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape)):
+            raise RuntimeError(
+                f"{op}: {name} has elements that share memory (an expanded tensor?), so it cannot be written in place"
+            )
+        for other_name, other in read.items():
+            if torch._C._overlaps(x, other):
+                raise RuntimeError(f"{op}: {name} is written in place but shares memory with {other_name}")
+    names = list(written)
+    if len(names) == 2 and torch._C._overlaps(written[names[0]], written[names[1]]):
+        raise RuntimeError(f"{op}: {names[0]} is written in place but shares memory with {names[1]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotation
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _full_width(table: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """A half-width table (one entry per pair) spread over both features of each pair."""
+    return table.repeat_interleave(2, dim=-1) if interleaved else torch.cat((table, table), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """transformers' rotate_half, ``cat(-x2, x1)``, or GPT-J's ``(-x1, x0, -x3, x2, ...)``."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, conjugate: bool) -> torch.Tensor:
+    """The first ``rotary_dim`` features of ``x`` [B, H, S, D] rotated by full-width ``cos``/``sin``
+    [T, S, rotary_dim] (T = 1 or B, broadcast over heads), in the compute dtype, then in x's dtype.
+    ``conjugate``: the transposed map, ``x cos - rotate(x sin)``."""
+    compute = _compute_dtype(x.dtype)
+    cos, sin = cos.to(compute)[:, None], sin.to(compute)[:, None]
+    xr = x[..., : cos.shape[-1]].to(compute)
+    if conjugate:
+        y = xr * cos - _rotate_pairs(xr * sin, interleaved)
+    else:
+        y = xr * cos + _rotate_pairs(xr, interleaved) * sin
+    return y.to(x.dtype)
+
+
+def _write(x: torch.Tensor, rotated: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """In place: the rotated features written into x (the tail untouched). Otherwise a new tensor in
+    x's layout (as the native op's empty_like) with the tail copied."""
+    out = x if in_place else torch.empty_like(x)
+    width = rotated.shape[-1]
+    out[..., :width].copy_(rotated)
+    if not in_place:
+        out[..., width:].copy_(x[..., width:])
+    return out
+
+
+def _as_3d(table: torch.Tensor) -> torch.Tensor:
+    return table[None] if table.dim() == 2 else table
+
+
+def _table_rotary(op: str, operands: dict[str, torch.Tensor], cos, sin, interleaved, half_width, conjugate,
+                  in_place: bool):
+    x = next(iter(operands.values()))
+    _check_same_device(op, x, **{k: t for k, t in operands.items() if t is not x}, cos=cos, sin=sin)
+    _check_with_fake_kernel(op, *operands.values(), cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+    if in_place:
+        _check_writable(op, operands, {"cos": cos, "sin": sin})
+    cos, sin = _as_3d(cos), _as_3d(sin)
+    if half_width:
+        cos, sin = _full_width(cos, interleaved), _full_width(sin, interleaved)
+    outs = tuple(_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values())
+    return None if in_place else (outs[0] if len(outs) == 1 else outs)
+
+
+def _position_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, interleaved: bool):
+    """Full-width cos/sin [T, S, rotary_dim] of ``positions * inv_freq``, times ``scale``: the angle
+    formed in float64, as the native kernels form it, so that long positions stay accurate."""
+    positions = positions[None] if positions.dim() == 1 else positions
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    return _full_width(cos, interleaved), _full_width(sin, interleaved)
+
+
+def _position_rotary(op: str, operands: dict[str, torch.Tensor], positions, inv_freq, scale, interleaved, conjugate,
+                     in_place: bool):
+    x = next(iter(operands.values()))
+    _check_same_device(op, x, **{k: t for k, t in operands.items() if t is not x}, positions=positions,
+                       inv_freq=inv_freq)
+    _check_with_fake_kernel(op, *operands.values(), positions, inv_freq, scale, interleaved, conjugate=conjugate)
+    if in_place:
+        _check_writable(op, operands, {"positions": positions, "inv_freq": inv_freq})
+    cos, sin = _position_tables(positions, inv_freq, scale, interleaved)
+    outs = tuple(_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values())
+    return None if in_place else (outs[0] if len(outs) == 1 else outs)
+
+
+def apply_rotary(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
+    return _table_rotary("apply_rotary", {"x": x}, cos, sin, interleaved, half_width, conjugate, False)
+
+
+def apply_rotary_(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
+    _table_rotary("apply_rotary_", {"x": x}, cos, sin, interleaved, half_width, conjugate, True)
+
+
+def apply_rotary_qk(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
+    return _table_rotary("apply_rotary_qk", {"q": q, "k": k}, cos, sin, interleaved, half_width, conjugate, False)
+
+
+def apply_rotary_qk_(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
+    _table_rotary("apply_rotary_qk_", {"q": q, "k": k}, cos, sin, interleaved, half_width, conjugate, True)
+
+
+def apply_rotary_pos(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
+    return _position_rotary("apply_rotary_pos", {"x": x}, positions, inv_freq, scale, interleaved, conjugate, False)
+
+
+def apply_rotary_pos_(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
+    _position_rotary("apply_rotary_pos_", {"x": x}, positions, inv_freq, scale, interleaved, conjugate, True)
+
+
+def apply_rotary_pos_qk(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
+    return _position_rotary("apply_rotary_pos_qk", {"q": q, "k": k}, positions, inv_freq, scale, interleaved,
+                            conjugate, False)
+
+
+def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
+    _position_rotary("apply_rotary_pos_qk_", {"q": q, "k": k}, positions, inv_freq, scale, interleaved, conjugate,
+                     True)
+
+
+# ---------------------------------------------------------------------------------------------
+# ReRoPE attention
+
+
+def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0,
+                     causal=True, interleaved=False):
+    if k.device != q.device or v.device != q.device:
+        raise RuntimeError(
+            f"rerope_attention: q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    for name, t in (("inv_freq", inv_freq), ("q_positions", q_positions), ("k_positions", k_positions)):
+        if t.device != q.device:
+            raise RuntimeError(f"rerope_attention: {name} must be on {q.device} like q, got {t.device}")
+    _check_with_fake_kernel("rerope_attention", q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale,
+                            logn_length, causal, interleaved)
+    batch, q_heads, q_len, head_dim = q.shape
+    if q.numel() == 0 or k.shape[2] == 0:  # as the native op: no key gives zeros and lse = -inf
+        return (q.new_zeros(batch, q_heads, q_len, head_dim),
+                q.new_full((batch, q_heads, q_len), float("-inf"), dtype=torch.float32))
+    # float32 math for half types, as the native kernels accumulate: the composite run in fp16/bf16
+    # would round its softmax denominators to the dtype (lse off by ~2^-8). inv_freq in float32 as
+    # the native op reads it; out in q's dtype, contiguous; lse float32.
+    out, lse = rerope_attention_composite(q.float(), k.float(), v.float(), q_positions, k_positions,
+                                          inv_freq.float(), window, leaky_k, scale, logn_length, causal, interleaved)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+_library = None
+
+
+def _register() -> None:
+    """Registers the functions above over the native CPU and CUDA kernels (those the library has:
+    CUDA only in a build with the CUDA kernels)."""
+    global _library
+    _library = torch.library.Library("ropescale", "IMPL")
+    for name in ROUTED_OPS:
+        for key in ("CPU", "CUDA"):
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", key):
+                with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point here
+                    warnings.simplefilter("ignore")
+                    _library.impl(name, globals()[name], key)
+
+
+if KERNELS == "reference":
+    _register()
