@@ -703,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=_cmd_demo)
 
     _add_extend_command(sub)
+    from . import check  # `ropescale check`: every op on this machine's devices (check.py)
+    check.add_parser(sub)
 
     examples = {
         "passkey": "ropescale eval passkey ./my-llama --context-length 4096 8192 --trials 20",

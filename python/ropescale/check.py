@@ -1,0 +1,472 @@
+"""``ropescale check``: every op on every device of this machine against float64 references.
+
+Each device runs in a subprocess of its own (a kernel that crashes or traps takes only its own
+process down): each CPU instruction-set variant of the native kernels this CPU can run
+(``ATEN_CPU_CAPABILITY=default|avx2|avx512``, as torch picks its own kernels), then each CUDA GPU.
+Every op runs on a compact grid (float32, float16, bfloat16; odd sizes, partial rotary, GQA,
+interleaved pairs, in-place forms; ReRoPE prefill with padding and decode against a strided cache;
+on CUDA the tensor-core-sized prefill and head dim 256) and is judged as the tests judge it: the
+error against a float64 reference may be at most twice what plain PyTorch gets in that dtype on the
+same inputs (the eager rotation formula; SDPA for attention), plus a floor for exact cases.
+
+The worker side (:func:`_worker`) prints one JSON line per result; :func:`run` starts the workers,
+prints the table and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+_ROW_PREFIX = "ropescale-check-row "
+_DEVICE_PREFIX = "ropescale-check-device "
+CPU_VARIANTS = ("default", "avx2", "avx512")
+# Below this, an error is rounding of a zero (plain PyTorch may be exact where the op is within eps).
+_ROTARY_FLOOR = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+# ReRoPE in float32: the tests' bound (SDPA's own float32 error is ~1e-7, below the float32
+# summation-order differences of a blocked kernel).
+_ATTENTION_FLOOR = {"float32": 1e-5, "float16": 0.0, "bfloat16": 0.0}
+ERROR_FACTOR = 2.0  # flash-attention's rule: twice PyTorch's own error in the dtype
+WORKER_TIMEOUT_S = 300
+
+
+@dataclass
+class Row:
+    op: str
+    device: str
+    dtype: str
+    shape: str
+    error: float
+    allowed: float
+    time_ms: float
+    ok: bool
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: the grid on one device.
+
+
+def _max_error(got, reference) -> float:
+    import torch
+
+    if got.numel() == 0:
+        return 0.0
+    return (got.double().cpu() - reference.cpu()).abs().max().item()
+
+
+def _timed(fn: Callable, device) -> tuple[object, float]:
+    """fn's result and its best time in ms over three runs after a warm-up (synchronised on CUDA)."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    result = fn()
+    sync()
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return result, best * 1e3
+
+
+def _rotary_rows(device, label: str) -> list[Row]:
+    """Every rotary op, float32/float16/bfloat16, on q [2, 8, 37, 88] (transformers' transposed layout)
+    and k [2, 2, 37, 88] (GQA): 80 of 88 features rotated (40 pairs: vector bodies and remainders),
+    full- and half-width tables, interleaved pairs, conjugate, int32 and int64 positions to 2^20."""
+    import torch
+
+    from . import ops
+    from .reference import _full_width, _rotate_pairs, _rotated
+
+    def eager(x, cos, sin, interleaved, conjugate):
+        """What plain PyTorch gets: transformers' formula in x's dtype."""
+        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+        xr = x[..., : cos.shape[-1]]
+        y = xr * cos - _rotate_pairs(xr * sin, interleaved) if conjugate else xr * cos + _rotate_pairs(xr, interleaved) * sin
+        return torch.cat((y, x[..., cos.shape[-1]:]), dim=-1)
+
+    def expected(x, cos, sin, interleaved, conjugate):
+        """(float64 reference, plain PyTorch in x's dtype) for full-width [T, S, R] tables."""
+        x64 = x.double().cpu()
+        ref = torch.cat((_rotated(x64, cos.double().cpu(), sin.double().cpu(), interleaved, conjugate),
+                         x64[..., cos.shape[-1]:]), dim=-1)
+        return ref, eager(x, cos, sin, interleaved, conjugate)
+
+    def position_tables(positions, inv_freq, scale, interleaved, dtype):
+        """Full-width [T, S, R] cos/sin from float64 angles, in ``dtype``: the reference (float64), or
+        the tables plain PyTorch would be given at best (correctly rounded; a float32 angle, as
+        transformers forms it, is off by up to 2^20 * 2^-24 rad here and would loosen the bound to
+        nothing)."""
+        positions = positions[None] if positions.dim() == 1 else positions
+        angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+        return (_full_width((angles.cos() * scale).to(dtype), interleaved),
+                _full_width((angles.sin() * scale).to(dtype), interleaved))
+
+    rows = []
+    batch, q_heads, k_heads, seq, head_dim, rotary_dim = 2, 8, 2, 37, 88, 80
+    inv_freq = ops.default_inv_freq(rotary_dim, 10000.0).to(device)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, seq, q_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+        k = torch.randn(batch, k_heads, seq, head_dim, generator=gen).to(device, dtype)
+        cos = (torch.rand(batch, seq, rotary_dim, generator=gen) * 2 - 1).to(device, dtype)
+        sin = (torch.rand(batch, seq, rotary_dim, generator=gen) * 2 - 1).to(device, dtype)
+        half_cos = (torch.rand(1, seq, rotary_dim // 2, generator=gen) * 2 - 1).to(device, dtype)
+        half_sin = (torch.rand(1, seq, rotary_dim // 2, generator=gen) * 2 - 1).to(device, dtype)
+        positions = torch.randint(0, 1 << 20, (batch, seq), generator=gen).to(device)
+        positions32 = torch.randint(0, 1 << 20, (seq,), generator=gen, dtype=torch.int32).to(device)
+
+        def in_place(fn, *operands):
+            def call():
+                copies = [t.clone() for t in operands]
+                fn(*copies)
+                return copies
+            return call
+
+        # (op, shape label, call returning the outputs, operands, full-width tables, interleaved, conjugate)
+        cases = [
+            ("apply_rotary", lambda: [ops.apply_rotary(q, cos, sin)], (q,), (cos, sin), False, False),
+            ("apply_rotary_", in_place(lambda x: ops.apply_rotary_(x, half_cos, half_sin, True, half_width=True), q),
+             (q,), (_full_width(half_cos, True), _full_width(half_sin, True)), True, False),
+            ("apply_rotary_qk", lambda: list(ops.apply_rotary_qk(q, k, half_cos, half_sin, half_width=True,
+                                                                 conjugate=True)),
+             (q, k), (_full_width(half_cos, False), _full_width(half_sin, False)), False, True),
+            ("apply_rotary_qk_", in_place(lambda a, b: ops.apply_rotary_qk_(a, b, cos, sin, True), q, k),
+             (q, k), (cos, sin), True, False),
+            ("apply_rotary_pos", lambda: [ops.apply_rotary_pos(q, positions, inv_freq, 1.3)], (q,),
+             (positions, 1.3), False, False),
+            ("apply_rotary_pos_", in_place(lambda x: ops.apply_rotary_pos_(x, positions32, inv_freq, 1.0, True), q),
+             (q,), (positions32, 1.0), True, False),
+            ("apply_rotary_pos_qk", lambda: list(ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 0.9, True,
+                                                                         conjugate=True)),
+             (q, k), (positions, 0.9), True, True),
+            ("apply_rotary_pos_qk_", in_place(lambda a, b: ops.apply_rotary_pos_qk_(a, b, positions, inv_freq, 1.1),
+                                              q, k),
+             (q, k), (positions, 1.1), False, False),
+        ]
+        for op, call, operands, tables, interleaved, conjugate in cases:
+            shape = " ".join("x".join(map(str, t.shape)) for t in operands)
+            try:
+                outputs, ms = _timed(call, device)
+            except Exception as error:  # noqa: BLE001  (reported as a failing row)
+                rows.append(Row(op, label, str(dtype)[6:], shape, math.nan, math.nan, math.nan, False,
+                                f"raised {type(error).__name__}: {error}".splitlines()[0][:200]))
+                continue
+            if op.startswith("apply_rotary_pos"):
+                ref_tables = position_tables(tables[0].cpu(), inv_freq.cpu(), tables[1], interleaved, torch.float64)
+                plain_tables = position_tables(tables[0], inv_freq, tables[1], interleaved, dtype)
+            else:
+                ref_tables, plain_tables = tables, tables
+            error = plain_error = 0.0
+            for x, y in zip(operands, outputs):
+                ref, _ = expected(x, *ref_tables, interleaved, conjugate)
+                plain = eager(x, *plain_tables, interleaved, conjugate)
+                error = max(error, _max_error(y, ref))
+                plain_error = max(plain_error, _max_error(plain, ref))
+            allowed = ERROR_FACTOR * plain_error + _ROTARY_FLOOR[str(dtype)[6:]]
+            rows.append(Row(op, label, str(dtype)[6:], shape, error, allowed, ms, error <= allowed))
+    return rows
+
+
+def _attention_rows(device, label: str) -> list[Row]:
+    """rerope_attention against the float64 two-matrix form, out and lse each judged against SDPA's
+    own error in the dtype on the plain-attention problem with the same inputs (RoPE-rotated q and k
+    rounded to the dtype, the same visibility), on problems of at least 64 rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from . import ops
+    from .rerope import rerope_attention_naive, rotate
+
+    # name, batch, q heads, kv heads, q_len, k_len, head dim, rotary dim, left padding of row 1, window,
+    # leaky_k, logn_length, interleaved, dtypes, a view of a longer cache
+    all_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    cases = [
+        ("prefill", 2, 4, 2, 77, 77, 64, 64, 5, 16, 0.0, 0, False, all_dtypes, False),
+        ("decode", 2, 32, 4, 1, 300, 64, 48, 7, 64, 16.0, 128, True, all_dtypes, True),
+    ]
+    if device.type == "cuda":
+        half = (torch.float16, torch.bfloat16)
+        cases += [
+            ("tensor-core prefill", 1, 8, 2, 257, 257, 128, 128, 0, 100, 0.0, 0, False, half, False),
+            ("prefill D=256", 1, 4, 1, 130, 130, 256, 256, 0, 32, 8.0, 0, False, half, False),
+        ]
+    rows = []
+    for name, batch, q_heads, kv_heads, q_len, k_len, dim, rotary_dim, pad, window, leaky_k, logn_length, \
+            interleaved, dtypes, cache_view in cases:
+        inv_freq = ops.default_inv_freq(rotary_dim, 10000.0)
+        gen = torch.Generator().manual_seed(1)
+        q64 = torch.randn(batch, q_heads, q_len, dim, generator=gen, dtype=torch.float64)
+        k64 = torch.randn(batch, kv_heads, k_len, dim, generator=gen, dtype=torch.float64)
+        v64 = torch.randn(batch, kv_heads, k_len, dim, generator=gen, dtype=torch.float64)
+        kp = torch.arange(k_len).repeat(batch, 1)
+        kp[1, :pad] = -1  # left padding
+        kp[1, pad:] = torch.arange(k_len - pad)
+        qp = kp[:, k_len - q_len:].clone()
+        shape = f"q {batch}x{q_heads}x{q_len}x{dim} kv {kv_heads}x{k_len}"
+        for dtype in dtypes:
+            q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+            kw = dict(leaky_k=leaky_k, logn_length=logn_length, interleaved=interleaved)
+            ref_out, ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp, inv_freq.double(),
+                                                      window, **kw)
+            # PyTorch's own error in this dtype: plain RoPE attention over the same inputs.
+            factor = torch.where((qp + 1 > logn_length) & (logn_length > 0),
+                                 (qp + 1).double().log() / math.log(max(logn_length, 2)), 1.0)
+            q_rot = rotate(q.double() * factor[:, None, :, None], qp, inv_freq, interleaved).to(dtype)
+            k_rot = rotate(k.double(), kp, inv_freq, interleaved).to(dtype)
+            visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0) & (kp[:, None, :] <= qp[:, :, None])
+            plain_ref_out, plain_ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp,
+                                                                  inv_freq.double(), 1 << 40, **kw)
+            group = q_heads // kv_heads
+            scale = 1 / math.sqrt(dim)
+            plain_out = F.scaled_dot_product_attention(
+                q_rot.to(device), k_rot.repeat_interleave(group, 1).to(device),
+                v.repeat_interleave(group, 1).to(device), attn_mask=visible[:, None].to(device), scale=scale).cpu()
+            scores = (q_rot.float() @ k_rot.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+            plain_lse = torch.logsumexp(scores.masked_fill(~visible[:, None], -math.inf), dim=-1)
+            seen = torch.isfinite(ref_lse)
+            plain_errors = ((plain_out.double() - plain_ref_out).abs()[seen].max().item(),
+                            (plain_lse.double() - plain_ref_lse).abs()[seen].max().item())
+
+            args = [t.to(device) for t in (q, k, v, qp, kp, inv_freq)]
+            if cache_view:  # k and v read in place from a cache with spare capacity
+                for i in (1, 2):
+                    buffer = torch.zeros(batch, kv_heads, k_len + 9, dim, dtype=dtype, device=device)
+                    buffer[:, :, 3:3 + k_len] = args[i]
+                    args[i] = buffer[:, :, 3:3 + k_len]
+            floor = _ATTENTION_FLOOR[str(dtype)[6:]]
+            try:
+                (out, lse), ms = _timed(lambda: ops.rerope_attention(*args, window, **kw), device)
+            except Exception as error:  # noqa: BLE001
+                rows.append(Row("rerope_attention", label, str(dtype)[6:], f"{name}: {shape}", math.nan, math.nan,
+                                math.nan, False, f"raised {type(error).__name__}: {error}".splitlines()[0][:200]))
+                continue
+            out, lse = out.cpu(), lse.cpu()
+            # Rows with no visible key: zeros and -inf exactly (decided by the mask).
+            masked_ok = torch.equal(torch.isinf(lse), ~seen) and not out[~seen].any()
+            for what, got, ref, plain_error in (("out", out, ref_out, plain_errors[0]),
+                                                ("lse", lse, ref_lse, plain_errors[1])):
+                error = (got.double() - ref).abs()[seen].max().item()
+                if math.isnan(error):
+                    error = math.inf
+                allowed = ERROR_FACTOR * plain_error + floor
+                ok = error <= allowed and masked_ok
+                note = "" if masked_ok else "rows without a visible key are not zeros / -inf"
+                rows.append(Row(f"rerope_attention ({what})", label, str(dtype)[6:], f"{name}: {shape}", error,
+                                allowed, ms if what == "out" else math.nan, ok, note))
+    return rows
+
+
+def _worker(device_name: str, threads: int) -> None:
+    """Runs the grid on one device with ``threads`` CPU threads; prints the device's label, then one
+    JSON line per result."""
+    import torch
+
+    import ropescale
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        props = torch.cuda.get_device_properties(device)
+        label = f"{device} {props.name} sm_{props.major}{props.minor}"
+    else:
+        label = f"cpu {ropescale._C.rotary_cpu_isa()}"
+    print(_DEVICE_PREFIX + json.dumps(label), flush=True)
+    for rows in (_rotary_rows, _attention_rows):
+        for row in rows(device, label):
+            print(_ROW_PREFIX + json.dumps(asdict(row)), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command: one worker per device, one table.
+
+
+def _cpu_variants() -> list[str | None]:
+    """The ATEN_CPU_CAPABILITY values this CPU can run (forcing one it lacks dies with SIGILL);
+    None: the one default run where the native library has no x86 variants."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [None]
+    return [isa for isa in CPU_VARIANTS if isa == "default" or getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()]
+
+
+class _Worker:
+    """One device's grid in a subprocess of its own (started at once; :meth:`rows` waits for it)."""
+
+    def __init__(self, device: str, isa: str | None, threads: int):
+        env = dict(os.environ)
+        package_parent = str(Path(__file__).absolute().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+        if isa is not None:
+            env["ATEN_CPU_CAPABILITY"] = isa
+        self.label = device if isa is None else f"cpu (ATEN_CPU_CAPABILITY={isa})"
+        code = f"from ropescale.check import _worker; _worker({device!r}, {threads})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+
+    def rows(self, deadline: float) -> list[Row]:
+        try:
+            stdout, stderr = self.process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            status = self.process.returncode
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            stdout, _ = self.process.communicate()
+            stderr, status = f"no answer after {WORKER_TIMEOUT_S} s", None
+        rows = []
+        for line in stdout.splitlines():
+            if line.startswith(_DEVICE_PREFIX):
+                self.label = json.loads(line[len(_DEVICE_PREFIX):])
+            elif line.startswith(_ROW_PREFIX):
+                rows.append(Row(**json.loads(line[len(_ROW_PREFIX):])))
+        if status != 0:
+            what = "timed out" if status is None else (f"died of signal {-status}" if status < 0 else f"exited {status}")
+            last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+            rows.append(Row("(the check itself)", self.label, "", "", math.nan, math.nan, math.nan, False,
+                            (f"the worker {what} after {len(rows)} results" + (f": {last}" if last else ""))[:300]))
+        return rows
+
+
+def _format(value: float, digits: int = 2) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}e}"
+
+
+def _table(rows: list[Row]) -> str:
+    header = ("op", "device", "dtype", "shape", "error", "allowed", "ms", "")
+    lines = [(r.op, r.device, r.dtype, r.shape, _format(r.error), _format(r.allowed),
+              "" if math.isnan(r.time_ms) else f"{r.time_ms:.3f}",
+              ("ok" if r.ok else "FAIL") + (f"  {r.note}" if r.note else "")) for r in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
+    out = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines]]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def run(devices: str = "all", as_json: bool = False, stream: TextIO | None = None) -> int:
+    """Checks every op on the devices asked for ("cpu", "cuda" or "all"); prints the table (or
+    JSON) to ``stream``; returns 0 when every result is within its bound, 1 otherwise."""
+    import torch
+
+    import ropescale
+
+    stream = stream or sys.stdout
+    info = ropescale.build_info()
+    start = time.perf_counter()
+    runs: list[tuple[str, str | None]] = []
+    notes = []
+    if devices in ("cpu", "all"):
+        runs += [("cpu", isa) for isa in _cpu_variants()]
+    if devices in ("cuda", "all"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and not info["cuda"] and info["kernels"] == "native":
+            notes.append(f"{count} CUDA GPU(s) present, but this ropescale was built without CUDA kernels: "
+                         "rebuild with nvcc found (ROPESCALE_CUDA=ON), or run with ROPESCALE_KERNELS=reference")
+        elif count:
+            runs += [(f"cuda:{i}", None) for i in range(count)]
+        elif devices == "cuda":
+            notes.append("no CUDA GPU here (torch.cuda.is_available() is False)")
+    # All at once (each pays for its own torch import); the CPU threads shared out between them.
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(runs)))
+    workers = [_Worker(device, isa, threads) for device, isa in runs]
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    rows: list[Row] = []
+    for worker in workers:
+        rows += worker.rows(deadline)
+    labels = [worker.label for worker in workers]
+    failed = [r for r in rows if not r.ok]
+    seconds = time.perf_counter() - start
+    if as_json:
+        json.dump({"ok": not failed and bool(rows), "build_info": info, "torch": torch.__version__,
+                   "devices": labels, "notes": notes, "seconds": seconds, "rows": [asdict(r) for r in rows]},
+                  stream, indent=1, default=str)
+        stream.write("\n")
+    else:
+        kernels = ("reference (ROPESCALE_KERNELS=reference: plain PyTorch implementations)"
+                   if info["kernels"] == "reference" else "native")
+        print(f"ropescale {ropescale.__version__}, torch {torch.__version__}, kernels: {kernels}; "
+              f"{threads} CPU thread(s) per device run", file=stream)
+        print(_table(rows), file=stream)
+        for note in notes:
+            print(f"note: {note}", file=stream)
+        print(f"{len(rows) - len(failed)} of {len(rows)} results within bounds on {len(labels)} device run(s) "
+              f"in {seconds:.1f} s.", file=stream)
+        if failed:
+            print(_failure_report(failed, info, labels), file=stream)
+        elif not rows:
+            print("Nothing was checked.", file=stream)
+    return 1 if failed or not rows else 0
+
+
+def _failure_report(failed: list[Row], info: dict, labels: list[str]) -> str:
+    import torch
+
+    ops = sorted({r.op for r in failed})
+    workaround = ("Run with ROPESCALE_KERNELS=reference to route every op to its plain PyTorch "
+                  "implementation (same results, slower) until it is fixed."
+                  if info["kernels"] == "native" else
+                  "These are the plain PyTorch implementations (ROPESCALE_KERNELS=reference): the problem is "
+                  "in PyTorch or in this machine, not in ropescale's kernels.")
+    return "\n".join([
+        f"FAILED: {len(failed)} result(s) outside their bounds: {', '.join(ops)}.",
+        workaround,
+        "Please report it to the ropescale project with this whole output, or at least:",
+        f"  ropescale.build_info(): {info}",
+        f"  torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, "
+        f"{platform.platform()}",
+        f"  devices: {'; '.join(labels)}",
+        "  the failing rows:",
+        *("    " + line for line in _table(failed).splitlines()),
+    ])
+
+
+# ---------------------------------------------------------------------------------------------
+# The subcommand (hooked into ropescale.cli).
+
+DESCRIPTION = """\
+Check that ropescale computes the right thing on this machine, in under a minute.
+
+Every op runs on every device here: each instruction-set variant of the CPU kernels this CPU can
+run (default, AVX2, AVX-512: one process each, as ATEN_CPU_CAPABILITY picks them) and each CUDA GPU,
+in float32, float16 and bfloat16, on small problems chosen to reach the awkward parts (odd sizes,
+partial rotary, GQA, interleaved pairs, in-place forms, ReRoPE prefill with padding and decode
+against a cache; on a GPU also the tensor-core prefill and head dim 256). Each result is compared
+with a float64 reference: 'error' is the largest absolute difference, 'allowed' is twice what plain
+PyTorch gets in that dtype on the same inputs (the eager rotation formula; SDPA for attention),
+plus a floor for results PyTorch gets exactly; 'ms' is the op's best time of three runs (the
+device runs go at the same time, each with its share of the CPU threads: a rough figure, not a
+benchmark).
+
+Exit status 0: every result is within bounds. 1: some are not; the last lines say which and what
+to report. Until a fix, ROPESCALE_KERNELS=reference (set before Python starts) routes every op to
+its plain PyTorch implementation on the same device: slower, never stuck. `ropescale check` with
+that variable set checks those implementations (the table says 'kernels: reference')."""
+
+
+def add_parser(sub) -> None:
+    """Adds ``check`` to the ``ropescale`` command's subparsers."""
+    import argparse
+
+    p = sub.add_parser(
+        "check", help="check every op on this machine's CPU and GPUs against float64 references (< 1 min)",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  ropescale check\n  ropescale check --devices cuda\n"
+               "  ROPESCALE_KERNELS=reference ropescale check\n  ropescale check --json > check.json",
+    )
+    p.add_argument("--devices", choices=("all", "cpu", "cuda"), default="all",
+                   help="which devices to check (default all: the CPU variants, then each CUDA GPU)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    p.set_defaults(func=lambda args: run(args.devices, args.json))
