@@ -162,6 +162,47 @@ def test_dynamic_multilayer_pre_rope_cache_beats_native_cache():
     assert ours < theirs / 3
 
 
+DYNAMIC_IN_A_BATCH = {
+    "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=16), {}),
+    "dynamic_ntk": (scaling.DynamicNTK(factor=2.0, original_max_position=16), {}),
+    "rerope_dynamic_yarn": (scaling.DynamicYaRN(original_max_position=16), {"attention": "rerope", "window": 6}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DYNAMIC_IN_A_BATCH))
+def test_dynamic_batch_rows_get_the_scale_of_their_own_length(case):
+    # issue 16.7: a 9-token prompt batched (left padding) with a 40-token one got the 40-token scale.
+    method, attention = DYNAMIC_IN_A_BATCH[case]
+    model = hf.patch(tiny("llama", layers=2, mpe=16), method, **attention)
+    long, short = ids(1, 40, seed=5), ids(1, 9, seed=6)
+    batch, mask = long.repeat(2, 1), torch.ones(2, 40, dtype=torch.long)
+    batch[1, :31], mask[1, :31] = 0, 0
+    batch[1, 31:] = short[0]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    both = model.generate(batch, attention_mask=mask, **kw)
+    # (an explicit mask: generate would take the prompt's own 0 tokens for padding)
+    alone = model.generate(short, attention_mask=torch.ones_like(short), **kw)
+    assert torch.equal(both.sequences[1, 40:], alone.sequences[0, 9:])
+    torch.testing.assert_close(torch.stack(both.logits)[:, 1], torch.stack(alone.logits)[:, 0], atol=1e-4, rtol=0)
+    alone_long = model.generate(long, attention_mask=torch.ones_like(long), **kw)
+    torch.testing.assert_close(torch.stack(both.logits)[:, 0], torch.stack(alone_long.logits)[:, 0], atol=1e-4, rtol=0)
+
+
+def test_dynamic_patch_compiles_with_graph_breaks_and_says_why_fullgraph_cannot():
+    # issue 16.14: fullgraph=True died on a data-dependent shape deep in the patch.
+    model = hf.patch(tiny("llama", layers=1, mpe=16), scaling.DynamicYaRN(original_max_position=16))
+    x = ids(length=24)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x, use_cache=False).logits
+        compiled = torch.compile(model, backend="eager")(x, use_cache=False).logits
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="ropescale: a length-dependent table.*fullgraph=False"):
+            torch.compile(model, backend="eager", fullgraph=True)(x, use_cache=False)
+    torch._dynamo.reset()
+
+
 def test_dynamic_patch_works_with_generate_default_cache():
     # generate() makes its own DynamicCache: a patched model converts its empty layers to pre-RoPE ones.
     model = hf.patch(tiny("llama", layers=1, mpe=16), scaling.DynamicNTK(factor=2.0, original_max_position=16))
@@ -226,6 +267,39 @@ def test_rerope_batch_generation_with_left_padding():
     alone_b = model.generate(b, past_key_values=hf.PreRopeCache(), **kw)
     assert torch.equal(out[0, 12:], alone_a[0, 12:])
     assert torch.equal(out[1, 12:], alone_b[0, 7:])
+
+
+# Every mask format transformers builds. ReRoPE never calls the implementation's kernel (it runs
+# rerope_attention), only the mask transformers makes for it, so setting the config's implementation
+# tests flash's 2-D mask without the flash-attn package.
+@pytest.mark.parametrize("implementation", ("eager", "sdpa", "flex_attention", "flash_attention_2"))
+def test_rerope_left_padding_under_every_attention_implementation(implementation):
+    # issue 16.1: flex (a BlockMask) and flash (a 2-D mask) were read as "no padding": 0.54 off.
+    model = tiny("llama", layers=1)
+    model.config._attn_implementation = implementation
+    hf.patch(model, None, attention="rerope", window=4)
+    long, short = ids(1, 12, seed=3), ids(1, 7, seed=4)
+    batch, mask = torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 5:], mask[1, 5:] = short[0], 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        both = model(batch, attention_mask=mask, position_ids=positions).logits
+        torch.testing.assert_close(both[1, 5:], model(short).logits[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(both[0], model(long).logits[0], atol=1e-5, rtol=0)
+
+
+def test_rerope_refuses_an_attention_implementation_whose_mask_it_cannot_read():
+    model = tiny("llama", layers=1)
+    model.config._attn_implementation = "paged|sdpa"
+    with pytest.raises(ValueError, match="ReRoPE attention reads padding from the attention mask.*'paged|sdpa'"):
+        hf.patch(model, None, attention="rerope", window=4)
+    assert not hf.is_patched(model)
+    model.config._attn_implementation = "sdpa"
+    hf.patch(model, None, attention="rerope", window=4)
+    model.config._attn_implementation = "paged|sdpa"  # changed after patching: refused at the forward
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"), torch.no_grad():
+        model(ids(1, 5))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +501,8 @@ def test_resonance_yarn_config_loads_and_runs_patched_or_not():
 
 
 def test_bad_rope_parameters_get_ropescale_errors_at_load():
-    with pytest.raises(RuntimeError, match="beta_fast must be > beta_slow"):
+    # transformers wraps the validator's ValueError in its config-validation error, message kept.
+    with pytest.raises(Exception, match="YaRN: beta_fast must be a finite number > 2, got 1.0"):
         tiny("llama", {"rope_type": "resonance_yarn", "factor": 8.0, "original_max_position_embeddings": 16,
                        "beta_fast": 1.0, "beta_slow": 2.0})
 
@@ -500,9 +575,9 @@ def test_unsupported_model_gets_a_clear_error():
 
 
 def test_bad_patch_arguments():
-    with pytest.raises(ValueError, match="needs window > 0, got 0"):
+    with pytest.raises(ValueError, match="needs window, an integer > 0, got 0"):
         hf.patch(tiny("llama"), attention="rerope", window=0)
-    with pytest.raises(ValueError, match="leaky_k must be 0 .* or >= 1, got 0.5"):
+    with pytest.raises(ValueError, match="leaky_k must be 0 .* or a finite number >= 1, got 0.5"):
         hf.patch(tiny("llama"), attention="rerope", window=4, leaky_k=0.5)
     with pytest.raises(ValueError, match="attention must be 'sdpa' or 'rerope'"):
         hf.patch(tiny("llama"), attention="flash")
@@ -510,6 +585,30 @@ def test_bad_patch_arguments():
         hf.patch(tiny("llama"), window=4)
     with pytest.raises(TypeError, match="scaling must be"):
         hf.patch(tiny("llama"), scaling=3)
+
+
+@pytest.mark.parametrize("scaling_arg,attention,message", [
+    # issue 16.12: these were accepted, written into the config, and failed at the first forward.
+    (scaling.Default(), {"attention": "rerope", "window": 2.5}, "window, an integer > 0, got 2.5"),
+    (scaling.Default(), {"attention": "rerope", "window": True}, "window, an integer > 0, got True"),
+    (scaling.Default(), {"attention": "rerope", "window": 4, "logn_length": 1}, "logn_length must be 0 .* got 1"),
+    (scaling.Default(), {"attention": "rerope", "window": 4, "logn_length": -3}, "logn_length must be 0 .* got -3"),
+    (scaling.Default(), {"attention": "rerope", "window": 4, "leaky_k": float("inf")}, "leaky_k must be .* got inf"),
+    (scaling.Default(), {"attention": "rerope", "window": 4, "leaky_k": float("nan")}, "leaky_k must be .* got nan"),
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, {},
+     "YaRN: factor must be a finite number >= 1, got 0.5"),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 16}, {}, "rope_type 'yarn' needs factor"),
+    ({"rope_type": "yarn", "fator": 4, "original_max_position_embeddings": 16}, {},
+     "no parameter 'fator' \\(did you mean 'factor'\\?\\)"),
+    ({"rope_type": "dynamic_yarn", "original_max_position_embeddings": 0}, {},
+     "DynamicYaRN: original_max_position must be an integer >= 1, got 0"),
+])
+def test_bad_patch_settings_are_refused_before_the_model_is_touched(scaling_arg, attention, message):
+    model = tiny("llama", layers=1)
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match=message):
+        hf.patch(model, scaling_arg, **attention)
+    assert not hf.is_patched(model) and model.config.to_dict() == before
 
 
 DDP_SCRIPT = textwrap.dedent("""

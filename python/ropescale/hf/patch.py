@@ -8,8 +8,18 @@ What changes (per model instance, undone by ``unpatch``):
     then the model's own attention function (SDPA, eager, ...) and cache, as before;
   * dynamic methods (Dynamic NTK, Dynamic YaRN), a ``PreRopeCache``, or ``attention="rerope"``: keys are
     cached BEFORE rotation with their positions, and rotated at attention time with the table for the
-    current length (largest position + 1), which keeps incremental decoding exact when the table
-    changes; ReRoPE runs ``rerope_attention`` on the un-rotated q/k.
+    current length (largest position + 1), which keeps every key's ROTATION exact at every decoding
+    step when the table changes (the whole model is exact for one layer only: deeper layers' cached
+    keys and values were computed under an earlier scale); ReRoPE runs ``rerope_attention`` on the
+    un-rotated q/k. In a batch each row gets the table of ITS OWN length (its largest position + 1):
+    rows are grouped by length and each group is rotated with its table, so a short prompt batched
+    with a long one (left padding) gets the same scale as alone.
+  * ReRoPE reads padding from the attention mask of every mask format transformers builds for
+    ``eager``, ``sdpa``, ``flex_attention`` (a BlockMask) and ``flash_attention_*`` (the 2-D mask);
+    other implementations (paged, custom ones) are refused with a clear error.
+  * length-dependent tables (dynamic methods) pick the table from the current length, a value read
+    off the data: ``torch.compile(model)`` breaks the graph there and works; ``fullgraph=True`` fails
+    with ropescale's message saying so (use a static method such as ``scaling.YaRN`` for a full graph).
 
 What is recorded (in ``model.config``, so ``save_pretrained`` writes it; see ``ropescale.hf.checkpoint``):
 the method as ``rope_parameters``, ``max_position_embeddings`` for it, and for ReRoPE the attention
@@ -21,6 +31,8 @@ Patching a model twice raises an error; ``unpatch`` first to change the method.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import types
 from typing import Any, Mapping
 
@@ -28,6 +40,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import DynamicLayer
 
 from .. import ops, scaling as scaling_lib
@@ -46,6 +59,11 @@ SUPPORTED_ATTENTION = {
 
 # rerope_attention never attends a key at a negative position: how padding keys are masked out.
 _PADDING_POSITION = -1
+
+# The attention implementations whose mask ReRoPE reads padding from (see ``_padding_keys``): the
+# 4-D masks of eager and sdpa, flex's BlockMask, and the 2-D padding mask flash attention gets.
+REROPE_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                          "flash_attention_4")
 
 
 @dataclasses.dataclass
@@ -67,10 +85,15 @@ class _PatchState:
     def pre_rope(self) -> bool:
         return self.attention == "rerope" or self.method.dynamic
 
+    @property
+    def length_dependent(self) -> bool:
+        """True when the table depends on the current length (dynamic methods, LongRoPE)."""
+        return self.method.dynamic or isinstance(self.method, scaling_lib.LongRoPE)
+
     def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq on ``device`` and the attention factor for this length (memoised: every layer of a
         forward asks for the same one)."""
-        key = (seq_len if (self.method.dynamic or isinstance(self.method, scaling_lib.LongRoPE)) else None, device)
+        key = (seq_len if self.length_dependent else None, device)
         if key not in self._tables:
             if len(self._tables) > 8:
                 self._tables.clear()
@@ -130,16 +153,9 @@ def patch(
             window = saved.get("window") if window is None else window
             leaky_k = saved.get("leaky_k", 0.0) if leaky_k is None else leaky_k
             logn_length = saved.get("logn_length", 0) if logn_length is None else logn_length
-    if attention not in ("sdpa", "rerope"):
-        raise ValueError(f"patch: attention must be 'sdpa' or 'rerope', got {attention!r}")
+    _check_attention_arguments(attention, window, leaky_k, logn_length)
     if attention == "rerope":
-        leaky_k, logn_length = leaky_k or 0.0, logn_length or 0
-        if window is None or window <= 0:
-            raise ValueError(f"patch: attention='rerope' needs window > 0, got {window}")
-        if leaky_k != 0 and leaky_k < 1:
-            raise ValueError(f"patch: leaky_k must be 0 (plain ReRoPE) or >= 1, got {leaky_k}")
-    elif window is not None or leaky_k or logn_length:
-        raise ValueError("patch: window, leaky_k and logn_length apply to attention='rerope' only")
+        _check_rerope_implementation(config)
 
     params = config.rope_parameters
     state = _PatchState(
@@ -169,6 +185,37 @@ def patch(
     return model
 
 
+def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
+    """The attention side of a patch, checked before the model is touched (the values ReRoPE's op
+    accepts: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2)."""
+    if attention not in ("sdpa", "rerope"):
+        raise ValueError(f"patch: attention must be 'sdpa' or 'rerope', got {attention!r}")
+    if attention != "rerope":
+        if window is not None or leaky_k or logn_length:
+            raise ValueError("patch: window, leaky_k and logn_length apply to attention='rerope' only")
+        return
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"patch: attention='rerope' needs window, an integer > 0, got {window!r}")
+    leaky_k = 0.0 if leaky_k is None else leaky_k
+    if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
+            or (leaky_k != 0 and leaky_k < 1)):
+        raise ValueError(f"patch: leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
+    logn_length = 0 if logn_length is None else logn_length
+    if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
+            or logn_length < 0 or logn_length == 1):
+        raise ValueError(f"patch: logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
+                         f"length; log-n divides by its log), got {logn_length!r}")
+
+
+def _check_rerope_implementation(config) -> None:
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in REROPE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"patch: ReRoPE attention reads padding from the attention mask, and ropescale knows the masks of "
+            f"attn_implementation {', '.join(REROPE_IMPLEMENTATIONS)}; this model uses {implementation!r}: "
+            "load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
+
+
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model's own rotary and attention forwards and its config exactly (a
     ``save_pretrained`` after it writes the config the model had before ``patch``)."""
@@ -191,17 +238,53 @@ def is_patched(model: nn.Module) -> bool:
 # The patched forwards
 
 
+# A length-dependent table is picked by the current length, read off the data: a graph break under
+# torch.compile (which works), an error under fullgraph=True, with this message.
+_DATA_DEPENDENT = (
+    "ropescale: a length-dependent table (Dynamic-YaRN, Dynamic-NTK, LongRoPE under the pre-RoPE cache) is "
+    "chosen from each row's current length, a value read off the data, so the patched model cannot be "
+    "captured as one graph: compile with torch.compile(model) (fullgraph=False: the graph breaks there, "
+    "the rest is compiled), or patch a static method (e.g. scaling.YaRN with a fixed factor) for fullgraph=True")
+
+
+@torch.compiler.disable(reason=_DATA_DEPENDENT)
+def _row_groups(positions: torch.Tensor) -> list[tuple[torch.Tensor | None, int]]:
+    """``[(rows, seq_len)]``: the batch rows grouped by their own length (largest position + 1), with
+    ``rows=None`` for "every row" (all rows share one length, the common case: no gather needed)."""
+    lengths = positions.amax(dim=-1) + 1
+    distinct = torch.unique(lengths).tolist()
+    if len(distinct) == 1:
+        return [(None, int(distinct[0]))]
+    return [(torch.nonzero(lengths == n)[:, 0], int(n)) for n in distinct]
+
+
+def _groups(state: _PatchState, positions: torch.Tensor):
+    if not state.length_dependent:
+        return [(None, None)]
+    return _row_groups(positions)
+
+
 @torch.no_grad()
 def _rotary_forward(self, x, position_ids, layer_type=None):
-    """cos/sin in transformers' full-width layout for the patched method's table."""
+    """cos/sin in transformers' full-width layout for the patched method's table (each row with the
+    table of its own length when the table depends on it)."""
     state: _PatchState = self._ropescale_patch
-    seq_len = int(position_ids.max()) + 1
-    inv_freq, factor = state.table(seq_len, x.device)
-    # Angles in double: a float32 product is already ~1e-2 rad off at position 1e6.
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    groups = _groups(state, position_ids)
+    if groups[0][0] is not None:  # rows of different lengths: per-row angles and factors
+        angles = position_ids.new_empty(*position_ids.shape, state.rotary_dim // 2, dtype=torch.float64)
+        factors = angles.new_empty(position_ids.shape[0], 1, 1)
+    for rows, seq_len in groups:
+        inv_freq, factor = state.table(seq_len, x.device)
+        # Angles in double: a float32 product is already ~1e-2 rad off at position 1e6.
+        group = (position_ids if rows is None else position_ids[rows]).to(torch.float64)[..., None]
+        group_angles = group * inv_freq.to(torch.float64)
+        if rows is None:
+            angles, factors = group_angles, factor
+        else:
+            angles[rows], factors[rows] = group_angles, factor
     emb = torch.cat((angles, angles), dim=-1)
-    cos = (emb.cos() * factor).to(x.dtype)
-    sin = (emb.sin() * factor).to(x.dtype)
+    cos = (emb.cos() * factors).to(x.dtype)
+    sin = (emb.sin() * factors).to(x.dtype)
     return cos, sin
 
 
@@ -244,18 +327,30 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             layer = _pre_rope_layer(past_key_values, self.layer_idx)
             key, value = past_key_values.update(key, value, self.layer_idx, {"positions": positions})
             key_positions = layer.positions
-        seq_len = int(key_positions.max()) + 1
-        inv_freq, factor = state.table(seq_len, query.device)
+        groups = _groups(state, key_positions)
         if state.attention == "rerope":
-            out = _rerope(self, state, query, key, value, positions, key_positions, inv_freq, factor, attention_mask)
+            out = _rerope(self, state, groups, query, key, value, positions, key_positions, attention_mask)
             weights = None
         else:
-            query = ops.apply_rotary_pos(query, positions, inv_freq, factor)
-            key = ops.apply_rotary_pos(key, key_positions, inv_freq, factor)
+            query, key = _rotate_groups(state, groups, query, key, positions, key_positions)
             out, weights = _model_attention(self, query, key, value, attention_mask, **kwargs)
 
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
+
+
+def _rotate_groups(state, groups, query, key, positions, key_positions):
+    """q and k rotated, each group of rows with the table (and attention factor) of its own length."""
+    if groups[0][0] is None:
+        inv_freq, factor = state.table(groups[0][1], query.device)
+        return (ops.apply_rotary_pos(query, positions, inv_freq, factor),
+                ops.apply_rotary_pos(key, key_positions, inv_freq, factor))
+    rotated_q, rotated_k = torch.empty_like(query), torch.empty_like(key)
+    for rows, seq_len in groups:
+        inv_freq, factor = state.table(seq_len, query.device)
+        rotated_q[rows] = ops.apply_rotary_pos(query[rows], positions[rows], inv_freq, factor)
+        rotated_k[rows] = ops.apply_rotary_pos(key[rows], key_positions[rows], inv_freq, factor)
+    return rotated_q, rotated_k
 
 
 def _pre_rope_layer(cache, layer_idx) -> PreRopeLayer:
@@ -291,26 +386,53 @@ def _model_attention(module, query, key, value, attention_mask, **kwargs):
     )
 
 
-def _padding_keys(attention_mask, key_length):
-    """[B, K] True where a key is padding, read off the model's 4-D mask: the last query row of a
-    causal mask sees every non-padding key."""
-    if attention_mask is None or not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
+def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int):
+    """[B, K] True where a key is padding, or None when no key is, read off the mask the model built
+    for its attention implementation (the last query row of a causal mask sees every non-padding key):
+    eager/sdpa: a 4-D bool or additive float mask; flex_attention: a BlockMask (its mask_mod evaluated
+    on the last query row); flash_attention_*: the 2-D padding mask (1 = token), or None."""
+    if attention_mask is None:
         return None
-    last_row = attention_mask[:, 0, -1, -key_length:]
-    return ~last_row if last_row.dtype == torch.bool else last_row < torch.finfo(last_row.dtype).min / 2
+    if isinstance(attention_mask, BlockMask):
+        q_len, kv_len = attention_mask.seq_lengths
+        device = attention_mask.kv_num_blocks.device
+        visible = attention_mask.mask_mod(
+            torch.arange(batch, device=device)[:, None], torch.zeros(1, 1, dtype=torch.long, device=device),
+            torch.full((1, 1), q_len - 1, dtype=torch.long, device=device),
+            torch.arange(kv_len, device=device)[None, :])
+        return ~visible.expand(batch, kv_len)[:, -key_length:]
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+        last_row = attention_mask[:, 0, -1, -key_length:]
+        return ~last_row if last_row.dtype == torch.bool else last_row < torch.finfo(last_row.dtype).min / 2
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
+        return attention_mask[:, -key_length:] == 0
+    raise TypeError(f"ropescale: ReRoPE cannot read padding from an attention mask of type "
+                    f"{type(attention_mask).__name__}; use attn_implementation='sdpa'")
 
 
-def _rerope(module, state, query, key, value, positions, key_positions, inv_freq, factor, attention_mask):
-    pad = _padding_keys(attention_mask, key.shape[-2])
+def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask):
+    _check_rerope_implementation(module.config)  # the implementation can change after patching
+    pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
     if pad is not None and bool(pad.any()):
         key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
     # The fused op has no backward: when gradients are wanted (fine-tuning with Leaky ReRoPE), the
     # differentiable composite path computes the same attention.
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     attention = ops.rerope_attention_composite if wants_grad else ops.rerope_attention
-    # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
-    out, _lse = attention(
-        query, key, value, positions, key_positions, inv_freq, state.window,
-        leaky_k=state.leaky_k, scale=module.scaling * factor * factor, logn_length=state.logn_length,
-    )
+
+    def attend(q, k, v, q_pos, k_pos, seq_len):
+        inv_freq, factor = state.table(seq_len, q.device)
+        # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
+        out, _lse = attention(
+            q, k, v, q_pos, k_pos, inv_freq, state.window,
+            leaky_k=state.leaky_k, scale=module.scaling * factor * factor, logn_length=state.logn_length,
+        )
+        return out
+
+    if groups[0][0] is None:
+        out = attend(query, key, value, positions, key_positions, groups[0][1])
+    else:
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
+        for rows, seq_len in groups:
+            out[rows] = attend(query[rows], key[rows], value[rows], positions[rows], key_positions[rows], seq_len)
     return out.transpose(1, 2)
