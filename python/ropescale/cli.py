@@ -8,7 +8,10 @@
     ropescale posgen semi_recursive --n 4 --length 24
     ropescale eval perplexity MODEL_DIR --text book.txt --max-length 4096
 
-Every command takes ``--json`` for machine output; bad arguments print a usage error and exit 2.
+Every command takes ``--json`` for machine output; bad arguments print a usage error and exit 2 (a
+value the ops or the scaling methods refuse, too: ``main`` turns their ValueError into one); Ctrl-C
+ends any command within a second with exit 130 (native calls run in a worker thread the main thread
+waits on, so the interrupt is never stuck behind them).
 """
 
 from __future__ import annotations
@@ -18,13 +21,24 @@ import json
 import math
 import os
 import sys
+import tempfile
 import textwrap
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 from . import scaling
 
 # Method names accepted by --method: transformers' rope types plus ropescale's resonance ones.
-METHOD_CHOICES = sorted(scaling.METHODS) + ["resonance", "resonance_yarn"]
+# LongRoPE is not offered: its per-pair factor lists come from a search, not from a command line
+# (ropescale.scaling.LongRoPE from Python).
+METHOD_CHOICES = sorted(m for m in scaling.METHODS if m != "longrope") + ["resonance", "resonance_yarn"]
+# Integers the native ops take are int64; lengths beyond this are refused as arguments.
+_MAX_INT = 2**62
+# posgen builds the whole int64 table in memory (2^27 tokens: 1 GiB).
+_MAX_POSGEN_TOKENS = 2**27
+# decay keeps one float64 per distance (and prints or dumps them): 16M distances is 128 MiB.
+_MAX_DECAY_DISTANCE = 2**24
 
 
 class UsageError(Exception):
@@ -42,6 +56,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if value > _MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be at most 2^62, got {value}")
+    return value
+
+
+def _decay_distance(text: str) -> int:
+    value = _positive_int(text)
+    if value > _MAX_DECAY_DISTANCE:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {_MAX_DECAY_DISTANCE} (the curve keeps one value per distance), got {value}")
     return value
 
 
@@ -52,6 +76,8 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value > _MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be at most 2^62, got {value}")
     return value
 
 
@@ -69,6 +95,20 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _base(text: str) -> float:
+    value = _positive_float(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"the RoPE base must be > 1, got {text}")
+    return value
+
+
+def _factor(text: str) -> float:
+    value = _positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the scale factor s must be >= 1 (s < 1 would shrink the context), got {text}")
     return value
 
 
@@ -100,36 +140,54 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
 def _add_method(p: argparse.ArgumentParser, default: str, factor: float | None) -> None:
     g = p.add_argument_group("method")
     g.add_argument("--method", default=default, choices=METHOD_CHOICES, help=f"scaling method (default {default})")
-    g.add_argument("--factor", type=_positive_float, default=factor, help=f"scale factor s (default {factor})")
+    g.add_argument("--factor", type=_factor, default=None,
+                   help=(f"scale factor s (default {factor:g}" if factor else "scale factor s (needed by the "
+                         "methods that scale; default") + "; dynamic_yarn: 1, its scale then follows --seq-len)")
     g.add_argument("--original-max-position", type=_positive_int, default=4096,
                    help="pre-training context L (default 4096)")
     g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
     g.add_argument("--beta-slow", type=_positive_float, default=1.0, help="YaRN beta_slow (default 1)")
-    g.add_argument("--seq-len", type=_positive_int, default=None, help="current length (dynamic methods)")
+    g.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="current length (largest position + 1) for the dynamic methods (dynamic, dynamic_yarn)")
     g.add_argument("--resonance", action="store_true", help="round wavelengths to integers (Resonance RoPE)")
+    p.set_defaults(default_factor=factor)
+
+
+# What each --method name reads besides the factor (the rest of its rope_parameters).
+_YARN_NAMES = ("yarn", "resonance_yarn", "dynamic_yarn")
 
 
 def _method(args, name: str | None = None) -> scaling.RopeScaling:
     """The scaling method the options describe (``name`` overrides ``--method``)."""
     name = name or args.method
-    params: dict[str, Any] = {"rope_type": name, "original_max_position_embeddings": args.original_max_position}
-    if args.factor is not None:
-        params["factor"] = args.factor
-    if name in ("yarn", "resonance_yarn", "dynamic_yarn"):
-        params.update(beta_fast=args.beta_fast, beta_slow=args.beta_slow)
+    factor = args.factor
+    if factor is None and name != "dynamic_yarn":  # dynamic_yarn's own default (1) lets --seq-len set s
+        factor = getattr(args, "default_factor", None)
+    params: dict[str, Any] = {"rope_type": name}
+    if factor is not None and name not in ("default", "resonance"):
+        params["factor"] = factor
+    if name in _YARN_NAMES:
+        params.update(beta_fast=args.beta_fast, beta_slow=args.beta_slow,
+                      original_max_position_embeddings=args.original_max_position)
     if name == "llama3":
-        params.update(low_freq_factor=1.0, high_freq_factor=4.0)
-    if name == "longrope":
-        raise UsageError("longrope needs per-dimension factor lists: use ropescale.scaling.LongRoPE from Python")
-    if args.factor is None and name in ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3"):
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=args.original_max_position)
+    if factor is None and name in ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3"):
         raise UsageError(f"--method {name} needs --factor")
     try:
+        # dynamic reads the original length as transformers does, from max_position_embeddings.
         method = scaling.from_hf(params, max_position_embeddings=args.original_max_position)
     except ValueError as err:
         raise UsageError(str(err).replace("from_hf: ", f"--method {name}: ")) from None
     if args.resonance and not method.resonance:
         method = type(method)(**{**method.__dict__, "resonance": True})
     return method
+
+
+def _check_seq_len(args, *methods: scaling.RopeScaling) -> None:
+    if args.seq_len is not None and not any(m.dynamic for m in methods):
+        raise UsageError("--seq-len applies to the dynamic methods (dynamic, dynamic_yarn) only: the table of "
+                         f"--method {args.method} does not depend on the length")
 
 
 def _method_label(args, name: str | None = None) -> str:
@@ -165,6 +223,45 @@ def _show_progress(args) -> bool:
     return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
+class Interrupted(Exception):
+    """Ctrl-C while a native call ran (its worker thread cannot be stopped: the process exits)."""
+
+
+def _native(desc: str, fn: Callable, *args, quiet: bool = False):
+    """``fn(*args)`` (a long native op) in a daemon worker thread, the main thread waiting on it in short
+    slices, so Ctrl-C is seen within a fraction of a second even while the op runs (a native loop does
+    not return to Python to notice it); after a second it shows the elapsed time on a terminal."""
+    result: dict[str, Any] = {}
+
+    def work():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as err:  # handed to the main thread, raised there
+            result["error"] = err
+
+    worker = threading.Thread(target=work, name=f"ropescale {desc}", daemon=True)
+    start = time.monotonic()
+    worker.start()
+    bar = None
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+            if bar is None and not quiet and sys.stderr.isatty() and time.monotonic() - start > 1.0:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(desc=f"{desc} (Ctrl-C stops it)", bar_format="{desc}: {elapsed}", leave=False)
+            if bar is not None:
+                bar.refresh()
+    except KeyboardInterrupt:
+        raise Interrupted() from None
+    finally:
+        if bar is not None:
+            bar.close()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 # ---------------------------------------------------------------------------------------------
 # table
 
@@ -194,9 +291,15 @@ def _print_table(name: str, method: scaling.RopeScaling, dim: int, base: float, 
     rows = _method_table(method, dim, base, seq_len)
     factor = method.attention_factor_for(seq_len)
     if as_json:
-        _dump({"method": name, "dim": dim, "base": base, "attention_factor": factor, "rows": rows})
+        dynamic = {"seq_len": seq_len} if method.dynamic else {}
+        _dump({"method": name, "dim": dim, "base": base, **dynamic, "attention_factor": factor, "rows": rows})
         return
-    print(f"{name}: rotary dim {dim}, base {base:g}, attention factor {factor:.6f}")
+    at = ""
+    if method.dynamic:
+        at = f", at length {seq_len}" if seq_len is not None else ", at its own scale (no --seq-len)"
+        if isinstance(method, scaling.DynamicYaRN):
+            at += f" (s = {method._scale(seq_len):g})"
+    print(f"{name}{at}: rotary dim {dim}, base {base:g}, attention factor {factor:.6f}")
     print(f"{'pair':>4} {'regime':>11} {'inv_freq':>13} {'wavelength':>13} {'scale':>9}")
     for r in rows:
         print(f"{r['pair']:>4} {r['regime']:>11} {r['inv_freq']:>13.6e} {r['wavelength']:>13.2f} {r['scale']:>9.4f}")
@@ -205,6 +308,7 @@ def _print_table(name: str, method: scaling.RopeScaling, dim: int, base: float, 
 def _cmd_table(args) -> int:
     method = _method(args)
     compare = {name: _method(args, name) for name in args.compare or []}
+    _check_seq_len(args, method, *compare.values())
     _print_table(_method_label(args), method, args.dim, args.base, args.seq_len, args.json)
     if args.plot:
         from . import plots
@@ -232,7 +336,9 @@ def _cmd_base_bound(args) -> int:
 
     bounds = []
     for length in _progress(args.context_length, args.quiet or len(args.context_length) == 1, desc="base bound"):
-        bounds.append({"context_length": length, "base_lower_bound": ops.base_lower_bound(length, args.dim)})
+        bounds.append({"context_length": length,
+                       "base_lower_bound": _native(f"base bound for {length}", ops.base_lower_bound, length, args.dim,
+                                                   quiet=args.quiet)})
     if args.json:
         _dump({"dim": args.dim, "bounds": bounds})
         return 0
@@ -247,9 +353,10 @@ def _cmd_decay(args) -> int:
     from . import ops
 
     method = _method(args)
+    _check_seq_len(args, method)
     inv_freq = method.inv_freq(args.dim, args.base, seq_len=args.seq_len, dtype=_float64())
-    curve = ops.similarity_decay(inv_freq, args.max_distance)
-    effective = ops.effective_context_length(inv_freq, args.max_distance)
+    curve = _native("decay", ops.similarity_decay, inv_freq, args.max_distance)
+    effective = _native("decay", ops.effective_context_length, inv_freq, args.max_distance)
     first_negative = effective + 1 if effective < args.max_distance else None
     label = _method_label(args)
     if args.json:
@@ -290,12 +397,13 @@ def _cmd_gap(args) -> int:
     if args.test_length <= args.train_length:
         raise UsageError(f"--test-length ({args.test_length}) must be > --train-length ({args.train_length})")
     method = _method(args)
+    _check_seq_len(args, method)
     plain = type(method)(**{**method.__dict__, "resonance": False})
     rounded = type(method)(**{**method.__dict__, "resonance": True})
     table = plain.inv_freq(args.dim, args.base, seq_len=args.seq_len, dtype=_float64())
     table_r = rounded.inv_freq(args.dim, args.base, seq_len=args.seq_len, dtype=_float64())
-    gap = ops.feature_gap(table, args.train_length, args.test_length)
-    gap_r = ops.feature_gap(table_r, args.train_length, args.test_length)
+    gap = _native("gap", ops.feature_gap, table, args.train_length, args.test_length)
+    gap_r = _native("gap (Resonance)", ops.feature_gap, table_r, args.train_length, args.test_length)
     pairs = []
     for i in range(len(table)):
         wavelength = 2 * math.pi / float(table[i])
@@ -347,6 +455,8 @@ def _cmd_posgen(args) -> int:
     space = args.modulus ** (args.j + args.k)
     if args.n > space:
         raise UsageError(f"--n ({args.n}) is more than the {space} distinct prefixes of j + k tokens")
+    if args.n * args.length > _MAX_POSGEN_TOKENS:
+        raise UsageError(f"--n x --length ({args.n} x {args.length}) is more than {_MAX_POSGEN_TOKENS} tokens")
     data = posgen.generate(args.task, args.n, args.length, args.j, args.k, args.modulus, args.seed)
     if args.out:
         import torch
@@ -366,14 +476,31 @@ def _cmd_posgen(args) -> int:
     return 0
 
 
+# Where `ropescale demo` writes its PNG unless told otherwise.
+DEMO_OUTPUT = os.path.join(tempfile.gettempdir(), "ropescale-demo")
+
+
 def _cmd_demo(args) -> int:
     from . import demo
 
     if args.test_length is not None and args.test_length <= args.train_length:
         raise UsageError(f"--test-length ({args.test_length}) must be > --train-length ({args.train_length})")
+    if args.threads > (os.cpu_count() or 1):
+        raise UsageError(f"--threads ({args.threads}) must be at most the {os.cpu_count()} CPUs of this machine")
+    if args.plot is not None and args.output is not None:
+        raise UsageError("give --output DIR or --plot FILE.png, not both")
+    plot = args.plot
+    if plot is None:
+        # Never the current directory (a repository checkout, say): a folder of its own, printed.
+        folder = args.output or DEMO_OUTPUT
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"--output: cannot create {folder}: {err.strerror}") from None
+        plot = os.path.join(folder, "ropescale_demo.png")
     report = demo.run(
         task=args.task, train_length=args.train_length, test_length=args.test_length, steps=args.steps,
-        seed=args.seed, threads=args.threads, plot=args.plot, progress=_show_progress(args),
+        seed=args.seed, threads=args.threads, plot=plot, progress=_show_progress(args),
         log=None if args.json else print,
     )
     if args.json:
@@ -410,8 +537,13 @@ def _eval_patch(args, model, target_length: int) -> dict:
     original = model.config.max_position_embeddings
     args.original_max_position = args.original_max_position or original
     frequencies = None if args.method in (None, "rerope") else args.method
+    note = None
     if frequencies is not None and args.factor is None and frequencies in _FACTOR_FROM_LENGTH:
         args.factor = max(1.0, target_length / args.original_max_position)
+        if target_length <= args.original_max_position:
+            note = (f"note: --method {frequencies} at {target_length} tokens, within the trained length "
+                    f"{args.original_max_position}: factor s = 1 (the evaluated length / the trained length, at "
+                    "least 1), so the frequencies are the model's own; give --factor to scale anyway")
     method = None if frequencies is None else _method(args, frequencies)
     attention = {}
     if args.window is not None:
@@ -423,6 +555,9 @@ def _eval_patch(args, model, target_length: int) -> dict:
         raise UsageError(f"--method {args.method or 'rerope'}: {err}") from None
     described = {"method": frequencies or "default", "factor": args.factor if frequencies else None,
                  "original_max_position": args.original_max_position}
+    if note is not None:
+        described["note"] = note
+        _note(args, note)
     if attention:
         described.update(window=args.window, leaky_k=args.leaky_k, logn=args.logn)
     return described
@@ -442,8 +577,11 @@ def _load_model(args):
             raise UsageError(f"--gguf: {err}") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except OSError as err:  # no such directory or hub name, no network, no weights
+        raise UsageError(f"cannot load {args.model!r}: {str(err).strip().splitlines()[0]}") from None
     return model, tokenizer
 
 
@@ -482,6 +620,10 @@ def _cmd_eval_perplexity(args) -> int:
         raise UsageError(f"--text: cannot read {args.text}: {err.strerror}") from None
     model, tokenizer = _load_model(args)
     max_length = args.max_length or model.config.max_position_embeddings
+    if args.stride > max_length:
+        where = "--max-length" if args.max_length else "the model's max_position_embeddings"
+        raise UsageError(f"--stride ({args.stride}) must be <= the window ({where}: {max_length}), or tokens "
+                         "go unscored: give a smaller --stride")
     described = _eval_patch(args, model, max_length)
     result = evaluate.perplexity(model, text, tokenizer, max_length=max_length, stride=args.stride,
                                  progress=_show_progress(args))
@@ -517,7 +659,7 @@ def _add_extend_command(sub) -> None:
     ex.add_argument("dst", metavar="DST", help="the new directory (must not exist)")
     g = ex.add_argument_group("method")
     g.add_argument("--method", required=True, choices=METHOD_CHOICES, help="scaling method")
-    g.add_argument("--factor", type=_positive_float, default=None, help="scale factor s")
+    g.add_argument("--factor", type=_factor, default=None, help="scale factor s")
     g.add_argument("--original-max-position", type=_positive_int, default=None,
                    help="pre-training context L (default: SRC's original_max_position_embeddings, else its "
                         "max_position_embeddings)")
@@ -615,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "ropescale table --method yarn --factor 16 --resonance --json",
                   "ropescale table --method yarn --factor 16 --compare linear ntk llama3 --plot wavelengths.png"])
     table.add_argument("--dim", type=_even_dim, default=128, help="rotary dim (default 128)")
-    table.add_argument("--base", type=_positive_float, default=1e4, help="RoPE base (default 10000)")
+    table.add_argument("--base", type=_base, default=1e4, help="RoPE base (default 10000)")
     _add_method(table, default="yarn", factor=16.0)
     table.add_argument("--compare", nargs="+", choices=METHOD_CHOICES, metavar="METHOD",
                        help="more methods for the --plot (same options)")
@@ -642,8 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "ropescale decay --dim 128 --base 500000 --max-distance 65536 --plot decay.png",
                   "ropescale decay --method yarn --factor 4 --original-max-position 4096 --json"])
     decay.add_argument("--dim", type=_even_dim, default=128, help="rotary dim (default 128)")
-    decay.add_argument("--base", type=_positive_float, default=1e4, help="RoPE base (default 10000)")
-    decay.add_argument("--max-distance", type=_positive_int, default=16384, help="largest m (default 16384)")
+    decay.add_argument("--base", type=_base, default=1e4, help="RoPE base (default 10000)")
+    decay.add_argument("--max-distance", type=_decay_distance, default=16384,
+                       help=f"largest m (default 16384, at most {_MAX_DECAY_DISTANCE})")
     _add_method(decay, default="default", factor=None)
     _add_json(decay)
     _add_plot(decay, "the curve with the first negative distance marked")
@@ -657,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "ropescale gap --method yarn --factor 4 --original-max-position 64 --train-length 64 "
                 "--test-length 256 --plot gap.png"])
     gap.add_argument("--dim", type=_even_dim, default=64, help="rotary dim (default 64)")
-    gap.add_argument("--base", type=_positive_float, default=1e4, help="RoPE base (default 10000)")
+    gap.add_argument("--base", type=_base, default=1e4, help="RoPE base (default 10000)")
     gap.add_argument("--train-length", type=_positive_int, default=64, help="training length (default 64)")
     gap.add_argument("--test-length", type=_positive_int, default=256, help="test length (default 256)")
     _add_method(gap, default="default", factor=None)
@@ -688,6 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
               "time, as in the Resonance RoPE paper), and the RoPE model with ReRoPE and Dynamic-YaRN. "
               "Prints a table and writes accuracy by position as a PNG. No downloads.",
               ["ropescale demo", "ropescale demo --task recursive --plot recursive.png",
+               "ropescale demo --output out/",
                "ropescale demo --steps 200 --json"])
     dm.add_argument("--task", choices=TASKS, default="cot", help="PosGen task (default cot)")
     dm.add_argument("--train-length", type=_positive_int, default=32, help="training length (default 32)")
@@ -696,8 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seed", type=_non_negative_int, default=0)
     dm.add_argument("--threads", type=_positive_int, default=1,
                     help="torch threads (default 1: fastest for a model this small on a busy machine)")
-    dm.add_argument("--plot", type=_png, metavar="FILE.png", default="ropescale_demo.png",
-                    help="accuracy by position (default ropescale_demo.png)")
+    dm.add_argument("--output", metavar="DIR", default=None,
+                    help=f"folder for the PNG (default {DEMO_OUTPUT}; created if missing)")
+    dm.add_argument("--plot", type=_png, metavar="FILE.png", default=None,
+                    help="the PNG of accuracy by position (default DIR/ropescale_demo.png)")
     _add_json(dm)
     _add_quiet(dm)
     dm.set_defaults(func=_cmd_demo)
@@ -763,7 +909,7 @@ def build_parser() -> argparse.ArgumentParser:
         g = e.add_argument_group("method (optional; see above)")
         g.add_argument("--method", choices=EVAL_METHOD_CHOICES, default=None,
                        help="frequency method, or rerope (the model's own frequencies, ReRoPE attention)")
-        g.add_argument("--factor", type=_positive_float, default=None,
+        g.add_argument("--factor", type=_factor, default=None,
                        help="scale factor s (default: the evaluated length / the trained length, at least 1)")
         g.add_argument("--original-max-position", type=_positive_int, default=None,
                        help="the trained length L (default: the model's max_position_embeddings)")
@@ -806,15 +952,37 @@ def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Arg
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        args = parser.parse_args(argv)
+        try:
+            return args.func(args)
+        except (ValueError, RuntimeError) as err:
+            # A value the ops or the scaling methods refuse (RuntimeError: a TORCH_CHECK in C++): the
+            # arguments were bad, so a usage error with the message's first line, never a traceback.
+            if isinstance(err, _out_of_memory()):
+                raise
+            raise UsageError(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__) from None
     except UsageError as err:
         _subparser(parser, argv).error(str(err))  # prints usage, exits 2
     except BrokenPipeError:  # `ropescale ... | head`: the reader left; exit quietly (Python docs' recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (KeyboardInterrupt, Interrupted) as err:
+        print("interrupted", file=sys.stderr)
+        if isinstance(err, Interrupted):
+            # A native call still runs in its worker thread: leave at once rather than wait for it in
+            # interpreter shutdown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return 130
     return 2
+
+
+def _out_of_memory() -> tuple[type, ...]:
+    """Out-of-memory is not a bad argument: it keeps its own error (only when torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return (torch.OutOfMemoryError,) if torch is not None and hasattr(torch, "OutOfMemoryError") else ()
 
 
 if __name__ == "__main__":

@@ -368,8 +368,15 @@ def test_extend_refusals(tmp_path, capsys):
     assert "already exists" in err
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn")
     assert "needs --factor" in err
+    # LongRoPE's per-pair factor lists come from Python (scaling.LongRoPE), so the CLI does not offer it.
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "longrope", "--factor", "4")
-    assert "longrope needs per-dimension factor lists" in err
+    assert "invalid choice: 'longrope'" in err
+    # Values the scaling method refuses never reach a config (issue 16.12).
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", "0.5")
+    assert "argument --factor: the scale factor s must be >= 1" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", "4",
+                      "--beta-fast", "1", "--beta-slow", "2")
+    assert "YaRN: beta_fast must be a finite number > 2, got 1.0" in err
     assert not (tmp_path / "d").exists()
 
 

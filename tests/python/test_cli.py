@@ -357,7 +357,25 @@ def test_top_level_help_lists_every_command(capsys):
     (["table", "--dim", "7"], "argument --dim: rotary dim must be even, got 7"),
     (["table", "--factor", "-2"], "argument --factor: must be a finite number > 0, got -2"),
     (["table", "--plot", "out.jpg"], "the file name must end in .png"),
-    (["table", "--method", "longrope"], "longrope needs per-dimension factor lists"),
+    # LongRoPE's per-pair factor lists come from Python (scaling.LongRoPE): the CLI does not offer it (16.15).
+    (["table", "--method", "longrope"], "argument --method: invalid choice: 'longrope'"),
+    # issue 16.11: values the ops or the methods refuse were tracebacks.
+    (["table", "--factor", "0.5"], "argument --factor: the scale factor s must be >= 1"),
+    (["table", "--base", "1"], "argument --base: the RoPE base must be > 1, got 1"),
+    (["decay", "--max-distance", "1000000000000"], "argument --max-distance: must be at most 16777216"),
+    (["base-bound", "1000", "--dim", "2"], "base_lower_bound: no base up to 1e15 supports this context"),
+    (["table", "--method", "ntk", "--factor", "2", "--dim", "2"], "ntk_inv_freq: dim must be > 2"),
+    (["table", "--seq-len", "99999999999999999999999"], "argument --seq-len: must be at most 2^62"),
+    (["table", "--beta-fast", "1", "--beta-slow", "2"], "YaRN: beta_fast must be a finite number > 2, got 1.0"),
+    (["decay", "--method", "llama3", "--factor", "2", "--original-max-position", "0"],
+     "argument --original-max-position: must be > 0, got 0"),
+    (["posgen", "cot", "--modulus", "1000", "--n", "1000000", "--length", "1000000"], "is more than 134217728 tokens"),
+    (["demo", "--threads", "100000"], "--threads (100000) must be at most the"),
+    (["demo", "--train-length", "1", "--steps", "1"], "splits: length must be >= j + k = 4, got 1"),
+    (["demo", "--output", "o", "--plot", "p.png"], "give --output DIR or --plot FILE.png, not both"),
+    (["eval", "passkey", "/nonexistent/model", "--context-length", "64"], "cannot load '/nonexistent/model'"),
+    # issue 16.6: --seq-len on a method whose table ignores it
+    (["table", "--method", "yarn", "--seq-len", "5"], "--seq-len applies to the dynamic methods"),
     (["base-bound"], "the following arguments are required: L"),
     (["base-bound", "0"], "argument L: must be > 0, got 0"),
     (["decay", "--method", "linear"], "--method linear needs --factor"),
@@ -385,6 +403,113 @@ def test_top_level_help_lists_every_command(capsys):
 def test_bad_arguments_exit_2_with_usage(capsys, argv, message):
     err = usage_error(capsys, *argv)
     assert message in err
+
+
+def test_eval_usage_errors_found_after_loading(capsys, tmp_path, saved_model):
+    # issue 16.11: a model whose max_position_embeddings (200) is below the default stride 256 was a
+    # traceback; passkey at a length that cannot hold the prompt too.
+    path, _, _ = saved_model
+    text_file = tmp_path / "t.txt"
+    text_file.write_text("abc " * 100)
+    err = usage_error(capsys, "eval", "perplexity", str(path), "--text", str(text_file), "--device", "cpu")
+    assert "--stride (256) must be <= the window (the model's max_position_embeddings: 200)" in err
+    err = usage_error(capsys, "eval", "passkey", str(path), "--context-length", "20", "--device", "cpu")
+    assert "context_length 20 cannot hold even the empty prompt" in err
+
+
+def test_every_usage_error_is_one_line_after_the_usage(capsys):
+    err = usage_error(capsys, "table", "--beta-fast", "1", "--beta-slow", "2")
+    assert err.strip().splitlines()[-1].startswith("ropescale table: error: ") and "Traceback" not in err
+
+
+def test_table_of_a_dynamic_method_follows_seq_len(capsys):
+    # issue 16.6: --seq-len was ignored (s = 16, the table's default factor, for every length).
+    for seq_len, scale in ((128, 2.0), (512, 8.0), (32, 1.0)):
+        out = run_json(capsys, "table", "--method", "dynamic_yarn", "--original-max-position", "64", "--dim", "16",
+                       "--seq-len", str(seq_len))
+        assert out["seq_len"] == seq_len and out["rows"][-1]["scale"] == pytest.approx(scale, rel=1e-5)
+        assert out["attention_factor"] == pytest.approx(scaling.DynamicYaRN(original_max_position=64)
+                                                        .attention_factor_for(seq_len))
+    text = run(capsys, "table", "--method", "dynamic_yarn", "--original-max-position", "64", "--dim", "16",
+               "--seq-len", "512")
+    assert text.splitlines()[0].startswith("dynamic_yarn, at length 512 (s = 8): rotary dim 16")
+    fixed = run_json(capsys, "table", "--method", "dynamic_yarn", "--factor", "16", "--dim", "16",
+                     "--original-max-position", "64", "--seq-len", "128")
+    assert fixed["rows"][-1]["scale"] == pytest.approx(16.0, rel=1e-5)  # an explicit factor is the floor
+
+
+def test_eval_says_when_the_method_is_factor_one(capsys, tmp_path, saved_model):
+    # issue 16.6: yarn below the trained length silently became s = 1.
+    path, _, _ = saved_model
+    text_file = tmp_path / "t.txt"
+    text_file.write_text("abc " * 40)
+    argv = ["eval", "perplexity", str(path), "--text", str(text_file), "--max-length", "100", "--stride", "50",
+            "--device", "cpu", "--method", "yarn"]
+    text = run(capsys, *argv)
+    assert "note: --method yarn at 100 tokens, within the trained length 200: factor s = 1" in text
+    out = run_json(capsys, *argv)
+    assert out["factor"] == 1.0 and "factor s = 1" in out["note"]
+    longer = run_json(capsys, *argv[:-1], "yarn", "--original-max-position", "50")
+    assert longer["factor"] == 2.0 and "note" not in longer
+
+
+def test_demo_writes_its_png_into_its_own_folder_never_the_current_one(capsys, tmp_path, monkeypatch):
+    # issue 16.15: the PNG landed in the current directory (a checkout's root, untracked).
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    text = run(capsys, "demo", "--train-length", "8", "--test-length", "16", "--steps", "2", "--quiet")
+    default = Path(cli.DEMO_OUTPUT) / "ropescale_demo.png"
+    assert f"wrote {default}" in text and default.is_file()
+    assert Path(cli.DEMO_OUTPUT).parent == Path(__import__("tempfile").gettempdir())
+    text = run(capsys, "demo", "--train-length", "8", "--test-length", "16", "--steps", "2", "--quiet",
+               "--output", str(tmp_path / "out"))
+    assert f"wrote {tmp_path / 'out' / 'ropescale_demo.png'}" in text
+    assert list(cwd.iterdir()) == []
+
+
+def _waits_on_a_running_thread(pid: int) -> bool:
+    states = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states[int(tid)] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended
+            pass
+    return states.get(pid) == "S" and any(state == "R" for tid, state in states.items() if tid != pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread states from /proc")
+def test_ctrl_c_ends_a_long_native_command_within_a_second():
+    # issue 16.9: base-bound 1000000 (~100 s in one native call) ignored SIGINT for 30 s.
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # SIGINT back to its default in the child, whatever the test runner's shell did with it.
+    proc = subprocess.Popen([sys.executable, "-m", "ropescale", "base-bound", "1000000"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # 2 s, and past the imports (slow on a loaded machine): the main thread waits while another
+        # thread runs the native loop (Linux /proc; one thread's state is the letter after its name).
+        # (At most 15 s: a CLI that runs the loop on its main thread never shows that state.)
+        started, running = time.monotonic(), 0
+        while (running < 3 or time.monotonic() - started < 2.0) and time.monotonic() - started < 15:
+            assert proc.poll() is None, proc.communicate()
+            running = running + 1 if _waits_on_a_running_thread(proc.pid) else 0
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=5)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted"]
+    assert elapsed < 1.0, f"exited {elapsed:.2f} s after SIGINT"
 
 
 def test_python_dash_m_and_console_entry():
