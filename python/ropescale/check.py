@@ -85,7 +85,8 @@ def _timed(fn: Callable, device) -> tuple[object, float]:
 def _rotary_rows(device, label: str) -> list[Row]:
     """Every rotary op, float32/float16/bfloat16, on q [2, 8, 37, 88] (transformers' transposed layout)
     and k [2, 2, 37, 88] (GQA): 80 of 88 features rotated (40 pairs: vector bodies and remainders),
-    full- and half-width tables, interleaved pairs, conjugate, int32 and int64 positions to 2^20."""
+    full-width tables (per batch row) and half-width ones (one row for the batch), interleaved pairs
+    (with half-width tables, the layout they take), conjugate, int32 and int64 positions to 2^20."""
     import torch
 
     from . import ops
@@ -141,11 +142,11 @@ def _rotary_rows(device, label: str) -> list[Row]:
             ("apply_rotary", lambda: [ops.apply_rotary(q, cos, sin)], (q,), (cos, sin), False, False),
             ("apply_rotary_", in_place(lambda x: ops.apply_rotary_(x, half_cos, half_sin, True, half_width=True), q),
              (q,), (_full_width(half_cos, True), _full_width(half_sin, True)), True, False),
-            ("apply_rotary_qk", lambda: list(ops.apply_rotary_qk(q, k, half_cos, half_sin, half_width=True,
-                                                                 conjugate=True)),
-             (q, k), (_full_width(half_cos, False), _full_width(half_sin, False)), False, True),
-            ("apply_rotary_qk_", in_place(lambda a, b: ops.apply_rotary_qk_(a, b, cos, sin, True), q, k),
-             (q, k), (cos, sin), True, False),
+            ("apply_rotary_qk", lambda: list(ops.apply_rotary_qk(q, k, cos, sin, conjugate=True)),
+             (q, k), (cos, sin), False, True),
+            ("apply_rotary_qk_", in_place(lambda a, b: ops.apply_rotary_qk_(a, b, half_cos, half_sin, True,
+                                                                            half_width=True), q, k),
+             (q, k), (_full_width(half_cos, True), _full_width(half_sin, True)), True, False),
             ("apply_rotary_pos", lambda: [ops.apply_rotary_pos(q, positions, inv_freq, 1.3)], (q,),
              (positions, 1.3), False, False),
             ("apply_rotary_pos_", in_place(lambda x: ops.apply_rotary_pos_(x, positions32, inv_freq, 1.0, True), q),

@@ -13,9 +13,11 @@ They are registered over the native CPU and CUDA kernels of ``torch.ops.ropescal
 ``opcheck`` all keep working; ``ropescale.build_info()["kernels"]`` says ``"reference"``. The
 frequency-table ops have no device kernels (float64 scalar code on the CPU) and are not routed.
 
-Inputs are checked by the op's own fake (meta) kernel, run on meta copies of the arguments, so a
-bad argument gives the native op's error; what meta copies cannot show (devices, memory shared by
-in-place operands) is checked here with the native messages.
+Inputs are checked by the ops' own checks (``torch.ops.ropescale._check_rotary``,
+``_check_rotary_pos``, ``_check_rerope_attention``: the C++ functions the native kernels and their
+Meta kernels call), so a bad argument gives the native op's error; the in-place ops' checks on
+memory shared between operands, which the native kernels make in place, are made here with their
+messages.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import warnings
 
 import torch
 
-from . import ops  # noqa: F401  (the fake kernels the checks below run)
+from . import ops  # noqa: F401  (the library and the autograd registrations, before ours)
 from .rerope import rerope_attention_composite
 
 ENV = "ROPESCALE_KERNELS"
@@ -53,27 +55,6 @@ _R = torch.ops.ropescale
 
 # ---------------------------------------------------------------------------------------------
 # Checks
-
-
-def _meta(value):
-    """A meta tensor of ``value``'s shape, strides and dtype (``Tensor.to("meta")`` would make
-    non-dense layouts contiguous and hide a bad stride); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-
-
-def _check_with_fake_kernel(op: str, *args, **kwargs) -> None:
-    """Runs the op on meta copies of its arguments: its fake kernel raises what the op raises."""
-    getattr(_R, op)(*(_meta(a) for a in args), **{k: _meta(v) for k, v in kwargs.items()})
-
-
-def _check_same_device(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise RuntimeError(
-                f"{op}: {name} must be on the same device as the rotated tensor ({x.device}), got {t.device}"
-            )
 
 
 def _check_writable(op: str, written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
@@ -141,18 +122,24 @@ def _as_3d(table: torch.Tensor) -> torch.Tensor:
     return table[None] if table.dim() == 2 else table
 
 
-def _table_rotary(op: str, operands: dict[str, torch.Tensor], cos, sin, interleaved, half_width, conjugate,
-                  in_place: bool):
-    x = next(iter(operands.values()))
-    _check_same_device(op, x, **{k: t for k, t in operands.items() if t is not x}, cos=cos, sin=sin)
-    _check_with_fake_kernel(op, *operands.values(), cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+def _rotary(op: str, q, k, cos, sin, interleaved: bool, conjugate: bool, in_place: bool, read: dict):
+    """q (and k, when not None) rotated by full-width [T, S, rotary_dim] tables; ``read``: the
+    tables as the op was given them, which an in-place op must not overlap."""
+    operands = {"x": q} if k is None else {"q": q, "k": k}
     if in_place:
-        _check_writable(op, operands, {"cos": cos, "sin": sin})
-    cos, sin = _as_3d(cos), _as_3d(sin)
+        _check_writable(op, operands, read)
+    outs = [_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values()]
+    if in_place:
+        return None
+    return outs[0] if k is None else tuple(outs)
+
+
+def _table_rotary(op: str, q, k, cos, sin, interleaved, half_width, conjugate, in_place: bool):
+    _R._check_rotary(op, q, k, cos, sin, interleaved, half_width)
+    full_cos, full_sin = _as_3d(cos), _as_3d(sin)
     if half_width:
-        cos, sin = _full_width(cos, interleaved), _full_width(sin, interleaved)
-    outs = tuple(_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values())
-    return None if in_place else (outs[0] if len(outs) == 1 else outs)
+        full_cos, full_sin = _full_width(full_cos, interleaved), _full_width(full_sin, interleaved)
+    return _rotary(op, q, k, full_cos, full_sin, interleaved, conjugate, in_place, {"cos": cos, "sin": sin})
 
 
 def _position_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, interleaved: bool):
@@ -164,51 +151,42 @@ def _position_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: flo
     return _full_width(cos, interleaved), _full_width(sin, interleaved)
 
 
-def _position_rotary(op: str, operands: dict[str, torch.Tensor], positions, inv_freq, scale, interleaved, conjugate,
-                     in_place: bool):
-    x = next(iter(operands.values()))
-    _check_same_device(op, x, **{k: t for k, t in operands.items() if t is not x}, positions=positions,
-                       inv_freq=inv_freq)
-    _check_with_fake_kernel(op, *operands.values(), positions, inv_freq, scale, interleaved, conjugate=conjugate)
-    if in_place:
-        _check_writable(op, operands, {"positions": positions, "inv_freq": inv_freq})
+def _position_rotary(op: str, q, k, positions, inv_freq, scale, interleaved, conjugate, in_place: bool):
+    _R._check_rotary_pos(op, q, k, positions, inv_freq, scale)
     cos, sin = _position_tables(positions, inv_freq, scale, interleaved)
-    outs = tuple(_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values())
-    return None if in_place else (outs[0] if len(outs) == 1 else outs)
+    return _rotary(op, q, k, cos, sin, interleaved, conjugate, in_place, {"positions": positions, "inv_freq": inv_freq})
 
 
 def apply_rotary(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    return _table_rotary("apply_rotary", {"x": x}, cos, sin, interleaved, half_width, conjugate, False)
+    return _table_rotary("apply_rotary", x, None, cos, sin, interleaved, half_width, conjugate, False)
 
 
 def apply_rotary_(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _table_rotary("apply_rotary_", {"x": x}, cos, sin, interleaved, half_width, conjugate, True)
+    _table_rotary("apply_rotary_", x, None, cos, sin, interleaved, half_width, conjugate, True)
 
 
 def apply_rotary_qk(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    return _table_rotary("apply_rotary_qk", {"q": q, "k": k}, cos, sin, interleaved, half_width, conjugate, False)
+    return _table_rotary("apply_rotary_qk", q, k, cos, sin, interleaved, half_width, conjugate, False)
 
 
 def apply_rotary_qk_(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _table_rotary("apply_rotary_qk_", {"q": q, "k": k}, cos, sin, interleaved, half_width, conjugate, True)
+    _table_rotary("apply_rotary_qk_", q, k, cos, sin, interleaved, half_width, conjugate, True)
 
 
 def apply_rotary_pos(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    return _position_rotary("apply_rotary_pos", {"x": x}, positions, inv_freq, scale, interleaved, conjugate, False)
+    return _position_rotary("apply_rotary_pos", x, None, positions, inv_freq, scale, interleaved, conjugate, False)
 
 
 def apply_rotary_pos_(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _position_rotary("apply_rotary_pos_", {"x": x}, positions, inv_freq, scale, interleaved, conjugate, True)
+    _position_rotary("apply_rotary_pos_", x, None, positions, inv_freq, scale, interleaved, conjugate, True)
 
 
 def apply_rotary_pos_qk(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    return _position_rotary("apply_rotary_pos_qk", {"q": q, "k": k}, positions, inv_freq, scale, interleaved,
-                            conjugate, False)
+    return _position_rotary("apply_rotary_pos_qk", q, k, positions, inv_freq, scale, interleaved, conjugate, False)
 
 
 def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _position_rotary("apply_rotary_pos_qk_", {"q": q, "k": k}, positions, inv_freq, scale, interleaved, conjugate,
-                     True)
+    _position_rotary("apply_rotary_pos_qk_", q, k, positions, inv_freq, scale, interleaved, conjugate, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,14 +195,8 @@ def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False
 
 def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0,
                      causal=True, interleaved=False):
-    if k.device != q.device or v.device != q.device:
-        raise RuntimeError(
-            f"rerope_attention: q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}")
-    for name, t in (("inv_freq", inv_freq), ("q_positions", q_positions), ("k_positions", k_positions)):
-        if t.device != q.device:
-            raise RuntimeError(f"rerope_attention: {name} must be on {q.device} like q, got {t.device}")
-    _check_with_fake_kernel("rerope_attention", q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale,
-                            logn_length, causal, interleaved)
+    _R._check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
+                               allow_float64=False)
     batch, q_heads, q_len, head_dim = q.shape
     if q.numel() == 0 or k.shape[2] == 0:  # as the native op: no key gives zeros and lse = -inf
         return (q.new_zeros(batch, q_heads, q_len, head_dim),
