@@ -34,6 +34,8 @@ _ROTARY_FLOOR = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
 # ReRoPE in float32: the tests' bound (SDPA's own float32 error is ~1e-7, below the float32
 # summation-order differences of a blocked kernel).
 _ATTENTION_FLOOR = {"float32": 1e-5, "float16": 0.0, "bfloat16": 0.0}
+# A ReRoPE window past every distance of the grid: plain RoPE attention (the largest the op takes).
+_NO_WINDOW = 2**31 - 1
 ERROR_FACTOR = 2.0  # flash-attention's rule: twice PyTorch's own error in the dtype
 WORKER_TIMEOUT_S = 300
 
@@ -230,7 +232,7 @@ def _attention_rows(device, label: str) -> list[Row]:
             k_rot = rotate(k.double(), kp, inv_freq, interleaved).to(dtype)
             visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0) & (kp[:, None, :] <= qp[:, :, None])
             plain_ref_out, plain_ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp,
-                                                                  inv_freq.double(), 1 << 40, **kw)
+                                                                  inv_freq.double(), _NO_WINDOW, **kw)
             group = q_heads // kv_heads
             scale = 1 / math.sqrt(dim)
             plain_out = F.scaled_dot_product_attention(
