@@ -69,18 +69,15 @@ def test_check_passes_on_this_cpu_within_a_minute():
 
 
 # Loaded at the start of every Python process of the check (the command and each device run): a
-# wrong apply_rotary_pos_qk kernel on the CPU (one element of k off by 1), and, in the DEFAULT
-# variant's process only, a rerope_attention kernel that aborts the process.
+# wrong apply_rotary_pos_qk kernel on the CPU (it forgets to rotate), and, in the DEFAULT variant's
+# process only, a rerope_attention kernel that aborts the process.
 _PLANTED = """
 import os
 import torch
 import ropescale
-from ropescale import reference
 
 def wrong_apply_rotary_pos_qk(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    q_out, k_out = reference.apply_rotary_pos_qk(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
-    k_out[0, 0, 0, 0] += 1.0
-    return q_out, k_out
+    return q.clone(), k.clone()
 
 def crashing_rerope_attention(*args):
     os.abort()
