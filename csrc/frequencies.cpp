@@ -6,10 +6,66 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <thread>
+
+#include "position_limits.h"
 #include "ropescale/frequencies.h"
 
 namespace ropescale {
 namespace {
+
+// Ctrl-C for the long loops (similarity_decay, effective_context_length, base_lower_bound,
+// feature_gap). torch runs an op with the GIL released, so Python's handler cannot interrupt it:
+// instead the loops call poll() (frequencies.h), and every 20 ms the thread that called the op asks
+// Python to run its pending signal handlers (python_signal_raised, registration.cpp: SIGINT raises
+// KeyboardInterrupt). Then every thread of the op stops at its next poll, and the op rethrows the
+// Python exception (throw_python_error), which torch hands back to Python unchanged.
+class Interrupts {
+ public:
+  struct Stop : std::exception {
+    const char* what() const noexcept override { return "interrupted"; }
+  };
+
+  // Called often, from any thread of the op.
+  void poll() {
+    if (interrupted_.load(std::memory_order_relaxed)) throw Stop{};
+    if (std::this_thread::get_id() != caller_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_check_) return;
+    next_check_ = now + std::chrono::milliseconds(20);
+    if (!python_signal_raised()) return;
+    interrupted_.store(true);
+    throw Stop{};
+  }
+
+  freq::Poll poller() {
+    return [this] { poll(); };
+  }
+
+  // Runs work(); an interrupt ends it with the Python exception.
+  template <class Work>
+  auto run(Work&& work) -> decltype(work()) {
+    try {
+      return work();
+    } catch (...) {
+      if (interrupted_.load()) throw_python_error();
+      throw;
+    }
+  }
+
+ private:
+  const std::thread::id caller_ = std::this_thread::get_id();
+  std::chrono::steady_clock::time_point next_check_ = std::chrono::steady_clock::now();
+  std::atomic<bool> interrupted_{false};
+};
+
+void check_distance(const char* op, const char* name, int64_t value) {
+  TORCH_CHECK(value <= kMaxPosition, op, ": ", name, " must be <= ", kMaxPosition,
+              " (2^31 - 1: beyond it m * theta loses accuracy, and the loop would run for days), got ", value);
+}
 
 void check_dim(const char* op, int64_t dim) {
   TORCH_CHECK(dim > 0 && dim % 2 == 0, op, ": dim must be a positive even number, got ", dim);
@@ -36,11 +92,16 @@ at::Tensor to_tensor(const std::vector<double>& values, std::optional<at::Scalar
   return out.to(out_type);
 }
 
-// A 1-D floating inv_freq tensor on the CPU, read in double precision.
-std::vector<double> read_inv_freq(const char* op, const at::Tensor& inv_freq) {
-  TORCH_CHECK(inv_freq.dim() == 1, op, ": inv_freq must be 1-D, got shape ", inv_freq.sizes());
+// inv_freq's metadata: 1-D, floating. Shared by the CPU kernels and the Meta kernels.
+void check_inv_freq_meta(const char* op, const at::Tensor& inv_freq) {
+  TORCH_CHECK(inv_freq.dim() == 1, op, ": inv_freq must be 1-D, got shape ", inv_freq.sym_sizes());
   TORCH_CHECK(at::isFloatingType(inv_freq.scalar_type()), op, ": inv_freq must be floating point, got ",
               inv_freq.scalar_type());
+}
+
+// A 1-D floating inv_freq tensor on the CPU, read in double precision.
+std::vector<double> read_inv_freq(const char* op, const at::Tensor& inv_freq) {
+  check_inv_freq_meta(op, inv_freq);
   TORCH_CHECK(inv_freq.device().is_cpu(), op, ": inv_freq must be a CPU tensor, got ", inv_freq.device());
   const at::Tensor values = inv_freq.to(at::kDouble).contiguous();
   std::vector<double> out(values.data_ptr<double>(), values.data_ptr<double>() + values.numel());
@@ -142,10 +203,32 @@ double longrope_attention_factor(double factor, int64_t original_max_position) {
   return freq::longrope_attention_factor(factor, original_max_position);
 }
 
-at::Tensor resonance_inv_freq(const at::Tensor& inv_freq, int64_t original_max_position) {
-  std::vector<double> theta = read_inv_freq("resonance_inv_freq", inv_freq);
+namespace {
+
+// The scalar checks of the inv_freq-taking ops, shared with their Meta kernels.
+void check_resonance_args(int64_t original_max_position) {
   TORCH_CHECK(original_max_position >= 0, "resonance_inv_freq: original_max_position must be >= 0, got ",
               original_max_position);
+}
+
+void check_similarity_decay_args(int64_t max_distance) {
+  TORCH_CHECK(max_distance >= 0, "similarity_decay: max_distance must be >= 0, got ", max_distance);
+  check_distance("similarity_decay", "max_distance", max_distance);
+}
+
+void check_feature_gap_args(int64_t train_length, int64_t test_length) {
+  check_length("feature_gap", "train_length", train_length);
+  TORCH_CHECK(test_length >= train_length, "feature_gap: test_length must be >= train_length, got test_length=",
+              test_length, ", train_length=", train_length);
+  check_distance("feature_gap", "test_length", test_length);
+}
+
+}  // namespace
+
+at::Tensor resonance_inv_freq(const at::Tensor& inv_freq, int64_t original_max_position) {
+  check_inv_freq_meta("resonance_inv_freq", inv_freq);
+  check_resonance_args(original_max_position);
+  std::vector<double> theta = read_inv_freq("resonance_inv_freq", inv_freq);
   for (size_t i = 0; i < theta.size(); ++i) {
     if (!freq::resonance_rounds(theta[i], original_max_position)) continue;
     TORCH_CHECK(theta[i] < 2.0 * freq::kTwoPi, "resonance_inv_freq: inv_freq[", i, "] = ", theta[i],
@@ -157,16 +240,21 @@ at::Tensor resonance_inv_freq(const at::Tensor& inv_freq, int64_t original_max_p
 }
 
 at::Tensor similarity_decay(const at::Tensor& inv_freq, int64_t max_distance) {
+  check_inv_freq_meta("similarity_decay", inv_freq);
+  check_similarity_decay_args(max_distance);
   const std::vector<double> theta = read_inv_freq("similarity_decay", inv_freq);
-  TORCH_CHECK(max_distance >= 0, "similarity_decay: max_distance must be >= 0, got ", max_distance);
   at::Tensor out = at::empty({max_distance + 1}, at::TensorOptions().dtype(at::kDouble));
   double* curve = out.data_ptr<double>();
-  at::parallel_for(0, max_distance + 1, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      double sum = 0.0;
-      for (double t : theta) sum += std::cos(static_cast<double>(m) * t);
-      curve[m] = sum;
-    }
+  Interrupts interrupts;
+  interrupts.run([&] {
+    at::parallel_for(0, max_distance + 1, 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        if ((m & freq::kPollMask) == 0) interrupts.poll();
+        double sum = 0.0;
+        for (double t : theta) sum += std::cos(static_cast<double>(m) * t);
+        curve[m] = sum;
+      }
+    });
   });
   return out;
 }
@@ -174,26 +262,53 @@ at::Tensor similarity_decay(const at::Tensor& inv_freq, int64_t max_distance) {
 int64_t effective_context_length(const at::Tensor& inv_freq, int64_t max_distance) {
   const std::vector<double> theta = read_inv_freq("effective_context_length", inv_freq);
   TORCH_CHECK(max_distance >= 0, "effective_context_length: max_distance must be >= 0, got ", max_distance);
-  return freq::effective_context_length(theta, max_distance);
+  check_distance("effective_context_length", "max_distance", max_distance);
+  Interrupts interrupts;
+  return interrupts.run([&] { return freq::effective_context_length(theta, max_distance, interrupts.poller()); });
 }
 
 double base_lower_bound(int64_t context_length, int64_t dim) {
   check_length("base_lower_bound", "context_length", context_length);
+  check_distance("base_lower_bound", "context_length", context_length);
   check_dim("base_lower_bound", dim);
-  return freq::base_lower_bound(context_length, dim).base;
+  Interrupts interrupts;
+  return interrupts.run([&] {
+    return freq::base_lower_bound(context_length, dim, 1.001, 1e-7, 1e15, interrupts.poller()).base;
+  });
 }
 
 at::Tensor feature_gap(const at::Tensor& inv_freq, int64_t train_length, int64_t test_length) {
+  check_inv_freq_meta("feature_gap", inv_freq);
+  check_feature_gap_args(train_length, test_length);
   const std::vector<double> theta = read_inv_freq("feature_gap", inv_freq);
-  check_length("feature_gap", "train_length", train_length);
-  TORCH_CHECK(test_length >= train_length, "feature_gap: test_length must be >= train_length, got test_length=",
-              test_length, ", train_length=", train_length);
   at::Tensor out = at::empty({static_cast<int64_t>(theta.size())}, at::TensorOptions().dtype(at::kDouble));
   double* gap = out.data_ptr<double>();
-  at::parallel_for(0, static_cast<int64_t>(theta.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) gap[i] = freq::feature_gap(theta[i], train_length, test_length);
+  Interrupts interrupts;
+  const freq::Poll poll = interrupts.poller();
+  interrupts.run([&] {
+    at::parallel_for(0, static_cast<int64_t>(theta.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) gap[i] = freq::feature_gap(theta[i], train_length, test_length, poll);
+    });
   });
   return out;
+}
+
+at::Tensor resonance_inv_freq_meta(const at::Tensor& inv_freq, int64_t original_max_position) {
+  check_inv_freq_meta("resonance_inv_freq", inv_freq);
+  check_resonance_args(original_max_position);
+  return at::empty_like(inv_freq);
+}
+
+at::Tensor similarity_decay_meta(const at::Tensor& inv_freq, int64_t max_distance) {
+  check_inv_freq_meta("similarity_decay", inv_freq);
+  check_similarity_decay_args(max_distance);
+  return at::empty({max_distance + 1}, inv_freq.options().dtype(at::kDouble));
+}
+
+at::Tensor feature_gap_meta(const at::Tensor& inv_freq, int64_t train_length, int64_t test_length) {
+  check_inv_freq_meta("feature_gap", inv_freq);
+  check_feature_gap_args(train_length, test_length);
+  return at::empty_symint({inv_freq.sym_size(0)}, inv_freq.options().dtype(at::kDouble));
 }
 
 }  // namespace ropescale

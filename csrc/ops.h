@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/string_view.h>
+
 #include <optional>
 #include <tuple>
 
@@ -25,6 +27,17 @@ at::Tensor longrope_inv_freq(int64_t dim, double base, at::ArrayRef<double> shor
                              std::optional<at::ScalarType> dtype);
 double longrope_attention_factor(double factor, int64_t original_max_position);
 at::Tensor resonance_inv_freq(const at::Tensor& inv_freq, int64_t original_max_position);
+// Meta kernels of the inv_freq-taking ops: the ops' own metadata and scalar checks, empty outputs.
+at::Tensor resonance_inv_freq_meta(const at::Tensor& inv_freq, int64_t original_max_position);
+at::Tensor similarity_decay_meta(const at::Tensor& inv_freq, int64_t max_distance);
+at::Tensor feature_gap_meta(const at::Tensor& inv_freq, int64_t train_length, int64_t test_length);
+
+// ---- registration.cpp: Python's signals, for the long loops of frequencies.cpp ----
+// Runs Python's pending signal handlers (takes the GIL); true when one raised (KeyboardInterrupt for
+// SIGINT), the exception then pending in Python. False when Python is not running.
+bool python_signal_raised();
+// Throws the pending Python exception as torch's python_error, which torch re-raises in Python.
+[[noreturn]] void throw_python_error();
 
 // ---- frequencies.cpp: research quantities ----
 at::Tensor similarity_decay(const at::Tensor& inv_freq, int64_t max_distance);
@@ -51,6 +64,32 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk(const at::Tensor& q, cons
                                                        double scale, bool interleaved, bool conjugate);
 void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                           const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
+// Meta kernels of the rotary ops (rotary.cpp): the ops' own checks, then empty outputs.
+at::Tensor apply_rotary_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                             bool half_width, bool conjugate);
+void apply_rotary_meta_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                        bool half_width, bool conjugate);
+std::tuple<at::Tensor, at::Tensor> apply_rotary_qk_meta(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& cos, const at::Tensor& sin,
+                                                        bool interleaved, bool half_width, bool conjugate);
+void apply_rotary_qk_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                           bool interleaved, bool half_width, bool conjugate);
+at::Tensor apply_rotary_pos_meta(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+                                 double scale, bool interleaved, bool conjugate);
+void apply_rotary_pos_meta_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+                            double scale, bool interleaved, bool conjugate);
+std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk_meta(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                            double scale, bool interleaved, bool conjugate);
+void apply_rotary_pos_qk_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
+
+// The rotary checks as ops (rotary.cpp): ropescale::_check_rotary / _check_rotary_pos.
+void check_rotary(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+                  const at::Tensor& sin, bool interleaved, bool half_width);
+void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k,
+                      const at::Tensor& positions, const at::Tensor& inv_freq, double scale);
+
 // ---- rerope_attention: cpu/rerope_attention.cpp, cuda/rerope_attention.cu ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, const at::Tensor& q_positions,

@@ -1,7 +1,11 @@
-// Every ropescale op: its schema (one comment each) and its kernels per backend. The Python side
-// (python/ropescale/ops.py) adds fake kernels and autograd; nothing else registers ops.
+// Every ropescale op: its schema (one comment each) and its kernels per backend, Meta included: the
+// Meta kernels run each op's own checks (the same C++ functions as its CPU and CUDA kernels), so
+// FakeTensorMode and torch.compile refuse what the op refuses. The Python side
+// (python/ropescale/ops.py) adds autograd, and fake kernels only for the ops without tensor inputs
+// (which no Meta kernel can serve); nothing else registers ops.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/Exceptions.h>  // python_error
 #include <torch/library.h>
 #include <torch/python.h>
 
@@ -82,6 +86,17 @@ TORCH_LIBRARY(ropescale, m) {
       "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
       "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
       "-> (Tensor out, Tensor lse)");
+  // ---- The checks of the rotary ops and rerope_attention as ops (metadata; CPU positions' range),
+  // for the plain-PyTorch paths that compute those ops (rerope_attention_composite, the reference
+  // kernels): they refuse what the op refuses, with its message, eagerly and under torch.compile.
+  // `op` names the op in messages.
+  m.def("_check_rotary(str op, Tensor x, Tensor? k, Tensor cos, Tensor sin, bool interleaved=False, "
+        "bool half_width=False) -> ()");
+  m.def("_check_rotary_pos(str op, Tensor x, Tensor? k, Tensor positions, Tensor inv_freq, float scale=1.) -> ()");
+  // allow_float64: rerope_attention_composite also takes float64 (gradcheck, references).
+  m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
+        "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "
+        "bool allow_float64=False) -> ()");
 }
 
 // Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
@@ -97,6 +112,10 @@ TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);
   m.impl("longrope_attention_factor", &ropescale::longrope_attention_factor);
   m.impl("base_lower_bound", &ropescale::base_lower_bound);
+  // Metadata (and CPU data) only: one kernel for every device, Meta and fake tensors included.
+  m.impl("_check_rotary", &ropescale::check_rotary);
+  m.impl("_check_rotary_pos", &ropescale::check_rotary_pos);
+  m.impl("_check_rerope_attention", &ropescale::check_rerope_attention);
 }
 
 TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
@@ -124,6 +143,21 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) { register_rotary_impls(m); }
 #ifdef ROPESCALE_WITH_CUDA
 TORCH_LIBRARY_IMPL(ropescale, CUDA, m) { register_rotary_impls(m); }
 #endif
+
+TORCH_LIBRARY_IMPL(ropescale, Meta, m) {
+  m.impl("apply_rotary", &ropescale::apply_rotary_meta);
+  m.impl("apply_rotary_", &ropescale::apply_rotary_meta_);
+  m.impl("apply_rotary_qk", &ropescale::apply_rotary_qk_meta);
+  m.impl("apply_rotary_qk_", &ropescale::apply_rotary_qk_meta_);
+  m.impl("apply_rotary_pos", &ropescale::apply_rotary_pos_meta);
+  m.impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_meta_);
+  m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk_meta);
+  m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_meta_);
+  m.impl("rerope_attention", &ropescale::rerope_attention_meta);
+  m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq_meta);
+  m.impl("similarity_decay", &ropescale::similarity_decay_meta);
+  m.impl("feature_gap", &ropescale::feature_gap_meta);
+}
 
 // The in-place rotary ops are not differentiable. Without this kernel autograd would run them
 // silently and return wrong gradients; instead a tensor argument that requires grad is an error,
@@ -161,6 +195,24 @@ TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
   m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
 }
 #endif
+
+namespace ropescale {
+
+bool python_signal_raised() {
+  if (!Py_IsInitialized()) return false;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  const bool raised = PyErr_CheckSignals() != 0;
+  PyGILState_Release(gil);
+  return raised;
+}
+
+void throw_python_error() {
+  python_error error;
+  error.persist();  // takes the pending exception out of Python's state, restored when torch catches it
+  throw error;
+}
+
+}  // namespace ropescale
 
 namespace {
 

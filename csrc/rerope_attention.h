@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 namespace ropescale {
 
@@ -17,18 +18,44 @@ struct ReropeArgs {
   int64_t window = 0, logn_length = 0;
   double leaky_inv = 0.0;      // 1/k, 0 for plain ReRoPE
   double inv_log_train = 0.0;  // 1/ln(logn_length), 0 when log-n is off
-  float scale = 0.0f;          // softmax scale (1/sqrt(D) when the caller passed < 0)
+  float scale = 0.0f;          // softmax scale (1/sqrt(D) when the caller passed -1)
   bool causal = true, interleaved = false;
 };
 
 inline constexpr int64_t kReropeMaxHeadDim = 256;
 
-// Validates the op's arguments (messages name the op and the argument) and normalises them:
-// int32 positions and float64 inv_freq are converted, the last dims made unit-stride.
+// The op's checks on metadata (devices, dtypes, shapes, head counts, D, the scalars), the ONE check
+// shared by the CPU and CUDA kernels and the Meta kernel (FakeTensorMode, torch.compile); symbolic
+// sizes are fine. Messages name the op and the argument.
+void check_rerope_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& q_positions, const at::Tensor& k_positions,
+                                 const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
+                                 int64_t logn_length, bool allow_float64);
+
+// The data check: positions <= kMaxPosition (position_limits.h). CPU tensors only; on CUDA it
+// would cost a host sync per call, so there the range is the caller's (documented) contract.
+void check_rerope_positions(const at::Tensor& int64_positions, const char* name);
+
+// Validates the op's arguments (check_rerope_attention_meta, then check_rerope_positions) and
+// normalises them: int32 positions and float64 inv_freq are converted, the last dims made unit-stride.
 ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const at::Tensor& q_positions, const at::Tensor& k_positions,
                                        const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                        int64_t logn_length, bool causal, bool interleaved);
+
+// The op ropescale::_check_rerope_attention: both checks above, for the plain-PyTorch paths that
+// compute this op (rerope_attention_composite, which also takes float64: allow_float64; the
+// reference kernels), so that they refuse what the op refuses with its messages.
+void check_rerope_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                            int64_t window, double leaky_k, double scale, int64_t logn_length, bool allow_float64);
+
+// The Meta kernel: the shared check, then empty outputs of the right shapes.
+std::tuple<at::Tensor, at::Tensor> rerope_attention_meta(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, const at::Tensor& q_positions,
+                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
+                                                         int64_t window, double leaky_k, double scale,
+                                                         int64_t logn_length, bool causal, bool interleaved);
 
 // The op's outputs, out [B, Hq, Lq, D] in q's dtype and lse [B, Hq, Lq] float32; returns true when
 // they are already final (no query, or no key: zeros and -inf) and no kernel needs to run.

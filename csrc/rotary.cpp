@@ -5,9 +5,11 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "ops.h"
+#include "position_limits.h"
 #include "rotary_args.h"
 
 namespace ropescale {
@@ -19,43 +21,125 @@ bool is_rotary_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
+// ---- The checks: metadata only, symbolic sizes allowed. The ONE check of every rotary op, run by
+// the CPU and CUDA kernels (through table_args / position_args) and by the Meta kernels
+// (FakeTensorMode, torch.compile), so both refuse the same inputs with the same message.
+
 // q, k or x: 4-D [batch, heads, seq, head_dim], a float type, unit stride along head_dim.
 void check_operand(const char* op, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4, op, ": ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 4, op, ": ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
+              x.sym_sizes());
   TORCH_CHECK(is_rotary_dtype(x.scalar_type()), op, ": ", name,
               " must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
-  TORCH_CHECK(x.stride(3) == 1 || x.size(3) <= 1, op, ": ", name,
-              " must have a unit stride along head_dim (the last dimension), got strides ", x.strides());
+  TORCH_CHECK(x.sym_stride(3) == 1 || x.sym_size(3) <= 1, op, ": ", name,
+              " must have a unit stride along head_dim (the last dimension), got strides ", x.sym_strides());
 }
 
-void check_same_device(const char* op, const at::Tensor& x, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on the same device as the rotated tensor (",
+void check_same_device(const char* op, const at::Tensor& x, const char* x_name, const char* name,
+                       const at::Tensor& t) {
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on the same device as ", x_name, " (",
               x.device(), "), got ", t.device());
 }
 
-// The batch rows of a table (cos/sin or positions) must be 1 or the batch of every operand.
-void check_table_batch(const char* op, const char* table, int64_t table_batch, const RotaryArgs& a,
-                       const char* const names[2]) {
-  if (table_batch == 1) return;
-  for (int o = 0; o < a.num_operands; ++o)
-    TORCH_CHECK(a.in[o].size(0) == table_batch, op, ": ", table, " has ", table_batch,
-                " batch rows, which must be 1 or the batch size of ", names[o], " (", a.in[o].size(0), ")");
+// Operands: x alone, or q and k (same dtype, device, seq length and head_dim; batch and heads free).
+void check_operands(const char* op, const at::Tensor& q, const at::Tensor* k, const char* const names[2]) {
+  check_operand(op, names[0], q);
+  if (k == nullptr) return;
+  check_same_device(op, q, "q", "k", *k);
+  check_operand(op, names[1], *k);
+  TORCH_CHECK(k->scalar_type() == q.scalar_type(), op, ": q and k must have the same dtype, got ", q.scalar_type(),
+              " and ", k->scalar_type());
+  TORCH_CHECK(k->sym_size(2) == q.sym_size(2), op, ": q and k must have the same sequence length (dim 2), got ",
+              q.sym_size(2), " and ", k->sym_size(2));
+  TORCH_CHECK(k->sym_size(3) == q.sym_size(3), op, ": q and k must have the same head_dim, got ", q.sym_size(3),
+              " and ", k->sym_size(3));
 }
 
-// Operands: x alone, or q and k (same dtype, device, seq length and head_dim; batch and heads free).
-void set_operands(const char* op, RotaryArgs& a, const at::Tensor& q, const at::Tensor* k, const char* const names[2]) {
-  check_operand(op, names[0], q);
+// The batch rows of a table (cos/sin or positions) must be 1 or the batch of every operand.
+void check_table_batch(const char* op, const char* table, const c10::SymInt& table_batch, const at::Tensor& q,
+                       const at::Tensor* k, const char* const names[2]) {
+  if (table_batch == 1) return;
+  TORCH_CHECK(q.sym_size(0) == table_batch, op, ": ", table, " has ", table_batch,
+              " batch rows, which must be 1 or the batch size of ", names[0], " (", q.sym_size(0), ")");
+  if (k != nullptr)
+    TORCH_CHECK(k->sym_size(0) == table_batch, op, ": ", table, " has ", table_batch,
+                " batch rows, which must be 1 or the batch size of ", names[1], " (", k->sym_size(0), ")");
+}
+
+void check_rotary_dim(const char* op, const c10::SymInt& rotary_dim, const c10::SymInt& head_dim,
+                      const char* source) {
+  TORCH_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0, op, ": rotary_dim (", source,
+              ") must be a positive even number, got ", rotary_dim);
+  TORCH_CHECK(rotary_dim <= head_dim, op, ": rotary_dim (", source, ") = ", rotary_dim,
+              " is larger than head_dim = ", head_dim);
+}
+
+// cos/sin: [seq, width] or [batch or 1, seq, width], the operands' dtype and device, unit last
+// stride. Full width: rotary_dim = width (transformers' rotate-half layout, one entry per feature);
+// half width: rotary_dim = 2 * width (one entry per pair). A full-width table with interleaved
+// pairs is refused: its layout is ambiguous (GPT-J/Cohere write c0 c0 c1 c1, transformers' Llama
+// c0 c1 .. c0 c1, and the wrong one rotates silently wrong); one entry per pair says it exactly.
+void check_tables(const char* op, const at::Tensor& x, const at::Tensor* k, const at::Tensor& cos,
+                  const at::Tensor& sin, bool interleaved, bool half_width, const char* const names[2]) {
+  check_same_device(op, x, names[0], "cos", cos);
+  check_same_device(op, x, names[0], "sin", sin);
+  TORCH_CHECK(cos.dim() == 2 || cos.dim() == 3, op,
+              ": cos must be [seq, rotary_dim] or [batch, seq, rotary_dim], got shape ", cos.sym_sizes());
+  TORCH_CHECK(sin.sym_sizes() == cos.sym_sizes(), op, ": sin and cos must have the same shape, got ",
+              sin.sym_sizes(), " and ", cos.sym_sizes());
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), op,
+              ": cos and sin must have the dtype of ", names[0], " (", x.scalar_type(), "), got ", cos.scalar_type(),
+              " and ", sin.scalar_type());
+  TORCH_CHECK((cos.sym_stride(-1) == 1 || cos.sym_size(-1) <= 1) && (sin.sym_stride(-1) == 1 || sin.sym_size(-1) <= 1),
+              op, ": cos and sin must have a unit stride along their last dimension, got strides ", cos.sym_strides(),
+              " and ", sin.sym_strides());
+  TORCH_CHECK(!interleaved || half_width, op,
+              ": interleaved=True takes a half-width table (half_width=True, one cos/sin entry per pair, "
+              "[.., seq, rotary_dim / 2]); a full-width table is ambiguous with interleaved pairs (GPT-J/Cohere "
+              "repeat each entry, c0 c0 c1 c1; transformers' Llama writes c0 c1 .. c0 c1): pass cos[..., ::2] "
+              "for the first, cos[..., :rotary_dim // 2] for the second");
+  TORCH_CHECK(cos.sym_size(-2) == x.sym_size(2), op, ": cos/sin cover ", cos.sym_size(-2), " positions but ",
+              names[0], " has seq length ", x.sym_size(2), " (dim 2)");
+  check_table_batch(op, "cos/sin", cos.dim() == 3 ? cos.sym_size(0) : c10::SymInt(1), x, k, names);
+  const c10::SymInt& width = cos.sym_size(-1);
+  check_rotary_dim(op, half_width ? width * 2 : width, x.sym_size(3),
+                   half_width ? "2 * cos.size(-1), half_width=True" : "cos.size(-1)");
+}
+
+// positions: int32/int64 [seq] or [batch or 1, seq]; inv_freq: float32 [rotary_dim / 2].
+void check_positions(const char* op, const at::Tensor& x, const at::Tensor* k, const at::Tensor& positions,
+                     const at::Tensor& inv_freq, double scale, const char* const names[2]) {
+  check_same_device(op, x, names[0], "positions", positions);
+  check_same_device(op, x, names[0], "inv_freq", inv_freq);
+  TORCH_CHECK(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op,
+              ": positions must be int32 or int64, got ", positions.scalar_type());
+  TORCH_CHECK(positions.dim() == 1 || positions.dim() == 2, op,
+              ": positions must be [seq] or [batch, seq], got shape ", positions.sym_sizes());
+  TORCH_CHECK(inv_freq.dim() == 1, op, ": inv_freq must be 1-D [rotary_dim / 2], got shape ", inv_freq.sym_sizes());
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, op, ": inv_freq must be float32, got ", inv_freq.scalar_type());
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  TORCH_CHECK(positions.sym_size(-1) == x.sym_size(2), op, ": positions has ", positions.sym_size(-1),
+              " entries per row but ", names[0], " has seq length ", x.sym_size(2), " (dim 2)");
+  check_table_batch(op, "positions", positions.dim() == 2 ? positions.sym_size(0) : c10::SymInt(1), x, k, names);
+  check_rotary_dim(op, inv_freq.sym_size(0) * 2, x.sym_size(3), "2 * inv_freq.size(0)");
+}
+
+// The data check of the position ops: |position| <= kMaxPosition. CPU tensors only: on CUDA it
+// would need a host sync on every call, so there the range is the caller's (documented) contract.
+void check_position_range(const char* op, const at::Tensor& positions) {
+  if (positions.numel() == 0 || !positions.device().is_cpu()) return;
+  const int64_t largest = positions.abs().max().item<int64_t>();  // int64 min: abs overflows, stays negative
+  TORCH_CHECK(largest >= 0 && largest <= kMaxPosition, op, ": positions must be within +-", kMaxPosition,
+              " (2^31 - 1: beyond it the rotation angles lose accuracy), got ",
+              largest >= 0 ? largest : std::numeric_limits<int64_t>::min());
+}
+
+// ---- The checked arguments in the kernels' form (concrete sizes).
+
+void set_operands(RotaryArgs& a, const at::Tensor& q, const at::Tensor* k) {
   a.in[0] = q;
   a.num_operands = 1;
   if (k != nullptr) {
-    check_operand(op, names[1], *k);
-    TORCH_CHECK(k->scalar_type() == q.scalar_type(), op, ": q and k must have the same dtype, got ", q.scalar_type(),
-                " and ", k->scalar_type());
-    check_same_device(op, q, "k", *k);
-    TORCH_CHECK(k->size(2) == q.size(2), op, ": q and k must have the same sequence length (dim 2), got ", q.size(2),
-                " and ", k->size(2));
-    TORCH_CHECK(k->size(3) == q.size(3), op, ": q and k must have the same head_dim, got ", q.size(3), " and ",
-                k->size(3));
     a.in[1] = *k;
     a.num_operands = 2;
   }
@@ -63,63 +147,20 @@ void set_operands(const char* op, RotaryArgs& a, const at::Tensor& q, const at::
   a.head_dim = q.size(3);
 }
 
-void check_rotary_dim(const char* op, const RotaryArgs& a, const std::string& source) {
-  TORCH_CHECK(a.rotary_dim >= 2 && a.rotary_dim % 2 == 0, op, ": rotary_dim (", source,
-              ") must be a positive even number, got ", a.rotary_dim);
-  TORCH_CHECK(a.rotary_dim <= a.head_dim, op, ": rotary_dim (", source, ") = ", a.rotary_dim,
-              " is larger than head_dim = ", a.head_dim);
-}
-
-// cos/sin: [seq, width] or [batch or 1, seq, width], the operands' dtype and device, unit last
-// stride. Full width: rotary_dim = width (transformers); half width: rotary_dim = 2 * width.
-void set_tables(const char* op, RotaryArgs& a, const at::Tensor& cos, const at::Tensor& sin, bool half_width,
-                const char* const names[2]) {
-  const at::Tensor& x = a.in[0];
-  TORCH_CHECK(cos.dim() == 2 || cos.dim() == 3, op, ": cos must be [seq, rotary_dim] or [batch, seq, rotary_dim], got shape ",
-              cos.sizes());
-  TORCH_CHECK(sin.sizes() == cos.sizes(), op, ": sin and cos must have the same shape, got ", sin.sizes(), " and ",
-              cos.sizes());
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), op,
-              ": cos and sin must have the dtype of ", names[0], " (", x.scalar_type(), "), got ", cos.scalar_type(),
-              " and ", sin.scalar_type());
-  check_same_device(op, x, "cos", cos);
-  check_same_device(op, x, "sin", sin);
-  TORCH_CHECK((cos.stride(-1) == 1 || cos.size(-1) <= 1) && (sin.stride(-1) == 1 || sin.size(-1) <= 1), op,
-              ": cos and sin must have a unit stride along their last dimension, got strides ", cos.strides(), " and ",
-              sin.strides());
+void set_tables(RotaryArgs& a, const at::Tensor& cos, const at::Tensor& sin, bool half_width) {
   a.cos = cos.dim() == 2 ? cos.unsqueeze(0) : cos;
   a.sin = sin.dim() == 2 ? sin.unsqueeze(0) : sin;
-  TORCH_CHECK(a.cos.size(1) == a.seq_len, op, ": cos/sin cover ", a.cos.size(1), " positions but ", names[0],
-              " has seq length ", a.seq_len, " (dim 2)");
   a.table_batch = a.cos.size(0);
-  check_table_batch(op, "cos/sin", a.table_batch, a, names);
   a.table = half_width ? TableKind::kHalfWidth : TableKind::kFullWidth;
   a.rotary_dim = half_width ? 2 * a.cos.size(2) : a.cos.size(2);
-  check_rotary_dim(op, a, half_width ? "2 * cos.size(-1), half_width=True" : "cos.size(-1)");
 }
 
-// positions: int32/int64 [seq] or [batch or 1, seq]; inv_freq: float32 [rotary_dim / 2].
-void set_positions(const char* op, RotaryArgs& a, const at::Tensor& positions, const at::Tensor& inv_freq,
-                   double scale, const char* const names[2]) {
-  const at::Tensor& x = a.in[0];
-  TORCH_CHECK(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op,
-              ": positions must be int32 or int64, got ", positions.scalar_type());
-  TORCH_CHECK(positions.dim() == 1 || positions.dim() == 2, op, ": positions must be [seq] or [batch, seq], got shape ",
-              positions.sizes());
-  TORCH_CHECK(inv_freq.dim() == 1, op, ": inv_freq must be 1-D [rotary_dim / 2], got shape ", inv_freq.sizes());
-  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, op, ": inv_freq must be float32, got ", inv_freq.scalar_type());
-  check_same_device(op, x, "positions", positions);
-  check_same_device(op, x, "inv_freq", inv_freq);
-  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+void set_positions(RotaryArgs& a, const at::Tensor& positions, const at::Tensor& inv_freq, double scale) {
   a.positions = positions.dim() == 1 ? positions.unsqueeze(0) : positions;
-  TORCH_CHECK(a.positions.size(1) == a.seq_len, op, ": positions has ", a.positions.size(1), " entries per row but ",
-              names[0], " has seq length ", a.seq_len, " (dim 2)");
   a.table_batch = a.positions.size(0);
-  check_table_batch(op, "positions", a.table_batch, a, names);
   a.inv_freq = inv_freq.contiguous();
   a.table = TableKind::kPositions;
   a.rotary_dim = 2 * inv_freq.size(0);
-  check_rotary_dim(op, a, "2 * inv_freq.size(0)");
   a.scale = scale;
 }
 
@@ -184,10 +225,12 @@ void run(const char* op, RotaryArgs& a, bool in_place) {
 
 RotaryArgs table_args(const char* op, const at::Tensor& q, const at::Tensor* k, const at::Tensor& cos,
                       const at::Tensor& sin, bool interleaved, bool half_width, bool conjugate) {
-  RotaryArgs a;
   const char* const* names = k ? kQK : kX;
-  set_operands(op, a, q, k, names);
-  set_tables(op, a, cos, sin, half_width, names);
+  check_operands(op, q, k, names);
+  check_tables(op, q, k, cos, sin, interleaved, half_width, names);
+  RotaryArgs a;
+  set_operands(a, q, k);
+  set_tables(a, cos, sin, half_width);
   a.interleaved = interleaved;
   a.conjugate = conjugate;
   return a;
@@ -195,10 +238,13 @@ RotaryArgs table_args(const char* op, const at::Tensor& q, const at::Tensor* k, 
 
 RotaryArgs position_args(const char* op, const at::Tensor& q, const at::Tensor* k, const at::Tensor& positions,
                          const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate) {
-  RotaryArgs a;
   const char* const* names = k ? kQK : kX;
-  set_operands(op, a, q, k, names);
-  set_positions(op, a, positions, inv_freq, scale, names);
+  check_operands(op, q, k, names);
+  check_positions(op, q, k, positions, inv_freq, scale, names);
+  check_position_range(op, positions);
+  RotaryArgs a;
+  set_operands(a, q, k);
+  set_positions(a, positions, inv_freq, scale);
   a.interleaved = interleaved;
   a.conjugate = conjugate;
   return a;
@@ -258,6 +304,87 @@ void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate) {
   RotaryArgs a = position_args("apply_rotary_pos_qk_", q, &k, positions, inv_freq, scale, interleaved, conjugate);
   run("apply_rotary_pos_qk_", a, /*in_place=*/true);
+}
+
+// ---- Meta kernels (FakeTensorMode, torch.compile, meta tensors): the same checks as the kernels
+// above (not the data check of the positions, nor the in-place aliasing checks, which need memory),
+// then outputs laid out as the kernels lay theirs (empty_like).
+
+at::Tensor apply_rotary_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                             bool half_width, bool conjugate) {
+  check_operands("apply_rotary", x, nullptr, kX);
+  check_tables("apply_rotary", x, nullptr, cos, sin, interleaved, half_width, kX);
+  return at::empty_like(x);
+}
+
+void apply_rotary_meta_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                        bool half_width, bool conjugate) {
+  check_operands("apply_rotary_", x, nullptr, kX);
+  check_tables("apply_rotary_", x, nullptr, cos, sin, interleaved, half_width, kX);
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary_qk_meta(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& cos, const at::Tensor& sin,
+                                                        bool interleaved, bool half_width, bool conjugate) {
+  check_operands("apply_rotary_qk", q, &k, kQK);
+  check_tables("apply_rotary_qk", q, &k, cos, sin, interleaved, half_width, kQK);
+  return {at::empty_like(q), at::empty_like(k)};
+}
+
+void apply_rotary_qk_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                           bool interleaved, bool half_width, bool conjugate) {
+  check_operands("apply_rotary_qk_", q, &k, kQK);
+  check_tables("apply_rotary_qk_", q, &k, cos, sin, interleaved, half_width, kQK);
+}
+
+at::Tensor apply_rotary_pos_meta(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+                                 double scale, bool interleaved, bool conjugate) {
+  check_operands("apply_rotary_pos", x, nullptr, kX);
+  check_positions("apply_rotary_pos", x, nullptr, positions, inv_freq, scale, kX);
+  return at::empty_like(x);
+}
+
+void apply_rotary_pos_meta_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+                            double scale, bool interleaved, bool conjugate) {
+  check_operands("apply_rotary_pos_", x, nullptr, kX);
+  check_positions("apply_rotary_pos_", x, nullptr, positions, inv_freq, scale, kX);
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk_meta(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                            double scale, bool interleaved, bool conjugate) {
+  check_operands("apply_rotary_pos_qk", q, &k, kQK);
+  check_positions("apply_rotary_pos_qk", q, &k, positions, inv_freq, scale, kQK);
+  return {at::empty_like(q), at::empty_like(k)};
+}
+
+void apply_rotary_pos_qk_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate) {
+  check_operands("apply_rotary_pos_qk_", q, &k, kQK);
+  check_positions("apply_rotary_pos_qk_", q, &k, positions, inv_freq, scale, kQK);
+}
+
+// ---- The checks as ops of their own (ropescale::_check_rotary, _check_rotary_pos), for the
+// plain-PyTorch paths that compute these ops (the reference kernels): the metadata checks and, for
+// CPU positions, the range check; `op` names the op in the messages.
+
+void check_rotary(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+                  const at::Tensor& sin, bool interleaved, bool half_width) {
+  const std::string name(op);
+  const at::Tensor* k_ptr = k.has_value() ? &*k : nullptr;
+  const char* const* names = k_ptr ? kQK : kX;
+  check_operands(name.c_str(), x, k_ptr, names);
+  check_tables(name.c_str(), x, k_ptr, cos, sin, interleaved, half_width, names);
+}
+
+void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k,
+                      const at::Tensor& positions, const at::Tensor& inv_freq, double scale) {
+  const std::string name(op);
+  const at::Tensor* k_ptr = k.has_value() ? &*k : nullptr;
+  const char* const* names = k_ptr ? kQK : kX;
+  check_operands(name.c_str(), x, k_ptr, names);
+  check_positions(name.c_str(), x, k_ptr, positions, inv_freq, scale, names);
+  check_position_range(name.c_str(), positions);
 }
 
 }  // namespace ropescale

@@ -20,6 +20,15 @@
 //   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE also rotates far keys,
 //   at p/k).
 //
+// Non-finite inputs (DESIGN.md, the shared rule of every path): a MASKED pair (causal, padding)
+// never contributes, whatever q/k/v hold; a row with no visible key (decided from the positions,
+// never from the scores) gives zeros and lse = -inf. For visible keys the arithmetic is SDPA's: a
+// NaN or +inf score poisons its row (out and lse NaN), a row whose visible scores are all -inf is
+// NaN, and a non-finite v_j[d] of a visible key makes out[i, d] non-finite even where its
+// probability underflowed to 0. The row maximum is NaN-propagating (a plain max would skip a NaN
+// score and turn the row into zeros); P.V by BLAS over a tile with masked columns would compute
+// 0 * NaN for them, so such a tile takes a masked loop instead when its value block is not finite.
+//
 // Precision (DESIGN.md, "Versions and precision"), the same in both plans and at every size:
 // products are accumulated in float32 and the softmax is float32 throughout. For float16/bfloat16
 // inputs the rotated q and k operands and the probabilities fed to P.V are rounded to the input
@@ -108,7 +117,11 @@ inline fVec softmax_exp(const fVec& x) {
   return fVec::blendv(result, fVec(0.0f), x < fVec(-87.0f));
 }
 
-// Largest lane and sum of the lanes of a vector (shuffle trees on AVX2/AVX-512).
+// max that propagates NaN (std::max and a comparison skip it): a NaN score must poison its row.
+inline float nan_max(float a, float b) { return (std::isnan(a) || a > b) ? a : b; }
+
+// Largest lane (NaN when a lane is NaN: at::vec::maximum propagates it) and sum of the lanes of a
+// vector (shuffle trees on AVX2/AVX-512).
 inline float lanes_max(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, v);
 }
@@ -180,12 +193,14 @@ void convert_row(const float* src, int64_t n, lp_t* dst) {
   for (; i < n; ++i) dst[i] = static_cast<lp_t>(src[i]);
 }
 
-// Folds a tile of raw scores (q.k, unscaled) into the running softmax of its rows. Row r's scores
-// are scaled by row_factor[r] (softmax scale x log-n, >= 0); row_max (of the scaled scores) and
-// row_sum are updated, the scores become their unnormalised probabilities rounded to round_t (what
-// P.V multiplies; the row sum takes them unrounded), and each acc row is rescaled by exp(old - new).
+// Folds a tile of raw scores (q.k, unscaled; masked pairs -inf) into the running softmax of its rows.
+// Row r's scores are scaled by row_factor[r] (softmax scale x log-n, > 0) in place; row_max (of the
+// scaled scores) and row_sum are updated, the scores become their unnormalised probabilities rounded
+// to round_t (what P.V multiplies; the row sum takes them unrounded), and each acc row is rescaled by
+// exp(old - new). A NaN or +inf score poisons its row: row_max and row_sum become NaN, acc NaN, the
+// probabilities 0 (the final step writes NaN for such a row).
 // With probs_out (the packed path) the rounded probabilities go there as round_t instead (same ld,
-// columns [0, cols)), and the scores are left as they were.
+// columns [0, cols)), and the scores are left scaled.
 template <typename round_t>
 void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld_scores, const float* row_factor,
                            float* row_max, float* row_sum, float* acc, int64_t dim, round_t* probs_out = nullptr) {
@@ -196,27 +211,42 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
 #endif
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld_scores;
-    float factor = row_factor[r];
-    if (factor == 0.0f) {  // scale 0: every visible score is 0 (and -inf * 0 must not become nan)
-      for (int64_t c = 0; c < cols; ++c) s[c] = s[c] == kNegInf ? kNegInf : 0.0f;
-      factor = 1.0f;
-    }
+    // The scores are scaled first, and the maximum taken over the scaled values: the largest then
+    // gives exp(0) = 1 exactly, whatever the scale (a product recomputed inside an FMA rounds
+    // differently, and at scale 1e30 that rounding alone underflowed every exponent to 0).
+    const fVec factor_vec(row_factor[r]);
     int64_t c = 0;
     fVec max_vec(kNegInf);
-    for (; c + kWidth <= cols; c += kWidth) max_vec = at::vec::clamp_min(fVec::loadu(s + c), max_vec);
+    for (; c + kWidth <= cols; c += kWidth) {
+      const fVec scaled = fVec::loadu(s + c) * factor_vec;  // -inf stays -inf (factor > 0)
+      scaled.store(s + c);
+      max_vec = at::vec::maximum(scaled, max_vec);
+    }
     float tile_max = lanes_max(max_vec);
-    for (; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
+    for (; c < cols; ++c) {
+      s[c] *= row_factor[r];
+      tile_max = nan_max(tile_max, s[c]);
+    }
     const float old_max = row_max[r];
-    const float new_max = std::max(old_max, tile_max * factor);  // -inf stays -inf (factor > 0)
+    const float new_max = nan_max(old_max, tile_max);
     round_t* out = probs_out ? probs_out + r * ld_scores : nullptr;
-    if (new_max == kNegInf) {  // nothing visible in this row so far
+    if (std::isnan(new_max) || new_max == std::numeric_limits<float>::infinity()) {  // poisoned row
+      if (out)
+        std::fill(out, out + cols, round_t(0.0f));
+      else
+        std::fill(s, s + cols, 0.0f);
+      row_max[r] = row_sum[r] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(acc + r * dim, acc + (r + 1) * dim, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    if (new_max == kNegInf) {  // nothing visible in this row so far, or only -inf scores
       if (out)
         std::fill(out, out + cols, round_t(0.0f));
       else
         std::fill(s, s + cols, 0.0f);
       continue;
     }
-    const fVec factor_vec(factor), shift_vec(-new_max);
+    const fVec shift_vec(-new_max);
     fVec sum_vec(0.0f);
     // float16/bfloat16: ATen's exp_u20 (about 1e-6 relative; SDPA's CPU flash kernel uses it), far
     // below the rounding of the probabilities to the dtype that follows. float32: the 1-ulp exp.
@@ -227,8 +257,8 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
         return x.exp_u20();
     };
     for (c = 0; c + 2 * kWidth <= cols; c += 2 * kWidth) {
-      fVec p0 = exp_of(at::vec::fmadd(fVec::loadu(s + c), factor_vec, shift_vec));
-      fVec p1 = exp_of(at::vec::fmadd(fVec::loadu(s + c + kWidth), factor_vec, shift_vec));
+      fVec p0 = exp_of(fVec::loadu(s + c) + shift_vec);
+      fVec p1 = exp_of(fVec::loadu(s + c + kWidth) + shift_vec);
       sum_vec = sum_vec + p0 + p1;
       if constexpr (!std::is_same_v<round_t, float>) {
         if (out) {
@@ -248,7 +278,7 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
     float tile_sum = lanes_sum(sum_vec);
     [[maybe_unused]] const int64_t vector_cols = c;  // used by the native bf16 conversion
     for (; c < cols; ++c) {
-      const float p = softmax_exp(std::fma(s[c], factor, -new_max));
+      const float p = softmax_exp(s[c] - new_max);
       tile_sum += p;
       if (out)
         out[c] = static_cast<round_t>(p);
@@ -396,20 +426,71 @@ void row_scores(const float* q, int64_t rows, int64_t dim, const key_t* keys, in
     for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
 }
 
-// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype): every value row
-// is read once for all the rows.
+// Whether every element of a row is finite (x * 0 is 0 for finite x, NaN otherwise).
 template <typename value_t>
-void row_accumulate(const float* probs, int64_t rows, int64_t cols, int64_t ld_probs, const value_t* v,
-                    int64_t ld_v, int64_t dim, float* acc) {
+inline bool row_is_finite(const value_t* x, int64_t dim) {
+  float zero = 0.0f;
+#pragma omp simd reduction(+ : zero)
+  for (int64_t d = 0; d < dim; ++d) zero += static_cast<float>(x[d]) * 0.0f;
+  return zero == 0.0f;
+}
+
+// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype, probs of any float
+// type): every value row is read once for all the rows. A zero probability is skipped when the pair
+// is masked (whatever the value holds) or the value row is finite; a visible key's non-finite value
+// is added even at probability 0 (0 * inf = NaN, as SDPA's P.V computes).
+template <typename prob_t, typename value_t>
+void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_probs, const value_t* v,
+                    int64_t ld_v, int64_t dim, float* acc, const int64_t* row_pos, const int64_t* key_pos,
+                    bool causal) {
   for (int64_t c = 0; c < cols; ++c) {
     const value_t* value = v + c * ld_v;
+    int finite = -1;  // unknown until a zero probability of a visible pair asks
     for (int64_t r = 0; r < rows; ++r) {
-      const float p = probs[r * ld_probs + c];
-      if (p == 0.0f) continue;
+      const float p = static_cast<float>(probs[r * ld_probs + c]);
+      if (p == 0.0f) {  // masked pairs have probability 0 (so do poisoned rows and underflows)
+        if (!rerope_visible(row_pos[r], key_pos[c], causal)) continue;
+        if (finite < 0) finite = row_is_finite(value, dim);
+        if (finite) continue;
+      }
       float* a = acc + r * dim;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
     }
+  }
+}
+
+// Which query rows have at least one visible key, from the positions alone (the mask decides what
+// a row with no visible key returns, never its scores): [B * Lq].
+std::vector<uint8_t> rows_with_visible_keys(const int64_t* q_pos, const int64_t* k_pos, int64_t batch, int64_t q_len,
+                                            int64_t k_len, bool causal) {
+  std::vector<uint8_t> seen(batch * q_len, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    PositionRange keys;
+    for (int64_t j = 0; j < k_len; ++j) keys.add(k_pos[b * k_len + j]);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t p = q_pos[b * q_len + i];
+      seen[b * q_len + i] = keys.count > 0 && p >= 0 && (!causal || keys.min <= p);
+    }
+  }
+  return seen;
+}
+
+// The final value of a row: acc / row_sum and its lse when the row saw a key and its scores were
+// sane; zeros and -inf when no key is visible (the mask); NaN (out and lse) when its visible scores
+// were NaN, +inf, or all -inf (SDPA's softmax is NaN there).
+template <typename scalar_t>
+inline void write_row(bool seen, float max, float sum, const float* acc, int64_t dim, scalar_t* out, float* lse) {
+  if (!seen) {
+    std::fill(out, out + dim, static_cast<scalar_t>(0.0f));
+    *lse = kNegInf;
+  } else if (std::isfinite(max) && sum > 0.0f) {
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
+    *lse = max + std::log(sum);
+  } else {
+    std::fill(out, out + dim, static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()));
+    *lse = std::numeric_limits<float>::quiet_NaN();
   }
 }
 
@@ -502,6 +583,8 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
         task_cost[b * n_qb + qb] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
       }
 
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(q_pos, k_pos, B, Lq, Lk, a.causal);
+
   // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
   std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
   if (!leaky) rotary_cos_sin_cpu(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
@@ -530,12 +613,17 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
       v_packed(B, Hkv, n_kb, kBlockK * D, packed);
   const auto* k_data = a.k.data_ptr<scalar_t>();
   const auto* v_data = a.v.data_ptr<scalar_t>();
+  // Per (batch, kv head, key block): whether its values hold a non-finite element (then a tile with
+  // masked pairs must not multiply them by its zero probabilities).
+  std::vector<uint8_t> v_not_finite(B * Hkv * n_kb, 0);
   at::parallel_for(0, B * Hkv * n_kb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), key_rows(kBlockK * D);
     std::vector<lp_t> staging(packed ? kBlockK * D : 0);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t kb = unit % n_kb, h = (unit / n_kb) % Hkv, b = unit / (n_kb * Hkv), block = b * n_kb + kb;
       const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+      for (int64_t c = 0; c < cols && !v_not_finite[unit]; ++c)
+        v_not_finite[unit] = !row_is_finite(v_data + b * a.v.stride(0) + h * a.v.stride(1) + (j0 + c) * a.v.stride(2), D);
       // The block's keys, rotated for one side (and rounded), transposed [D x kBlockK]: into the float
       // panel, or into the staging panel (zero past cols) that is then packed.
       auto write_panel = [&](const Panels<float>& panels, const Panels<lp_t>& packed_panels, const float* rot) {
@@ -646,7 +734,15 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
           if (packed) probs_out = probs_lp.data();
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, &row_factor[b * Lq + i0], row_max.data(),
                                         row_sum.data(), acc.data(), D, probs_out);
-        if (packed) {  // P in lp_t (zero columns past cols) times the packed V
+        if (tc.needs_mask && v_not_finite[(b * Hkv + hkv) * n_kb + kb]) {  // rare: masked values that are not finite
+          const scalar_t* v_block = v_data + b * a.v.stride(0) + hkv * a.v.stride(1) + j0 * a.v.stride(2);
+          if (probs_out != nullptr)
+            row_accumulate(probs_out, rows, cols, kBlockK, v_block, a.v.stride(2), D, acc.data(), row_pos,
+                           k_pos + b * Lk + j0, a.causal);
+          else
+            row_accumulate(scores.data(), rows, cols, kBlockK, v_block, a.v.stride(2), D, acc.data(), row_pos,
+                           k_pos + b * Lk + j0, a.causal);
+        } else if (packed) {  // P in lp_t (zero columns past cols) times the packed V
           if (cols < kBlockK)
             for (int64_t r = 0; r < rows; ++r)
               std::fill(&probs_lp[r * kBlockK] + cols, &probs_lp[r * kBlockK] + kBlockK, lp_t(0.0f));
@@ -662,15 +758,8 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t out_row = (b * Hq + h) * Lq + i0 + r;
-        scalar_t* o = out_data + out_row * D;
-        if (row_sum[r] > 0.0f) {
-          const float inv = 1.0f / row_sum[r];
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
-          lse_data[out_row] = row_max[r] + std::log(row_sum[r]);
-        } else {  // no visible key
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(0.0f);
-          lse_data[out_row] = kNegInf;
-        }
+        write_row(row_seen[b * Lq + i0 + r] != 0, row_max[r], row_sum[r], &acc[r * D], D, out_data + out_row * D,
+                  &lse_data[out_row]);
       }
     }
     if (packed) at::native::cpublas::brgemm_release(/*is_vnni=*/true);  // the AMX tile state of this thread
@@ -780,12 +869,15 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
                                k_pos + b * Lk + j0, a.window, a.causal, band, tc.needs_mask);
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, row_factor.data(), row_max, row_sum,
                                         acc, D);
-        row_accumulate(scores.data(), rows, cols, kBlockK, v_head + j0 * sv2, sv2, D, acc);
+        row_accumulate(scores.data(), rows, cols, kBlockK, v_head + j0 * sv2, sv2, D, acc, row_pos.data(),
+                       k_pos + b * Lk + j0, a.causal);
       }
     }
   });
 
-  // ---- merge the chunks of every row by their lse
+  // ---- merge the chunks of every row by their lse (NaN-propagating; a chunk whose visible scores
+  // were all -inf still adds its acc with weight 0, so a non-finite value there stays non-finite)
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(q_pos, k_pos, B, Lq, Lk, a.causal);
   auto* out_data = out.data_ptr<scalar_t>();
   float* lse_data = lse.data_ptr<float>();
   at::parallel_for(0, B * Hkv * rows, 16, [&](int64_t begin, int64_t end) {
@@ -796,26 +888,20 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
       const int64_t out_row = (b * Hq + h) * Lq + r % Lq;
       float global_max = kNegInf;
       for (int64_t c = 0; c < chunks; ++c)
-        global_max = std::max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
-      scalar_t* o = out_data + out_row * D;
-      if (global_max == kNegInf) {  // no visible key
-        std::fill(o, o + D, static_cast<scalar_t>(0.0f));
-        lse_data[out_row] = kNegInf;
-        continue;
-      }
+        global_max = nan_max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
       std::fill(merged.begin(), merged.end(), 0.0f);
       float total = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t part = (head_unit * chunks + c) * rows + r;
-        if (part_max[part] == kNegInf) continue;
-        const float weight = std::exp(part_max[part] - global_max);
-        total += weight * part_sum[part];
-        const float* acc = &part_acc[part * D];
-        for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
+      if (std::isfinite(global_max)) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t part = (head_unit * chunks + c) * rows + r;
+          const float weight = std::exp(part_max[part] - global_max);  // 0 for a chunk at -inf
+          total += weight * part_sum[part];
+          const float* acc = &part_acc[part * D];
+          for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
+        }
       }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(merged[d] * inv);
-      lse_data[out_row] = global_max + std::log(total);
+      write_row(row_seen[b * Lq + r % Lq] != 0, global_max, total, merged.data(), D, out_data + out_row * D,
+                &lse_data[out_row]);
     }
   });
 }

@@ -1,8 +1,10 @@
 """Typed wrappers over ``torch.ops.ropescale``, with fake (meta) kernels and autograd.
 
 Every function here is a thin call into the C++ op of the same name (schemas in
-``csrc/registration.cpp``). Fake kernels let the ops run under ``torch.compile`` and
-``FakeTensorMode``; they only describe output shapes and dtypes.
+``csrc/registration.cpp``). Under ``torch.compile``, ``FakeTensorMode`` and meta tensors the ops
+with tensor inputs run their C++ Meta kernels, which call the same checks as the CPU and CUDA
+kernels (one check: the fake refuses what the op refuses, with the same message); the table ops,
+which take no tensor, have Python fake kernels below that run the op's own checks.
 """
 
 from __future__ import annotations
@@ -165,61 +167,55 @@ def feature_gap(inv_freq: torch.Tensor, train_length: int, test_length: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake kernels: output shape and dtype only.
+# Fake kernels of the table ops. They take no tensor, so no Meta kernel can serve them: the fake
+# runs the op itself outside the fake mode (a table of dim/2 doubles, microseconds), which both
+# applies the op's own checks and gives the exact output length.
 
 
-def _table_fake(dim: int, dtype: torch.dtype | None) -> torch.Tensor:
-    return torch.empty(dim // 2, dtype=dtype or torch.float32, device="cpu")
+def _table_fake(op, *args, **kwargs) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        real = op(*args, **kwargs)
+    return torch.empty(real.shape, dtype=real.dtype, device="cpu")
 
 
 @torch.library.register_fake("ropescale::default_inv_freq")
 def _(dim, base, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.default_inv_freq, dim, base, dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::linear_inv_freq")
 def _(dim, base, factor, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.linear_inv_freq, dim, base, factor, dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::ntk_inv_freq")
 def _(dim, base, factor, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.ntk_inv_freq, dim, base, factor, dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::dynamic_ntk_inv_freq")
 def _(dim, base, factor, original_max_position, seq_len, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.dynamic_ntk_inv_freq, dim, base, factor, original_max_position, seq_len, dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::yarn_inv_freq")
 def _(dim, base, factor, original_max_position, beta_fast=32.0, beta_slow=1.0, truncate=True, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.yarn_inv_freq, dim, base, factor, original_max_position, beta_fast, beta_slow, truncate,
+                       dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::llama3_inv_freq")
 def _(dim, base, factor, low_freq_factor, high_freq_factor, original_max_position, *, dtype=None):
-    return _table_fake(dim, dtype)
+    return _table_fake(_ops.llama3_inv_freq, dim, base, factor, low_freq_factor, high_freq_factor,
+                       original_max_position, dtype=dtype)
 
 
 @torch.library.register_fake("ropescale::longrope_inv_freq")
 def _(dim, base, short_factor, long_factor, original_max_position, seq_len, *, dtype=None):
-    return _table_fake(dim, dtype)
-
-
-@torch.library.register_fake("ropescale::resonance_inv_freq")
-def _(inv_freq, original_max_position=0):
-    return torch.empty_like(inv_freq)
-
-
-@torch.library.register_fake("ropescale::similarity_decay")
-def _(inv_freq, max_distance):
-    return inv_freq.new_empty(max_distance + 1, dtype=torch.float64)
-
-
-@torch.library.register_fake("ropescale::feature_gap")
-def _(inv_freq, train_length, test_length):
-    return inv_freq.new_empty(inv_freq.shape[0], dtype=torch.float64)
+    return _table_fake(_ops.longrope_inv_freq, dim, base, short_factor, long_factor, original_max_position, seq_len,
+                       dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +225,14 @@ def _(inv_freq, train_length, test_length):
 # NeoX, transformers' Llama) or (2i, 2i+1) with ``interleaved=True`` (GPT-J). Math in fp32 for
 # half types. ``conjugate=True`` applies the transposed map (the inverse rotation), which is also
 # the backward pass.
+#
+# Table layouts: a full-width table (transformers' ``[.., seq, rotary_dim]``) is in the rotate-half
+# layout, one entry per feature; a half-width one (``half_width=True``, ``[.., seq, rotary_dim/2]``)
+# has one entry per pair. ``interleaved=True`` takes half-width tables only: a full-width table is
+# ambiguous with interleaved pairs (GPT-J/Cohere repeat each entry, ``c0 c0 c1 c1``; transformers'
+# Llama writes ``c0 c1 .. c0 c1``) and the wrong guess rotates silently wrong, so it is refused.
+# Positions (the ``_pos`` ops) must lie within +-(2^31 - 1), where the angles are accurate to 2
+# float32 ulps; CPU positions are checked, CUDA ones are not (that would cost a host sync per call).
 
 __all__ += [
     "apply_rotary",
@@ -254,8 +258,12 @@ def apply_rotary(
     """``x * cos + rotate_half(x) * sin`` with cos/sin broadcast over heads: exactly transformers'
     ``apply_rotary_pos_emb`` for its ``[batch or 1, seq, rotary_dim]`` tables (also ``[seq, rotary_dim]``).
     ``half_width=True`` takes one entry per pair instead, ``[.., seq, rotary_dim / 2]`` (flash-attn,
-    vLLM). rotary_dim is read off the table; features past it are copied. Differentiable in ``x``;
-    cos and sin are constants."""
+    vLLM). ``interleaved=True`` (GPT-J pairs) needs ``half_width=True``: pass ``cos[..., ::2]`` of a
+    GPT-J/Cohere table (``c0 c0 c1 c1``) or ``cos[..., :rotary_dim // 2]`` of a transformers Llama one;
+    a full-width table is refused there, its layout being ambiguous. rotary_dim is read off the
+    table; features past it are copied. Differentiable in ``x``; cos and sin are constants."""
+    if _under_torch_func():
+        return _RotaryFn.apply(x, cos, sin, interleaved, half_width, conjugate)
     return _ops.apply_rotary(x, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
 
 
@@ -285,6 +293,8 @@ def apply_rotary_qk(
     """:func:`apply_rotary` on q and k in one pass, cos/sin read once per token: transformers'
     ``apply_rotary_pos_emb(q, k, cos, sin)``. q and k share seq length, head_dim and dtype; their head
     counts (GQA) and, with a table of batch 1, their batch sizes may differ."""
+    if _under_torch_func():
+        return _RotaryQkFn.apply(q, k, cos, sin, interleaved, half_width, conjugate)
     return _ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
 
 
@@ -314,7 +324,12 @@ def apply_rotary_pos(
     """Rotation of pair ``i`` by ``positions * inv_freq[i]``, cos and sin multiplied by ``scale`` (an
     attention factor), computed on the fly: positions int32/int64 ``[seq]`` or ``[batch, seq]``,
     inv_freq float32 ``[rotary_dim / 2]``. The angle is reduced in double before a full-precision
-    sincos, so positions in the millions stay accurate (a float32 angle does not)."""
+    sincos, so positions stay accurate up to ``|p| <= 2^31 - 1`` (cos/sin within 2.1e-7, two float32
+    ulps, of the exact values; a float32 angle is off by 0.1 rad at 2^21). Positions beyond are
+    refused (checked for CPU tensors; on CUDA the check would cost a host sync, so the range is the
+    caller's contract there)."""
+    if _under_torch_func():
+        return _RotaryPosFn.apply(x, positions, inv_freq, scale, interleaved, conjugate)
     return _ops.apply_rotary_pos(x, positions, inv_freq, scale, interleaved, conjugate=conjugate)
 
 
@@ -342,6 +357,8 @@ def apply_rotary_pos_qk(
     conjugate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos` on q and k in one pass, sin/cos computed once per token."""
+    if _under_torch_func():
+        return _RotaryPosQkFn.apply(q, k, positions, inv_freq, scale, interleaved, conjugate)
     return _ops.apply_rotary_pos_qk(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
 
 
@@ -357,62 +374,6 @@ def apply_rotary_pos_qk_(
 ) -> None:
     """:func:`apply_rotary_pos_qk` in place. Not differentiable."""
     _ops.apply_rotary_pos_qk_(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
-
-
-# Fake kernels: outputs take the inputs' layout (as the real kernels' empty_like does). Devices are
-# checked here too, so that torch.compile and meta tensors report a mix of devices clearly.
-
-
-def _check_devices(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise RuntimeError(
-                f"{op}: {name} must be on the same device as the rotated tensor ({x.device}), got {t.device}"
-            )
-
-
-@torch.library.register_fake("ropescale::apply_rotary")
-def _(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _check_devices("apply_rotary", x, cos=cos, sin=sin)
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_")
-def _(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _check_devices("apply_rotary_", x, cos=cos, sin=sin)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_qk")
-def _(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _check_devices("apply_rotary_qk", q, k=k, cos=cos, sin=sin)
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_qk_")
-def _(q, k, cos, sin, interleaved=False, *, half_width=False, conjugate=False):
-    _check_devices("apply_rotary_qk_", q, k=k, cos=cos, sin=sin)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_pos")
-def _(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _check_devices("apply_rotary_pos", x, positions=positions, inv_freq=inv_freq)
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_pos_")
-def _(x, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _check_devices("apply_rotary_pos_", x, positions=positions, inv_freq=inv_freq)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_pos_qk")
-def _(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _check_devices("apply_rotary_pos_qk", q, k=k, positions=positions, inv_freq=inv_freq)
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-@torch.library.register_fake("ropescale::apply_rotary_pos_qk_")
-def _(q, k, positions, inv_freq, scale=1.0, interleaved=False, *, conjugate=False):
-    _check_devices("apply_rotary_pos_qk_", q, k=k, positions=positions, inv_freq=inv_freq)
 
 
 # Autograd: the map is linear in x (q, k), so the backward is the same op with conjugate flipped
@@ -525,6 +486,112 @@ torch.library.register_autograd(
 torch.library.register_autograd(
     "ropescale::apply_rotary_pos_qk", _backward_rotary_pos_qk, setup_context=_setup_rotary_pos_qk
 )
+
+# torch.func (grad, vjp, jacrev, and vmap over them): the autograd registration above is an
+# autograd.Function that functorch cannot transform (PyTorch refuses it: "must override the
+# setup_context staticmethod"). Under a torch.func transform the wrappers below go through these
+# Functions instead: the same backward (the op with conjugate flipped), with setup_context and a
+# generated vmap rule. forward runs the op (one transform level lower, where nothing requires grad);
+# backward calls the wrapper, so that it is transformable in turn (jacrev = vmap over it).
+# (torch.ops.ropescale.* called directly under torch.func still gets PyTorch's refusal.)
+
+
+def _under_torch_func() -> bool:
+    return torch._C._are_functorch_transforms_active()
+
+
+class _RotaryFn(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, cos, sin, interleaved, half_width, conjugate):
+        return _ops.apply_rotary(x, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, cos, sin, interleaved, half_width, conjugate = inputs
+        _refuse_constant_grads("apply_rotary", cos=cos, sin=sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.args = (interleaved, half_width, conjugate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        interleaved, half_width, conjugate = ctx.args
+        grad_x = apply_rotary(grad.contiguous(), cos, sin, interleaved, half_width=half_width, conjugate=not conjugate)
+        return grad_x, None, None, None, None, None
+
+
+class _RotaryQkFn(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, cos, sin, interleaved, half_width, conjugate):
+        return _ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, cos, sin, interleaved, half_width, conjugate = inputs
+        _refuse_constant_grads("apply_rotary_qk", cos=cos, sin=sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.args = (interleaved, half_width, conjugate)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        interleaved, half_width, conjugate = ctx.args
+        kw = dict(half_width=half_width, conjugate=not conjugate)
+        grad_q = None if grad_q is None else apply_rotary(grad_q.contiguous(), cos, sin, interleaved, **kw)
+        grad_k = None if grad_k is None else apply_rotary(grad_k.contiguous(), cos, sin, interleaved, **kw)
+        return grad_q, grad_k, None, None, None, None, None
+
+
+class _RotaryPosFn(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, positions, inv_freq, scale, interleaved, conjugate):
+        return _ops.apply_rotary_pos(x, positions, inv_freq, scale, interleaved, conjugate=conjugate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, positions, inv_freq, scale, interleaved, conjugate = inputs
+        _refuse_constant_grads("apply_rotary_pos", inv_freq=inv_freq)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.args = (scale, interleaved, conjugate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, inv_freq = ctx.saved_tensors
+        scale, interleaved, conjugate = ctx.args
+        grad_x = apply_rotary_pos(grad.contiguous(), positions, inv_freq, scale, interleaved, conjugate=not conjugate)
+        return grad_x, None, None, None, None, None
+
+
+class _RotaryPosQkFn(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, positions, inv_freq, scale, interleaved, conjugate):
+        return _ops.apply_rotary_pos_qk(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, positions, inv_freq, scale, interleaved, conjugate = inputs
+        _refuse_constant_grads("apply_rotary_pos_qk", inv_freq=inv_freq)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.args = (scale, interleaved, conjugate)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, inv_freq = ctx.saved_tensors
+        scale, interleaved, conjugate = ctx.args
+        args = (positions, inv_freq, scale, interleaved)
+        grad_q = None if grad_q is None else apply_rotary_pos(grad_q.contiguous(), *args, conjugate=not conjugate)
+        grad_k = None if grad_k is None else apply_rotary_pos(grad_k.contiguous(), *args, conjugate=not conjugate)
+        return grad_q, grad_k, None, None, None, None, None
+
+
 # ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu).
 
 from .rerope import rerope_attention_composite  # noqa: E402  (plain-PyTorch, differentiable twin)
@@ -552,13 +619,18 @@ def rerope_attention(
     else ``window`` (ReRoPE, ``leaky_k = 0``) or ``window + (d - window) / leaky_k`` (Leaky ReRoPE);
     ``out = softmax(score) @ v``. Positions are integer ``[B, Lq]`` / ``[B, Lk]``: causal masking is
     by position (``p_j > p_i`` is masked), and a negative position marks padding (such a key is
-    never attended; such a query sees nothing). ``logn_length > 0`` scales each query by
-    ``max(1, ln(p + 1) / ln(logn_length))``; ``scale`` defaults to ``1/sqrt(D)``; ``inv_freq`` may
-    cover fewer than ``D / 2`` pairs (partial rotary). GQA when ``Hq`` is a multiple of ``Hkv``.
+    never attended; such a query sees nothing). Positions (and ``window``) must be ``<= 2^31 - 1``,
+    the range where the rotation angles are accurate to 2 float32 ulps (checked for CPU tensors; on
+    CUDA the check would cost a host sync per call, so there it is the caller's contract).
+    ``logn_length > 0`` scales each query by ``max(1, ln(p + 1) / ln(logn_length))``; ``scale`` is
+    finite and ``> 0``, ``None`` (the schema's ``-1``) for ``1/sqrt(D)``; ``inv_freq`` may cover fewer
+    than ``D / 2`` pairs (partial rotary). GQA when ``Hq`` is a multiple of ``Hkv``.
 
     Returns ``(out, lse)``: ``out`` in q's dtype (float32 accumulation), ``lse`` the natural-log
     softmax denominator, float32 ``[B, Hq, Lq]``; a row with no visible key gives zeros and
-    ``-inf``. One op serves prefill (``Lq = Lk``) and decoding against a
+    ``-inf``. Non-finite inputs follow SDPA: a masked key never contributes, whatever it holds; a
+    NaN/inf in a query or a visible key or value makes that row's (or that feature's) output
+    non-finite, never zeros. One op serves prefill (``Lq = Lk``) and decoding against a
     :class:`ropescale.cache.PreRopeCache` (``Lq = 1``).
 
     The fused kernels have no backward pass: train through :func:`rerope_attention_composite`,
@@ -568,13 +640,6 @@ def rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
         -1.0 if scale is None else float(scale), logn_length, causal, interleaved,
     )
-
-
-@torch.library.register_fake("ropescale::rerope_attention")
-def _(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-      interleaved=False):
-    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "rerope_attention: q and k must be 4-D")
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _rerope_attention_backward(ctx, grad_out, grad_lse):

@@ -11,6 +11,12 @@ Both take the arguments of ``torch.ops.ropescale.rerope_attention`` (q, k NOT ro
 * :func:`rerope_attention_naive` is Su's reference formulation: two full ``Lq x Lk`` score
   matrices selected by the window rule, then a softmax. O(L^2) memory; the baseline the fused op
   is benchmarked against.
+
+Both check their arguments with the op's own check (``torch.ops.ropescale._check_rerope_attention``,
+the C++ function the fused kernels and their Meta kernel call), so they refuse what the op refuses
+with its messages; they also take float64. Non-finite inputs follow the rule every path shares
+(:func:`_non_finite_rule`): masked keys never contribute, whatever they hold; visible non-finite
+values propagate as in SDPA.
 """
 
 from __future__ import annotations
@@ -47,24 +53,22 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, int
     return torch.cat((rotated, xc[..., rotary_dim:]), dim=-1).to(x.dtype)
 
 
-def _prepare(q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved):
-    """Everything both plain-PyTorch paths share: the scaled and rotated operands of each side and
-    the visibility / near masks ``[B, Lq, Lk]``."""
-    if window <= 0:
-        raise ValueError(f"rerope_attention: window must be > 0, got {window}")
-    if leaky_k != 0 and leaky_k < 1:
-        raise ValueError(f"rerope_attention: leaky_k must be 0 (ReRoPE) or >= 1 (Leaky ReRoPE), got {leaky_k}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"rerope_attention: the number of q heads ({q.shape[1]}) must be a multiple of the number of "
-            f"k/v heads ({k.shape[1]})"
-        )
-    if q_positions.is_floating_point() or k_positions.is_floating_point():
-        raise ValueError("rerope_attention: positions must be integer tensors")
+def _schema_scale(scale):
+    """The op's ``scale`` argument: ``None`` is the schema's ``-1`` (1/sqrt(D))."""
+    return -1.0 if scale is None else float(scale)
+
+
+def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved):
+    """Everything both plain-PyTorch paths share: the op's own check, then the scaled and rotated
+    operands of each side and the visibility / near masks ``[B, Lq, Lk]``."""
+    torch.ops.ropescale._check_rerope_attention(
+        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), _schema_scale(scale), logn_length,
+        allow_float64=True,
+    )
     head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None or scale < 0 else float(scale)
-    qp = q_positions.to(device=q.device, dtype=torch.int64)
-    kp = k_positions.to(device=q.device, dtype=torch.int64)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale)
+    qp = q_positions.to(torch.int64)
+    kp = k_positions.to(torch.int64)
     if logn_length > 0:
         n = (qp + 1).to(torch.float64)
         factor = torch.where(n > logn_length, n.clamp_min(1).log() / math.log(logn_length), torch.ones_like(n))
@@ -80,6 +84,44 @@ def _prepare(q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, l
         visible = visible & (kp[:, None, :] <= qp[:, :, None])
     near = (qp[:, :, None] - kp[:, None, :]) < window
     return scale, (q_near, k_near), (q_far, k_far), visible, near
+
+
+def _finite_or_zero(x):
+    """x with its non-finite elements replaced by 0 (differentiable where x is finite): SDPA must
+    never see a masked key's NaN (its boolean mask adds -inf to the NaN score, and its P.V computes
+    0 * NaN); what visible non-finite values do to a row is put back by _non_finite_rule."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _non_finite_rule(out, lse, row_stat, v, qp, kp, causal):
+    """The rule every path shares (DESIGN.md): rows with no visible key (by the positions) give zeros
+    and ``lse = -inf``; a row with a visible key whose ``row_stat`` (its largest visible score, or its
+    lse, computed from the raw inputs with masked scores at -inf) is NaN, +inf or -inf is NaN in
+    ``out`` and ``lse`` (SDPA's softmax of such scores); ``out[i, d]`` is NaN where a key visible to
+    query i has a non-finite ``v[d]``, even at probability 0 (SDPA's P.V computes ``0 * inf``).
+    ``out`` / ``lse`` are computed from finite stand-ins of the inputs. No host sync."""
+    batch, q_heads, q_len, dim = out.shape
+    group = q_heads // v.shape[1]
+    big = torch.iinfo(torch.int64).max
+    key_valid = kp >= 0
+    first_key = torch.where(key_valid, kp, big).amin(dim=-1, keepdim=True) if kp.shape[-1] else \
+        torch.full_like(qp[:, :1], big)
+    seen = (qp >= 0) & (first_key < big) & ((first_key <= qp) if causal else True)  # [B, Lq]
+    seen_h = seen[:, None, :]
+    poison = seen_h & ~torch.isfinite(row_stat)  # [B, Hq, Lq]
+    # The smallest valid position of a key with a non-finite v[d], per (batch, kv head, d).
+    bad_v = ~torch.isfinite(v) & key_valid[:, None, :, None]
+    first_bad = torch.where(bad_v, kp[:, None, :, None], big).amin(dim=2) if v.shape[2] else \
+        torch.full((batch, v.shape[1], dim), big, dtype=torch.int64, device=v.device)
+    first_bad = first_bad.repeat_interleave(group, dim=1)[:, :, None, :]  # [B, Hq, 1, D]
+    reach = qp[:, None, :, None] if causal else torch.full_like(qp[:, None, :, None], big - 1)
+    bad_out = seen_h[..., None] & (first_bad <= reach)
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.where(seen_h[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    out = torch.where(poison[..., None] | bad_out, nan, out)
+    lse = torch.where(seen_h, lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
+    lse = torch.where(poison, torch.full((), float("nan"), dtype=lse.dtype, device=lse.device), lse)
+    return out, lse
 
 
 def _lse_dtype(q):
@@ -100,7 +142,7 @@ def rerope_attention_naive(
     """Su's formulation: both score matrices in full, selected by ``p_q - p_k < window``, masked,
     softmax. Runs in the inputs' dtype (float32 math for half types), O(Lq x Lk) memory."""
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
     )
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     s_near = _scores(q_near.to(compute), k_near.to(compute), scale)
@@ -108,8 +150,11 @@ def rerope_attention_naive(
     scores = torch.where(near[:, None], s_near, s_far).masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    probs = _finite_or_zero(probs)  # poisoned rows: NaN put back by the rule
     group = q.shape[1] // k.shape[1]
-    out = torch.matmul(probs, v.to(compute).repeat_interleave(group, dim=1))
+    out = torch.matmul(probs, _finite_or_zero(v.to(compute)).repeat_interleave(group, dim=1))
+    qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
+    out, lse = _non_finite_rule(out, lse, lse, v, qp, kp, causal)
     return out.to(q.dtype), lse.to(_lse_dtype(q))
 
 
@@ -141,14 +186,19 @@ def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, sca
         return None
     if dim % 2 or dim > 256 or not (q.device.type == "cpu" or (q.is_cuda and _C.build_info()["cuda"])):
         return None
-    _, lse = ops.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                                  causal, interleaved)
+    _, lse = ops.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
+                                  None if scale is None or scale == -1 else scale, logn_length, causal, interleaved)
     return lse
 
 
-def _sdpa_with_denominator(q, k, v, visible, shift, scale):
+def _sdpa_with_denominator(q, k, v, visible, shift, scale, key_excluded):
     """One side through SDPA, returning its UNnormalised parts relative to ``exp(shift)``:
     ``A = sum_j exp(s_j - shift) v_j`` and ``N = sum_j exp(s_j - shift)``.
+
+    ``key_excluded`` ``[B, Hkv, Lk]`` marks keys whose (raw) k is not finite: their score in any row
+    is -inf (probability 0) or NaN / +inf (a poisoned row, which the caller overwrites), so they
+    take no part; their finite stand-in k (zeros) gets a score of -inf through an extra column (1 in
+    q, -inf in such a key), as the raw scores would.
 
     SDPA returns only the normalised output, so two columns and one sentinel key are added: the
     value columns hold 1 for the real keys / 1 for the sentinel, and the sentinel key's score is
@@ -163,9 +213,10 @@ def _sdpa_with_denominator(q, k, v, visible, shift, scale):
     # Exactly the sentinel score SDPA will compute (q's dtype rounds shift / scale).
     beta = (shift / scale if scale != 0 else torch.zeros_like(shift)).to(q.dtype)
     shift_eff = beta.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale
-    zeros_q = q.new_zeros(batch, q_heads, q_len, 1)
-    q_x = torch.cat((q, beta[..., None], zeros_q), dim=-1)
-    k_x = torch.cat((k, k.new_zeros(batch, kv_heads, k_len, 2)), dim=-1)
+    ones_q = q.new_ones(batch, q_heads, q_len, 1)
+    q_x = torch.cat((q, beta[..., None], ones_q), dim=-1)
+    exclusion = torch.where(key_excluded, float("-inf"), 0.0).to(k.dtype)[..., None]
+    k_x = torch.cat((k, k.new_zeros(batch, kv_heads, k_len, 1), exclusion), dim=-1)
     sentinel_k = k.new_zeros(batch, kv_heads, 1, dim + 2)
     sentinel_k[..., dim] = 1
     k_x = torch.cat((k_x, sentinel_k), dim=2)
@@ -199,21 +250,31 @@ def rerope_attention_composite(
     the row maxima, in query chunks). Cost: two SDPA calls plus one fused call; memory: the
     ``Lq x Lk`` boolean masks SDPA takes (plus what the chosen SDPA backend needs).
     """
+    op_scale = scale
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
     )
     mask_near, mask_far = visible & near, visible & ~near
     with torch.no_grad():
-        shift = _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
-                           interleaved)
-        if shift is None:
-            shift = torch.maximum(_row_max(q_near, k_near, mask_near, scale), _row_max(q_far, k_far, mask_far, scale))
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    a_near, n_near, shift_eff = _sdpa_with_denominator(q_near, k_near, v, mask_near, shift, scale)
-    a_far, n_far, _ = _sdpa_with_denominator(q_far, k_far, v, mask_far, shift, scale)
+        # The largest visible score of each row, or the fused op's lse (>= it): computed from the raw
+        # inputs, so NaN where a visible score is NaN / +inf (the rule reads that below).
+        row_stat = _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, op_scale, logn_length,
+                              causal, interleaved)
+        if row_stat is None:
+            row_stat = torch.maximum(_row_max(q_near, k_near, mask_near, scale),
+                                     _row_max(q_far, k_far, mask_far, scale))
+        shift = torch.where(torch.isfinite(row_stat), row_stat, torch.zeros_like(row_stat))
+    excluded_near, excluded_far = (~torch.isfinite(t).all(dim=-1) for t in (k_near, k_far))
+    q_near, k_near, q_far, k_far = (_finite_or_zero(t) for t in (q_near, k_near, q_far, k_far))
+    v_finite = _finite_or_zero(v)
+    a_near, n_near, shift_eff = _sdpa_with_denominator(q_near, k_near, v_finite, mask_near, shift, scale,
+                                                       excluded_near)
+    a_far, n_far, _ = _sdpa_with_denominator(q_far, k_far, v_finite, mask_far, shift, scale, excluded_far)
     total = n_near + n_far
     seen = total > 0
     safe_total = torch.where(seen, total, torch.ones_like(total))
     out = (a_near + a_far) / safe_total[..., None]
     lse = torch.where(seen, shift_eff + safe_total.log(), torch.full_like(total, float("-inf")))
+    qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
+    out, lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, causal)
     return out.to(q.dtype), lse.to(_lse_dtype(q))

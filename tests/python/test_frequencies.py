@@ -424,3 +424,44 @@ BAD_INPUT = [
 def test_bad_input_raises_clear_error(call, message):
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: the long native loops check for Python's signals (issue 16.9).
+
+_LONG_CALLS = {
+    "base_lower_bound": "torch.ops.ropescale.base_lower_bound(1000000, 128)",
+    # feature_gap is parallel over pairs: the worker threads stop too
+    "feature_gap": "torch.ops.ropescale.feature_gap(ops.default_inv_freq(128, 1e4), 64, 2**31 - 1)",
+    # a table whose B_m never goes negative: the scan would run to 2^31 - 1
+    "effective_context_length": "torch.ops.ropescale.effective_context_length(torch.zeros(64), 2**31 - 1)",
+}
+
+
+@pytest.mark.parametrize("name", list(_LONG_CALLS))
+def test_ctrl_c_interrupts_long_native_loops(name):
+    """SIGINT 2 s into the loop: the process ends with KeyboardInterrupt within 1 s (before the fix
+    the loops ignored it: base_lower_bound(1000000) ran its full 101 s)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (f"import torch, ropescale\nfrom ropescale import ops\nprint('start', flush=True)\n"
+              f"{_LONG_CALLS[name]}\nprint('finished', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "start"
+        time.sleep(2.0)
+        assert proc.poll() is None, "the call ended before the interrupt"
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stdout, stderr = proc.communicate()
+    assert "KeyboardInterrupt" in stderr, stderr[-2000:]
+    assert "finished" not in stdout
+    assert elapsed < 1.0, f"{name}: {elapsed:.2f} s from SIGINT to exit"

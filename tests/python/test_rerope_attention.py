@@ -639,6 +639,141 @@ def test_pre_rope_cache_bad_input_to_crop_index_select_repeat_interleave():
 
 
 # ---------------------------------------------------------------------------------------------
+# Non-finite inputs (DESIGN.md, the rule every path shares): masked keys never contribute, whatever
+# they hold; visible non-finite values propagate as in SDPA; a row with no visible key is 0 / -inf.
+
+
+def reference_ieee(q, k, v, qp, kp, inv_freq, window, leaky_k=0.0, causal=True):
+    """(out, lse) in float64 with SDPA's IEEE arithmetic over the VISIBLE pairs only: softmax of the
+    visible scores (NaN for a row with a NaN / +inf score or only -inf ones), out[i, d] = the sum
+    over visible j of p_ij * v_j[d] (0 * inf is NaN), rows without a visible key 0 / -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.shape[-1])
+    a_near = rot64(q, qp, inv_freq) @ rot64(k, kp, inv_freq).transpose(-1, -2)
+    if leaky_k:
+        a_far = rot64(q, window + (qp.double() - window) / leaky_k, inv_freq) @ rot64(
+            k, kp.double() / leaky_k, inv_freq).transpose(-1, -2)
+    else:
+        a_far = rot64(q, torch.full_like(qp, window), inv_freq) @ k.transpose(-1, -2)
+    dist = qp[:, :, None] - kp[:, None, :]
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+    if causal:
+        visible &= dist >= 0
+    scores = (torch.where((dist < window)[:, None], a_near, a_far) * scale).masked_fill(~visible[:, None], -math.inf)
+    probs = torch.softmax(scores, -1)
+    pairs = probs[..., None] * v[:, :, None]  # [B, H, Lq, Lk, D]
+    out = torch.where(visible[:, None, :, :, None], pairs, torch.zeros(())).sum(-2)
+    lse = torch.logsumexp(scores, -1)
+    seen = visible.any(-1)[:, None]
+    lse = torch.where(seen & lse.isneginf(), math.nan, lse)
+    return torch.where(seen[..., None], out, 0.0), torch.where(seen, lse, -math.inf)
+
+
+def _poison(t, gen, count, values=(math.nan, math.inf, -math.inf)):
+    t = t.clone()
+    flat = t.view(-1)
+    idx = torch.randint(0, flat.numel(), (count,), generator=gen)
+    for n, i in enumerate(idx.tolist()):
+        flat[i] = values[n % len(values)]
+    return t
+
+
+NON_FINITE_CASES = [  # (q_len, k_len, pad, leaky_k): decode against 9 and 40 keys, prefill over 3 key blocks
+    (1, 9, 3, 0.0), (1, 40, 7, 0.0), (3, 40, 5, 16.0), (300, 300, 40, 0.0), (150, 300, 40, 8.0)]
+
+
+@pytest.mark.parametrize("q_len,k_len,pad,leaky_k", NON_FINITE_CASES)
+@pytest.mark.parametrize("where", ["q", "k", "v", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_finite_inputs_follow_sdpa_on_every_path_and_size(q_len, k_len, pad, leaky_k, where, dtype):
+    """NaN / +-inf in q, in k, in v (anywhere: visible or masked keys), or only in masked keys (padding
+    and the causal future of every query): the finite pattern of out and lse equals the float64
+    IEEE reference's on the fused CPU op, the composite path and the naive one (before the fix the
+    fused op returned zeros with lse = -inf for most poisoned rows, depending on the size)."""
+    gen = torch.Generator().manual_seed(q_len * 7 + k_len + len(where))
+    q, k, v, qp, kp = make_inputs(2, 4, 2, q_len, k_len, 16, dtype, pad=pad, seed=k_len)
+    inv_freq = ops.default_inv_freq(16, BASE)
+    if where == "masked":  # padding keys of batch row 1 and keys past every query (none here: prefill
+        k, v = k.clone(), v.clone()  # ends at the last key) hold NaN / inf
+        k[1, :, :pad] = math.nan
+        v[1, :, :pad] = math.inf
+        v[1, :, pad // 2] = math.nan
+    else:
+        count = max(2, (q if where == "q" else k).numel() // 4000)
+        if where == "q":
+            q = _poison(q, gen, count)
+        elif where == "k":
+            k = _poison(k, gen, count)
+        else:
+            v = _poison(v, gen, count)
+    ref_out, ref_lse = reference_ieee(q, k, v, qp, kp, inv_freq, 5, leaky_k)
+    paths = {"fused": ops.rerope_attention, "composite": ops.rerope_attention_composite,
+             "naive": ropescale.rerope.rerope_attention_naive}
+    for name, path in paths.items():
+        out, lse = path(q, k, v, qp, kp, inv_freq, 5, leaky_k)
+        assert torch.equal(out.isfinite(), ref_out.isfinite()), f"{name}: finite pattern of out"
+        assert torch.equal(lse.isfinite(), ref_lse.isfinite()), f"{name}: finite pattern of lse"
+        assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{name}: rows without a visible key"
+        finite = ref_out.isfinite()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double()[finite], ref_out[finite], atol=2e-5, rtol=1e-4)
+    if where == "masked":  # masked keys change nothing at all
+        clean_out, _ = ops.rerope_attention(*make_inputs(2, 4, 2, q_len, k_len, 16, dtype, pad=pad, seed=k_len)[:5],
+                                            inv_freq, 5, leaky_k)
+        torch.testing.assert_close(ops.rerope_attention(q, k, v, qp, kp, inv_freq, 5, leaky_k)[0], clean_out,
+                                   rtol=0, atol=0)
+
+
+def test_non_finite_value_of_a_future_key_only_reaches_later_queries():
+    """Causal: a NaN in v at key position 20 leaves queries 0..19 finite and makes 20.. NaN; the same
+    through the decode plan (a few queries) and the prefill plan."""
+    q, k, v, qp, kp = make_inputs(1, 2, 1, 40, 40, 8)
+    v = v.clone()
+    v[0, 0, 20, 3] = math.nan
+    inv_freq = ops.default_inv_freq(8, BASE)
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 4)
+    assert out[0, :, :20].isfinite().all() and lse.isfinite().all()
+    assert out[0, :, 20:, 3].isnan().all() and out[0, :, 20:, :3].isfinite().all()
+    out1, _ = ops.rerope_attention(q[:, :, 10:11], k, v, qp[:, 10:11], kp, inv_freq, 4)
+    assert out1.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# scale and the position range (issue 16.8)
+
+
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_large_finite_scale_is_a_hard_maximum(q_len):
+    """scale=1e30 (finite, > 0): the softmax becomes the argmax, computed as such (before the fix
+    the rows were zeros); inf, nan, 0 and negative scales are refused (bad-input suite)."""
+    q, k, v, qp, kp = make_inputs(1, 2, 1, q_len, 40, 8, seed=4)
+    inv_freq = ops.default_inv_freq(8, BASE)
+    out, lse = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 6, scale=1e30)
+    ref_out, ref_lse = reference(q, k, v, qp, kp, inv_freq, 6, scale=1e30)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=0)
+
+
+def test_positions_up_to_the_bound_are_accurate():
+    """ReRoPE depends on position differences (no log-n here): the same prompt at positions 0.. and
+    at 2^31 - 1 - L.. gives the same attention; the position error at the bound is ~1e-6 (float32
+    rotation error 2e-7 per operand). One past the bound is refused."""
+    L = 300
+    q, k, v, qp, kp = make_inputs(1, 4, 2, L, L, 64, seed=9)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    out0, lse0 = ops.rerope_attention(q, k, v, qp, kp, inv_freq, 64)
+    shift = 2**31 - 1 - (L - 1)
+    out1, lse1 = ops.rerope_attention(q, k, v, qp + shift, kp + shift, inv_freq, 64)
+    error = (out1 - out0).abs().max().item()
+    assert error < 2e-5, error
+    torch.testing.assert_close(lse1, lse0, atol=2e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="k_positions must be <= 2147483647"):
+        ops.rerope_attention(q, k, v, qp + shift, kp + shift + 1, inv_freq, 64)
+
+
+# ---------------------------------------------------------------------------------------------
 # Composite path: equal to the fused op, differentiable.
 
 
@@ -749,8 +884,8 @@ def test_opcheck(sample):
 def _bad_inputs():
     q, k, v, qp, kp = make_inputs(2, 4, 2, 5, 5, 8)
     f = ops.default_inv_freq(8, BASE)
-    yield (q, k, v, qp, kp, f, 0), {}, "window must be > 0, got 0"
-    yield (q, k, v, qp, kp, f, -3), {}, "window must be > 0, got -3"
+    yield (q, k, v, qp, kp, f, 0), {}, "window must be > 0 and <= 2147483647, got 0"
+    yield (q, k, v, qp, kp, f, -3), {}, "window must be > 0 and <= 2147483647, got -3"
     yield (q, k, v, qp, kp, f, 4, 0.5), {}, r"leaky_k must be 0 \(ReRoPE\) or >= 1"
     yield (q, k, v, qp, kp, f, 4, -2.0), {}, r"leaky_k must be 0 \(ReRoPE\) or >= 1"
     yield (q[:, :3], k, v, qp, kp, f, 4), {}, r"the number of q heads \(3\) must be a multiple of the number of k/v heads \(2\)"
@@ -766,7 +901,7 @@ def _bad_inputs():
     yield (q, k, v, qp, kp, ops.default_inv_freq(10, BASE), 4), {}, "inv_freq must have between 1 and D/2 = 4"
     yield (q, k.double(), v, qp, kp, f, 4), {}, "q, k and v must have the same dtype"
     yield (q.double(), k.double(), v.double(), qp, kp, f, 4), {}, "q must be float32, float16 or bfloat16"
-    yield (q[0], k, v, qp, kp, f, 4), {}, r"q must be \[B, Hq, Lq, D\]"
+    yield (q[0], k, v, qp, kp, f, 4), {}, r"q must be 4-D \[B, Hq, Lq, D\]"
     yield (q, k, v, qp, kp, f, 4), {"logn_length": 1}, "logn_length must be 0 \\(off\\) or >= 2"
 
 
@@ -779,13 +914,13 @@ def test_bad_input_raises_clear_error(args, kwargs, message):
 def test_composite_bad_input():
     q, k, v, qp, kp = make_inputs(1, 3, 2, 5, 5, 8)
     f = ops.default_inv_freq(8, BASE)
-    with pytest.raises(ValueError, match="window must be > 0"):
+    with pytest.raises(RuntimeError, match="rerope_attention: window must be > 0"):
         ops.rerope_attention_composite(q[:, :2], k, v, qp, kp, f, 0)
-    with pytest.raises(ValueError, match="leaky_k must be 0"):
+    with pytest.raises(RuntimeError, match="rerope_attention: leaky_k must be 0"):
         ops.rerope_attention_composite(q[:, :2], k, v, qp, kp, f, 2, 0.5)
-    with pytest.raises(ValueError, match="must be a multiple"):
+    with pytest.raises(RuntimeError, match="rerope_attention: the number of q heads"):
         ops.rerope_attention_composite(q, k, v, qp, kp, f, 2)
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(RuntimeError, match="rerope_attention: q_positions must be an integer tensor"):
         ops.rerope_attention_composite(q[:, :2], k, v, qp.float(), kp, f, 2)
 
 

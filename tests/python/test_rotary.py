@@ -114,8 +114,9 @@ def test_matches_reference(dtype, interleaved, rotary_dim, seq, layout):
         k = None if heads_k is None else make_operand(batch_k, heads_k, seq, head_dim, dtype, layout, generator=gen)
         what = f"q{tuple(q.shape)} k{None if k is None else tuple(k.shape)}"
 
-        # Arbitrary full-width and half-width tables: the op must apply exactly the entries given.
-        for half_width in (False, True):
+        # Arbitrary full-width and half-width tables: the op must apply exactly the entries given
+        # (interleaved pairs take half-width tables only).
+        for half_width in (True,) if interleaved else (False, True):
             width = rotary_dim // 2 if half_width else rotary_dim
             cos = torch.rand(table_batch, seq, width, generator=gen).to(dtype) * 2 - 1
             sin = torch.rand(table_batch, seq, width, generator=gen).to(dtype) * 2 - 1
@@ -158,21 +159,23 @@ def test_in_place_equals_out_of_place_and_keeps_the_tail(dtype, interleaved, lay
     gen = torch.Generator().manual_seed(3)
     q = make_operand(2, 4, 17, 24, dtype, layout, generator=gen)
     k = make_operand(2, 2, 17, 24, dtype, layout, generator=gen)
-    cos = torch.randn(2, 17, 16, generator=gen).to(dtype)
-    sin = torch.randn(2, 17, 16, generator=gen).to(dtype)
+    width = 8 if interleaved else 16  # interleaved pairs take half-width tables
+    cos = torch.randn(2, 17, width, generator=gen).to(dtype)
+    sin = torch.randn(2, 17, width, generator=gen).to(dtype)
     positions = torch.randint(0, 5000, (2, 17), generator=gen)
     inv_freq = ops.default_inv_freq(16, 10000.0)
 
-    expected_q, expected_k = ops.apply_rotary_qk(q, k, cos, sin, interleaved)
+    expected_q, expected_k = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=interleaved)
     q2, k2 = q.clone(), k.clone()
-    ops.apply_rotary_qk_(q2, k2, cos, sin, interleaved)
+    ops.apply_rotary_qk_(q2, k2, cos, sin, interleaved, half_width=interleaved)
     torch.testing.assert_close(q2, expected_q, rtol=0, atol=0)
     torch.testing.assert_close(k2, expected_k, rtol=0, atol=0)
     torch.testing.assert_close(q2[..., 16:], q[..., 16:], rtol=0, atol=0)
 
     x = q.clone()
-    ops.apply_rotary_(x, cos, sin, interleaved, conjugate=True)
-    torch.testing.assert_close(x, ops.apply_rotary(q, cos, sin, interleaved, conjugate=True), rtol=0, atol=0)
+    ops.apply_rotary_(x, cos, sin, interleaved, half_width=interleaved, conjugate=True)
+    expected = ops.apply_rotary(q, cos, sin, interleaved, half_width=interleaved, conjugate=True)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
     expected_q, expected_k = ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 0.9, interleaved)
     q2, k2 = q.clone(), k.clone()
@@ -222,10 +225,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     for interleaved in (False, True):
         q = torch.randn(2, 9, 5, 88, generator=gen).to(dtype).transpose(1, 2)
         k = torch.randn(2, 9, 2, 88, generator=gen).to(dtype).transpose(1, 2)
-        cos = (torch.rand(2, 9, 80, generator=gen) * 2 - 1).to(dtype)
-        sin = (torch.rand(2, 9, 80, generator=gen) * 2 - 1).to(dtype)
+        width = 40 if interleaved else 80  # interleaved pairs take half-width tables
+        cos = (torch.rand(2, 9, width, generator=gen) * 2 - 1).to(dtype)
+        sin = (torch.rand(2, 9, width, generator=gen) * 2 - 1).to(dtype)
         positions = torch.randint(0, 70000, (2, 9), generator=gen)
-        out = ops.apply_rotary_qk(q, k, cos, sin, interleaved)
+        out = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=interleaved)
         out_pos = ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 1.3, interleaved, conjugate=True)
         results["cases"].append((q, k, cos, sin, positions, interleaved, out, out_pos))
 torch.save(results, sys.argv[1])
@@ -258,8 +262,9 @@ def test_every_cpu_instruction_set_variant(isa, tmp_path):
     for q, k, cos, sin, positions, interleaved, out, out_pos in results["cases"]:
         for x, y, y_pos in zip((q, k), out, out_pos):
             what = f"{results['ropescale']} {x.dtype} interleaved={interleaved}"
-            plain = reference_rotary(x, cos, sin, interleaved, dtype=x.dtype)
-            assert_matches_reference(y, reference_rotary(x, cos, sin, interleaved), plain, x.dtype, what)
+            plain = reference_rotary(x, cos, sin, interleaved, half_width=interleaved, dtype=x.dtype)
+            ref = reference_rotary(x, cos, sin, interleaved, half_width=interleaved)
+            assert_matches_reference(y, ref, plain, x.dtype, what)
             ref = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True)
             plain = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True, dtype=x.dtype)
             assert_matches_reference(y_pos, ref, plain, x.dtype, what + " positions")
@@ -305,7 +310,8 @@ def test_equals_transformers_apply_rotary_pos_emb(dtype, rope):
 
 
 def test_interleaved_equals_transformers_cohere():
-    """Cohere's rotary is GPT-J style: interleaved pairs, tables repeat_interleave'd."""
+    """Cohere's rotary is GPT-J style: interleaved pairs, tables repeat_interleave'd (c0 c0 c1 c1):
+    one entry per pair is cos[..., ::2], passed as a half-width table."""
     from transformers import CohereConfig
     from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding, apply_rotary_pos_emb
 
@@ -316,7 +322,7 @@ def test_interleaved_equals_transformers_cohere():
     position_ids = torch.arange(29)[None] + 7
     cos, sin = rotary(q, position_ids)
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = ops.apply_rotary_qk(q, k, cos, sin, interleaved=True)
+    got_q, got_k = ops.apply_rotary_qk(q, k, cos[..., ::2], sin[..., ::2], interleaved=True, half_width=True)
     torch.testing.assert_close(got_q, expected_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, expected_k, rtol=1e-6, atol=1e-6)
     got_q, _ = ops.apply_rotary_pos_qk(q, k, position_ids, rotary.inv_freq, interleaved=True)
@@ -377,8 +383,8 @@ def _grad_inputs(interleaved, half_width, rotary_dim=6):
     return q.requires_grad_(), k.requires_grad_(), cos, sin
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
-@pytest.mark.parametrize("half_width", [False, True], ids=["full_width", "half_width"])
+@pytest.mark.parametrize("interleaved,half_width", [(False, False), (False, True), (True, True)],
+                         ids=["half_split-full_width", "half_split-half_width", "interleaved-half_width"])
 @pytest.mark.parametrize("conjugate", [False, True])
 def test_gradcheck_tables(interleaved, half_width, conjugate):
     q, k, cos, sin = _grad_inputs(interleaved, half_width)
@@ -424,10 +430,11 @@ def _opcheck_samples(device="cpu"):
         half = (cos[..., :8].contiguous(), sin[..., :8].contiguous())
         positions = torch.randint(0, 4096, (2, 7), generator=gen, dtype=torch.int32).to(device)
         grad = dtype == torch.float32
-        yield "apply_rotary", (q.requires_grad_(grad), cos, sin, interleaved), {}
+        table, table_kw = (half, {"half_width": True}) if interleaved else ((cos, sin), {})
+        yield "apply_rotary", (q.requires_grad_(grad), *table, interleaved), table_kw
         yield "apply_rotary", (q, *half, interleaved), {"half_width": True, "conjugate": True}
-        yield "apply_rotary_", (q.detach().clone(), cos, sin, interleaved), {}
-        yield "apply_rotary_qk", (q, k.requires_grad_(grad), cos, sin, interleaved), {}
+        yield "apply_rotary_", (q.detach().clone(), *table, interleaved), table_kw
+        yield "apply_rotary_qk", (q, k.requires_grad_(grad), *table, interleaved), table_kw
         yield "apply_rotary_qk_", (q.detach().clone(), k.detach().clone(), *half, interleaved), {"half_width": True}
         yield "apply_rotary_pos", (q, positions, inv_freq, 1.5, interleaved), {}
         yield "apply_rotary_pos_", (q.detach().clone(), positions[0].long(), inv_freq, 1.0, interleaved), {}
@@ -509,9 +516,9 @@ def _bad_cases():
     yield "positions has 3 batch rows, which must be 1 or the batch size of x", lambda: R.apply_rotary_pos(
         x, torch.zeros(3, 5, dtype=torch.long), inv)
     yield "apply_rotary_pos: scale must be finite", lambda: R.apply_rotary_pos(x, pos, inv, float("nan"))
-    yield r"apply_rotary: cos must be on the same device as the rotated tensor \(cpu\), got meta", lambda: R.apply_rotary(
+    yield r"apply_rotary: cos must be on the same device as x \(cpu\), got meta", lambda: R.apply_rotary(
         x, cos.to("meta"), cos.to("meta"))
-    yield r"apply_rotary_pos_qk: positions must be on the same device as the rotated tensor \(cpu\), got meta", lambda: R.apply_rotary_pos_qk(
+    yield r"apply_rotary_pos_qk: positions must be on the same device as q \(cpu\), got meta", lambda: R.apply_rotary_pos_qk(
         x, x, pos.to("meta"), inv)
     yield "apply_rotary_qk_: q is written in place but shares memory with k", lambda: R.apply_rotary_qk_(x, x, cos, cos)
     yield "apply_rotary_: x is written in place but shares memory with cos", lambda: R.apply_rotary_(
@@ -585,7 +592,7 @@ def test_cuda_matches_reference(dtype, interleaved, layout):
     for seq, head_dim, rotary_dim in [(1, 128, 128), (17, 64, 32), (257, 128, 128), (3, 40, 40), (33, 80, 64)]:
         q = make_operand(2, 8, seq, head_dim, dtype, layout, "cuda", gen)
         k = make_operand(2, 2, seq, head_dim, dtype, layout, "cuda", gen)
-        for half_width, conjugate in itertools.product((False, True), (False, True)):
+        for half_width, conjugate in itertools.product((True,) if interleaved else (False, True), (False, True)):
             width = rotary_dim // 2 if half_width else rotary_dim
             cos = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", dtype)
             sin = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", dtype)
@@ -654,3 +661,79 @@ def test_cuda_opcheck_every_op():
         torch.library.opcheck(getattr(torch.ops.ropescale, name).default, args, kwargs)
         seen.add(name)
     assert seen == set(ALL_OPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.func (issue 16.14): grad, vjp and jacrev over the rotations (the autograd registration is
+# a C++ autograd Function, which functorch supports), against plain autograd.
+
+
+def test_torch_func_grad_vjp_jacrev():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 3, 8, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 1, 3, 8, dtype=torch.float64, generator=gen)
+    cos, sin = torch.randn(3, 8, dtype=torch.float64, generator=gen), torch.randn(3, 8, dtype=torch.float64, generator=gen)
+    positions, inv_freq = torch.tensor([3, 70, 9000]), ops.default_inv_freq(8, 1e4)
+
+    def loss(x):
+        return (ops.apply_rotary(x, cos, sin) ** 2).sum() + (ops.apply_rotary_pos(x, positions, inv_freq, 1.3) ** 3).sum()
+
+    expected = torch.autograd.grad(loss(x.requires_grad_()), x)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(x.detach()), expected)
+
+    def rotate_qk(q, k):
+        return ops.apply_rotary_qk(q, k, cos[..., :4], sin[..., :4], True, half_width=True)
+
+    (out_q, out_k), vjp = torch.func.vjp(rotate_qk, x.detach(), k)
+    gq, gk = vjp((torch.ones_like(out_q), torch.ones_like(out_k)))
+    # the transposed map applied to the cotangent (conjugate=True)
+    torch.testing.assert_close(gq, ops.apply_rotary(torch.ones_like(x), cos[..., :4], sin[..., :4], True,
+                                                    half_width=True, conjugate=True))
+    torch.testing.assert_close(gk, ops.apply_rotary(torch.ones_like(k), cos[..., :4], sin[..., :4], True,
+                                                    half_width=True, conjugate=True))
+
+    def rotate_pos(q):
+        return ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 0.7)[0]
+
+    jac = torch.func.jacrev(rotate_pos)(x.detach())
+    expected_jac = torch.autograd.functional.jacobian(rotate_pos, x.detach())
+    torch.testing.assert_close(jac, expected_jac)
+    # vmap still works (over a batch of inputs, and of gradients)
+    xs = torch.randn(3, *x.shape, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(torch.func.vmap(lambda t: ops.apply_rotary(t, cos, sin))(xs),
+                               torch.stack([ops.apply_rotary(t, cos, sin) for t in xs]))
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(loss))(xs),
+                               torch.stack([torch.func.grad(loss)(t) for t in xs]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The accurate range of positions (issue 16.8): measured against exact angles, refused beyond.
+
+
+def _exact_cos_sin(positions, inv_freq):
+    import mpmath
+
+    mpmath.mp.prec = 200
+    cos = torch.empty(len(positions), len(inv_freq), dtype=torch.float64)
+    sin = torch.empty_like(cos)
+    for i, p in enumerate(positions):
+        for j, f in enumerate(inv_freq.tolist()):
+            angle = mpmath.mpf(int(p)) * mpmath.mpf(f)  # f: the float32 value, exactly
+            cos[i, j], sin[i, j] = float(mpmath.cos(angle)), float(mpmath.sin(angle))
+    return cos, sin
+
+
+def test_rotation_is_accurate_up_to_the_largest_accepted_position():
+    """At |p| up to 2^31 - 1 the rotation stays within 3e-7 of the exact one (measured: 2.1e-7 at
+    2^31, 1.2e-7 float32 rounding below 2^29; 1.8e-2 at 2^48, the issue's case, now refused)."""
+    largest = 2**31 - 1
+    positions = torch.tensor([largest, largest - 1, -largest, 2**30 + 12345, 2**29 + 7])
+    inv_freq = ops.default_inv_freq(128, 1e4)
+    cos, sin = _exact_cos_sin(positions.tolist(), inv_freq)
+    x = torch.zeros(1, 1, len(positions), 128)
+    x[..., :64] = 1.0  # (1, 0) in every pair: the result is (cos, sin)
+    y = ops.apply_rotary_pos(x, positions, inv_freq).double()[0, 0]
+    error = max((y[:, :64] - cos).abs().max().item(), (y[:, 64:] - sin).abs().max().item())
+    assert error < 3e-7, error
+    with pytest.raises(RuntimeError, match="positions must be within"):
+        ops.apply_rotary_pos(x, positions + 1, inv_freq)

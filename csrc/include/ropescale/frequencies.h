@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -18,6 +19,13 @@
 
 namespace ropescale {
 namespace freq {
+
+// Long loops (the research quantities run up to billions of steps) call `poll` every
+// kPollMask + 1 steps when one is given: the op layer passes one that checks for Ctrl-C and throws
+// to stop the loop. Empty by default (C++ tests, callers that need no interruption).
+using Poll = std::function<void()>;
+inline constexpr int64_t kPollMask = 4095;
+
 
 constexpr double kTwoPi = 6.283185307179586476925286766559;
 
@@ -171,8 +179,10 @@ inline std::vector<double> similarity_decay(const std::vector<double>& inv_freq,
 
 // First distance m in [0, max_distance] with B_m < 0, or -1 when there is none. Stops at the
 // first negative term, which is what makes the base search fast for bad bases.
-inline int64_t first_negative_distance(const std::vector<double>& inv_freq, int64_t max_distance) {
+inline int64_t first_negative_distance(const std::vector<double>& inv_freq, int64_t max_distance,
+                                       const Poll& poll = {}) {
   for (int64_t m = 0; m <= max_distance; ++m) {
+    if (poll && (m & kPollMask) == 0) poll();
     double sum = 0.0;
     for (double theta : inv_freq) sum += std::cos(static_cast<double>(m) * theta);
     if (sum < 0.0) return m;
@@ -181,15 +191,17 @@ inline int64_t first_negative_distance(const std::vector<double>& inv_freq, int6
 }
 
 // L_theta = sup{ L <= max_distance : B_m >= 0 for all m in [0, L] }.
-inline int64_t effective_context_length(const std::vector<double>& inv_freq, int64_t max_distance) {
-  const int64_t first = first_negative_distance(inv_freq, max_distance);
+inline int64_t effective_context_length(const std::vector<double>& inv_freq, int64_t max_distance,
+                                        const Poll& poll = {}) {
+  const int64_t first = first_negative_distance(inv_freq, max_distance, poll);
   return first < 0 ? max_distance : first - 1;
 }
 
 // First m in [0, max_distance] with B_m < 0 (or -1), for the base search: cos(m*theta) and
 // sin(m*theta) advance by one rotation per step (vectorisable, no libm call), re-seeded from
 // std::cos/std::sin every 1024 steps so the drift stays near 1e-13.
-inline int64_t first_negative_distance_fast(const std::vector<double>& inv_freq, int64_t max_distance) {
+inline int64_t first_negative_distance_fast(const std::vector<double>& inv_freq, int64_t max_distance,
+                                            const Poll& poll = {}) {
   const size_t n = inv_freq.size();
   std::vector<double> c(n), s(n), step_c(n), step_s(n);
   for (size_t i = 0; i < n; ++i) {
@@ -198,6 +210,7 @@ inline int64_t first_negative_distance_fast(const std::vector<double>& inv_freq,
   }
   for (int64_t m = 0; m <= max_distance; ++m) {
     if (m % 1024 == 0) {
+      if (poll && (m & kPollMask) == 0) poll();
       for (size_t i = 0; i < n; ++i) {
         c[i] = std::cos(static_cast<double>(m) * inv_freq[i]);
         s[i] = std::sin(static_cast<double>(m) * inv_freq[i]);
@@ -223,8 +236,8 @@ inline double similarity_at(const std::vector<double>& inv_freq, int64_t m) {
 }
 
 // True when B_m >= 0 for every m in [0, context_length] at this base (exact cos).
-inline bool base_supports_context(double base, int64_t dim, int64_t context_length) {
-  return first_negative_distance(default_inv_freq(dim, base), context_length) < 0;
+inline bool base_supports_context(double base, int64_t dim, int64_t context_length, const Poll& poll = {}) {
+  return first_negative_distance(default_inv_freq(dim, base), context_length, poll) < 0;
 }
 
 // Result of the lower-bound search: the smallest good base found, and the largest bad base
@@ -239,7 +252,8 @@ struct BaseBound {
 // a full fast scan; a base the fast scan calls good is confirmed with exact cos.
 class BaseChecker {
  public:
-  BaseChecker(int64_t dim, int64_t context_length) : dim_(dim), length_(context_length) {}
+  BaseChecker(int64_t dim, int64_t context_length, Poll poll = {})
+      : dim_(dim), length_(context_length), poll_(std::move(poll)) {}
 
   bool good(double base) {
     const std::vector<double> theta = default_inv_freq(dim_, base);
@@ -249,8 +263,8 @@ class BaseChecker {
         return false;
       }
     }
-    int64_t m = first_negative_distance_fast(theta, length_);
-    if (m < 0) m = first_negative_distance(theta, length_);  // confirm exactly
+    int64_t m = first_negative_distance_fast(theta, length_, poll_);
+    if (m < 0) m = first_negative_distance(theta, length_, poll_);  // confirm exactly
     if (m < 0) return true;
     witnesses_.insert(witnesses_.begin(), m);
     if (witnesses_.size() > kMaxWitnesses) witnesses_.pop_back();
@@ -262,6 +276,7 @@ class BaseChecker {
   int64_t dim_;
   int64_t length_;
   std::vector<int64_t> witnesses_;
+  Poll poll_;
 };
 
 // base_L = inf{ base : B_m >= 0 for all m in [0, L] }. The good set is not an interval (a larger
@@ -270,8 +285,8 @@ class BaseChecker {
 // and refines by bisection only inside the grid step where the first good base appears. A good
 // island narrower than one grid step (default 0.1%) can be missed.
 inline BaseBound base_lower_bound(int64_t context_length, int64_t dim, double grid_ratio = 1.001,
-                                  double rel_tol = 1e-7, double max_base = 1e15) {
-  BaseChecker checker(dim, context_length);
+                                  double rel_tol = 1e-7, double max_base = 1e15, const Poll& poll = {}) {
+  BaseChecker checker(dim, context_length, poll);
   double lo = 2.0, hi = 2.0;
   while (!checker.good(hi)) {
     lo = hi;
@@ -300,13 +315,14 @@ inline double circular_distance(double a, double b) {
 // positions n in [train_length, test_length), from the rotated unit feature at n to the nearest
 // one seen in training (m < train_length). For unit features |f(m) - f(n)| = 2 sin(delta/2)
 // with delta the angle between them. Computed by sorting the training angles once.
-inline double feature_gap(double theta, int64_t train_length, int64_t test_length) {
+inline double feature_gap(double theta, int64_t train_length, int64_t test_length, const Poll& poll = {}) {
   if (theta == 0.0 || test_length <= train_length || train_length <= 0) return 0.0;
   std::vector<double> seen(train_length);
   for (int64_t m = 0; m < train_length; ++m) seen[m] = std::fmod(static_cast<double>(m) * theta, kTwoPi);
   std::sort(seen.begin(), seen.end());
   double gap = 0.0;
   for (int64_t n = train_length; n < test_length; ++n) {
+    if (poll && ((n - train_length) & kPollMask) == 0) poll();
     const double angle = std::fmod(static_cast<double>(n) * theta, kTwoPi);
     const auto above = std::lower_bound(seen.begin(), seen.end(), angle);
     // Nearest neighbours on the circle: the sorted successor and predecessor, wrapping around.
