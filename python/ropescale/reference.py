@@ -57,6 +57,29 @@ _R = torch.ops.ropescale
 # Checks
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides, smallest first, are those of a contiguous tensor."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """ATen's get_overlap_status is Full or Partial: two dense tensors of one storage whose byte
+    ranges meet (a pair it cannot decide, non-dense, counts as not sharing, as in the native op)."""
+    if a is b:
+        return True
+    if a.numel() == 0 or b.numel() == 0 or not (_dense(a) and _dense(b)):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_begin, b_begin = a.data_ptr(), b.data_ptr()
+    return a_begin < b_begin + b.numel() * b.element_size() and b_begin < a_begin + a.numel() * a.element_size()
+
+
 def _check_writable(op: str, written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
     """The native op's checks on the tensors an in-place op writes (csrc/rotary.cpp)."""
     for name, x in written.items():
@@ -65,10 +88,10 @@ def _check_writable(op: str, written: dict[str, torch.Tensor], read: dict[str, t
                 f"{op}: {name} has elements that share memory (an expanded tensor?), so it cannot be written in place"
             )
         for other_name, other in read.items():
-            if torch._C._overlaps(x, other):
+            if _shares_memory(x, other):
                 raise RuntimeError(f"{op}: {name} is written in place but shares memory with {other_name}")
     names = list(written)
-    if len(names) == 2 and torch._C._overlaps(written[names[0]], written[names[1]]):
+    if len(names) == 2 and _shares_memory(written[names[0]], written[names[1]]):
         raise RuntimeError(f"{op}: {names[0]} is written in place but shares memory with {names[1]}")
 
 

@@ -73,6 +73,16 @@ def _cases():
         yield f"apply_rotary_pos_qk_ {dtype}", lambda: in_place(
             lambda a, b: ops.apply_rotary_pos_qk_(a, b, positions, inv_freq, 1.0, True), q, k)
 
+        # q and k as disjoint slices of one buffer (a fused qkv projection): rotated in place.
+        qkv = torch.randn(1, 6, 13, 40, generator=gen).to(dtype)
+
+        def fused_qkv_in_place():
+            buffer = qkv.clone()
+            ops.apply_rotary_pos_qk_(buffer[:, :4], buffer[:, 4:], positions[:1], inv_freq, 1.0)
+            return [buffer]
+
+        yield f"apply_rotary_pos_qk_ on one qkv buffer {dtype}", fused_qkv_in_place
+
         qa = torch.randn(2, 4, 50, 32, generator=gen).to(dtype)
         ka, va = (torch.randn(2, 2, 50, 32, generator=gen).to(dtype) for _ in range(2))
         kp = torch.arange(50).repeat(2, 1)
