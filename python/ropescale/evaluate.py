@@ -10,10 +10,17 @@
 
 The model only needs the causal-LM call ``model(input_ids=...) -> output with .logits``;
 ``past_key_values`` is used for generation when the model returns one.
+
+Memory: neither evaluator keeps full-vocabulary logits for every position. ``perplexity`` runs the
+model's decoder (``get_decoder()``) and applies the output head and the cross-entropy to the scored
+positions only, ``_LOSS_CHUNK_BYTES`` of logits at a time (models without a plain linear head: the
+full logits, scored in the same chunks); passkey generation asks for the last position's logits only
+(``logits_to_keep=1``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import re
@@ -67,11 +74,21 @@ def _device(model: torch.nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def _last_logits_only(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"logits_to_keep": 1}`` for a model whose forward takes it (transformers' causal LMs): the
+    prompt's forward then computes one position's logits, not ``prompt x vocabulary``."""
+    try:
+        takes_it = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_it = False
+    return {"logits_to_keep": 1} if takes_it else {}
+
+
 @torch.no_grad()
 def _greedy(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     """Greedy continuation of a 1-D prompt; reuses the model's KV cache when it returns one."""
     device = _device(model)
-    out = model(input_ids=ids[None].to(device), use_cache=True)
+    out = model(input_ids=ids[None].to(device), use_cache=True, **_last_logits_only(model))
     new: list[int] = []
     context = ids.to(device)
     while True:
@@ -184,6 +201,64 @@ def passkey_retrieval(
     return PasskeyResult(context_length, results)
 
 
+# Logits (float64 while scored) per chunk of positions: peak memory of the loss is one chunk, whatever
+# the vocabulary and the window.
+_LOSS_CHUNK_BYTES = 8 << 20
+
+
+def _chunk_nll(logits_of, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """nll of ``targets[i]`` under ``logits_of(slice)`` (float logits ``[len, vocab]`` of those
+    positions), a chunk of positions at a time, in float64."""
+    chunk = max(1, _LOSS_CHUNK_BYTES // (8 * max(1, vocab)))
+    # The result is allocated once, up front: small tensors kept from every chunk, allocated between
+    # the chunks' large ones, fragment the heap so that it grows by a chunk per chunk (seen: 3 GB).
+    nll = torch.empty(targets.numel(), dtype=torch.float64, device=targets.device)
+    for lo in range(0, targets.numel(), chunk):
+        piece = slice(lo, min(lo + chunk, targets.numel()))
+        nll[piece] = torch.nn.functional.cross_entropy(logits_of(piece).double(), targets[piece], reduction="none")
+    return nll
+
+
+def _head_of(model: torch.nn.Module):
+    """``(decoder, head)`` when the causal LM's logits are ``head(decoder(...).last_hidden_state)`` with a
+    plain linear head (Llama, Mistral, Qwen, ...), else None (the full logits are then used)."""
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    config = getattr(model, "config", None)
+    if get_decoder is None or get_head is None:
+        return None
+    # Models that post-process the head's output (softcapping, a logit scale) keep the full path.
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
+        return None
+    try:
+        decoder, head = get_decoder(), get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or decoder is model or type(head) is not torch.nn.Linear:
+        return None
+    return decoder, head
+
+
+def _window_scorer(model: torch.nn.Module):
+    """``score(window, first)``: float64 nll of ``window[first + 1:]``, each token predicted from the
+    window's tokens before it."""
+    parts = _head_of(model)
+
+    def score(window: torch.Tensor, first: int) -> torch.Tensor:
+        targets = window[first + 1:]
+        if parts is not None:
+            decoder, head = parts
+            hidden = decoder(input_ids=window[None], use_cache=False).last_hidden_state[0, first:-1]
+            return _chunk_nll(lambda piece: head(hidden[piece]), targets, head.out_features)
+        if keeps_logits:  # logits of the last len - first positions only (the scored ones, and the last)
+            logits = model(input_ids=window[None], logits_to_keep=window.numel() - first).logits[0, :-1]
+        else:
+            logits = model(input_ids=window[None]).logits[0, first:-1]
+        return _chunk_nll(lambda piece: logits[piece], targets, logits.shape[-1])
+
+    keeps_logits = bool(_last_logits_only(model))
+    return score
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     perplexity: float
@@ -237,15 +312,14 @@ def perplexity(
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc="perplexity", leave=False)
+    score = _window_scorer(model)
     try:
         for begin in starts:
             end = min(begin + max_length, n)
             window = ids[begin:end].to(device)
-            logits = model(input_ids=window[None]).logits[0].double()
-            log_probs = torch.log_softmax(logits[:-1], dim=-1)
-            nll = -log_probs.gather(-1, window[1:, None])[:, 0]  # entry i: token begin+i+1
             first_new = max(prev_end, begin + 1)  # a window's first token has no prediction
-            token_nll[first_new:end] = nll[first_new - begin - 1 :].cpu()
+            # Tokens first_new..end-1 are predicted at window positions first_new-begin-1 .. end-begin-2.
+            token_nll[first_new:end] = score(window, first_new - begin - 1).cpu()
             windows += 1
             prev_end = end
             if end == n:

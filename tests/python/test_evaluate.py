@@ -2,8 +2,13 @@
 sliding-window perplexity equal to a direct per-token computation."""
 
 import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +144,69 @@ def test_perplexity_default_length_is_the_models(model, tokenizer):
     assert evaluate.perplexity(short, TEXT, tokenizer).nll == pytest.approx(
         evaluate.perplexity(short, TEXT, tokenizer, max_length=300).nll
     )
+
+
+def test_perplexity_in_small_loss_chunks_is_the_same(model, tokenizer, monkeypatch):
+    # Any chunking of the loss (here 7 positions at a time) scores every token alike.
+    whole = evaluate.perplexity(model, TEXT, tokenizer, max_length=300, stride=256)
+    monkeypatch.setattr(evaluate, "_LOSS_CHUNK_BYTES", 8 * len(tokenizer) * 7)
+    chunked = evaluate.perplexity(model, TEXT, tokenizer, max_length=300, stride=256)
+    # (float32 head outputs: a matrix multiply of other sizes rounds differently, ~1e-8)
+    torch.testing.assert_close(chunked.token_nll, whole.token_nll, rtol=1e-6, atol=0, equal_nan=True)
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from tiny_lm import tiny_llama
+    from ropescale import evaluate
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    torch.set_num_threads(1)
+    model = tiny_llama(50_000, max_position=8192)
+    model.config._attn_implementation = "sdpa"  # the model's attention in O(L) memory: the loss is measured
+    ids = torch.randint(50_000, ({length},), generator=torch.Generator().manual_seed(0))
+    def extra_peak_mib(run):
+        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")
+        rss_before = status_kib("VmRSS")
+        run()
+        return (status_kib("VmHWM") - rss_before) / 1024
+    with torch.no_grad():  # the model's own forward (its attention's memory is not the loss's)
+        forward = extra_peak_mib(lambda: model.model(input_ids=ids[None], use_cache=False))
+    result = []
+    scoring = extra_peak_mib(lambda: result.append(evaluate.perplexity(model, ids, max_length={length},
+                                                                       stride={stride})))
+    assert result[0].tokens == {length} - 1
+    print(forward, scoring)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
+def test_perplexity_peak_memory_is_one_loss_chunk_not_vocabulary_times_window():
+    # issue 16.10: 8k tokens x 50k vocabulary of float32 logits is 1.6 GB, and the old path kept a
+    # float64 copy and its log-softmax too (~8 GB). One loss chunk is 64 MiB of float64 logits.
+    tests = str(Path(__file__).resolve().parent)
+    script = MEMORY_SCRIPT.format(tests=tests, length=8192, stride=4096)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(evaluate.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    forward, scoring = map(float, result.stdout.strip().splitlines()[-1].split())
+    print(f"perplexity at 8k, vocabulary 50k: extra peak RSS {scoring:.0f} MiB, the bare forward's {forward:.0f} MiB")
+    assert scoring - forward < 256, f"scoring peaks {scoring - forward:.0f} MiB above the model's forward"
+
+
+def test_passkey_prompt_forward_computes_one_position_of_logits(model, tokenizer):
+    # issue 16.10: the prompt's forward kept prompt x vocabulary logits to read the last row.
+    positions = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: positions.append(out.shape[-2]))
+    try:
+        evaluate.passkey_retrieval(model, tokenizer, context_length=300, trials=1, max_new_tokens=3)
+    finally:
+        handle.remove()
+    assert positions == [1, 1, 1]
 
 
 def test_perplexity_bad_input(model, tokenizer):
