@@ -25,14 +25,14 @@ def run(
     steps: int = 600,
     seed: int = 0,
     threads: int = 1,
-    plot: str | None = "ropescale_demo.png",
+    plot: str | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = print,
     n_train: int = 10_000,
     n_test: int = 500,
 ) -> dict:
-    """Run the demo; ``log`` receives the human-readable lines (None: silent). Returns the results
-    as a JSON-ready dict."""
+    """Run the demo; ``log`` receives the human-readable lines (None: silent); ``plot``: a PNG path for
+    accuracy by position (None: no figure). Returns the results as a JSON-ready dict."""
     say = log or (lambda _line: None)
     started = time.perf_counter()
     test_length = test_length or 4 * train_length
