@@ -126,7 +126,9 @@ run "configure ($BUILD${ARCH:+, sm_$ARCH})" 120 "$OUT/configure.log" cmake -S . 
 
 section "Build"
 cat "$OUT/import.log" >>"$REPORT" 2>/dev/null
-"$PYTHON" scripts/ptxas_summary.py "$OUT/build.log" >"$OUT/ptxas.txt" 2>&1 || failures+=("CUDA kernels spill registers: see ptxas.txt")
+if [ -f "$OUT/build.log" ]; then
+  "$PYTHON" scripts/ptxas_summary.py "$OUT/build.log" >"$OUT/ptxas.txt" 2>&1 || failures+=("CUDA kernels spill registers: see ptxas.txt")
+fi
 [ -s "$OUT/ptxas.txt" ] && { echo; echo "Registers and spills (ptxas -v):"; fenced "$OUT/ptxas.txt"; } >>"$REPORT"
 
 # `ropescale check` first: every op on every device present against float64, one table. Its failure is
