@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one command for a lent GPU machine (offline, any torch >= 2.11, Python 3.12 there, nvcc):
-# builds ropescale in place for the local GPU's arch only, runs the CUDA tests (which include the
-# CPU-vs-CUDA parity tests) and the rotary and ReRoPE benchmarks, and writes one markdown report
-# (device, torch, figures, failures) to OUT_DIR/gpu_report.md. Aims at under 8 minutes on 16 cores.
+# builds ropescale in place for the local GPU's arch only, runs `ropescale check` (every op on every
+# device against float64; its failure is recorded, the rest still runs), the CUDA tests (which include
+# the tensor-core prefill tests and the CPU-vs-CUDA parity tests) and the rotary and ReRoPE
+# benchmarks, and writes one markdown report (device, torch, figures, failures) to
+# OUT_DIR/gpu_report.md. Ends within 8 minutes: each step's time limit is cut to what is left of
+# GPU_CHECK_SECONDS (default 470), and a step with no time left is recorded as not run.
 #
 #   scripts/gpu_check.sh OUT_DIR
 #   PYTHON=python3 JOBS=16 scripts/gpu_check.sh OUT_DIR
@@ -14,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 OUT=$1
@@ -26,16 +29,27 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=$(command -v python3); fi
 fi
 JOBS=${JOBS:-$(nproc)}
+BUDGET=${GPU_CHECK_SECONDS:-470}
 export PYTHONPATH="$PWD/$BUILD/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 failures=()
 started=$SECONDS
 
 section() { printf '\n## %s\n\n' "$1" >>"$REPORT"; }
 fenced() { { echo '```'; cat "$1"; echo '```'; } >>"$REPORT"; }
-# run NAME TIMEOUT LOG COMMAND...: runs a step, records its time and failure.
+# run NAME TIMEOUT LOG COMMAND...: runs a step, records its time and failure. The time limit is cut
+# to what is left of BUDGET; with nothing left the step is recorded as not run (a failure).
 run() {
   local name=$1 limit=$2 log=$3
   shift 3
+  local left=$((BUDGET - (SECONDS - started)))
+  ((limit > left)) && limit=$left
+  if ((limit <= 0)); then
+    echo "gpu_check: $name NOT RUN (the ${BUDGET} s budget is spent)"
+    echo "(not run: the ${BUDGET} s budget was spent)" >"$log"
+    failures+=("$name: not run, out of time")
+    echo "- $name: not run (out of time)" >>"$OUT/steps.md"
+    return 124
+  fi
   local start=$SECONDS rc=0
   timeout "$limit" "$@" >"$log" 2>&1 || rc=$?
   local took=$((SECONDS - start))
@@ -112,13 +126,27 @@ run "configure ($BUILD${ARCH:+, sm_$ARCH})" 120 "$OUT/configure.log" cmake -S . 
 
 section "Build"
 cat "$OUT/import.log" >>"$REPORT" 2>/dev/null
-"$PYTHON" scripts/ptxas_summary.py "$OUT/build.log" >"$OUT/ptxas.txt" 2>&1 || failures+=("CUDA kernels spill registers: see ptxas.txt")
+if [ -f "$OUT/build.log" ]; then
+  "$PYTHON" scripts/ptxas_summary.py "$OUT/build.log" >"$OUT/ptxas.txt" 2>&1 || failures+=("CUDA kernels spill registers: see ptxas.txt")
+fi
 [ -s "$OUT/ptxas.txt" ] && { echo; echo "Registers and spills (ptxas -v):"; fenced "$OUT/ptxas.txt"; } >>"$REPORT"
+
+# `ropescale check` first: every op on every device present against float64, one table. Its failure is
+# recorded and the steps after it still run.
+if [ "$build_ok" = 1 ]; then
+  run "ropescale check" 90 "$OUT/check.log" "$PYTHON" -m ropescale check
+  section "ropescale check"
+  fenced "$OUT/check.log"
+fi
 
 if [ "$build_ok" = 1 ] && [ -z "$ARCH" ]; then
   echo "gpu_check: no GPU: built and imported; nothing on a GPU to test or measure"
   section "Result"
-  echo "no GPU: the build and import were checked; no CUDA test or benchmark ran." >>"$REPORT"
+  echo "no GPU: the build, the import and \`ropescale check\` (CPU) ran; no CUDA test or benchmark." >>"$REPORT"
+  if ((${#failures[@]})); then
+    section "Failures"
+    printf -- '- %s\n' "${failures[@]}" >>"$REPORT"
+  fi
   section "Steps"
   cat "$OUT/steps.md" >>"$REPORT"
   echo "gpu_check: report in $REPORT ($((SECONDS - started)) s)"
@@ -126,11 +154,11 @@ if [ "$build_ok" = 1 ] && [ -z "$ARCH" ]; then
 fi
 
 if [ "$build_ok" = 1 ]; then
-  run "pytest -m cuda (CUDA tests, CPU-vs-CUDA parity)" 240 "$OUT/pytest_cuda.log" \
+  run "pytest -m cuda (CUDA tests: tensor-core prefill, masking, CPU-vs-CUDA parity)" 200 "$OUT/pytest_cuda.log" \
     "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE
-  run "bench_rotary (GPU)" 120 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
+  run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
-    run "bench_rerope (GPU)" 180 "$OUT/bench_rerope.log" "$PYTHON" benchmarks/bench_rerope.py --device cuda
+    run "bench_rerope (GPU)" 120 "$OUT/bench_rerope.log" "$PYTHON" benchmarks/bench_rerope.py --device cuda
   else
     echo "benchmarks/bench_rerope.py has no CUDA mode (--device) in this tree: not measured" >"$OUT/bench_rerope.log"
     failures+=("bench_rerope: no CUDA mode in this tree")

@@ -1,7 +1,10 @@
 // rerope_attention on CUDA: ATen glue around the kernels of ropescale/rerope_attention.cuh (SIMT:
 // fp32, decode, other head dims) and ropescale/rerope_attention_tc.cuh (tensor cores: fp16/bf16
 // prefill, head dims 64/80/96/128): checks, device guard, current stream, workspaces, dtype and
-// head-dim dispatch, a check after every launch.
+// head-dim dispatch, a check after every launch. What a device allows (compute capability, shared
+// memory per block) is asked once per device (device_info.h) and picks the kernel and its tiles:
+// tensor cores from compute capability 8.0 on, the SIMT tile shape that fits the device's
+// sharedMemPerBlockOptin (compact tiles for head dims above 128 on sm_86/89/120).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -14,6 +17,7 @@
 #include <type_traits>
 
 #include "cuda_element.h"
+#include "device_info.h"
 #include "ops.h"
 #include "rerope_attention.h"
 #include "ropescale/rerope_attention.cuh"
@@ -29,23 +33,6 @@ using rerope_cuda::ReropeParams;
 // kernel at every dtype: it is bound by memory bandwidth (see rerope_attention.cuh).
 constexpr int64_t kDecodeMaxQueries = 16;
 
-// Multiprocessor count of a device, asked once per device.
-int multiprocessor_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) {
-    int value = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
-    return value;
-  }
-  int value = counts[device].load(std::memory_order_relaxed);
-  if (value == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
-    counts[device].store(value, std::memory_order_relaxed);
-  }
-  return value;
-}
-
 // The launchers' check after every launch: throws, so no kernel reads the output of a failed one.
 struct ThrowOnLaunchError {
   void operator()(int status, const char* what) const {
@@ -54,14 +41,14 @@ struct ThrowOnLaunchError {
   }
 };
 
-template <typename T, int kMaxDim>
-void launch_simt(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
+template <typename T, class Shape>
+void launch_simt(const ReropeArgs& a, ReropeParams p, cudaStream_t stream, int multiprocessors) {
   const auto f32 = a.q.options().dtype(at::kFloat);
   if (a.q_len <= kDecodeMaxQueries) {
-    TORCH_CHECK(rerope_cuda::rerope_decode_grid_y<kMaxDim>(p) <= 65535,
+    TORCH_CHECK(rerope_cuda::rerope_decode_grid_y<Shape>(p) <= 65535,
                 "rerope_attention: too many query rows per k/v head for one decode launch (", a.q_len, " x ",
                 a.q_heads / a.kv_heads, " heads)");
-    const int splits = rerope_cuda::rerope_decode_splits<kMaxDim>(p, multiprocessor_count(a.q.get_device()));
+    const int splits = rerope_cuda::rerope_decode_splits<Shape>(p, multiprocessors);
     at::Tensor partial_out, partial_lse;
     if (splits > 1) {
       const int64_t rows = a.batch * a.q_heads * a.q_len;
@@ -70,16 +57,16 @@ void launch_simt(const ReropeArgs& a, ReropeParams p, cudaStream_t stream) {
       p.partial_out = partial_out.data_ptr<float>();
       p.partial_lse = partial_lse.data_ptr<float>();
     }
-    rerope_cuda::launch_rerope_decode<T, kMaxDim>(p, splits, stream, ThrowOnLaunchError{});
+    rerope_cuda::launch_rerope_decode<T, Shape>(p, splits, stream, ThrowOnLaunchError{});
   } else {
-    TORCH_CHECK(rerope_cuda::rerope_prefill_grid_y<kMaxDim>(p) <= 65535,
+    TORCH_CHECK(rerope_cuda::rerope_prefill_grid_y<Shape>(p) <= 65535,
                 "rerope_attention: too many queries per k/v head for one launch (", a.q_len, " x ",
                 a.q_heads / a.kv_heads, " heads); split the queries into chunks");
     at::Tensor k_near = at::empty({a.batch, a.kv_heads, a.k_len, a.head_dim}, f32);
     at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
     p.k_near = k_near.data_ptr<float>();
     p.k_far = k_far.defined() ? k_far.data_ptr<float>() : nullptr;
-    rerope_cuda::launch_rerope_prefill<T, kMaxDim>(p, stream, ThrowOnLaunchError{});
+    rerope_cuda::launch_rerope_prefill<T, Shape>(p, stream, ThrowOnLaunchError{});
   }
 }
 
@@ -107,6 +94,8 @@ void launch_tensor_core(const ReropeArgs& a, ReropeParams p, cudaStream_t stream
   at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
   p.k_near = k_near.data_ptr();
   p.k_far = k_far.defined() ? k_far.data_ptr() : nullptr;
+  at::Tensor q_rotation = at::empty({rerope_cuda::rerope_tc_query_rotation_floats(p)}, a.q.options().dtype(at::kFloat));
+  p.q_rotation = q_rotation.data_ptr<float>();
   const int64_t tiles = a.batch * rerope_cuda::rerope_tc_key_tiles(static_cast<int>(a.k_len));
   at::Tensor tile_bounds =
       at::empty({tiles * static_cast<int64_t>(sizeof(rerope_cuda::KeyTile))}, a.q.options().dtype(at::kByte));
@@ -116,8 +105,14 @@ void launch_tensor_core(const ReropeArgs& a, ReropeParams p, cudaStream_t stream
 
 template <typename T>
 void launch(const ReropeArgs& a, const ReropeParams& p, cudaStream_t stream) {
+  const CudaDeviceInfo device = cuda_device_info(a.q.get_device());
+  const auto smem_optin = static_cast<std::size_t>(device.shared_memory_per_block_optin);
   if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-    if (a.q_len > kDecodeMaxQueries && rerope_cuda::rerope_tc_head_dim(static_cast<int>(a.head_dim))) {
+    // mma.sync.m16n8k16, ldmatrix and cp.async exist from compute capability 8.0 on: below it (a build
+    // that adds such an arch) the SIMT kernels serve, never a kernel compiled to __trap().
+    const int head_dim = static_cast<int>(a.head_dim);
+    if (a.q_len > kDecodeMaxQueries && rerope_cuda::rerope_tc_head_dim(head_dim) && device.major >= 8 &&
+        rerope_cuda::rerope_tc_smem_bytes(head_dim) <= smem_optin) {
       switch (a.head_dim) {
         case 64: return launch_tensor_core<T, 64>(a, p, stream);
         case 80: return launch_tensor_core<T, 80>(a, p, stream);
@@ -126,13 +121,14 @@ void launch(const ReropeArgs& a, const ReropeParams& p, cudaStream_t stream) {
       }
     }
   }
-  // fp32, decode, and the head dims the tensor-core kernel does not take (256 among them).
-  if (a.head_dim <= 64)
-    launch_simt<T, 64>(a, p, stream);
-  else if (a.head_dim <= 128)
-    launch_simt<T, 128>(a, p, stream);
-  else
-    launch_simt<T, 256>(a, p, stream);
+  // fp32, decode, and the head dims the tensor-core kernel does not take (256 among them), in the
+  // tile shape the device's shared memory allows.
+  const std::size_t missing = rerope_cuda::with_simt_shape(static_cast<int>(a.head_dim), smem_optin, [&]<class Shape>() {
+    launch_simt<T, Shape>(a, p, stream, device.multiprocessors);
+  });
+  TORCH_CHECK(missing == 0, "rerope_attention: head dim ", a.head_dim, " needs ", missing,
+              " bytes of shared memory per block on CUDA, and this GPU (compute capability ", device.major, ".",
+              device.minor, ") allows ", smem_optin);
 }
 
 }  // namespace

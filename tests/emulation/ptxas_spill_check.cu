@@ -13,12 +13,14 @@ namespace ropescale::rerope_cuda {
 
 template <typename T>
 void instantiate_rerope(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
-  launch_rerope_prefill<T, 64>(p, stream);
-  launch_rerope_prefill<T, 128>(p, stream);
-  launch_rerope_prefill<T, 256>(p, stream);
-  launch_rerope_decode<T, 64>(p, 2, stream);
-  launch_rerope_decode<T, 128>(p, 2, stream);
-  launch_rerope_decode<T, 256>(p, 2, stream);
+  // Every SIMT tile shape with_simt_shape() can pick: the wide ones, and the compact 256 tiles of
+  // the 99 KiB parts.
+  for (const std::size_t smem_optin : {std::size_t{166912}, std::size_t{101376}})
+    for (const int head_dim : {64, 128, 256})
+      with_simt_shape(head_dim, smem_optin, [&]<class Shape>() {
+        launch_rerope_prefill<T, Shape>(p, stream);
+        launch_rerope_decode<T, Shape>(p, 2, stream);
+      });
   if constexpr (!std::is_same_v<T, float>) {
     launch_rerope_prefill_tc<T, 64>(p, tiles, stream, IgnoreLaunchStatus{});
     launch_rerope_prefill_tc<T, 80>(p, tiles, stream, IgnoreLaunchStatus{});

@@ -568,7 +568,7 @@ TEST_CASE("blocks run in order, reversed or shuffled", "[launch][order]") {
   }
 }
 
-TEST_CASE("shared memory limits: 48 KiB without the opt-in, the target's cap with it", "[shared][limits]") {
+TEST_CASE("shared memory limits: 48 KiB without the opt-in, the target's cap with it, per device", "[shared][limits]") {
   std::vector<unsigned char> out(1, 0);
   const auto launch = [&](int bytes) {
     ROPESCALE_LAUNCH_KERNEL(emu_test::dynamic_smem_kernel, dim3(1), dim3(64), static_cast<std::size_t>(bytes),
@@ -587,5 +587,18 @@ TEST_CASE("shared memory limits: 48 KiB without the opt-in, the target's cap wit
     CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 200 * 1024) == 0);
     CHECK_NOTHROW(launch(200 * 1024));
   }
-  CHECK_THROWS_WITH(launch(200 * 1024), Catch::Contains("above the target's"));
+  // Opt-ins are per device (target): sm_90's does not carry over to sm_80.
+  CHECK_THROWS_WITH(launch(200 * 1024), Catch::Contains("opt-in of 102400 B"));
+  {
+    // The 99 KiB parts (sm_86, sm_89, sm_120): a device of its own, with its own opt-ins.
+    const ropescale_emu::ScopedTarget ampere(ropescale_emu::Target::kSm86);
+    CHECK(ropescale_emu::current_device() != static_cast<int>(ropescale_emu::Target::kSm80));
+    CHECK(ropescale_emu::shared_memory_per_block_optin() == 101376);
+    CHECK_THROWS_WITH(launch(60 * 1024), Catch::Contains("without the kernel's opt-in"));
+    CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 101376) != 0);  // + the static bytes
+    CHECK(ROPESCALE_OPT_IN_DYNAMIC_SMEM(emu_test::dynamic_smem_kernel, 96 * 1024) == 0);
+    CHECK_NOTHROW(launch(96 * 1024));
+    CHECK_THROWS_WITH(launch(100 * 1024), Catch::Contains("opt-in of 98304 B"));
+  }
+  CHECK(ropescale_emu::shared_memory_per_block_optin() == 166912);
 }

@@ -3,7 +3,9 @@
 // double-precision reference written from the definition:
 //   score(i, j) = scale * <rot(q_i * logn(p_i), r(p_i - p_j)), k_j>,
 //   r(d) = d for d < w, else w (ReRoPE) or w + (d - w)/k (Leaky ReRoPE),
-// masked where p_j > p_i (causal) or either position is negative (padding).
+// masked where p_j > p_i (causal) or either position is negative (padding). Masked keys never
+// contribute, whatever they hold; visible ones follow IEEE arithmetic (a NaN or inf propagates), and
+// a row without a visible key is zeros with lse -inf (decided by the mask).
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
@@ -74,6 +76,7 @@ void reference(const Problem& pr, std::vector<double>& out, std::vector<double>&
   out.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len * c.dim, 0.0);
   lse.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len, -std::numeric_limits<double>::infinity());
   std::vector<double> scores(c.k_len), rotated(c.dim);
+  std::vector<char> visible(c.k_len);
   for (int b = 0; b < c.batch; ++b)
     for (int h = 0; h < c.q_heads; ++h)
       for (int i = 0; i < c.q_len; ++i) {
@@ -83,13 +86,12 @@ void reference(const Problem& pr, std::vector<double>& out, std::vector<double>&
         if (c.logn_length > 0 && pi + 1 > c.logn_length)
           factor = std::log(static_cast<double>(pi + 1)) / std::log(static_cast<double>(c.logn_length));
         double row_max = -std::numeric_limits<double>::infinity();
+        bool any_visible = false;
         for (int j = 0; j < c.k_len; ++j) {
           const int64_t pj = pr.k_pos[static_cast<size_t>(b) * c.k_len + j];
-          const bool visible = pi >= 0 && pj >= 0 && (!c.causal || pj <= pi);
-          if (!visible) {
-            scores[j] = -std::numeric_limits<double>::infinity();
-            continue;
-          }
+          visible[j] = pi >= 0 && pj >= 0 && (!c.causal || pj <= pi);
+          any_visible |= visible[j] != 0;
+          if (!visible[j]) continue;
           const int64_t dist = pi - pj;
           const double r = dist < c.window ? static_cast<double>(dist)
                                            : (c.leaky_k == 0 ? static_cast<double>(c.window)
@@ -106,13 +108,13 @@ void reference(const Problem& pr, std::vector<double>& out, std::vector<double>&
           double dot = 0.0;
           for (int d = 0; d < c.dim; ++d) dot += rotated[d] * k[d];
           scores[j] = dot * scale;
-          row_max = std::max(row_max, scores[j]);
+          row_max = std::max(row_max, scores[j]);  // (skips NaN: it reaches the row through exp)
         }
-        if (row_max == -std::numeric_limits<double>::infinity()) continue;
+        if (!any_visible) continue;
         double sum = 0.0;
         double* o = &out[((static_cast<size_t>(b) * c.q_heads + h) * c.q_len + i) * c.dim];
         for (int j = 0; j < c.k_len; ++j) {
-          if (scores[j] == -std::numeric_limits<double>::infinity()) continue;
+          if (!visible[j]) continue;
           const double w = std::exp(scores[j] - row_max);
           sum += w;
           const float* v = &pr.v[((static_cast<size_t>(b) * c.kv_heads + h / group) * c.k_len + j) * c.dim];
@@ -134,6 +136,24 @@ T from_float_host(float x) {
 }
 
 enum class Plan { kPrefill, kDecode };
+
+// The SIMT launch of a plan with the tile shape the emulated device's shared memory allows (as the
+// CUDA glue picks it from sharedMemPerBlockOptin): wide tiles on sm_80/90, compact ones for head dims
+// above 128 on the 99 KiB parts. Returns whether the tiles were compact.
+template <typename T>
+bool launch_simt(const ReropeParams& p, Plan plan, int splits) {
+  bool compact = false;
+  const std::size_t missing = ropescale::rerope_cuda::with_simt_shape(
+      p.head_dim, static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()), [&]<class Shape>() {
+        compact = Shape::kCompact;
+        if (plan == Plan::kPrefill)
+          ropescale::rerope_cuda::launch_rerope_prefill<T, Shape>(p, nullptr);
+        else
+          ropescale::rerope_cuda::launch_rerope_decode<T, Shape>(p, splits, nullptr);
+      });
+  REQUIRE(missing == 0);
+  return compact;
+}
 
 ReropeParams make_params(const Case& c, const Problem& pr) {
   ReropeParams p;
@@ -324,18 +344,7 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   p.partial_out = partial_out.data();
   p.partial_lse = partial_lse.data();
 
-  const auto launch = [&]<int kMaxDim>() {
-    if (plan == Plan::kPrefill)
-      ropescale::rerope_cuda::launch_rerope_prefill<T, kMaxDim>(p, nullptr);
-    else
-      ropescale::rerope_cuda::launch_rerope_decode<T, kMaxDim>(p, splits, nullptr);
-  };
-  if (c.dim <= 64)
-    launch.template operator()<64>();
-  else if (c.dim <= 128)
-    launch.template operator()<128>();
-  else
-    launch.template operator()<256>();
+  launch_simt<T>(p, plan, splits);
 
   INFO(c.name() << (plan == Plan::kPrefill ? " prefill" : " decode") << " splits " << splits);
   if constexpr (!std::is_same_v<T, float>) {  // fp16/bf16: rounded like SDPA, judged against its error
@@ -389,6 +398,8 @@ void run_tensor_core(Problem pr) {
   p.q = q.data(), p.k = k.data(), p.v = v.data();
   p.k_near = k_near.data();
   p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+  std::vector<float> q_rotation(ropescale::rerope_cuda::rerope_tc_query_rotation_floats(p), NAN);
+  p.q_rotation = q_rotation.data();
   p.out = out.data(), p.lse = lse.data();
   launch_tc<T>(p, tiles.data());
 
@@ -448,6 +459,11 @@ TEST_CASE("race check: one small launch of each kernel", "[tsan]") {
   const Case c{1, 4, 2, 9, 70, 8, 8, 5, 16.0, 10, true, false, 0};
   run_kernels<float>(make_problem(c, 9), Plan::kPrefill, 1, 2e-5);
   run_kernels<float>(make_problem(c, 10), Plan::kDecode, 3, 2e-5);
+  // The compact tiles of the 99 KiB parts: one key tile, a band tile's two sides in turn.
+  const ropescale_emu::ScopedTarget ampere(ropescale_emu::Target::kSm86);
+  const Case wide{1, 2, 1, 9, 70, 160, 160, 5, 16.0, 0, true, false, 0};
+  run_kernels<float>(make_problem(wide, 11), Plan::kPrefill, 1, 2e-5);
+  run_kernels<float>(make_problem(wide, 12), Plan::kDecode, 2, 2e-5);
 }
 
 // The same features as kCases (odd sizes, GQA, windows 1 / inside / past the sequence, ReRoPE and
@@ -485,4 +501,166 @@ TEST_CASE("tensor-core prefill: rows without a visible key give zeros and -inf",
 TEST_CASE("race check: one small tensor-core launch, blocks shuffled", "[tsan]") {
   const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 3);
   run_tensor_core<__nv_bfloat16>(make_problem(Case{1, 2, 1, 70, 70, 64, 64, 7, 16.0, 0, true, false, 0}, 11));
+}
+
+// ---- shared memory: the 99 KiB parts (sm_86, sm_89, sm_120) ---------------------------------------
+
+TEST_CASE("SIMT kernels on a 99 KiB part: compact tiles above head dim 128 match the double reference",
+          "[rerope][smem]") {
+  const ropescale_emu::ScopedTarget ampere(ropescale_emu::Target::kSm86);
+  // The wide 256 tiles do not fit such a device: a launch of them is refused, as the driver would.
+  using Wide = ropescale::rerope_cuda::TileShape<256>;
+  REQUIRE(Wide::kSmemBytes > static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()));
+  {
+    Problem pr = make_problem(kCases[6], 40);
+    std::vector<float> q(pr.q), k(pr.k), v(pr.v), k_near(pr.k.size()), out(pr.q.size() / pr.c.dim * pr.c.dim), lse(pr.q.size() / pr.c.dim);
+    ReropeParams p = make_params(pr.c, pr);
+    p.q = q.data(), p.k = k.data(), p.v = v.data(), p.k_near = k_near.data(), p.out = out.data(), p.lse = lse.data();
+    CHECK_THROWS_WITH((ropescale::rerope_cuda::launch_rerope_prefill<float, Wide>(p, nullptr)),
+                      Catch::Contains("without the kernel's opt-in"));
+  }
+  // Every case of the grid whose head dim is above 128 (the others use the same tiles on every part).
+  unsigned seed = 300;
+  for (const Case& c : kCases) {
+    if (c.dim <= 128) continue;
+    run_kernels<float>(make_problem(c, seed++), Plan::kPrefill, 1, 2e-5);
+    run_kernels<float>(make_problem(c, seed++), Plan::kDecode, 3, 2e-5);
+  }
+  const Case wide{1, 2, 1, 3, 70, 256, 256, 9, 0.0, 20, true, false, 0};
+  run_kernels<__nv_bfloat16>(make_problem(wide, seed++), Plan::kPrefill, 1, 0.0);
+  run_kernels<__half>(make_problem(wide, seed++), Plan::kDecode, 2, 0.0);
+  // The tensor-core prefill fits there at every head dim it takes (69,632 B at D 128).
+  REQUIRE(ropescale::rerope_cuda::rerope_tc_smem_bytes(128) <=
+          static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()));
+  run_tensor_core<__nv_bfloat16>(make_problem(kTensorCoreCases[3], seed++));
+}
+
+// ---- non-finite values: masked keys never contribute, visible ones propagate ----------------------
+
+enum class Kernel { kSimtPrefill, kSimtDecode, kTensorCore };
+
+// Rounds the problem's inputs to T (in place) and runs one kernel on them: (out as float, lse).
+template <typename T>
+void run_on(Problem& pr, Kernel kernel, int splits, std::vector<float>& out_f, std::vector<float>& lse) {
+  const Case& c = pr.c;
+  const auto rounded = [](std::vector<float>& values) {
+    std::vector<T> r(values.size());
+    for (size_t i = 0; i < values.size(); ++i) values[i] = to_float_host(r[i] = from_float_host<T>(values[i]));
+    return r;
+  };
+  std::vector<T> q = rounded(pr.q), k = rounded(pr.k), v = rounded(pr.v);
+  const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
+  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  lse.assign(rows, -7.0f);
+  ReropeParams p = make_params(c, pr);
+  p.q = q.data(), p.k = k.data(), p.v = v.data(), p.out = out.data(), p.lse = lse.data();
+  if (kernel == Kernel::kTensorCore) {
+    if constexpr (!std::is_same_v<T, float>) {
+      std::vector<T> k_near(k.size()), k_far(k.size());
+      std::vector<ropescale::rerope_cuda::KeyTile> tiles(static_cast<size_t>(c.batch) *
+                                                         ropescale::rerope_cuda::rerope_tc_key_tiles(c.k_len));
+      p.k_near = k_near.data();
+      p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+      std::vector<float> q_rotation(ropescale::rerope_cuda::rerope_tc_query_rotation_floats(p));
+      p.q_rotation = q_rotation.data();
+      launch_tc<T>(p, tiles.data());
+    }
+  } else {
+    std::vector<float> k_near(k.size()), k_far(k.size());
+    std::vector<float> partial_out(static_cast<size_t>(splits) * rows * c.dim), partial_lse(splits * rows);
+    p.k_near = k_near.data();
+    p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+    p.partial_out = partial_out.data(), p.partial_lse = partial_lse.data();
+    launch_simt<T>(p, kernel == Kernel::kSimtPrefill ? Plan::kPrefill : Plan::kDecode, splits);
+  }
+  out_f.resize(out.size());
+  for (size_t i = 0; i < out.size(); ++i) out_f[i] = to_float_host(out[i]);
+}
+
+// Plants non-finite values: padding keys (masked for every query) get NaN V and inf K; key `mid`,
+// visible to the later queries only (causal), inf in one V dim; one visible query row a NaN; the
+// last key of the last batch row a NaN K dim; a padding query row (if any) NaN everywhere. Rows that
+// see none of them are untouched.
+void plant_nonfinite(Problem& pr) {
+  const Case& c = pr.c;
+  const size_t D = c.dim;
+  const auto key_row = [&](std::vector<float>& t, int b, int h, int j) {
+    return &t[((static_cast<size_t>(b) * c.kv_heads + h) * c.k_len + j) * D];
+  };
+  for (int b = 0; b < c.batch; ++b)
+    for (int j = 0; j < c.k_len; ++j)
+      if (pr.k_pos[static_cast<size_t>(b) * c.k_len + j] < 0)
+        for (int h = 0; h < c.kv_heads; ++h)
+          for (size_t d = 0; d < D; ++d) key_row(pr.v, b, h, j)[d] = NAN, key_row(pr.k, b, h, j)[d] = INFINITY;
+  const int mid = c.k_len - 1 - c.q_len / 2;
+  key_row(pr.v, 0, 0, mid)[D / 2] = INFINITY;
+  pr.q[(static_cast<size_t>(c.q_heads - 1) * c.q_len + c.q_len / 3) * D + 1] = NAN;  // batch 0, last head
+  key_row(pr.k, c.batch - 1, c.kv_heads - 1, c.k_len - 1)[0] = NAN;
+  for (int b = 0; b < c.batch; ++b)
+    for (int i = 0; i < c.q_len; ++i)
+      if (pr.q_pos[static_cast<size_t>(b) * c.q_len + i] < 0)
+        for (int h = 0; h < c.q_heads; ++h)
+          for (size_t d = 0; d < D; ++d) pr.q[((static_cast<size_t>(b) * c.q_heads + h) * c.q_len + i) * D + d] = NAN;
+}
+
+// The kernel on planted non-finite values against the float64 reference on the same inputs: the same
+// pattern of non-finite outputs and lse (rows and columns), and where the reference is finite, the
+// kernel's result on the clean inputs (up to a rounding of T where the tensor-core path took the
+// pair-by-pair P.V).
+template <typename T>
+void check_nonfinite_semantics(const Case& c, unsigned seed, Kernel kernel, int splits) {
+  Problem clean = make_problem(c, seed), poisoned = clean;
+  plant_nonfinite(poisoned);
+  std::vector<float> clean_out, clean_lse, out, lse;
+  run_on<T>(clean, kernel, splits, clean_out, clean_lse);
+  run_on<T>(poisoned, kernel, splits, out, lse);
+  std::vector<double> ref_out, ref_lse;
+  reference(poisoned, ref_out, ref_lse);
+  const double tol = std::is_same_v<T, float> ? 1e-6 : std::is_same_v<T, __half> ? 1e-3 : 8e-3;
+  size_t finite_rows = 0, nonfinite_rows = 0, partial_rows = 0;
+  for (size_t r = 0; r < lse.size(); ++r) {
+    INFO(c.name() << " kernel " << static_cast<int>(kernel) << " row " << r << " lse " << lse[r] << " ref "
+                  << ref_lse[r] << " clean " << clean_lse[r]);
+    REQUIRE(std::isfinite(lse[r]) == std::isfinite(ref_lse[r]));
+    if (std::isinf(ref_lse[r]) && ref_lse[r] < 0) REQUIRE((std::isinf(lse[r]) && lse[r] < 0));  // nothing visible
+    if (std::isfinite(ref_lse[r])) CHECK(std::abs(lse[r] - clean_lse[r]) <= tol * (1 + std::abs(clean_lse[r])));
+    size_t nonfinite = 0;
+    for (int d = 0; d < c.dim; ++d) {
+      const size_t i = r * c.dim + d;
+      INFO("dim " << d << " got " << out[i] << " ref " << ref_out[i] << " clean " << clean_out[i]);
+      REQUIRE(std::isfinite(out[i]) == std::isfinite(ref_out[i]));
+      nonfinite += !std::isfinite(out[i]);
+      if (std::isfinite(ref_out[i])) CHECK(std::abs(out[i] - clean_out[i]) <= tol * (1 + std::abs(clean_out[i])));
+    }
+    (nonfinite == 0 ? finite_rows : nonfinite == static_cast<size_t>(c.dim) ? nonfinite_rows : partial_rows) += 1;
+  }
+  // The planted values reached both kinds of rows, and one column alone somewhere.
+  CHECK(finite_rows > 0);
+  CHECK(nonfinite_rows > 0);
+  CHECK(partial_rows > 0);
+}
+
+TEST_CASE("SIMT kernels: masked keys never contribute, visible non-finite values propagate", "[rerope][nonfinite]") {
+  // Prefill: causal with padded keys and padded queries (batch row 1), GQA 2.
+  const Case prefill{2, 4, 2, 37, 37, 10, 10, 7, 0.0, 0, true, false, 5};
+  check_nonfinite_semantics<float>(prefill, 50, Kernel::kSimtPrefill, 1);
+  check_nonfinite_semantics<__nv_bfloat16>(prefill, 51, Kernel::kSimtPrefill, 1);
+  // Decode against 9 keys and against 40 (split three ways): the same rule at every size.
+  check_nonfinite_semantics<float>(Case{2, 4, 2, 3, 9, 16, 16, 4, 16.0, 0, true, false, 3}, 52, Kernel::kSimtDecode, 1);
+  check_nonfinite_semantics<float>(Case{2, 4, 2, 3, 40, 16, 16, 4, 16.0, 0, true, false, 3}, 53, Kernel::kSimtDecode, 3);
+  check_nonfinite_semantics<__half>(Case{2, 4, 2, 3, 40, 16, 16, 4, 0.0, 0, true, false, 3}, 54, Kernel::kSimtDecode, 3);
+  // The compact tiles (99 KiB parts), head dim 256: one key tile, a band tile's sides in turn.
+  const ropescale_emu::ScopedTarget ampere(ropescale_emu::Target::kSm86);
+  check_nonfinite_semantics<float>(Case{2, 2, 1, 20, 40, 256, 128, 5, 16.0, 0, true, false, 7}, 55,
+                                   Kernel::kSimtPrefill, 1);
+}
+
+TEST_CASE("tensor-core prefill: masked keys never contribute, visible non-finite values propagate",
+          "[rerope][tensor_core][nonfinite]") {
+  // Causal, padded keys and padded queries (batch row 1); key `mid` in a diagonal tile, so its NaN V
+  // meets masked pairs in the same mma.
+  check_nonfinite_semantics<__nv_bfloat16>(Case{2, 2, 1, 70, 70, 64, 64, 7, 0.0, 0, true, false, 9}, 60,
+                                           Kernel::kTensorCore, 1);
+  check_nonfinite_semantics<__half>(Case{2, 2, 2, 40, 70, 80, 80, 9, 16.0, 0, true, false, 33}, 61,
+                                    Kernel::kTensorCore, 1);
 }

@@ -17,6 +17,9 @@
 //       memory exceeds 48 KiB; the emulation refuses such a launch without it.
 //   ROPESCALE_LAST_LAUNCH_ERROR() -> int
 //       cudaGetLastError() under nvcc (0 = none); 0 under the emulation, whose launches throw.
+//   ROPESCALE_CURRENT_DEVICE() -> int
+//       cudaGetDevice under nvcc (-1 on an error); the emulated target's index under the emulation.
+//   device::SmemOptIn                 a kernel's opt-in, set once per device (see below)
 //
 // Tensor-core and asynchronous-copy primitives (sm_80+), namespace ropescale::device: inline PTX
 // under nvcc, and under the emulation the warp-collective implementations of
@@ -45,6 +48,7 @@
 #define ROPESCALE_OPT_IN_DYNAMIC_SMEM(kernel, bytes) \
   ::ropescale_emu::set_max_dynamic_shared_memory(kernel, static_cast<int>(bytes))
 #define ROPESCALE_LAST_LAUNCH_ERROR() 0
+#define ROPESCALE_CURRENT_DEVICE() ::ropescale_emu::current_device()
 
 #elif defined(__CUDACC__)
 
@@ -66,6 +70,14 @@
   static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                         static_cast<int>(bytes)))
 #define ROPESCALE_LAST_LAUNCH_ERROR() static_cast<int>(cudaGetLastError())
+#define ROPESCALE_CURRENT_DEVICE() ::ropescale::device::cuda_current_device()
+
+namespace ropescale::device {
+inline int cuda_current_device() {
+  int device = -1;
+  return cudaGetDevice(&device) == cudaSuccess ? device : -1;
+}
+}  // namespace ropescale::device
 
 #else  // a plain host compiler: the shared math only, no kernels
 
@@ -76,11 +88,34 @@
 
 #if defined(ROPESCALE_EMULATION) || defined(__CUDACC__)
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
 namespace ropescale::device {
+
+// A kernel's dynamic shared-memory opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize), set once
+// per device: a launcher keeps one per kernel (a function-local static), so the driver call runs on
+// the first launch on each device only (it applies to the current device's context). ensure()
+// returns 0 or the CUDA error of the opt-in.
+class SmemOptIn {
+ public:
+  template <class Kernel>
+  int ensure(Kernel kernel, std::size_t bytes) {
+    const int device = ROPESCALE_CURRENT_DEVICE();
+    const bool cached = device >= 0 && device < kMaxDevices;
+    if (cached && bytes > 0 && opted_in_[device].load(std::memory_order_acquire) >= bytes) return 0;
+    const int status = ROPESCALE_OPT_IN_DYNAMIC_SMEM(kernel, bytes);
+    if (status == 0 && cached) opted_in_[device].store(bytes, std::memory_order_release);
+    return status;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  std::atomic<std::size_t> opted_in_[kMaxDevices] = {};  // bytes opted in per device; 0: not yet
+};
 
 // Two floats rounded to nearest into one .f16x2 / .bf16x2 register, `lo` in the lower 16 bits
 // (the element with the lower index, as the mma and ldmatrix fragments hold them).
@@ -96,6 +131,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     std::memcpy(&bits, &pair, sizeof bits);
   }
   return bits;
+}
+
+// dst[0], dst[1] = lo, hi rounded to nearest, as one 32-bit store (dst 4-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float lo, float hi) {
+  const uint32_t bits = pack2<T>(lo, hi);
+#if defined(ROPESCALE_EMULATION)
+  std::memcpy(static_cast<void*>(dst), &bits, sizeof bits);  // (no type-punned store in host C++)
+#else
+  *reinterpret_cast<uint32_t*>(dst) = bits;
+#endif
 }
 
 // acc = A B + acc for the warp: A 16x16 (a: 4 registers per lane), B 16x8 (b: 2), acc 16x8 f32

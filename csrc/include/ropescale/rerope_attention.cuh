@@ -17,6 +17,17 @@
 // Thread layout: 4 warps; warp w owns the query rows w, w+4, ...; lane j owns key j of a tile for
 // the scores and head-dim slots lane, lane+32, ... of the output accumulators for P.V.
 //
+// Shared memory decides the tile shape (TileShape): the wide tiles hold both sides of a key tile at
+// once and fit A100/H100-class parts at every head dim (the 256 bucket needs 134,928 B per block);
+// the compact tiles (head dims up to 256 in under 99 KiB, for sm_86/89/120) hold one side at a
+// time, so a band tile loads its far side after its near scores, and keep fewer query rows per
+// block. with_simt_shape() picks one from the device's sharedMemPerBlockOptin.
+//
+// Masked keys (causal, padding) never contribute, whatever their K and V hold: their scores are
+// replaced by -inf and their (row, key) pairs are skipped in P.V (no 0 * NaN). Visible keys follow
+// IEEE arithmetic: a non-finite q, k or v propagates into the row. Whether a row saw a visible key
+// is decided by the mask, never by the scores: a row with none gives zeros and lse = -inf.
+//
 // These scalar-FMA kernels serve fp32 inputs, head dims the tensor-core prefill does not take, and
 // every decode. Decode stays here on purpose: one query token against the cache reads every key and
 // value once and does about one FLOP per byte read, so it is bound by memory bandwidth; tensor
@@ -28,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "ropescale/portable.h"
 #include "ropescale/rerope_math.h"
@@ -73,6 +85,7 @@ struct ReropeParams {
   const float* inv_freq = nullptr;       // [rotary_pairs]
   void* k_near = nullptr;  // prefill: keys rotated at p, [B, Hkv, Lk, D] (float; T for the tensor-core prefill)
   void* k_far = nullptr;   // prefill, Leaky: keys rotated at p/k, the same layout and type
+  float* q_rotation = nullptr;  // tensor-core prefill: [B, Lq, rotary_pairs] x (sin, cos near; sin, cos far)
   void* out = nullptr;                   // [B, Hq, Lq, D], contiguous
   float* lse = nullptr;                  // [B, Hq, Lq]
   float* partial_out = nullptr;          // decode splits: float [splits, B, Hq, Lq, D]
@@ -91,25 +104,32 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockK = 32;  // keys per tile: one per lane
 constexpr unsigned kFullMask = 0xffffffffu;
 
-template <int kMaxDim>
+template <int kHeadDimBucket, bool kCompactTiles = false>
 struct TileShape {
+  static constexpr int kMaxDim = kHeadDimBucket;
+  static constexpr bool kCompact = kCompactTiles;
   static_assert(kMaxDim % 32 == 0 && kMaxDim <= 256, "head dim bucket");
-  static constexpr int kRowsPerWarp = kMaxDim <= 128 ? 8 : 4;  // register budget of the accumulators
+  // Register budget of the accumulators; the compact tiles halve it (fewer rows in shared memory).
+  static constexpr int kRowsPerWarp = (kMaxDim <= 128 ? 8 : 4) / (kCompact ? 2 : 1);
   static constexpr int kRows = kWarps * kRowsPerWarp;
+  // Key tiles in shared memory: near and far side at once (wide), or one side at a time (compact).
+  static constexpr int kKeyTiles = kCompact ? 1 : 2;
   static constexpr int kDimsPerLane = kMaxDim / 32;
   static constexpr int kQStride = kMaxDim;     // rows read as broadcasts
   static constexpr int kKStride = kMaxDim + 4;  // lane j reads row j as float4: +4 spreads the banks
   static constexpr int kVStride = kMaxDim;     // lanes read consecutive dims
-  // Dynamic shared memory: in floats, q near/far, k near/far, v, per-row probabilities; then the
-  // block's row table (BlockRows) and the positions of the current key tile. Everything is dynamic,
-  // so the emulation poisons all of it before each block.
-  static constexpr int kSmemFloats = 2 * kRows * kQStride + 2 * kBlockK * kKStride + kBlockK * kVStride + kRows * kBlockK;
+  // Dynamic shared memory: in floats, q near/far, k near/far (or one k tile), v, per-row
+  // probabilities; then the block's row table (BlockRows) and the positions of the current key tile.
+  // Everything is dynamic, so the emulation poisons all of it before each block.
+  static constexpr int kSmemFloats =
+      2 * kRows * kQStride + kKeyTiles * kBlockK * kKStride + kBlockK * kVStride + kRows * kBlockK;
   static constexpr std::size_t kRowTableBytes = kRows * (2 * sizeof(int) + sizeof(long long) + sizeof(bool));
   static constexpr std::size_t kRowTableOffset = kSmemFloats * sizeof(float);
   static constexpr std::size_t kTilePositionsOffset = (kRowTableOffset + kRowTableBytes + 7) / 8 * 8;
   static constexpr std::size_t kSmemBytes = kTilePositionsOffset + 2 * kBlockK * sizeof(long long);
-  // No static shared memory; the whole block must fit an A100 (163 KiB per block, opted in).
-  static_assert(kSmemBytes <= 166912, "shared memory above the sm_80 per-block maximum");
+  // No static shared memory; the whole block must fit an A100 (163 KiB per block, opted in), and
+  // the compact tiles the 99 KiB parts (101,376 B per block).
+  static_assert(kSmemBytes <= (kCompact ? 101376u : 166912u), "shared memory above the per-block maximum");
   // Blocks per SM the shared memory allows on an A100 (164 KiB per SM, 1 KiB reserved per block),
   // handed to ptxas through __launch_bounds__: without it, ptxas aims at a higher occupancy than
   // the shared memory allows and spills to get there (CUDA 13: 128 registers and spills at D 128).
@@ -127,41 +147,42 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 __device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
-// Shared-memory views of one block.
-template <int kMaxDim>
+// Shared-memory views of one block. With the compact tiles k_far is k_near: one side at a time.
+template <class Shape>
 struct SmemTiles {
-  using Shape = TileShape<kMaxDim>;
   float* q_near;  // [kRows][kQStride]
   float* q_far;   // [kRows][kQStride]
   float* k_near;  // [kBlockK][kKStride]
   float* k_far;   // [kBlockK][kKStride]
   float* v;       // [kBlockK][kVStride]
-  float* probs;   // [kRows][kBlockK]
+  float* probs;   // [kRows][kBlockK]; kMaskedProb where the pair is masked
 
   __device__ explicit SmemTiles(float* base)
       : q_near(base),
         q_far(base + Shape::kRows * Shape::kQStride),
         k_near(base + 2 * Shape::kRows * Shape::kQStride),
-        k_far(base + 2 * Shape::kRows * Shape::kQStride + kBlockK * Shape::kKStride),
-        v(base + 2 * Shape::kRows * Shape::kQStride + 2 * kBlockK * Shape::kKStride),
-        probs(base + 2 * Shape::kRows * Shape::kQStride + 2 * kBlockK * Shape::kKStride + kBlockK * Shape::kVStride) {}
+        k_far(k_near + (Shape::kKeyTiles - 1) * kBlockK * Shape::kKStride),
+        v(k_near + Shape::kKeyTiles * kBlockK * Shape::kKStride),
+        probs(v + kBlockK * Shape::kVStride) {}
 };
 
+// Marks a masked (row, key) pair in SmemTiles::probs: a probability is never -inf (NaN at worst).
+constexpr float kMaskedProb = -INFINITY;
+
 // Rows of one block: which (head, query) each row is, its position, and the block's bounds.
-template <int kMaxDim>
+template <class Shape>
 struct BlockRows {
-  int head[TileShape<kMaxDim>::kRows];
-  int query[TileShape<kMaxDim>::kRows];
-  long long position[TileShape<kMaxDim>::kRows];
-  bool valid[TileShape<kMaxDim>::kRows];
+  int head[Shape::kRows];
+  int query[Shape::kRows];
+  long long position[Shape::kRows];
+  bool valid[Shape::kRows];
 };
 
 // Writes the rotated (rounded like T, then scale * log-n scaled in f32) operands of the block's query
 // rows: near side at p, far side at w + (p - w)/k. Rows past the problem and padded head dims are zeros.
-template <typename T, int kMaxDim>
-__device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<kMaxDim>& rows, SmemTiles<kMaxDim>& s,
+template <typename T, class Shape>
+__device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<Shape>& rows, SmemTiles<Shape>& s,
                                 int padded_dim) {
-  using Shape = TileShape<kMaxDim>;
   const T* q = static_cast<const T*>(p.q);
   const int tid = static_cast<int>(threadIdx.x);
   // Dims past the rotary ones (copied) and the zero padding up to a multiple of 4.
@@ -213,13 +234,14 @@ __device__ void load_tile(const Src* base, int64_t row_stride, int rows_in_range
 }
 
 // Per-warp state of the online softmax for its rows.
-template <int kMaxDim>
+template <class Shape>
 struct RowAccumulators {
-  static constexpr int kR = TileShape<kMaxDim>::kRowsPerWarp;
-  static constexpr int kDims = TileShape<kMaxDim>::kDimsPerLane;
+  static constexpr int kR = Shape::kRowsPerWarp;
+  static constexpr int kDims = Shape::kDimsPerLane;
   float acc[kR][kDims];
   float row_max[kR];  // the same in every lane
   float row_sum[kR];  // sum over this lane's keys (rescaled with the common max)
+  unsigned seen = 0;  // bit r: row r has had a visible key (by the mask), the same in every lane
 
   __device__ void init() {
 #pragma unroll
@@ -233,10 +255,9 @@ struct RowAccumulators {
 };
 
 // scores[r] += <q_row(r), k_row(lane)> for the warp's rows (float4 over the padded head dim).
-template <int kMaxDim>
+template <class Shape>
 __device__ __forceinline__ void warp_scores(const float* q_tile, const float* k_tile, int padded_dim,
-                                            float (&scores)[TileShape<kMaxDim>::kRowsPerWarp]) {
-  using Shape = TileShape<kMaxDim>;
+                                            float (&scores)[Shape::kRowsPerWarp]) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const float4* key = reinterpret_cast<const float4*>(k_tile + lane * Shape::kKStride);
 #pragma unroll
@@ -251,20 +272,15 @@ __device__ __forceinline__ void warp_scores(const float* q_tile, const float* k_
   }
 }
 
-// One key tile through the warp's rows: scores (near, far or both), masks, online softmax, P.V
-// (with the probabilities rounded like T).
-template <typename T, int kMaxDim>
-__device__ void process_tile(const ReropeParams& p, const BlockRows<kMaxDim>& rows, const SmemTiles<kMaxDim>& s,
-                             TileClass tile, int64_t key_position, int padded_dim, RowAccumulators<kMaxDim>& st) {
-  using Shape = TileShape<kMaxDim>;
+// One key tile through the warp's rows, from its scores (near, far or, on band tiles, both, picked
+// per pair by the distance rule): masks, online softmax, P.V (with the probabilities rounded like T).
+// Masked pairs get no probability and are skipped in P.V; a row's visibility comes from the mask.
+template <typename T, class Shape>
+__device__ void process_tile(const ReropeParams& p, const BlockRows<Shape>& rows, const SmemTiles<Shape>& s,
+                             TileClass tile, int64_t key_position, const float (&scores)[Shape::kRowsPerWarp],
+                             const float (&far_scores)[Shape::kRowsPerWarp], RowAccumulators<Shape>& st) {
   constexpr int kR = Shape::kRowsPerWarp;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  float scores[kR], far_scores[kR];
-  // Operands picked by pointer, never a score array picked at run time (that would demote both arrays
-  // to local memory): far tiles score from the far operands, band tiles fill far_scores as well.
-  const bool far = tile.kind == TileKind::kFar;
-  warp_scores<kMaxDim>(far ? s.q_far : s.q_near, far ? s.k_far : s.k_near, padded_dim, scores);
-  if (tile.kind == TileKind::kBand) warp_scores<kMaxDim>(s.q_far, s.k_far, padded_dim, far_scores);
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
     const int row = warp + kWarps * r;
@@ -272,40 +288,54 @@ __device__ void process_tile(const ReropeParams& p, const BlockRows<kMaxDim>& ro
     const int64_t q_position = rows.position[row];
     float score = scores[r];
     if (tile.kind == TileKind::kBand && !rerope_is_near(q_position, key_position, p.window)) score = far_scores[r];
-    if (tile.needs_mask && !rerope_visible(q_position, key_position, p.causal)) score = -INFINITY;
+    const bool visible = !tile.needs_mask || rerope_visible(q_position, key_position, p.causal);
+    if (!visible) score = -INFINITY;
+    if (!tile.needs_mask || __any_sync(kFullMask, visible)) st.seen |= 1u << r;  // tile-uniform branch
+    // fmaxf skips NaN: a visible NaN score reaches the row through its probability. While no
+    // visible score is above -inf, exponents are taken against 0, so that NaN and -inf scores still
+    // give NaN and 0.
     const float new_max = fmaxf(st.row_max[r], warp_max(score));
-    float prob = 0.0f, alpha = 1.0f;
-    if (new_max != -INFINITY) {  // else nothing visible in this row yet
-      prob = expf(score - new_max);
-      alpha = expf(st.row_max[r] - new_max);
-    }
+    const float base = new_max == -INFINITY ? 0.0f : new_max;
+    const float prob = visible ? expf(score - base) : 0.0f;
+    const float alpha = expf(st.row_max[r] - base);
     st.row_sum[r] = st.row_sum[r] * alpha + prob;  // this lane's keys only: reduced once, at the end
     st.row_max[r] = new_max;
 #pragma unroll
     for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] *= alpha;
-    s.probs[row * kBlockK + lane] = round_like<T>(prob);
+    s.probs[row * kBlockK + lane] = visible ? round_like<T>(prob) : kMaskedProb;
   }
   __syncwarp();
-  for (int j = 0; j < kBlockK; ++j) {
-    float v_slot[Shape::kDimsPerLane];
+  // P.V; on tiles with masked pairs, those pairs are skipped (a warp-uniform test: every lane reads
+  // the same probability), so a masked key's V never reaches the row, not even as 0 * NaN.
+  const auto accumulate = [&](auto skip_masked) {
+    for (int j = 0; j < kBlockK; ++j) {
+      float v_slot[Shape::kDimsPerLane];
 #pragma unroll
-    for (int t = 0; t < Shape::kDimsPerLane; ++t) v_slot[t] = s.v[j * Shape::kVStride + lane + 32 * t];
+      for (int t = 0; t < Shape::kDimsPerLane; ++t) v_slot[t] = s.v[j * Shape::kVStride + lane + 32 * t];
 #pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (!rows.valid[warp + kWarps * r]) continue;
-      const float pj = s.probs[(warp + kWarps * r) * kBlockK + j];
+      for (int r = 0; r < kR; ++r) {
+        if (!rows.valid[warp + kWarps * r]) continue;
+        const float pj = s.probs[(warp + kWarps * r) * kBlockK + j];
+        if (decltype(skip_masked)::value && pj == kMaskedProb) continue;
 #pragma unroll
-      for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] += pj * v_slot[t];
+        for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] += pj * v_slot[t];
+      }
     }
-  }
+  };
+  if (tile.needs_mask)
+    accumulate(std::true_type{});
+  else
+    accumulate(std::false_type{});
   __syncwarp();
 }
 
 // Writes the warp's rows: normalised output and lse, into out/lse or into the split's partials.
-template <typename T, int kMaxDim>
-__device__ void store_rows(const ReropeParams& p, int b, int split, const BlockRows<kMaxDim>& rows,
-                           const RowAccumulators<kMaxDim>& st) {
-  using Shape = TileShape<kMaxDim>;
+// A row without a visible key: zeros and -inf. A row with one whose sum is not > 0 (NaN, or every
+// visible score -inf): non-finite output and lse NaN (what softmax gives), also in a split's
+// partials, so that the combine propagates it.
+template <typename T, class Shape>
+__device__ void store_rows(const ReropeParams& p, int b, int split, const BlockRows<Shape>& rows,
+                           const RowAccumulators<Shape>& st) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
   for (int r = 0; r < Shape::kRowsPerWarp; ++r) {
@@ -313,9 +343,9 @@ __device__ void store_rows(const ReropeParams& p, int b, int split, const BlockR
     if (!rows.valid[row]) continue;
     const int64_t out_row = (static_cast<int64_t>(b) * p.q_heads + rows.head[row]) * p.q_len + rows.query[row];
     const float row_sum = warp_sum(st.row_sum[r]);
-    const bool seen = row_sum > 0.0f;
+    const bool seen = (st.seen >> r) & 1u;
     const float inv = seen ? 1.0f / row_sum : 0.0f;
-    const float lse = seen ? st.row_max[r] + logf(row_sum) : -INFINITY;
+    const float lse = !seen ? -INFINITY : row_sum > 0.0f ? st.row_max[r] + logf(row_sum) : NAN;
     const int64_t rows_total = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
 #pragma unroll
     for (int t = 0; t < Shape::kDimsPerLane; ++t) {
@@ -337,11 +367,11 @@ __device__ void store_rows(const ReropeParams& p, int b, int split, const BlockR
 }
 
 // Fills the block's row table: rows r = (head offset r / queries_per_block, query r % queries_per_block).
-template <int kMaxDim>
+template <class Shape>
 __device__ void map_block_rows(const ReropeParams& p, int b, int kv_head, int query_block, int head_block,
-                               BlockRows<kMaxDim>& rows) {
+                               BlockRows<Shape>& rows) {
   const int group = p.q_heads / p.kv_heads;
-  for (int r = static_cast<int>(threadIdx.x); r < TileShape<kMaxDim>::kRows; r += kThreads) {
+  for (int r = static_cast<int>(threadIdx.x); r < Shape::kRows; r += kThreads) {
     const int head_offset = head_block * p.heads_per_block + r / p.queries_per_block;
     const int query = query_block * p.queries_per_block + r % p.queries_per_block;
     const bool valid = r < p.heads_per_block * p.queries_per_block && head_offset < group && query < p.q_len;
@@ -355,13 +385,13 @@ __device__ void map_block_rows(const ReropeParams& p, int b, int kv_head, int qu
 // The kernel body shared by prefill (keys pre-rotated in global memory) and decode (keys rotated
 // here, tile by tile, only where needed). Grid: x = key split, y = (query block, head block),
 // z = (batch, kv head).
-template <typename T, int kMaxDim, bool kKeysPreRotated>
+template <typename T, class Shape, bool kKeysPreRotated>
 __device__ void rerope_attention_block(const ReropeParams& p) {
-  using Shape = TileShape<kMaxDim>;
+  constexpr int kR = Shape::kRowsPerWarp;
   ROPESCALE_DYNAMIC_SMEM(float, smem);
-  SmemTiles<kMaxDim> s(smem);
+  SmemTiles<Shape> s(smem);
   unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
-  BlockRows<kMaxDim>& rows = *reinterpret_cast<BlockRows<kMaxDim>*>(smem_bytes + Shape::kRowTableOffset);
+  BlockRows<Shape>& rows = *reinterpret_cast<BlockRows<Shape>*>(smem_bytes + Shape::kRowTableOffset);
   // By tile parity: a skipped tile may run ahead.
   long long (*tile_positions)[kBlockK] = reinterpret_cast<long long (*)[kBlockK]>(smem_bytes + Shape::kTilePositionsOffset);
 
@@ -374,15 +404,15 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
   const int padded_dim = (p.head_dim + 3) / 4 * 4;
   const bool leaky = p.leaky_inv != 0.0;
 
-  map_block_rows<kMaxDim>(p, b, kv_head, query_block, head_block, rows);
+  map_block_rows<Shape>(p, b, kv_head, query_block, head_block, rows);
   __syncthreads();
   // Bounds of the block's query positions, computed by every thread (no shuffles, no barrier).
   PositionRange query_range;
   for (int r = 0; r < Shape::kRows; ++r)
     if (rows.valid[r]) query_range.add(rows.position[r]);
-  load_query_rows<T, kMaxDim>(p, b, rows, s, padded_dim);
+  load_query_rows<T, Shape>(p, b, rows, s, padded_dim);
 
-  RowAccumulators<kMaxDim> st;
+  RowAccumulators<Shape> st;
   st.init();
   const int key_begin = split * p.keys_per_split;
   const int key_end = key_begin + p.keys_per_split < p.k_len ? key_begin + p.keys_per_split : p.k_len;
@@ -404,71 +434,74 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     const int64_t key_position = tile_positions[parity][lane];
     const bool need_near = tile.kind != TileKind::kFar, need_far = tile.kind != TileKind::kNear;
 
-    load_tile<T, Shape::kVStride>(v + j0 * p.v_stride_l, p.v_stride_l, keys_in_tile, p.head_dim, padded_dim, s.v);
-    if constexpr (kKeysPreRotated) {
-      if (need_near)
-        load_tile<float, Shape::kKStride>(
-            static_cast<const float*>(p.k_near) + rotated_offset + static_cast<int64_t>(j0) * p.head_dim, p.head_dim,
-            keys_in_tile, p.head_dim, padded_dim, s.k_near);
-      if (need_far && leaky)
-        load_tile<float, Shape::kKStride>(
-            static_cast<const float*>(p.k_far) + rotated_offset + static_cast<int64_t>(j0) * p.head_dim, p.head_dim,
-            keys_in_tile, p.head_dim, padded_dim, s.k_far);
-      else if (need_far)
-        load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim,
-                                      s.k_far);
-    } else {
-      // Raw keys into k_far; then, per rotation pair, the near copy at p and (Leaky) the far one
-      // at p/k in place: one thread reads and writes each pair, so no barrier is needed between.
-      load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim,
-                                    s.k_far);
-      __syncthreads();
-      if (need_near)
-        for (int idx = tid; idx < kBlockK * padded_dim; idx += kThreads) {  // dims that are not rotated
-          const int j = idx / padded_dim, d = idx % padded_dim;
-          if (d >= 2 * p.rotary_pairs) s.k_near[j * Shape::kKStride + d] = s.k_far[j * Shape::kKStride + d];
-        }
-      if (need_near || (need_far && leaky))
+    // One side of the key tile into `dst` (zeros past the keys and past D). Prefill: the
+    // pre-rotated keys (far side: p.k_far for Leaky, the raw keys for ReRoPE). Decode: the raw keys,
+    // then, per rotation pair, rotated in place (near at p, Leaky far at p/k; ReRoPE's far side is
+    // the raw key); one thread reads and writes each pair. Ends before the barrier that publishes it.
+    const auto stage_keys = [&](bool far_side, float* dst) {
+      if constexpr (kKeysPreRotated) {
+        if (!far_side || leaky)
+          load_tile<float, Shape::kKStride>(static_cast<const float*>(far_side ? p.k_far : p.k_near) + rotated_offset +
+                                                static_cast<int64_t>(j0) * p.head_dim,
+                                            p.head_dim, keys_in_tile, p.head_dim, padded_dim, dst);
+        else
+          load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim, dst);
+      } else {
+        load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim, dst);
+        if (far_side && !leaky) return;
+        __syncthreads();
         for (int idx = tid; idx < kBlockK * p.rotary_pairs; idx += kThreads) {
           const int j = idx / p.rotary_pairs, pair = idx % p.rotary_pairs;
           int first, second;
           rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
-          float* raw = s.k_far + j * Shape::kKStride;
-          const float x1 = raw[first], x2 = raw[second];
+          float* row = dst + j * Shape::kKStride;
           const int64_t pos = j < keys_in_tile ? k_positions[j0 + j] : 0;
-          float sin_v, cos_v;
-          float a, c;
-          if (need_near) {
-            rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
-            float* near_row = s.k_near + j * Shape::kKStride;
-            rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
-            near_row[first] = round_like<T>(a);
-            near_row[second] = round_like<T>(c);
-          }
-          if (need_far && leaky) {
-            rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
-            rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
-            raw[first] = round_like<T>(a);
-            raw[second] = round_like<T>(c);
-          }
+          float sin_v, cos_v, a, c;
+          rotary_sincos(far_side ? rerope_far_key_position(pos, p.leaky_inv) : static_cast<double>(pos),
+                        p.inv_freq[pair], &sin_v, &cos_v);
+          rotate_pair(row[first], row[second], cos_v, sin_v, &a, &c);
+          row[first] = round_like<T>(a);
+          row[second] = round_like<T>(c);
         }
+      }
+    };
+
+    load_tile<T, Shape::kVStride>(v + j0 * p.v_stride_l, p.v_stride_l, keys_in_tile, p.head_dim, padded_dim, s.v);
+    // Scores from operands picked by pointer, never a score array picked at run time (that would
+    // demote both arrays to local memory): far tiles score from the far operands, band tiles fill
+    // far_scores as well.
+    float scores[kR], far_scores[kR];
+    const bool far = tile.kind == TileKind::kFar;
+    if constexpr (Shape::kKeyTiles == 2) {
+      if (need_near) stage_keys(false, s.k_near);
+      if (need_far) stage_keys(true, s.k_far);
+      __syncthreads();
+      warp_scores<Shape>(far ? s.q_far : s.q_near, far ? s.k_far : s.k_near, padded_dim, scores);
+      if (tile.kind == TileKind::kBand) warp_scores<Shape>(s.q_far, s.k_far, padded_dim, far_scores);
+    } else {  // one key tile: a band tile's far side after its near scores
+      stage_keys(far, s.k_near);
+      __syncthreads();
+      warp_scores<Shape>(far ? s.q_far : s.q_near, s.k_near, padded_dim, scores);
+      if (tile.kind == TileKind::kBand) {
+        __syncthreads();  // every warp is done with the near keys
+        stage_keys(true, s.k_near);
+        __syncthreads();
+        warp_scores<Shape>(s.q_far, s.k_near, padded_dim, far_scores);
+      }
     }
-    __syncthreads();
-    process_tile<T, kMaxDim>(p, rows, s, tile, key_position, padded_dim, st);
+    process_tile<T, Shape>(p, rows, s, tile, key_position, scores, far_scores, st);
   }
-  store_rows<T, kMaxDim>(p, b, split, rows, st);
+  store_rows<T, Shape>(p, b, split, rows, st);
 }
 
-template <typename T, int kMaxDim>
-__global__ void __launch_bounds__(kThreads, TileShape<kMaxDim>::kMinBlocksPerSm)
-    rerope_prefill_kernel(const ReropeParams p) {
-  rerope_attention_block<T, kMaxDim, true>(p);
+template <typename T, class Shape>
+__global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_prefill_kernel(const ReropeParams p) {
+  rerope_attention_block<T, Shape, true>(p);
 }
 
-template <typename T, int kMaxDim>
-__global__ void __launch_bounds__(kThreads, TileShape<kMaxDim>::kMinBlocksPerSm)
-    rerope_decode_kernel(const ReropeParams p) {
-  rerope_attention_block<T, kMaxDim, false>(p);
+template <typename T, class Shape>
+__global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_decode_kernel(const ReropeParams p) {
+  rerope_attention_block<T, Shape, false>(p);
 }
 
 // Prefill pre-pass: every key rotated once, for all kv heads from one sin/cos: near side at p into
@@ -514,7 +547,9 @@ __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropePar
 }
 
 // Merges the decode splits of each row by their log-sum-exp. One warp per row, lanes over D.
-// Memory-bound: 8 resident blocks per SM asked for (64 registers; it needs about 40).
+// Memory-bound: 8 resident blocks per SM asked for (64 registers; it needs about 40). A split
+// without a visible key has lse -inf and is left out; one with a non-finite row (lse NaN, or a
+// non-finite column) makes the merged row non-finite, never zeros.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const ReropeParams p) {
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
@@ -522,7 +557,12 @@ __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const Rerop
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (row >= rows_total) return;
   float max_lse = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.partial_lse[s * rows_total + row]);
+  bool seen = false;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float lse = p.partial_lse[s * rows_total + row];
+    max_lse = fmaxf(max_lse, lse);
+    seen |= lse != -INFINITY;
+  }
   float total = 0.0f;
   for (int s = 0; s < p.num_splits; ++s) {
     const float lse = p.partial_lse[s * rows_total + row];
@@ -534,18 +574,12 @@ __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const Rerop
       const float lse = p.partial_lse[s * rows_total + row];
       if (lse != -INFINITY) value += expf(lse - max_lse) * p.partial_out[(s * rows_total + row) * p.head_dim + d];
     }
-    static_cast<T*>(p.out)[row * p.head_dim + d] = from_float<T>(total > 0.0f ? value / total : 0.0f);
+    static_cast<T*>(p.out)[row * p.head_dim + d] = from_float<T>(seen ? value / total : 0.0f);
   }
-  if (lane == 0) p.lse[row] = total > 0.0f ? max_lse + logf(total) : -INFINITY;
+  if (lane == 0) p.lse[row] = seen ? max_lse + logf(total) : -INFINITY;
 }
 
 // ---- host launchers -------------------------------------------------------------------------
-
-// Dynamic shared memory of the attention kernels for a head dim bucket.
-template <int kMaxDim>
-constexpr std::size_t attention_smem_bytes() {
-  return TileShape<kMaxDim>::kSmemBytes;
-}
 
 // A launcher calls check(status, what) after every launch and after every shared-memory opt-in, with
 // the CUDA status (0 = ok). The caller's check must not return on an error (it throws), so that no
@@ -554,15 +588,31 @@ struct IgnoreLaunchStatus {
   void operator()(int, const char*) const {}
 };
 
-// Grid y of the prefill and of the decode plan (query blocks x head blocks): must be <= 65535.
-template <int kMaxDim>
-inline int64_t rerope_prefill_grid_y(const ReropeParams& p) {
-  return (static_cast<int64_t>(p.q_len) + TileShape<kMaxDim>::kRows - 1) / TileShape<kMaxDim>::kRows *
-         (p.q_heads / p.kv_heads);
+// Calls f.template operator()<Shape>() with the SIMT tile shape for `head_dim` on a device whose
+// blocks may opt in to `smem_per_block_optin` bytes of shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin,
+// static + dynamic): the wide tiles where they fit (every bucket on sm_80/87/90/100, the 64 and 128
+// buckets everywhere from sm_80 on), the compact 256 tiles on the 99 KiB parts (sm_86/89/120).
+// Returns 0, or the bytes the smallest shape would need when none fits (f not called).
+template <class F>
+inline std::size_t with_simt_shape(int head_dim, std::size_t smem_per_block_optin, F&& f) {
+  const auto run = [&]<class Shape>() -> std::size_t {
+    if (Shape::kSmemBytes > smem_per_block_optin) return Shape::kSmemBytes;
+    f.template operator()<Shape>();
+    return 0;
+  };
+  if (head_dim <= 64) return run.template operator()<TileShape<64>>();
+  if (head_dim <= 128) return run.template operator()<TileShape<128>>();
+  if (TileShape<256>::kSmemBytes <= smem_per_block_optin) return run.template operator()<TileShape<256>>();
+  return run.template operator()<TileShape<256, true>>();
 }
-template <int kMaxDim>
+
+// Grid y of the prefill and of the decode plan (query blocks x head blocks): must be <= 65535.
+template <class Shape>
+inline int64_t rerope_prefill_grid_y(const ReropeParams& p) {
+  return (static_cast<int64_t>(p.q_len) + Shape::kRows - 1) / Shape::kRows * (p.q_heads / p.kv_heads);
+}
+template <class Shape>
 inline int64_t rerope_decode_grid_y(const ReropeParams& p) {
-  using Shape = TileShape<kMaxDim>;
   const int group = p.q_heads / p.kv_heads;
   const int queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
   const int heads_per_block = group < Shape::kRows / queries_per_block ? group : Shape::kRows / queries_per_block;
@@ -570,11 +620,10 @@ inline int64_t rerope_decode_grid_y(const ReropeParams& p) {
          ((group + heads_per_block - 1) / heads_per_block);
 }
 
-// Prefill plan: one block per (32 queries of one head); keys rotated once by the pre-pass into
-// p.k_near (and p.k_far for Leaky), which the caller allocates: float [B, Hkv, Lk, D] each.
-template <typename T, int kMaxDim, class Check = IgnoreLaunchStatus>
+// Prefill plan: one block per (Shape::kRows queries of one head); keys rotated once by the pre-pass
+// into p.k_near (and p.k_far for Leaky), which the caller allocates: float [B, Hkv, Lk, D] each.
+template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream, Check&& check = {}) {
-  using Shape = TileShape<kMaxDim>;
   const int64_t rotate_items = static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2);
   const int64_t rotate_blocks = (rotate_items + 255) / 256 < 65535 ? (rotate_items + 255) / 256 : 65535;
   if (rotate_items > 0) {
@@ -589,17 +638,17 @@ inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream, Check&& c
   const int query_blocks = (p.q_len + Shape::kRows - 1) / Shape::kRows;
   const dim3 grid(1, static_cast<unsigned>(query_blocks * (p.q_heads / p.kv_heads)),
                   static_cast<unsigned>(p.batch * p.kv_heads));
-  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_prefill_kernel<T, kMaxDim>), Shape::kSmemBytes),
+  static device::SmemOptIn opt_in;  // once per device
+  check(opt_in.ensure((rerope_prefill_kernel<T, Shape>), Shape::kSmemBytes),
         "the shared-memory opt-in of the prefill kernel");
-  ROPESCALE_LAUNCH_KERNEL((rerope_prefill_kernel<T, kMaxDim>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
+  ROPESCALE_LAUNCH_KERNEL((rerope_prefill_kernel<T, Shape>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the prefill kernel");
 }
 
 // How many key splits a decode launch uses: enough blocks for ~2 waves on `multiprocessors` SMs,
 // at least 4 key tiles per split. Splits > 1 need p.partial_out / p.partial_lse.
-template <int kMaxDim>
+template <class Shape>
 inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
-  using Shape = TileShape<kMaxDim>;
   const int group = p.q_heads / p.kv_heads;
   const int queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
   const int heads_per_block = group < Shape::kRows / queries_per_block ? group : Shape::kRows / queries_per_block;
@@ -614,9 +663,8 @@ inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
 
 // Decode plan: the query rows of every head of a GQA group share a block (and each rotated key
 // tile); keys split `num_splits` ways, merged by rerope_combine_kernel when num_splits > 1.
-template <typename T, int kMaxDim, class Check = IgnoreLaunchStatus>
+template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
-  using Shape = TileShape<kMaxDim>;
   const int group = p.q_heads / p.kv_heads;
   p.queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
   p.heads_per_block = group < Shape::kRows / p.queries_per_block ? group : Shape::kRows / p.queries_per_block;
@@ -628,9 +676,10 @@ inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t st
   const int head_blocks = (group + p.heads_per_block - 1) / p.heads_per_block;
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(query_blocks * head_blocks),
                   static_cast<unsigned>(p.batch * p.kv_heads));
-  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_decode_kernel<T, kMaxDim>), Shape::kSmemBytes),
+  static device::SmemOptIn opt_in;  // once per device
+  check(opt_in.ensure((rerope_decode_kernel<T, Shape>), Shape::kSmemBytes),
         "the shared-memory opt-in of the decode kernel");
-  ROPESCALE_LAUNCH_KERNEL((rerope_decode_kernel<T, kMaxDim>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
+  ROPESCALE_LAUNCH_KERNEL((rerope_decode_kernel<T, Shape>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the decode kernel");
   if (p.num_splits > 1) {
     const int64_t rows_total = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;

@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "ropescale/rerope_attention.cuh"
 #include "ropescale/rerope_math.h"
@@ -139,20 +140,36 @@ __device__ __forceinline__ int next_active_tile(const KeyTile* tiles, int from, 
 
 // ---- shared-memory tiles ----------------------------------------------------------------------
 
-// cp.async of kBlockN rows (`rows_valid` of them real, the rest zero-filled) into a shared tile.
+// cp.async of kBlockN rows (`rows_valid` of them real, the rest zero-filled) into a shared tile;
+// with `positions`, the rows of padding keys (position < 0) are zero-filled too, so that whatever
+// they hold never reaches the mma (0 * NaN).
 template <typename T, int kHeadDim>
-__device__ __forceinline__ void load_key_rows_async(T* dst, const T* src, int64_t row_stride, int rows_valid) {
+__device__ __forceinline__ void load_key_rows_async(T* dst, const T* src, int64_t row_stride, int rows_valid,
+                                                    const int64_t* positions = nullptr) {
   using S = Shape<kHeadDim>;
   for (int c = static_cast<int>(threadIdx.x); c < kBlockN * S::kChunks; c += kThreads) {
     const int row = c / S::kChunks, chunk = c % S::kChunks;
-    const bool valid = row < rows_valid;
+    const bool valid = row < rows_valid && (positions == nullptr || positions[row] >= 0);
     const T* from = valid ? src + row * row_stride + chunk * 8 : src;
     device::cp_async_16(dst + smem_offset<kHeadDim>(row, chunk), from, valid ? 16 : 0);
   }
 }
 
-// The block's query rows, rotated near (at p) and far (at w + (p - w)/k) in f32, rounded to T, into
-// the shared q tiles. Rows past the queries and padding rows are zeros.
+// Whether any of the 8 16-bit values of the 16-byte chunk at `chunk` (shared) is inf or NaN: its
+// exponent bits all set.
+template <typename T>
+__device__ __forceinline__ bool chunk_has_nonfinite(const T* chunk) {
+  constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;
+  const uint4 words = *reinterpret_cast<const uint4*>(chunk);
+  const uint32_t w[4] = {words.x, words.y, words.z, words.w};
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) found |= (w[i] & kExponent) == kExponent || ((w[i] >> 16) & kExponent) == kExponent;
+  return found;
+}
+
+// The block's query rows, rotated near (at p) and far (at w + (p - w)/k) in f32 from the sin/cos of
+// p.q_rotation, rounded to T, into the shared q tiles. Rows past the queries and padding rows are zeros.
 template <typename T, int kHeadDim>
 __device__ void store_query_rows(const ReropeParams& p, int b, int head, int q0, T* q_near, T* q_far) {
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + head * p.q_stride_h;
@@ -168,11 +185,10 @@ __device__ void store_query_rows(const ReropeParams& p, int b, int head, int q0,
       const T* src = q + query * p.q_stride_l;
       const float x1 = to_float(src[first]), x2 = to_float(src[second]);
       if (pair < p.rotary_pairs) {
-        float sin_v, cos_v;
-        rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
-        rotate_pair(x1, x2, cos_v, sin_v, &near1, &near2);
-        rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
-        rotate_pair(x1, x2, cos_v, sin_v, &far1, &far2);
+        const float4 sc = reinterpret_cast<const float4*>(
+            p.q_rotation)[(static_cast<int64_t>(b) * p.q_len + query) * p.rotary_pairs + pair];
+        rotate_pair(x1, x2, sc.y, sc.x, &near1, &near2);
+        rotate_pair(x1, x2, sc.w, sc.z, &far1, &far2);
       } else {  // past the rotary dims: the same on both sides
         near1 = far1 = x1;
         near2 = far2 = x2;
@@ -292,7 +308,60 @@ __device__ __forceinline__ void warp_pv(const float (&prob)[kBlockN / 8][4], con
   }
 }
 
+// o += P V for a warp whose tile has masked pairs while V holds a non-finite value: the pairs are
+// taken one by one and the masked ones skipped, so that a masked key's V never reaches a row (the mma
+// would add 0 * NaN), while a visible key's non-finite V propagates as in IEEE arithmetic. Lane (g, t)
+// updates its own accumulators (rows g, g + 8; dims 8j + 2t, +1), reading each probability and
+// visibility bit from the lane of its row group that holds it. Rare: only tiles with both.
+template <typename T, int kHeadDim>
+__device__ void warp_pv_skip_masked(const float (&prob)[kBlockN / 8][4], uint32_t visible_bits, const T* v_tile,
+                                    float (&o)[Shape<kHeadDim>::kDimBlocks][4]) {
+  using S = Shape<kHeadDim>;
+  const int lane = static_cast<int>(threadIdx.x) % 32, t = lane % 4;
+#pragma unroll 1
+  for (int src_t = 0; src_t < 4; ++src_t) {
+    const int src = (lane & ~3) | src_t;
+    const uint32_t visible = __shfl_sync(kFullMask, visible_bits, src);
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // element i of block j at lane src: row g + 8 (i / 2), key 8j + 2 src_t + i % 2
+        const float pr = round_like<T>(__shfl_sync(kFullMask, prob[j][i], src));
+        if (!((visible >> (4 * j + i)) & 1u)) continue;
+        const T* v_row = v_tile + smem_offset<kHeadDim>(8 * j + 2 * src_t + i % 2, 0) + 2 * t;
+#pragma unroll
+        for (int dd = 0; dd < S::kDimBlocks; ++dd) {
+          o[dd][2 * (i / 2)] += pr * to_float(v_row[8 * dd]);
+          o[dd][2 * (i / 2) + 1] += pr * to_float(v_row[8 * dd + 1]);
+        }
+      }
+  }
+}
+
 }  // namespace tc
+
+// Tensor-core prefill pre-pass: sin and cos of every query's rotation pairs, near side (at p) and far
+// side (at w + (p - w)/k), into p.q_rotation [B, Lq, rotary_pairs, 4] = (sin, cos near, sin, cos
+// far): once per (query, pair) rather than once per head in every block's prologue, which would
+// repeat the double-precision reduction Hq times. One thread per (batch, query, pair). (A template
+// only so that the header may be included by several translation units of one program.)
+template <int kValuesPerPair>
+__global__ void __launch_bounds__(256) rerope_query_rotation_kernel(const ReropeParams p) {
+  static_assert(kValuesPerPair == 4, "(sin, cos) near and far");
+  const int64_t total = static_cast<int64_t>(p.batch) * p.q_len * p.rotary_pairs;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int pair = static_cast<int>(idx % p.rotary_pairs);
+    const int64_t pos = p.q_positions[idx / p.rotary_pairs];
+    float4 sc;
+    sc.x = 0.0f, sc.y = 1.0f, sc.z = 0.0f, sc.w = 1.0f;  // padding queries: never read
+    if (pos >= 0) {
+      rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sc.x, &sc.y);
+      rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sc.z, &sc.w);
+    }
+    reinterpret_cast<float4*>(p.q_rotation)[idx] = sc;
+  }
+}
 
 // Position bounds of every tile of kTile keys, per batch row: tiles[b * n_tiles + t]. Keys past
 // k_len count as padding. One warp per tile. (A template only so that the header may be included
@@ -385,6 +454,7 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
 #pragma unroll
   for (int j = 0; j < S::kDimBlocks; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // log2 domain; sum: this lane's
+  bool seen[2] = {false, false};  // rows g, g + 8 had a visible pair among this lane's (by the mask)
 
   int tile = next_active_tile(block_tiles, 0, n_tiles, block_q, p.window, p.causal);
   if (tile < n_tiles) load_keys(tile, block_class(tile).kind == TileKind::kFar);
@@ -392,10 +462,13 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
     device::cp_async_wait<0>();
     __syncthreads();  // K of `tile` (and the query rows) visible; every warp is done with the last V
     const int j0 = tile * kBlockN, rows = p.k_len - j0 < kBlockN ? p.k_len - j0 : kBlockN;
-    load_key_rows_async<T, kHeadDim>(v_s, v_g + j0 * p.v_stride_l, p.v_stride_l, rows);
+    const TileClass block_tile = block_class(tile);
+    const TileKind block_kind = block_tile.kind;
+    // V rows of padding keys zero-filled (only tiles with padding look at the positions).
+    load_key_rows_async<T, kHeadDim>(v_s, v_g + j0 * p.v_stride_l, p.v_stride_l, rows,
+                                     block_tile.needs_mask ? k_positions + j0 : nullptr);
     device::cp_async_commit();
 
-    const TileKind block_kind = block_class(tile).kind;
     // This warp's class of the tile (its 16 queries): what it computes.
     const TileClass mine = rerope_classify_tile(warp_q, key_tile_range(block_tiles[tile]), p.window, p.causal);
     float s[kBlockN / 8][4];
@@ -426,10 +499,17 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float x = s[j][i] * row_factor[i / 2];
-          if (mine.needs_mask && !((bits.visible >> (4 * j + i)) & 1u)) x = -INFINITY;
+          if (mine.needs_mask && !((bits.visible >> (4 * j + i)) & 1u)) x = -INFINITY;  // whatever K held
           s[j][i] = x;
           tile_max[i / 2] = fmaxf(tile_max[i / 2], x);
         }
+      if (mine.needs_mask) {
+        seen[0] |= (bits.visible & 0x33333333u) != 0u;  // bits 4j + {0, 1}: row g
+        seen[1] |= (bits.visible & 0xCCCCCCCCu) != 0u;  // bits 4j + {2, 3}: row g + 8
+      } else {
+        seen[0] = seen[1] = true;
+      }
+      // fmaxf skips NaN: a visible NaN score reaches the row through its probability (exp2(NaN)).
       float alpha[2], base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // the 4 lanes of a row group hold the row's 64 scores
@@ -458,30 +538,50 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
     }
     const int next = next_active_tile(block_tiles, tile + 1, n_tiles, block_q, p.window, p.causal);
     device::cp_async_wait<0>();
-    __syncthreads();  // V of `tile` visible; every warp is done with the K tile
+    // V of `tile` visible; every warp is done with the K tile. On tiles with masked pairs, whether V
+    // holds a non-finite value (each thread scans the chunks it copied, visible to it after its wait).
+    bool v_nonfinite = false;
+    if (block_tile.needs_mask) {
+      bool found = false;
+      for (int c = tid; c < kBlockN * S::kChunks; c += kThreads)
+        found |= chunk_has_nonfinite(v_s + smem_offset<kHeadDim>(c / S::kChunks, c % S::kChunks));
+      v_nonfinite = __syncthreads_or(found) != 0;
+    } else {
+      __syncthreads();
+    }
     if (next < n_tiles) load_keys(next, block_class(next).kind == TileKind::kFar);
-    if (mine.kind != TileKind::kSkip) warp_pv<T, kHeadDim>(s, v_s, o);
+    if (mine.kind != TileKind::kSkip) {
+      if (v_nonfinite && mine.needs_mask)
+        warp_pv_skip_masked<T, kHeadDim>(s, bits.visible, v_s, o);
+      else
+        warp_pv<T, kHeadDim>(s, v_s, o);
+    }
     tile = next;
   }
 
-  // Normalise and store rows g and g + 8 of the warp's slice.
+  // Normalise and store rows g and g + 8 of the warp's slice. A row without a visible key: zeros and
+  // -inf; one with a visible key but a sum that is not > 0 (NaN, or every visible score -inf):
+  // non-finite output and lse NaN, as softmax gives.
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float total = row_sum[h];
     total += __shfl_xor_sync(kFullMask, total, 1);
     total += __shfl_xor_sync(kFullMask, total, 2);
+    int row_seen = seen[h] ? 1 : 0;
+    row_seen |= __shfl_xor_sync(kFullMask, row_seen, 1);
+    row_seen |= __shfl_xor_sync(kFullMask, row_seen, 2);
     const int query = q0 + 16 * warp + g + 8 * h;
     if (query >= p.q_len) continue;
     const int64_t row = (static_cast<int64_t>(b) * p.q_heads + head) * p.q_len + query;
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const float inv = row_seen ? 1.0f / total : 0.0f;
 #pragma unroll
-    for (int j = 0; j < S::kDimBlocks; ++j) {
-      T* dst = out + row * kHeadDim + 8 * j + 2 * t;
-      dst[0] = from_float<T>(o[j][2 * h] * inv);
-      dst[1] = from_float<T>(o[j][2 * h + 1] * inv);
-    }
-    if (t == 0) p.lse[row] = total > 0.0f ? (row_max[h] + log2f(total)) * 0.6931471805599453f : -INFINITY;
+    for (int j = 0; j < S::kDimBlocks; ++j)  // one 32-bit store per pair of dims
+      device::store_pair<T>(out + row * kHeadDim + 8 * j + 2 * t, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+    if (t == 0)
+      p.lse[row] = !row_seen        ? -INFINITY
+                   : total > 0.0f ? (row_max[h] + log2f(total)) * 0.6931471805599453f
+                                  : NAN;
   }
 }
 
@@ -493,27 +593,50 @@ constexpr bool rerope_tc_head_dim(int head_dim) {
   return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;
 }
 
-// Workspace of the tensor-core prefill, allocated by the caller:
-//   p.k_near: T [B, Hkv, Lk, D]; p.k_far: the same, Leaky only; tiles: KeyTile [B, ceil(Lk / 64)].
-inline int rerope_tc_key_tiles(int k_len) { return (k_len + tc::kBlockN - 1) / tc::kBlockN; }
+// Shared memory of the tensor-core prefill per block (69,632 B at D 128: every GPU from sm_80 on).
+inline std::size_t rerope_tc_smem_bytes(int head_dim) {
+  switch (head_dim) {
+    case 64: return tc::Shape<64>::kSmemBytes;
+    case 80: return tc::Shape<80>::kSmemBytes;
+    case 96: return tc::Shape<96>::kSmemBytes;
+    default: return tc::Shape<128>::kSmemBytes;
+  }
+}
 
-// Launches the three kernels: keys rotated to T, the key-tile bounds, the prefill. `check(status,
-// what)` runs after every launch (and after the shared-memory opt-in) with the CUDA status (0 = ok);
-// it must not return on an error, so that no kernel reads the output of a failed one.
+// Workspace of the tensor-core prefill, allocated by the caller:
+//   p.k_near: T [B, Hkv, Lk, D]; p.k_far: the same, Leaky only; tiles: KeyTile [B, ceil(Lk / 64)];
+//   p.q_rotation: float [B, Lq, rotary_pairs, 4] (rerope_tc_query_rotation_floats).
+inline int rerope_tc_key_tiles(int k_len) { return (k_len + tc::kBlockN - 1) / tc::kBlockN; }
+inline int64_t rerope_tc_query_rotation_floats(const ReropeParams& p) {
+  return static_cast<int64_t>(p.batch) * p.q_len * p.rotary_pairs * 4;
+}
+
+// Launches the four kernels: keys rotated to T, the queries' sin/cos, the key-tile bounds, the
+// prefill. `check(status, what)` runs after every launch (and after the shared-memory opt-in) with
+// the CUDA status (0 = ok); it must not return on an error, so that no kernel reads the output of a
+// failed one.
 template <typename T, int kHeadDim, class Check>
 inline void launch_rerope_prefill_tc(ReropeParams p, KeyTile* tiles, cudaStream_t stream, Check&& check) {
   using S = tc::Shape<kHeadDim>;
-  const int64_t rotate_items = static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2);
-  const int64_t rotate_blocks = (rotate_items + 255) / 256 < 65535 ? (rotate_items + 255) / 256 : 65535;
-  ROPESCALE_LAUNCH_KERNEL((rerope_rotate_keys_kernel<T, T>), dim3(static_cast<unsigned>(rotate_blocks)), dim3(256), 0,
+  const auto blocks_of_256 = [](int64_t items) {
+    return dim3(static_cast<unsigned>((items + 255) / 256 < 65535 ? (items + 255) / 256 : 65535));
+  };
+  ROPESCALE_LAUNCH_KERNEL((rerope_rotate_keys_kernel<T, T>),
+                          blocks_of_256(static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2)), dim3(256), 0,
                           stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the rotate-keys kernel");
+  const int64_t rotation_items = static_cast<int64_t>(p.batch) * p.q_len * p.rotary_pairs;
+  if (rotation_items > 0) {
+    ROPESCALE_LAUNCH_KERNEL(rerope_query_rotation_kernel<4>, blocks_of_256(rotation_items), dim3(256), 0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the query-rotation kernel");
+  }
   const int n_tiles = rerope_tc_key_tiles(p.k_len);
   ROPESCALE_LAUNCH_KERNEL(rerope_key_tiles_kernel<tc::kBlockN>,
                           dim3(static_cast<unsigned>((n_tiles + kWarps - 1) / kWarps), static_cast<unsigned>(p.batch)),
                           dim3(kThreads), 0, stream, p, tiles);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the key-tiles kernel");
-  check(ROPESCALE_OPT_IN_DYNAMIC_SMEM((rerope_prefill_tc_kernel<T, kHeadDim>), S::kSmemBytes),
+  static device::SmemOptIn opt_in;  // once per device
+  check(opt_in.ensure((rerope_prefill_tc_kernel<T, kHeadDim>), S::kSmemBytes),
         "the shared-memory opt-in of the tensor-core prefill");
   const dim3 grid(static_cast<unsigned>((p.q_len + tc::kBlockM - 1) / tc::kBlockM), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));

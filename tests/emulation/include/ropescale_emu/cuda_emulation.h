@@ -38,14 +38,18 @@
 //   * dynamic shared memory above 48 KiB needs the kernel's opt-in
 //     (cudaFuncAttributeMaxDynamicSharedMemorySize, through
 //     ROPESCALE_OPT_IN_DYNAMIC_SMEM), and static + dynamic shared memory is
-//     capped at the emulated target's per-block maximum (sm_80 by default).
+//     capped at the emulated target's per-block maximum (sm_80 by default;
+//     sm_86 for the 99 KiB parts: sm_86, sm_89, sm_120). Each target is its
+//     own "device": opt-ins are per (device, kernel), as on a GPU.
 //
 // API (besides the CUDA names themselves):
 //   ropescale_emu::launch(grid, block, dynamic_smem_bytes, kernel, args...)
 //   ropescale_emu::dynamic_shared_memory()     base of the block's dynamic smem
 //   ropescale_emu::ScopedSyncTimeout           override the barrier timeout
 //   ropescale_emu::ScopedBlockOrder            run blocks in order, shuffled, reversed
-//   ropescale_emu::ScopedTarget                sm_80 (default) or sm_90 shared-memory caps
+//   ropescale_emu::ScopedTarget                sm_80 (default), sm_86 or sm_90 shared-memory caps
+//   ropescale_emu::current_device()            the emulated target as a device index
+//   ropescale_emu::shared_memory_per_block_optin()   its cudaDevAttrMaxSharedMemoryPerBlockOptin
 //   ropescale_emu::set_max_dynamic_shared_memory(kernel, bytes)   the opt-in
 //   ropescale_emu::launch_error, device_error  exception types
 // Tensor-core and asynchronous-copy primitives (mma.sync, ldmatrix, cp.async)
@@ -86,6 +90,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <new>
 #include <numbers>
@@ -175,8 +180,10 @@ inline constexpr unsigned kMaxThreadsPerBlock = 1024;
 inline constexpr std::size_t kDefaultSharedBytes = 48 * 1024;
 inline constexpr std::size_t kSm80MaxSharedBytesPerBlock = 166912;  // 163 KiB (A100)
 inline constexpr std::size_t kSm90MaxSharedBytesPerBlock = 232448;  // 227 KiB (H100)
+// 99 KiB: sm_86 (A10, A40, RTX 30), sm_89 (L4, L40S, RTX 40), sm_120 (RTX 50).
+inline constexpr std::size_t kSm86MaxSharedBytesPerBlock = 101376;
 inline constexpr std::size_t kMaxDynamicSharedBytes = kSm90MaxSharedBytesPerBlock;
-enum class Target { kSm80, kSm90 };
+enum class Target { kSm80, kSm90, kSm86 };
 enum class BlockOrder { kInOrder, kShuffled, kReversed };
 
 namespace detail {
@@ -534,8 +541,11 @@ inline std::atomic<Target>& target_setting() {
   return value;
 }
 inline std::size_t max_shared_bytes_per_block() {
-  return target_setting().load() == Target::kSm80 ? kSm80MaxSharedBytesPerBlock
-                                                  : kSm90MaxSharedBytesPerBlock;
+  switch (target_setting().load()) {
+    case Target::kSm90: return kSm90MaxSharedBytesPerBlock;
+    case Target::kSm86: return kSm86MaxSharedBytesPerBlock;
+    default: return kSm80MaxSharedBytesPerBlock;
+  }
 }
 
 struct BlockOrderSetting {
@@ -562,8 +572,9 @@ inline BlockOrderSetting& block_order_setting() {  // guarded by settings_mutex(
   static BlockOrderSetting value = block_order_from_env();
   return value;
 }
-inline std::unordered_map<const void*, std::size_t>& dynamic_smem_opt_ins() {  // settings_mutex()
-  static std::unordered_map<const void*, std::size_t> value;
+// Opt-ins per (device, kernel): cudaFuncSetAttribute applies to the current device only.
+inline std::map<std::pair<Target, const void*>, std::size_t>& dynamic_smem_opt_ins() {  // settings_mutex()
+  static std::map<std::pair<Target, const void*>, std::size_t> value;
   return value;
 }
 
@@ -626,7 +637,7 @@ inline void validate_launch(dim3 grid, dim3 block, std::size_t dynamic_smem_byte
   bool opted_in = false;
   {
     std::lock_guard lock(settings_mutex());
-    const auto it = dynamic_smem_opt_ins().find(kernel);
+    const auto it = dynamic_smem_opt_ins().find({target_setting().load(), kernel});
     if (it != dynamic_smem_opt_ins().end()) opted_in = true, opt_in = it->second;
   }
   const std::string sizes = std::to_string(static_bytes) + " B static (all static __shared__ of "
@@ -723,7 +734,7 @@ int set_max_dynamic_shared_memory(void (*kernel)(Params...), int bytes) {
           detail::max_shared_bytes_per_block())
     return 1;
   std::lock_guard lock(detail::settings_mutex());
-  detail::dynamic_smem_opt_ins()[reinterpret_cast<const void*>(kernel)] =
+  detail::dynamic_smem_opt_ins()[{detail::target_setting().load(), reinterpret_cast<const void*>(kernel)}] =
       static_cast<std::size_t>(bytes);
   return 0;
 }
@@ -747,7 +758,8 @@ class ScopedBlockOrder {
   detail::BlockOrderSetting previous_;
 };
 
-// Emulates the shared-memory caps of this target for the current scope.
+// Emulates the shared-memory caps of this target for the current scope. Each target is a separate
+// device (its own kernel opt-ins).
 class ScopedTarget {
  public:
   explicit ScopedTarget(Target target) : previous_(detail::target_setting().exchange(target)) {}
@@ -758,6 +770,12 @@ class ScopedTarget {
  private:
   Target previous_;
 };
+
+// cudaGetDevice: the emulated target as a device index.
+inline int current_device() { return static_cast<int>(detail::target_setting().load()); }
+
+// cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) of the emulated target.
+inline int shared_memory_per_block_optin() { return static_cast<int>(detail::max_shared_bytes_per_block()); }
 
 // Base of the dynamic shared memory of the running block (see
 // ROPESCALE_DYNAMIC_SMEM); 128-byte aligned.
