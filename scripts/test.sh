@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
-# (the slow install tests included), then the core suite against the CPU-only torch 2.13.0
+# (the slow install tests included), the op suites again with ROPESCALE_KERNELS=reference, then the
+# core suite against the CPU-only torch 2.13.0
 # (scripts/test_torch_compat.sh). Exits non-zero on any failure.
 # Extra arguments go to pytest and make it a targeted run (no compat leg): ./scripts/test.sh -k yarn
 # ROPESCALE_COMPAT_TORCH=2.13.0 picks the second torch; =none skips that leg.
@@ -13,6 +14,13 @@ echo "== C++ tests (ctest)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 || status=1
 echo "== Python tests (pytest, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
 "$VENV/bin/python" -m pytest "$@" || status=1
+if [ $# -eq 0 ]; then
+  # The escape hatch users are told about must itself pass the op suites.
+  echo "== Op suites with ROPESCALE_KERNELS=reference (every kernel op as plain PyTorch)"
+  ROPESCALE_KERNELS=reference "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
+    tests/python/test_rotary.py tests/python/test_rerope_attention.py tests/python/test_bad_input_rotary.py \
+    tests/python/test_bad_input_rerope.py tests/python/test_reference_kernels.py || status=1
+fi
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
   echo "== Core suite against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"
   ./scripts/test_torch_compat.sh "$COMPAT_TORCH" || status=1

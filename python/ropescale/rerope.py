@@ -179,8 +179,10 @@ def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, sca
     mixed dtypes, head dims it does not compile, a device this build has no kernel for). The lse is
     >= every visible score of its row, so it serves as the composite's shift in place of two
     ``q k^T`` passes for the row maxima (which cost more than both SDPA calls together)."""
-    from . import _C, ops
+    from . import _C, ops, reference
 
+    if reference.KERNELS == "reference":  # the op IS this composite (ROPESCALE_KERNELS=reference): no recursion
+        return None
     dtype, dim = q.dtype, q.shape[-1]
     if dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != dtype or v.dtype != dtype:
         return None
