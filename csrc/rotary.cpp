@@ -96,8 +96,8 @@ void check_tables(const char* op, const at::Tensor& x, const at::Tensor* k, cons
   TORCH_CHECK(!interleaved || half_width, op,
               ": interleaved=True takes a half-width table (half_width=True, one cos/sin entry per pair, "
               "[.., seq, rotary_dim / 2]); a full-width table is ambiguous with interleaved pairs (GPT-J/Cohere "
-              "repeat each entry, c0 c0 c1 c1; transformers' Llama writes c0 c1 .. c0 c1): pass cos[..., ::2] "
-              "for the first, cos[..., :rotary_dim // 2] for the second");
+              "repeat each entry, c0 c0 c1 c1; transformers' Llama writes c0 c1 .. c0 c1): pass "
+              "cos[..., ::2].contiguous() for the first, cos[..., :rotary_dim // 2] for the second");
   TORCH_CHECK(cos.sym_size(-2) == x.sym_size(2), op, ": cos/sin cover ", cos.sym_size(-2), " positions but ",
               names[0], " has seq length ", x.sym_size(2), " (dim 2)");
   check_table_batch(op, "cos/sin", cos.dim() == 3 ? cos.sym_size(0) : c10::SymInt(1), x, k, names);

@@ -258,8 +258,8 @@ def apply_rotary(
     """``x * cos + rotate_half(x) * sin`` with cos/sin broadcast over heads: exactly transformers'
     ``apply_rotary_pos_emb`` for its ``[batch or 1, seq, rotary_dim]`` tables (also ``[seq, rotary_dim]``).
     ``half_width=True`` takes one entry per pair instead, ``[.., seq, rotary_dim / 2]`` (flash-attn,
-    vLLM). ``interleaved=True`` (GPT-J pairs) needs ``half_width=True``: pass ``cos[..., ::2]`` of a
-    GPT-J/Cohere table (``c0 c0 c1 c1``) or ``cos[..., :rotary_dim // 2]`` of a transformers Llama one;
+    vLLM). ``interleaved=True`` (GPT-J pairs) needs ``half_width=True``: pass ``cos[..., ::2].contiguous()``
+    of a GPT-J/Cohere table (``c0 c0 c1 c1``) or ``cos[..., :rotary_dim // 2]`` of a transformers Llama one;
     a full-width table is refused there, its layout being ambiguous. rotary_dim is read off the
     table; features past it are copied. Differentiable in ``x``; cos and sin are constants."""
     if _under_torch_func():

@@ -311,7 +311,7 @@ def test_equals_transformers_apply_rotary_pos_emb(dtype, rope):
 
 def test_interleaved_equals_transformers_cohere():
     """Cohere's rotary is GPT-J style: interleaved pairs, tables repeat_interleave'd (c0 c0 c1 c1):
-    one entry per pair is cos[..., ::2], passed as a half-width table."""
+    one entry per pair is cos[..., ::2] (made contiguous), passed as a half-width table."""
     from transformers import CohereConfig
     from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding, apply_rotary_pos_emb
 
@@ -322,9 +322,14 @@ def test_interleaved_equals_transformers_cohere():
     position_ids = torch.arange(29)[None] + 7
     cos, sin = rotary(q, position_ids)
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = ops.apply_rotary_qk(q, k, cos[..., ::2], sin[..., ::2], interleaved=True, half_width=True)
+    cos_pairs, sin_pairs = cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
+    got_q, got_k = ops.apply_rotary_qk(q, k, cos_pairs, sin_pairs, interleaved=True, half_width=True)
     torch.testing.assert_close(got_q, expected_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, expected_k, rtol=1e-6, atol=1e-6)
+    # The full-width table itself is refused (its layout is ambiguous; before the fix the same call
+    # with transformers' Llama tables rotated wrongly without a word).
+    with pytest.raises(RuntimeError, match="interleaved=True takes a half-width table"):
+        ops.apply_rotary_qk(q, k, cos, sin, interleaved=True)
     got_q, _ = ops.apply_rotary_pos_qk(q, k, position_ids, rotary.inv_freq, interleaved=True)
     torch.testing.assert_close(got_q, expected_q, rtol=1e-5, atol=1e-5)
 
