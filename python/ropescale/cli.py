@@ -666,6 +666,9 @@ def _add_extend_command(sub) -> None:
     g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
     g.add_argument("--beta-slow", type=_positive_float, default=1.0, help="YaRN beta_slow (default 1)")
     g.add_argument("--resonance", action="store_true", help="round wavelengths to integers (Resonance RoPE)")
+    ex.add_argument("--target", choices=("any", "vllm"), default="any",
+                    help="vllm: write the table as a longrope (short == long factors) that stock vLLM serves "
+                         "exactly with no plugin (static methods only)")
     ex.add_argument("--dry-run", action="store_true", help="print the new config.json and write nothing")
     ex.set_defaults(func=_cmd_extend)
 
@@ -695,7 +698,10 @@ def _cmd_extend(args) -> int:
                                   or config.max_position_embeddings)
     method = _method(args)
     replaced = params.get("rope_type", "default")
-    checkpoint.record(config, method)
+    try:
+        checkpoint.record(config, method, target=args.target)
+    except ValueError as err:
+        raise UsageError(f"--target {args.target}: {err}") from None
     text = config.to_json_string(use_diff=True)
     if args.dry_run:
         print(text, end="")

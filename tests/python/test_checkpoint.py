@@ -33,26 +33,29 @@ SHORT = [1.0 + 0.05 * i for i in range(8)]
 # name: (method or None, patch keyword arguments, rope_type written, max_position_embeddings written)
 CASES = {
     "linear": (scaling.Linear(factor=4.0), {}, "linear", 64),
-    "dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}, "dynamic", ORIGINAL),
+    # Dynamic NTK as ropescale's dynamic_ntk: stock vLLM serves transformers' dynamic as plain RoPE.
+    "dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}, "dynamic_ntk", ORIGINAL),
     "yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), {}, "yarn", 64),
     "yarn_betas_mscale": (scaling.YaRN(factor=8.0, original_max_position=ORIGINAL, beta_fast=16.0, beta_slow=2.0,
                                        truncate=False, mscale=0.707, mscale_all_dim=1.0), {}, "yarn", 128),
     "llama3": (scaling.Llama3(factor=8.0, original_max_position=ORIGINAL), {}, "llama3", 128),
     "longrope": (scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG), original_max_position=ORIGINAL,
                                   factor=4.0), {}, "longrope", 64),
-    "ntk": (scaling.NTK(factor=4.0), {}, "ntk", 64),
+    # NTK-aware as default RoPE with the scaled base (the same table in every engine), the method in the entry.
+    "ntk": (scaling.NTK(factor=4.0), {}, "default", 256),
     "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=ORIGINAL), {}, "dynamic_yarn", ORIGINAL),
     "resonance": (scaling.Default(resonance=True), {}, "resonance", 64),
     "resonance_linear": (scaling.Linear(factor=4.0, resonance=True), {}, "resonance_linear", 64),
     "resonance_ntk": (scaling.NTK(factor=4.0, resonance=True), {}, "resonance_ntk", 64),
     "resonance_dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL, resonance=True), {},
                           "resonance_dynamic", ORIGINAL),
+    # vLLM multiplies max_position_embeddings by factor for every type but yarn, llama3 and longrope.
     "resonance_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True), {},
-                       "resonance_yarn", 64),
+                       "resonance_yarn", ORIGINAL),
     "resonance_dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True), {},
-                               "resonance_dynamic_yarn", 32),
+                               "resonance_dynamic_yarn", ORIGINAL),
     "resonance_llama3": (scaling.Llama3(factor=8.0, original_max_position=ORIGINAL, resonance=True), {},
-                         "resonance_llama3", 128),
+                         "resonance_llama3", ORIGINAL),
     # Resonance on LongRoPE: the rounded tables become the per-pair factors of a plain longrope.
     "resonance_longrope": (scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG),
                                             original_max_position=ORIGINAL, factor=4.0, resonance=True), {},
@@ -60,7 +63,7 @@ CASES = {
     "rerope": (None, dict(attention="rerope", window=8), "rerope", 64),
     "leaky_rerope_logn_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL),
                                dict(attention="rerope", window=8, leaky_k=4.0, logn_length=ORIGINAL),
-                               "rerope_yarn", 64),
+                               "rerope_yarn", ORIGINAL),
 }
 # Mistral and Qwen3 checkpoints are written as several safetensors shards.
 SHARDED = {"mistral", "qwen3"}
@@ -120,9 +123,13 @@ def test_reload_gives_the_trained_model(checkpoints, family, name):
     config = json.loads((path / "config.json").read_text())
     assert config["rope_parameters"]["rope_type"] == rope_type
     assert config["max_position_embeddings"] == mpe
-    assert config.get("ropescale") == (None if not kwargs else {
-        "attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
-        "logn_length": kwargs.get("logn_length", 0)})
+    if name == "ntk":
+        assert config["rope_parameters"]["rope_theta"] == 1e4 * 4.0 ** (16 / 14)
+        assert config["ropescale"] == {"method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4}}
+    else:
+        assert config.get("ropescale") == (None if not kwargs else {
+            "attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
+            "logn_length": kwargs.get("logn_length", 0)})
     shards = sorted(p.name for p in path.glob("*.safetensors"))
     assert (len(shards) > 2) == (family in SHARDED), shards
     if family in SHARDED:
@@ -323,12 +330,12 @@ def test_extend_resonance_and_dry_run(tmp_path, capsys):
     assert cli.main(["extend", str(src), str(dst), "--method", "yarn", "--factor", "4", "--resonance",
                      "--original-max-position", "16", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["rope_parameters"]["rope_type"] == "resonance_yarn" and printed["max_position_embeddings"] == 64
+    assert printed["rope_parameters"]["rope_type"] == "resonance_yarn" and printed["max_position_embeddings"] == 16
     assert not dst.exists()
     assert cli.main(["extend", str(src), str(dst), "--method", "yarn", "--factor", "4", "--resonance",
                      "--original-max-position", "16"]) == 0
     assert json.loads((dst / "config.json").read_text()) == printed
-    assert "rope_type resonance_yarn, max_position_embeddings 64" in capsys.readouterr().out
+    assert "rope_type resonance_yarn, max_position_embeddings 16" in capsys.readouterr().out
     # The default original length is the model's max_position_embeddings (64 here).
     assert cli.main(["extend", str(src), str(tmp_path / "d2"), "--method", "linear", "--factor", "2", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)

@@ -43,10 +43,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import DynamicLayer
 
-from .. import ops, scaling as scaling_lib
+from .. import config as config_lib, ops, scaling as scaling_lib
 from . import checkpoint
 from .cache import PreRopeCache, PreRopeLayer
-from .rope_types import rotary_dim_of, table_parameters
+from .rope_types import rotary_dim_of
 
 # Attention classes whose forward ropescale re-implements (they share one code path: projections,
 # optional per-head q/k RMSNorm (Qwen3), rotation, cache, attention function, o_proj).
@@ -104,7 +104,7 @@ class _PatchState:
 
 def _as_method(scaling, config) -> scaling_lib.RopeScaling:
     if scaling is None:
-        return scaling_lib.from_hf(table_parameters(config.rope_parameters)[0], config.max_position_embeddings)
+        return config_lib.read_config(config).method
     if isinstance(scaling, scaling_lib.RopeScaling):
         return scaling
     if isinstance(scaling, Mapping):
@@ -165,7 +165,7 @@ def patch(
         leaky_k=float(leaky_k or 0.0),
         logn_length=int(logn_length or 0),
         rotary_dim=rotary_dim_of(config, params),
-        base=float(params["rope_theta"]),
+        base=config_lib.base_of(config),
         rotary_modules=rotary_modules,
         attention_modules=attention_modules,
         config=config,

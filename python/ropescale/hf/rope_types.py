@@ -3,7 +3,9 @@
 A rope type names the frequency table. transformers has ``default``, ``linear``, ``dynamic``,
 ``yarn``, ``llama3`` and ``longrope``; ropescale adds, by rule:
 
-- ``ntk`` (static NTK-aware) and ``dynamic_yarn``;
+- ``dynamic_ntk`` (what ``hf.patch`` writes for Dynamic NTK: stock vLLM serves transformers' ``dynamic``
+  wrongly), ``dynamic_yarn``, and ``ntk`` (static NTK-aware, as ropescale wrote it before it wrote
+  ``default`` with the scaled ``rope_theta``: such checkpoints still load);
 - ``resonance`` (Resonance RoPE on plain RoPE) and ``resonance_<type>`` for Resonance on top of
   ``linear``, ``ntk``, ``dynamic``, ``yarn``, ``dynamic_yarn`` and ``llama3``. (Resonance on
   ``longrope`` is written as a plain ``longrope`` whose per-pair factors hold the rounded table:
@@ -17,7 +19,7 @@ A rope type names the frequency table. transformers has ``default``, ``linear``,
 Registering them in ``ROPE_INIT_FUNCTIONS`` (and giving the config mixin a validator for each) lets a
 config such as ``rope_parameters={"rope_type": "resonance_yarn", "factor": 8,
 "original_max_position_embeddings": 4096}`` load and run in an unpatched transformers model. The
-tables come from ropescale's ops, through ``ropescale.scaling.from_hf``. Without ``import
+tables come from ropescale's ops, through ``ropescale.config.read``. Without ``import
 ropescale.hf`` transformers refuses such a config (``KeyError`` naming the type when the model is
 built), so a checkpoint never loads silently as default RoPE.
 """
@@ -29,15 +31,14 @@ from typing import Any, Mapping
 
 from transformers import modeling_rope_utils as rope_utils
 
-from .. import scaling
-
-REROPE_MARKER = "rerope"
-REROPE_PREFIX = REROPE_MARKER + "_"
+from .. import config as config_lib, scaling
+from ..config import (REROPE_MARKER, REROPE_PREFIX, join_rope_type, rotary_dim_of, split_rope_type,  # noqa: F401
+                      table_parameters)
 
 # Table types transformers itself has, and the ones ropescale registers.
 NATIVE_TABLE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _RESONANCE_BASES = ("linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3")
-ROPESCALE_TABLE_TYPES = ("ntk", "dynamic_yarn", "resonance",
+ROPESCALE_TABLE_TYPES = ("ntk", config_lib.DYNAMIC_NTK_TYPE, "dynamic_yarn", "resonance",
                          *(scaling.RESONANCE_PREFIX + b for b in _RESONANCE_BASES))
 REROPE_TYPES = (REROPE_MARKER, *(REROPE_PREFIX + t for t in NATIVE_TABLE_TYPES + ROPESCALE_TABLE_TYPES
                                  if t != "default"))
@@ -47,40 +48,11 @@ ROPESCALE_ROPE_TYPES = ROPESCALE_TABLE_TYPES + REROPE_TYPES
 # Keys of the types transformers has no validator for (the others use transformers' own).
 _KEYS = {  # rope type: (required, optional)
     "ntk": ({"rope_type", "factor"}, {"rope_theta"}),
+    config_lib.DYNAMIC_NTK_TYPE: ({"rope_type", "factor"}, {"rope_theta"}),
     "dynamic_yarn": ({"rope_type", "original_max_position_embeddings"},
                      {"rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
                       "mscale_all_dim", "truncate"}),
 }
-
-
-def split_rope_type(rope_type: str) -> tuple[bool, str]:
-    """``(rerope, table_type)``: ``"rerope_yarn"`` -> ``(True, "yarn")``, ``"yarn"`` -> ``(False, "yarn")``."""
-    if rope_type == REROPE_MARKER:
-        return True, "default"
-    if rope_type.startswith(REROPE_PREFIX):
-        return True, rope_type[len(REROPE_PREFIX):]
-    return False, rope_type
-
-
-def join_rope_type(rerope: bool, table_type: str) -> str:
-    """The inverse of :func:`split_rope_type`."""
-    if not rerope:
-        return table_type
-    return REROPE_MARKER if table_type == "default" else REROPE_PREFIX + table_type
-
-
-def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
-    """``rope_parameters`` with the ReRoPE marker taken off the type, and whether it was there."""
-    params = dict(rope_parameters or {})
-    rerope, table_type = split_rope_type(params.get("rope_type") or params.get("type") or "default")
-    params["rope_type"] = table_type
-    params.pop("type", None)
-    return params, rerope
-
-
-def rotary_dim_of(config, rope_parameters) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
 
 
 def _init_function(config, device=None, seq_len=None, layer_type=None):
@@ -95,7 +67,8 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
             "as trained: unpatched, it attends with plain RoPE",
             stacklevel=2,
         )
-    method = scaling.from_hf(table, config.max_position_embeddings)
+    # The table only: the attention side is hf.patch's business (and the warning above).
+    method = config_lib.read(table, config.max_position_embeddings).method
     seq_len = None if seq_len is None else int(seq_len)
     inv_freq = method.inv_freq(rotary_dim_of(config, params), params["rope_theta"], seq_len=seq_len)
     return inv_freq.to(device), method.attention_factor_for(seq_len)
@@ -122,7 +95,7 @@ def _make_validator(rope_type: str):
                 self, checked, ignore_keys=ignore_keys)
         # Build the method once: bad values get ropescale's own clear errors at load time.
         table, _ = table_parameters(rope_parameters)
-        scaling.from_hf(table, getattr(self, "max_position_embeddings", None))
+        config_lib.read(table, getattr(self, "max_position_embeddings", None))
 
     validate.__name__ = f"_validate_{rope_type}_rope_parameters"
     return validate

@@ -1,0 +1,257 @@
+"""Between a model config and a ``ropescale.scaling`` method: the one parser every engine adapter
+(``ropescale.hf``, ``ropescale.vllm``) reads a checkpoint with, and the writer ``hf.patch`` records with.
+
+A checkpoint says what it is in two places (docs/DESIGN.md, "Checkpoints"):
+
+- ``rope_parameters``, written for STOCK engines, so that each of them is exact or refuses loudly:
+  a type transformers and vLLM read the same way (``default``, ``linear``, ``yarn``, ``llama3``,
+  ``longrope``) or one of ropescale's own (``resonance*``, ``dynamic_yarn``, ``dynamic_ntk``,
+  ``rerope*``), which a stock engine refuses ("Unknown RoPE scaling type"). Two methods are written
+  under another name than their ``scaling`` type:
+
+  * NTK-aware as ``default`` with the scaled base ``rope_theta = b * s^(d/(d-2))``: the same table in
+    every engine (vLLM's own ``ntk`` is another formula, transformers has none);
+  * Dynamic NTK as ``dynamic_ntk``: stock vLLM serves transformers' ``dynamic`` as plain RoPE with a
+    table shorter than the length it allows (NaN logprobs past it, no error).
+
+- the ``ropescale`` entry::
+
+      "ropescale": {"attention": "rerope", "window": 512, "leaky_k": 0.0, "logn_length": 0,
+                    "method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 10000.0}}
+
+  the attention side (ReRoPE only: ``leaky_k=0`` is plain ReRoPE, ``logn_length=0`` no log-n scaling),
+  and, where ``rope_parameters`` does not name the method (NTK-aware), the method in ropescale's own
+  format under ``method``; a config whose ``rope_parameters`` no longer match it is refused.
+
+``max_position_embeddings`` is written so that transformers and vLLM derive the length the method was
+set for: vLLM multiplies it by ``rope_parameters["factor"]`` for every type but ``yarn``, ``llama3`` and
+``longrope`` (``vllm/config/model.py``), so those three get ``factor * original`` and the others the
+length divided by their written factor.
+
+Old checkpoints (ropescale's former ``ntk``, transformers' ``dynamic``) still read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from . import scaling
+
+__all__ = [
+    "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "RopeConfig", "Written", "read", "read_config", "write", "base_of",
+    "split_rope_type", "join_rope_type", "table_parameters",
+]
+
+#: The config entry holding what ``rope_parameters`` cannot say.
+CONFIG_KEY = "ropescale"
+ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length")
+#: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
+METHOD_KEY = "method"
+
+REROPE_MARKER = "rerope"
+REROPE_PREFIX = REROPE_MARKER + "_"
+#: Dynamic NTK's written type (``scaling.DynamicNTK`` reads transformers' ``dynamic``).
+DYNAMIC_NTK_TYPE = "dynamic_ntk"
+# Types whose max_position_embeddings vLLM takes as the scaled length (it multiplies the others by factor).
+_SCALED_LENGTH_TYPES = ("yarn", "llama3", "longrope")
+
+
+def split_rope_type(rope_type: str) -> tuple[bool, str]:
+    """``(rerope, table_type)``: ``"rerope_yarn"`` -> ``(True, "yarn")``, ``"yarn"`` -> ``(False, "yarn")``."""
+    if rope_type == REROPE_MARKER:
+        return True, "default"
+    if rope_type.startswith(REROPE_PREFIX):
+        return True, rope_type[len(REROPE_PREFIX):]
+    return False, rope_type
+
+
+def join_rope_type(rerope: bool, table_type: str) -> str:
+    """The inverse of :func:`split_rope_type`."""
+    if not rerope:
+        return table_type
+    return REROPE_MARKER if table_type == "default" else REROPE_PREFIX + table_type
+
+
+def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """``rope_parameters`` with the ReRoPE marker taken off the type, and whether it was there."""
+    params = dict(rope_parameters or {})
+    rerope, table_type = split_rope_type(params.get("rope_type") or params.get("type") or "default")
+    params["rope_type"] = table_type
+    params.pop("type", None)
+    return params, rerope
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """What a checkpoint asks for: the method, the base its table takes, and the attention side."""
+
+    method: scaling.RopeScaling
+    base: float
+    attention: str = "sdpa"
+    window: int | None = None
+    leaky_k: float = 0.0
+    logn_length: int = 0
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a config carries for a method: see the module docstring."""
+
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    entry: dict[str, Any] | None
+
+
+def _ntk_base(method: scaling.NTK, base: float, rotary_dim: int) -> float:
+    # The base ops.ntk_inv_freq raises to (csrc/frequencies.cpp): b * s^(d/(d-2)).
+    return float(base) * float(method.factor) ** (rotary_dim / (rotary_dim - 2))
+
+
+def _stock_table(method: scaling.RopeScaling, base: float, rotary_dim: int) -> tuple[dict[str, Any], dict | None]:
+    """(``rope_parameters`` for stock engines, the method for the entry when they cannot name it)."""
+    if type(method) is scaling.NTK and not method.resonance:
+        return {"rope_type": "default", "rope_theta": _ntk_base(method, base, rotary_dim)}, method.to_hf(base=base)
+    params = method.to_hf(base=base)
+    if params["rope_type"] == "dynamic":
+        params["rope_type"] = DYNAMIC_NTK_TYPE
+    return params, None
+
+
+def _written_length(method: scaling.RopeScaling, rope_type: str, factor: float | None, current: int) -> int:
+    original = int(getattr(method, "original_max_position", None) or current)
+    # The length the method was set for: ceil of the product, minus float noise (1.5 * 4096 is 6144).
+    scaled = int(math.ceil(round(max(1.0, float(getattr(method, "factor", None) or 1.0)) * original, 6)))
+    if rope_type in _SCALED_LENGTH_TYPES or factor is None:
+        return scaled
+    return original  # vLLM multiplies it by the written factor, the method's own
+
+
+def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,
+          attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
+          partial_rotary_factor: float | None = None) -> Written:
+    """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
+    (original) ``max_position_embeddings``, with the attention side given."""
+    params, entry_method = _stock_table(method, base, rotary_dim)
+    if partial_rotary_factor is not None:
+        params["partial_rotary_factor"] = partial_rotary_factor
+    params["rope_type"] = join_rope_type(attention == "rerope", params["rope_type"])
+    length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
+    entry = attention_entry(attention, window, leaky_k, logn_length)
+    if entry_method is not None:
+        entry = {**(entry or {}), METHOD_KEY: entry_method}
+    return Written(params, length, entry)
+
+
+def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int) -> Written:
+    """``method``'s static table as a ``longrope`` with ``short_factor == long_factor`` (``theta_i /
+    inv_freq_i``, in float64) and its attention factor in every field an engine reads it from
+    (``attention_factor``: transformers; ``short_mscale``/``long_mscale``: vLLM, which ignores the other):
+    a checkpoint that stock transformers and stock vLLM serve exactly, no plugin needed. (ropescale
+    reads it back as that LongRoPE, the same table.) ``ropescale extend --target vllm`` writes it."""
+    if method.dynamic:
+        raise ValueError(f"write_longrope: {type(method).__name__} is dynamic (its table changes with the length); "
+                         "only a static table can be written as longrope")
+    if isinstance(method, scaling.LongRoPE) and method.short_factor != method.long_factor and not method.resonance:
+        raise ValueError("write_longrope: this LongRoPE has distinct short and long factors; write it as it is")
+    default = scaling.Default().inv_freq(rotary_dim, base, dtype=torch.float64)
+    factors = (default / method.inv_freq(rotary_dim, base, seq_len=None, dtype=torch.float64)).tolist()
+    original = int(getattr(method, "original_max_position", None) or max_position_embeddings)
+    length = _written_length(method, "longrope", None, int(max_position_embeddings))
+    attention = float(method.attention_factor)
+    params = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+              "original_max_position_embeddings": original, "factor": length / original,
+              "attention_factor": attention, "short_mscale": attention, "long_mscale": attention,
+              "rope_theta": float(base)}
+    return Written(params, length, None)
+
+
+def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int) -> dict[str, Any] | None:
+    if attention != "rerope":
+        return None
+    return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k), "logn_length": int(logn_length)}
+
+
+def checked_entry(entry: Any, rope_type: str, rerope: bool) -> dict[str, Any] | None:
+    """The ``ropescale`` entry, checked (None when there is none)."""
+    if entry is None:
+        if rerope:
+            raise ValueError(
+                f"rope_type {rope_type!r} marks ReRoPE attention but the config has no {CONFIG_KEY!r} entry with "
+                "its window; pass attention='rerope', window=...")
+        return None
+    if (not isinstance(entry, Mapping) or set(entry) - {*ATTENTION_KEYS, METHOD_KEY}
+            or entry.get("attention", "sdpa") not in ("sdpa", "rerope")
+            or (METHOD_KEY in entry and not isinstance(entry[METHOD_KEY], Mapping))):
+        raise ValueError(
+            f"config.{CONFIG_KEY} must be a dict with keys {ATTENTION_KEYS} (attention 'sdpa' or 'rerope') and "
+            f"optionally {METHOD_KEY!r} (a rope_parameters dict), got {entry!r}")
+    return dict(entry)
+
+
+def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int | None, entry: Any = None,
+         rotary_dim: int | None = None) -> RopeConfig:
+    """The method a config asks for (``rope_parameters``, ``max_position_embeddings`` and the ``ropescale``
+    entry, as a checkpoint stores them). ``rotary_dim`` is needed only to check an NTK-aware entry."""
+    params, rerope = table_parameters(rope_parameters)
+    entry = checked_entry(entry, params["rope_type"] if not rerope else join_rope_type(True, params["rope_type"]),
+                          rerope)
+    attention = dict(entry or {})
+    method_params = attention.pop(METHOD_KEY, None)
+    if method_params is not None:
+        method_params = dict(method_params)
+        base = float(method_params.pop("rope_theta", params.get("rope_theta", 10000.0)))
+        method = scaling.from_hf(method_params, max_position_embeddings)
+        if rotary_dim is not None:
+            expected, _ = _stock_table(method, base, rotary_dim)
+            if expected["rope_type"] != params["rope_type"] or not math.isclose(
+                    float(expected["rope_theta"]), float(params.get("rope_theta", 10000.0)), rel_tol=1e-12):
+                raise ValueError(
+                    f"config.{CONFIG_KEY}.{METHOD_KEY} ({dict(entry[METHOD_KEY])}) does not match rope_parameters "
+                    f"({dict(rope_parameters or {})}), which should be {expected}: the config was edited by hand")
+    else:
+        base = float(params.pop("rope_theta", 10000.0))
+        if params["rope_type"] == DYNAMIC_NTK_TYPE:
+            params["rope_type"] = "dynamic"
+        if params["rope_type"] == "longrope":  # vLLM's copies of the attention factor (write_longrope)
+            for key in ("short_mscale", "long_mscale"):
+                value = params.pop(key, None)
+                if value is not None and value != params.get("attention_factor"):
+                    raise ValueError(f"longrope's {key} ({value}) differs from its attention_factor "
+                                     f"({params.get('attention_factor')}): transformers and vLLM would disagree")
+        method = scaling.from_hf(params, max_position_embeddings)
+    if rerope or attention.get("attention") == "rerope":
+        if not rerope:
+            raise ValueError(f"config.{CONFIG_KEY} asks for ReRoPE attention but rope_type "
+                             f"{params['rope_type']!r} has no 'rerope' marker")
+        return RopeConfig(method, base, "rerope", attention.get("window"), float(attention.get("leaky_k", 0.0)),
+                          int(attention.get("logn_length", 0)))
+    return RopeConfig(method, base)
+
+
+def base_of(config) -> float:
+    """The RoPE base of a transformers-style config before any method: ``rope_theta``, or the base an
+    NTK-aware method recorded in the ``ropescale`` entry scaled it from."""
+    entry = getattr(config, CONFIG_KEY, None)
+    recorded = entry.get(METHOD_KEY) if isinstance(entry, Mapping) else None
+    if isinstance(recorded, Mapping) and "rope_theta" in recorded:
+        return float(recorded["rope_theta"])
+    return float(config.rope_parameters.get("rope_theta", 10000.0))
+
+
+def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
+    """The rotary dim of a transformers-style config (head dim times ``partial_rotary_factor``)."""
+    rope_parameters = rope_parameters if rope_parameters is not None else config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def read_config(config) -> RopeConfig:
+    """:func:`read` on a transformers-style config object (``rope_parameters``, ``max_position_embeddings``
+    and the ``ropescale`` attribute)."""
+    params = getattr(config, "rope_parameters", None)
+    return read(params, getattr(config, "max_position_embeddings", None), getattr(config, CONFIG_KEY, None),
+                rotary_dim_of(config, params or {}))

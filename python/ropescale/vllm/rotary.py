@@ -1,0 +1,171 @@
+"""ropescale's rotary layer for vLLM and the ``get_rope`` wrapper that hands it out.
+
+vLLM's rotary contract (``vllm/model_executor/layers/rotary_embedding/base.py``): ``forward(positions
+int64 [T], query [T, Hq*D], key [T, Hkv*D] | None) -> (query, key)``; ``cos_sin_cache`` ``[rows,
+rotary_dim]`` holds ``[cos | sin]`` half-width per pair. Eager mode (custom ops enabled) calls
+``forward_cpu`` / ``forward_cuda``, which rotate in place; compiled mode traces ``forward_native``,
+which calls ropescale's functional op (its fake kernel lets Dynamo trace it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping
+
+import torch
+
+from .. import config as config_lib, ops
+
+logger = logging.getLogger("vllm.ropescale")
+
+import vllm.model_executor.layers.rotary_embedding as _rope_package  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # noqa: E402
+
+_stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
+_layers: dict[tuple, RotaryEmbedding] = {}
+_warned: set[str] = set()
+
+
+def _rotate(module, positions, query, key, in_place: bool):
+    """query/key rotated by the rows of ``module.cos_sin_cache`` at ``positions`` with ropescale's kernel."""
+    cos_sin = module.cos_sin_cache.index_select(0, positions.flatten())
+    if cos_sin.dtype != query.dtype or cos_sin.device != query.device:
+        cos_sin = cos_sin.to(query.device, dtype=query.dtype)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    tokens, head_size, interleaved = positions.numel(), module.head_size, not module.is_neox_style
+    # [T, H*D] -> [1, H, T, D]: the ops' [batch, heads, seq, head_dim] with a unit last stride.
+    q = query.view(1, tokens, -1, head_size).transpose(1, 2)
+    if key is None:
+        if in_place:
+            ops.apply_rotary_(q, cos, sin, interleaved, half_width=True)
+            return query, None
+        return ops.apply_rotary(q, cos, sin, interleaved, half_width=True).transpose(1, 2).reshape(query.shape), None
+    k = key.view(1, tokens, -1, head_size).transpose(1, 2)
+    if in_place:
+        ops.apply_rotary_qk_(q, k, cos, sin, interleaved, half_width=True)
+        return query, key
+    q, k = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=True)
+    return q.transpose(1, 2).reshape(query.shape), k.transpose(1, 2).reshape(key.shape)
+
+
+class _RopescaleKernel:
+    """The three forwards of a vLLM rotary layer, through ropescale's rotation kernel."""
+
+    def forward_native(self, positions, query, key=None):
+        return _rotate(self, positions, query, key, in_place=False)
+
+    def forward_cpu(self, positions, query, key=None):
+        return _rotate(self, positions, query, key, in_place=True)
+
+    forward_cuda = forward_cpu
+
+
+class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
+    """A ropescale method's static table (ropescale's ops, float32 inv_freq, angles in double, the
+    attention factor on cos and sin: what ``hf.patch`` feeds transformers), ``rows`` positions long."""
+
+    def __init__(self, head_size: int, rotary_dim: int, rows: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method) -> None:
+        self.method = method
+        super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv_freq = self.method.inv_freq(self.rotary_dim, self.base).to(torch.float64)
+        factor = self.method.attention_factor
+        angles = torch.arange(self.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq
+        return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, method={self.method}"
+
+
+def _ropescale_types() -> tuple[str, ...]:
+    from ..hf.rope_types import ROPESCALE_ROPE_TYPES
+
+    # "ntk" is also vLLM's own type (another formula): it stays vLLM's; see the warning below.
+    return tuple(t for t in ROPESCALE_ROPE_TYPES if t != "ntk")
+
+
+def _model_config():
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().model_config
+
+
+def _refusal(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"ropescale.vllm: this checkpoint uses {what}, which needs ropescale's pre-RoPE KV cache: vLLM cannot "
+        "serve it yet (ropescale issue 18). Serve it with transformers + ropescale.hf, or rewrite it with a static "
+        "method (`ropescale extend`)")
+
+
+def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
+             rope_parameters: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+             *args, **kwargs) -> RotaryEmbedding:
+    """vLLM's ``get_rope``, with ropescale's rotary for the layers of a checkpoint ropescale wrote."""
+    params = rope_parameters or {}
+    model_config = _model_config()
+    hf_config = getattr(model_config, "hf_config", None)
+    entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
+    rope_type = params.get("rope_type", "default")
+    ours = rope_type in _ropescale_types() or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    if not ours:
+        if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
+            _warned.add("ntk")
+            logger.warning(
+                "ropescale: rope_type 'ntk' is served as vLLM's own NTK (base b*s, frequencies divided by "
+                "s^(2/d)); a checkpoint written by ropescale before 0.2 meant NTK-aware scaling with it: "
+                "rewrite it with `ropescale extend` (or hf.patch + save_pretrained)")
+        return _stock_get_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, *args, **kwargs)
+    if args or any(v is not None for k, v in kwargs.items() if k != "mrope_positions_factor"):
+        raise NotImplementedError(f"ropescale.vllm: rope_type {rope_type!r} with {sorted(kwargs)} is not supported")
+    rotary_dim = int(params.get("rope_dim") or head_size * params.get("partial_rotary_factor", 1.0))
+    try:
+        parsed = config_lib.read(params, max_position, entry, rotary_dim)
+    except ValueError as err:
+        raise ValueError(f"ropescale.vllm: {err}") from None
+    if parsed.attention == "rerope":
+        raise _refusal("ReRoPE attention")
+    if parsed.method.dynamic:
+        raise _refusal(f"a dynamic method ({type(parsed.method).__name__})")
+    dtype = dtype or torch.get_default_dtype()
+    # Every position vLLM may serve: its max_model_len, derived from max_position_embeddings and factor.
+    rows = max(int(max_position), int(getattr(model_config, "max_model_len", 0) or 0),
+               int(math.ceil(max_position * float(params.get("factor", 1.0) or 1.0))))
+    key = (head_size, rotary_dim, rows, is_neox_style, parsed, dtype)
+    if key not in _layers:
+        _layers[key] = RopescaleRotaryEmbedding(head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,
+                                                parsed.method)
+    return _layers[key]
+
+
+get_rope.__wrapped__ = _stock_get_rope  # type: ignore[attr-defined]
+
+
+def install() -> None:
+    """Put :func:`get_rope` where model modules import it from (idempotent), and ropescale's rope types
+    into transformers (vLLM validates configs with transformers)."""
+    from .. import hf  # noqa: F401  (registers the rope types)
+
+    _rope_package.get_rope = get_rope
+
+
+# vLLM's own rotary classes that the opt-in switch routes through ropescale's kernel.
+_STOCK_CLASSES = ("RotaryEmbedding", "LinearScalingRotaryEmbedding", "YaRNScalingRotaryEmbedding",
+                  "Llama3RotaryEmbedding")
+
+
+def install_rotation() -> bool:
+    """``CustomOp.register_oot``: vLLM's own rotary classes rotate with ropescale's kernel (their
+    tables stay vLLM's). Idempotent."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    for name in _STOCK_CLASSES:
+        if name in op_registry_oot:
+            continue
+        stock = getattr(_rope_package, name)
+        replacement = CustomOp.register_oot(type(name, (_RopescaleKernel, stock), {"__module__": __name__}), name=name)
+        # register_oot names it after the class; vLLM's custom_ops switches ("+rotary_embedding") use the op name.
+        replacement.name = stock.name
+    return True

@@ -1,0 +1,143 @@
+"""ropescale.config: the one parser between a config and a method (docs/DESIGN.md, "Checkpoints").
+What each method is written as, read back as itself; old checkpoints (``ntk``, transformers' ``dynamic``)
+still read; a config edited out of step with its ``ropescale`` entry is refused."""
+
+import pytest
+import torch
+
+from ropescale import config, scaling
+
+DIM = 16
+L = 16
+LONG = tuple(1.0 + 0.5 * i for i in range(DIM // 2))
+
+# method: (rope_type written, max_position_embeddings written for a model of max_position_embeddings 64)
+WRITTEN = [
+    (scaling.Default(), "default", 64),
+    (scaling.Linear(factor=4.0), "linear", 64),  # vLLM multiplies by factor
+    (scaling.NTK(factor=4.0), "default", 256),  # the scaled base; vLLM sees no factor
+    (scaling.DynamicNTK(factor=2.0, original_max_position=L), "dynamic_ntk", L),
+    (scaling.YaRN(factor=4.0, original_max_position=L), "yarn", 4 * L),  # vLLM takes it as it is
+    (scaling.DynamicYaRN(factor=2.0, original_max_position=L), "dynamic_yarn", L),
+    (scaling.Llama3(factor=8.0, original_max_position=L), "llama3", 8 * L),
+    (scaling.LongRoPE(short_factor=LONG, long_factor=LONG, original_max_position=L, factor=4.0), "longrope", 4 * L),
+    (scaling.Default(resonance=True), "resonance", 64),
+    (scaling.NTK(factor=4.0, resonance=True), "resonance_ntk", 64),
+    (scaling.YaRN(factor=4.0, original_max_position=L, resonance=True), "resonance_yarn", L),
+    (scaling.Llama3(factor=8.0, original_max_position=L, resonance=True), "resonance_llama3", L),
+]
+
+
+@pytest.mark.parametrize("method, rope_type, length", WRITTEN, ids=lambda v: str(v) if isinstance(v, int) else None)
+def test_each_method_is_written_for_stock_engines_and_read_back(method, rope_type, length):
+    written = config.write(method, 1e4, DIM, 64)
+    assert written.rope_parameters["rope_type"] == rope_type
+    assert written.max_position_embeddings == length
+    back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
+    assert back == config.RopeConfig(method, 1e4)
+
+
+def test_ntk_is_default_with_the_scaled_base_and_the_same_table():
+    method = scaling.NTK(factor=4.0)
+    written = config.write(method, 1e4, DIM, 64)
+    assert written.entry == {"method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4}}
+    stock = scaling.Default().inv_freq(DIM, written.rope_parameters["rope_theta"], dtype=torch.float64)
+    torch.testing.assert_close(stock, method.inv_freq(DIM, 1e4, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+def test_rerope_keeps_both_the_attention_side_and_the_ntk_method():
+    written = config.write(scaling.NTK(factor=2.0), 1e4, DIM, 64, attention="rerope", window=8, leaky_k=2.0)
+    assert written.rope_parameters["rope_type"] == "rerope"
+    assert written.entry == {"attention": "rerope", "window": 8, "leaky_k": 2.0, "logn_length": 0,
+                             "method": {"rope_type": "ntk", "factor": 2.0, "rope_theta": 1e4}}
+    back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
+    assert back == config.RopeConfig(scaling.NTK(factor=2.0), 1e4, "rerope", 8, 2.0, 0)
+
+
+def test_old_checkpoints_still_read():
+    # ropescale's former static NTK type, and transformers' dynamic (original length = max_position_embeddings)
+    assert config.read({"rope_type": "ntk", "factor": 4.0, "rope_theta": 5e5}, 64) == config.RopeConfig(
+        scaling.NTK(factor=4.0), 5e5)
+    assert config.read({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, 32).method == scaling.DynamicNTK(
+        factor=2.0, original_max_position=32)
+
+
+def test_old_ntk_checkpoint_loads_in_transformers_as_ntk():
+    transformers = pytest.importorskip("transformers")
+    import ropescale.hf  # noqa: F401  (registers ropescale's rope types)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=DIM, max_position_embeddings=64,
+        rope_parameters={"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4})
+    model = transformers.LlamaForCausalLM(cfg)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, scaling.NTK(factor=4.0).inv_freq(DIM, 1e4))
+
+
+def test_an_edited_config_is_refused():
+    written = config.write(scaling.NTK(factor=4.0), 1e4, DIM, 64)
+    edited = {**written.rope_parameters, "rope_theta": 2e4}
+    with pytest.raises(ValueError, match=r"config.ropescale.method .* does not match rope_parameters .* edited by hand"):
+        config.read(edited, 256, written.entry, DIM)
+    with pytest.raises(ValueError, match="config.ropescale must be a dict with keys"):
+        config.read({"rope_type": "default"}, 64, {"attention": "flash"})
+    with pytest.raises(ValueError, match="marks ReRoPE attention but the config has no 'ropescale' entry"):
+        config.read({"rope_type": "rerope_yarn", "factor": 4.0, "original_max_position_embeddings": L}, 64)
+    with pytest.raises(ValueError, match="asks for ReRoPE attention but rope_type 'default' has no 'rerope' marker"):
+        config.read({"rope_type": "default"}, 64, {"attention": "rerope", "window": 8})
+
+
+EXPORTABLE = [
+    scaling.Linear(factor=4.0),
+    scaling.NTK(factor=4.0),
+    scaling.YaRN(factor=4.0, original_max_position=L, beta_fast=16.0, mscale=0.707, mscale_all_dim=1.0),
+    scaling.YaRN(factor=4.0, original_max_position=L, resonance=True),
+    scaling.Llama3(factor=8.0, original_max_position=L, resonance=True),
+    scaling.Default(resonance=True),
+]
+
+
+@pytest.mark.parametrize("method", EXPORTABLE, ids=lambda m: type(m).__name__ + ("+resonance" if m.resonance else ""))
+def test_longrope_export_is_the_same_table_in_stock_transformers(method):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    written = config.write_longrope(method, 1e4, DIM, 64)
+    assert written.rope_parameters["short_factor"] == written.rope_parameters["long_factor"]
+    cfg = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=DIM, max_position_embeddings=written.max_position_embeddings,
+        rope_parameters=dict(written.rope_parameters))
+    for seq_len in (1, written.max_position_embeddings):  # transformers' short and long tables
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        torch.testing.assert_close(inv_freq, method.inv_freq(DIM, 1e4), rtol=1e-6, atol=0)
+        assert factor == pytest.approx(method.attention_factor, rel=1e-12)
+    back = config.read(written.rope_parameters, written.max_position_embeddings, None, DIM).method
+    torch.testing.assert_close(back.inv_freq(DIM, 1e4), method.inv_freq(DIM, 1e4), rtol=1e-6, atol=0)
+    assert back.attention_factor == pytest.approx(method.attention_factor, rel=1e-12)
+
+
+def test_longrope_export_refuses_dynamic_tables():
+    with pytest.raises(ValueError, match="write_longrope: DynamicYaRN is dynamic"):
+        config.write_longrope(scaling.DynamicYaRN(original_max_position=L), 1e4, DIM, 64)
+
+
+def test_extend_target_vllm_writes_the_longrope_export(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from ropescale import cli
+
+    transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=DIM, max_position_embeddings=L,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}).save_pretrained(tmp_path / "src")
+    assert cli.main(["extend", str(tmp_path / "src"), str(tmp_path / "dst"), "--method", "yarn", "--factor", "4",
+                     "--resonance", "--target", "vllm", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = config.write_longrope(scaling.YaRN(factor=4.0, original_max_position=L, resonance=True), 1e4, DIM, L)
+    assert printed["rope_parameters"] == want.rope_parameters
+    assert printed["max_position_embeddings"] == 4 * L
+    with pytest.raises(SystemExit):
+        cli.main(["extend", str(tmp_path / "src"), str(tmp_path / "d2"), "--method", "dynamic_yarn", "--target", "vllm"])
+    assert "--target vllm: write_longrope: DynamicYaRN is dynamic" in capsys.readouterr().err
