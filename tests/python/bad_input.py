@@ -49,3 +49,18 @@ def parametrize(rows: list[Row]):
 
 def escape(text: str) -> str:
     return re.escape(text)
+
+
+def suite(rows: list[Row]):
+    """The two tests of a bad-input suite, for a module to bind as ``test_real_op, test_fake_kernel``:
+    every row against the real op, and the rows that can be, against the fake kernel."""
+
+    @parametrize(rows)
+    def test_real_op(r):
+        run_real(r)
+
+    @parametrize([r for r in rows if r.fake])
+    def test_fake_kernel(r):
+        run_fake(r)
+
+    return test_real_op, test_fake_kernel

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bad_input import escape, parametrize, row, run_fake, run_real
+from bad_input import row, suite
 from ropescale import ops
 
 R = torch.ops.ropescale
@@ -55,14 +55,7 @@ ROWS = [
 ]
 
 
-@parametrize(ROWS)
-def test_real_op(r):
-    run_real(r)
-
-
-@parametrize([r for r in ROWS if r.fake])
-def test_fake_kernel(r):
-    run_fake(r)
+test_real_op, test_fake_kernel = suite(ROWS)
 
 
 def test_fake_kernels_give_the_real_shapes():

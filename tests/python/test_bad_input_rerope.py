@@ -7,7 +7,7 @@ devices (where the real call itself dispatches to the Meta kernel)."""
 import pytest
 import torch
 
-from bad_input import escape, parametrize, row, run_fake, run_real
+from bad_input import escape, parametrize, row, run_real, suite
 from ropescale import ops
 
 R = torch.ops.ropescale
@@ -75,14 +75,7 @@ ROWS = [
 ]
 
 
-@parametrize(ROWS)
-def test_real_op(r):
-    run_real(r)
-
-
-@parametrize([r for r in ROWS if r.fake])
-def test_fake_kernel(r):
-    run_fake(r)
+test_real_op, test_fake_kernel = suite(ROWS)
 
 
 COMPOSITE_ROWS = [r for r in ROWS if r.id not in ("float64 q",)]  # the composite also takes float64

@@ -6,7 +6,7 @@ itself dispatches to the Meta kernel)."""
 import pytest
 import torch
 
-from bad_input import escape, parametrize, row, run_fake, run_real
+from bad_input import escape, row, suite
 from ropescale import ops
 
 R = torch.ops.ropescale
@@ -82,14 +82,7 @@ ROWS = [
 ]
 
 
-@parametrize(ROWS)
-def test_real_op(r):
-    run_real(r)
-
-
-@parametrize([r for r in ROWS if r.fake])
-def test_fake_kernel(r):
-    run_fake(r)
+test_real_op, test_fake_kernel = suite(ROWS)
 
 
 def test_int32_positions_are_always_in_range():
