@@ -650,3 +650,57 @@ def _rerope_attention_backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("ropescale::rerope_attention", _rerope_attention_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged ReRoPE attention, the engine form (docs/DESIGN.md, "Paged ReRoPE attention").
+
+from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite  # noqa: E402
+
+__all__ += ["rerope_attention_paged", "rerope_cache_write_"]
+
+
+def rerope_attention_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    inv_freq: torch.Tensor,
+    window: int,
+    leaky_k: float = 0.0,
+    scale: float | None = None,
+    scale_factors: torch.Tensor | None = None,
+    logn_length: int = 0,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReRoPE attention of packed requests over a paged cache of raw keys (vLLM's layout and metadata).
+
+    q ``[T, Hq, D]`` (request r owns rows ``query_start_loc[r]:query_start_loc[r+1]``), ``key_cache`` /
+    ``value_cache`` ``[num_blocks, Hkv, block_size, D]``, ``block_table`` ``[R, max_blocks]``, ``seq_lens``
+    ``[R]``. Key slot j of request r has position j; its queries are the last ``q_len`` positions
+    (``seq_lens[r] - q_len + i``). ``inv_freq`` ``[P]`` or one table per request ``[R, P]``;
+    ``scale_factors`` ``[R]`` multiplies each request's softmax scale. The rest as
+    :func:`rerope_attention`. Returns ``(out [T, Hq, D], lse float32 [T, Hq])``.
+    """
+    # TEMPORARY (issue 18, in progress): the plain-PyTorch form until the native op is registered.
+    if not hasattr(_ops, "rerope_attention_paged"):
+        return rerope_attention_paged_composite(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                                inv_freq, window, leaky_k, -1.0 if scale is None else scale,
+                                                scale_factors, logn_length, interleaved)
+    return _ops.rerope_attention_paged(
+        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
+        -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved,
+    )
+
+
+def rerope_cache_write_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Stores raw ``key``/``value`` ``[T, Hkv, D]`` into the pages at ``slot_mapping`` (int64 ``[T]``,
+    ``page * block_size + offset``; negative slots are skipped), in place."""
+    # TEMPORARY (issue 18, in progress): the plain-PyTorch form until the native op is registered.
+    if not hasattr(_ops, "rerope_cache_write_"):
+        rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping)
+        return
+    _ops.rerope_cache_write_(key_cache, value_cache, key, value, slot_mapping)

@@ -26,7 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rerope_attention_composite", "rerope_attention_naive", "rotate"]
+__all__ = ["rerope_attention_composite", "rerope_attention_naive", "rerope_attention_paged_composite",
+           "rerope_cache_write_composite", "rotate"]
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -280,3 +281,57 @@ def rerope_attention_composite(
     qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
     out, lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, causal)
     return out.to(q.dtype), lse.to(_lse_dtype(q))
+
+
+# ---------------------------------------------------------------------------------------------
+# The paged, variable-length form (docs/DESIGN.md, "Paged ReRoPE attention"): what an engine with a
+# paged cache of raw keys calls. Plain PyTorch: each request's pages gathered into dense keys, then
+# rerope_attention_composite. The oracle of the fused kernels and their ROPESCALE_KERNELS=reference form.
+
+
+def _int64_list(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.to("cpu", torch.int64).tolist()]
+
+
+def rerope_attention_paged_composite(
+    q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
+    scale_factors=None, logn_length=0, interleaved=False,
+):
+    """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
+    lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages."""
+    total, q_heads, head_dim = q.shape
+    block_size = key_cache.shape[2]
+    starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)
+    out = q.new_zeros(total, q_heads, value_cache.shape[-1])
+    lse = torch.full((total, q_heads), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    default_scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1.0 else float(scale)
+    for r, seq_len in enumerate(lengths):
+        begin, end = starts[r], starts[r + 1]
+        q_len = end - begin
+        if q_len <= 0 or seq_len <= 0:
+            continue
+        pages = block_table[r, : -(-seq_len // block_size)].to(torch.int64)
+        k = key_cache[pages].transpose(0, 1).reshape(key_cache.shape[1], -1, head_dim)[:, :seq_len]
+        v = value_cache[pages].transpose(0, 1).reshape(value_cache.shape[1], -1, value_cache.shape[-1])[:, :seq_len]
+        k_positions = torch.arange(seq_len, device=q.device)[None]
+        q_positions = k_positions[:, seq_len - q_len:]
+        table = inv_freq if inv_freq.dim() == 1 else inv_freq[r]
+        factor = 1.0 if scale_factors is None else float(scale_factors[r])
+        o, l = rerope_attention_composite(
+            q[begin:end].transpose(0, 1)[None], k[None], v[None], q_positions, k_positions, table, window,
+            leaky_k=leaky_k, scale=default_scale * factor, logn_length=logn_length, interleaved=interleaved)
+        out[begin:end] = o[0].transpose(0, 1)
+        lse[begin:end] = l[0].transpose(0, 1)
+    return out, lse
+
+
+def rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping):
+    """:func:`ropescale.ops.rerope_cache_write_` in plain PyTorch: raw ``key``/``value`` ``[T, Hkv, D]`` into
+    the pages at ``slot_mapping`` (negative slots skipped)."""
+    block_size = key_cache.shape[2]
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    pages, offsets = slots // block_size, slots % block_size
+    key_cache[pages, :, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[pages, :, offsets] = value[keep].to(value_cache.dtype)
