@@ -399,100 +399,58 @@ def _unit_last_stride(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad.contiguous()
 
 
-def _setup_rotary(ctx, inputs, keyword_only_inputs, output):
-    x, cos, sin, interleaved = inputs
-    _refuse_constant_grads("apply_rotary", cos=cos, sin=sin)
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved = interleaved
-    ctx.half_width = keyword_only_inputs["half_width"]
-    ctx.conjugate = keyword_only_inputs["conjugate"]
+# op: (how many rotated tensors lead its arguments, the constant tensors after them, its keyword-only
+# flags). The rest of its positional arguments are flags too.
+_DIFFERENTIABLE = {
+    "apply_rotary": (1, ("cos", "sin"), ("half_width", "conjugate")),
+    "apply_rotary_qk": (2, ("cos", "sin"), ("half_width", "conjugate")),
+    "apply_rotary_pos": (1, ("positions", "inv_freq"), ("conjugate",)),
+    "apply_rotary_pos_qk": (2, ("positions", "inv_freq"), ("conjugate",)),
+}
 
 
-def _backward_rotary(ctx, grad):
-    cos, sin = ctx.saved_tensors
-    grad = _unit_last_stride(grad)
-    grad_x = _ops.apply_rotary(
-        grad, cos, sin, ctx.interleaved, half_width=ctx.half_width, conjugate=not ctx.conjugate
-    )
-    return grad_x, None, None, None
+def _save_rotation(ctx, op: str, args, keywords: dict) -> None:
+    """setup_context of every rotary op: the constants saved (refused if they require grad), the flags kept."""
+    rotated, constants, _ = _DIFFERENTIABLE[op]
+    tensors = args[rotated: rotated + len(constants)]
+    _refuse_constant_grads(op, **dict(zip(constants, tensors)))
+    ctx.save_for_backward(*tensors)
+    ctx.flags, ctx.keywords = tuple(args[rotated + len(constants):]), dict(keywords)
 
 
-def _setup_rotary_qk(ctx, inputs, keyword_only_inputs, output):
-    q, k, cos, sin, interleaved = inputs
-    _refuse_constant_grads("apply_rotary_qk", cos=cos, sin=sin)
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved = interleaved
-    ctx.half_width = keyword_only_inputs["half_width"]
-    ctx.conjugate = keyword_only_inputs["conjugate"]
+def _rotate_back(ctx, grads, single, pair):
+    """The backward of every rotary op: the gradients present, rotated by the same op with conjugate flipped
+    (``pair`` when both q and k have one, else ``single`` on each)."""
+    constants = ctx.saved_tensors
+    keywords = {**ctx.keywords, "conjugate": not ctx.keywords["conjugate"]}
+    grads = [_unit_last_stride(g) for g in grads]
+    if len(grads) == 2 and None not in grads:
+        return tuple(pair(*grads, *constants, *ctx.flags, **keywords))
+    return tuple(None if g is None else single(g, *constants, *ctx.flags, **keywords) for g in grads)
 
 
-def _backward_rotary_qk(ctx, grad_q, grad_k):
-    cos, sin = ctx.saved_tensors
-    grad_q, grad_k = _unit_last_stride(grad_q), _unit_last_stride(grad_k)
-    kwargs = dict(half_width=ctx.half_width, conjugate=not ctx.conjugate)
-    if grad_q is not None and grad_k is not None:
-        grad_q, grad_k = _ops.apply_rotary_qk(grad_q, grad_k, cos, sin, ctx.interleaved, **kwargs)
-    elif grad_q is not None:
-        grad_q = _ops.apply_rotary(grad_q, cos, sin, ctx.interleaved, **kwargs)
-    elif grad_k is not None:
-        grad_k = _ops.apply_rotary(grad_k, cos, sin, ctx.interleaved, **kwargs)
-    return grad_q, grad_k, None, None, None
+def _register_rotation_autograd(op: str) -> None:
+    rotated, constants, _ = _DIFFERENTIABLE[op]
+    single, pair = getattr(_ops, op.removesuffix("_qk")), getattr(_ops, op)
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        _save_rotation(ctx, op, inputs, keyword_only_inputs)
+
+    def backward(ctx, *grads):
+        return (*_rotate_back(ctx, grads, single, pair), *[None] * (len(constants) + len(ctx.flags)))
+
+    torch.library.register_autograd(f"ropescale::{op}", backward, setup_context=setup_context)
 
 
-def _setup_rotary_pos(ctx, inputs, keyword_only_inputs, output):
-    x, positions, inv_freq, scale, interleaved = inputs
-    _refuse_constant_grads("apply_rotary_pos", inv_freq=inv_freq)
-    ctx.save_for_backward(positions, inv_freq)
-    ctx.scale = scale
-    ctx.interleaved = interleaved
-    ctx.conjugate = keyword_only_inputs["conjugate"]
-
-
-def _backward_rotary_pos(ctx, grad):
-    positions, inv_freq = ctx.saved_tensors
-    grad = _unit_last_stride(grad)
-    grad_x = _ops.apply_rotary_pos(grad, positions, inv_freq, ctx.scale, ctx.interleaved, conjugate=not ctx.conjugate)
-    return grad_x, None, None, None, None
-
-
-def _setup_rotary_pos_qk(ctx, inputs, keyword_only_inputs, output):
-    q, k, positions, inv_freq, scale, interleaved = inputs
-    _refuse_constant_grads("apply_rotary_pos_qk", inv_freq=inv_freq)
-    ctx.save_for_backward(positions, inv_freq)
-    ctx.scale = scale
-    ctx.interleaved = interleaved
-    ctx.conjugate = keyword_only_inputs["conjugate"]
-
-
-def _backward_rotary_pos_qk(ctx, grad_q, grad_k):
-    positions, inv_freq = ctx.saved_tensors
-    grad_q, grad_k = _unit_last_stride(grad_q), _unit_last_stride(grad_k)
-    args = (positions, inv_freq, ctx.scale, ctx.interleaved)
-    conjugate = not ctx.conjugate
-    if grad_q is not None and grad_k is not None:
-        grad_q, grad_k = _ops.apply_rotary_pos_qk(grad_q, grad_k, *args, conjugate=conjugate)
-    elif grad_q is not None:
-        grad_q = _ops.apply_rotary_pos(grad_q, *args, conjugate=conjugate)
-    elif grad_k is not None:
-        grad_k = _ops.apply_rotary_pos(grad_k, *args, conjugate=conjugate)
-    return grad_q, grad_k, None, None, None, None
-
-
-torch.library.register_autograd("ropescale::apply_rotary", _backward_rotary, setup_context=_setup_rotary)
-torch.library.register_autograd("ropescale::apply_rotary_qk", _backward_rotary_qk, setup_context=_setup_rotary_qk)
-torch.library.register_autograd(
-    "ropescale::apply_rotary_pos", _backward_rotary_pos, setup_context=_setup_rotary_pos
-)
-torch.library.register_autograd(
-    "ropescale::apply_rotary_pos_qk", _backward_rotary_pos_qk, setup_context=_setup_rotary_pos_qk
-)
+for _op in _DIFFERENTIABLE:
+    _register_rotation_autograd(_op)
 
 # torch.func (grad, vjp, jacrev, and vmap over them): the autograd registration above is an
 # autograd.Function that functorch cannot transform (PyTorch refuses it: "must override the
-# setup_context staticmethod"). Under a torch.func transform the wrappers below go through these
-# Functions instead: the same backward (the op with conjugate flipped), with setup_context and a
-# generated vmap rule. forward runs the op (one transform level lower, where nothing requires grad);
-# backward calls the wrapper, so that it is transformable in turn (jacrev = vmap over it).
+# setup_context staticmethod"). Under a torch.func transform the wrappers go through the Functions
+# below instead: the same setup and backward, with a generated vmap rule and every argument
+# positional. forward runs the op (one transform level lower, where nothing requires grad); backward
+# calls the wrappers, so that it is transformable in turn (jacrev = vmap over it).
 # (torch.ops.ropescale.* called directly under torch.func still gets PyTorch's refusal.)
 
 
@@ -500,96 +458,31 @@ def _under_torch_func() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
-class _RotaryFn(torch.autograd.Function):
-    generate_vmap_rule = True
+def _rotation_function(op: str) -> type[torch.autograd.Function]:
+    rotated, constants, keyword_names = _DIFFERENTIABLE[op]
+    forward_op = getattr(_ops, op)
 
-    @staticmethod
-    def forward(x, cos, sin, interleaved, half_width, conjugate):
-        return _ops.apply_rotary(x, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+    def split(args):
+        return args[: len(args) - len(keyword_names)], dict(zip(keyword_names, args[len(args) - len(keyword_names):]))
 
-    @staticmethod
+    def forward(*args):
+        positional, keywords = split(args)
+        return forward_op(*positional, **keywords)
+
     def setup_context(ctx, inputs, output):
-        _, cos, sin, interleaved, half_width, conjugate = inputs
-        _refuse_constant_grads("apply_rotary", cos=cos, sin=sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.args = (interleaved, half_width, conjugate)
+        _save_rotation(ctx, op, *split(inputs))
 
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        interleaved, half_width, conjugate = ctx.args
-        grad_x = apply_rotary(grad.contiguous(), cos, sin, interleaved, half_width=half_width, conjugate=not conjugate)
-        return grad_x, None, None, None, None, None
+    def backward(ctx, *grads):
+        single, pair = globals()[op.removesuffix("_qk")], globals()[op]  # the wrappers: transformable
+        return (*_rotate_back(ctx, grads, single, pair),
+                *[None] * (len(constants) + len(ctx.flags) + len(keyword_names)))
 
-
-class _RotaryQkFn(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, cos, sin, interleaved, half_width, conjugate):
-        return _ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, cos, sin, interleaved, half_width, conjugate = inputs
-        _refuse_constant_grads("apply_rotary_qk", cos=cos, sin=sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.args = (interleaved, half_width, conjugate)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
-        interleaved, half_width, conjugate = ctx.args
-        kw = dict(half_width=half_width, conjugate=not conjugate)
-        grad_q = None if grad_q is None else apply_rotary(grad_q.contiguous(), cos, sin, interleaved, **kw)
-        grad_k = None if grad_k is None else apply_rotary(grad_k.contiguous(), cos, sin, interleaved, **kw)
-        return grad_q, grad_k, None, None, None, None, None
+    return type(f"_{op}_function", (torch.autograd.Function,), {
+        "generate_vmap_rule": True, "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context), "backward": staticmethod(backward)})
 
 
-class _RotaryPosFn(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, positions, inv_freq, scale, interleaved, conjugate):
-        return _ops.apply_rotary_pos(x, positions, inv_freq, scale, interleaved, conjugate=conjugate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, positions, inv_freq, scale, interleaved, conjugate = inputs
-        _refuse_constant_grads("apply_rotary_pos", inv_freq=inv_freq)
-        ctx.save_for_backward(positions, inv_freq)
-        ctx.args = (scale, interleaved, conjugate)
-
-    @staticmethod
-    def backward(ctx, grad):
-        positions, inv_freq = ctx.saved_tensors
-        scale, interleaved, conjugate = ctx.args
-        grad_x = apply_rotary_pos(grad.contiguous(), positions, inv_freq, scale, interleaved, conjugate=not conjugate)
-        return grad_x, None, None, None, None, None
-
-
-class _RotaryPosQkFn(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, positions, inv_freq, scale, interleaved, conjugate):
-        return _ops.apply_rotary_pos_qk(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, positions, inv_freq, scale, interleaved, conjugate = inputs
-        _refuse_constant_grads("apply_rotary_pos_qk", inv_freq=inv_freq)
-        ctx.save_for_backward(positions, inv_freq)
-        ctx.args = (scale, interleaved, conjugate)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        positions, inv_freq = ctx.saved_tensors
-        scale, interleaved, conjugate = ctx.args
-        args = (positions, inv_freq, scale, interleaved)
-        grad_q = None if grad_q is None else apply_rotary_pos(grad_q.contiguous(), *args, conjugate=not conjugate)
-        grad_k = None if grad_k is None else apply_rotary_pos(grad_k.contiguous(), *args, conjugate=not conjugate)
-        return grad_q, grad_k, None, None, None, None, None
+_RotaryFn, _RotaryQkFn, _RotaryPosFn, _RotaryPosQkFn = (_rotation_function(op) for op in _DIFFERENTIABLE)
 
 
 # ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu).
