@@ -449,7 +449,10 @@ def test_ctrl_c_interrupts_long_native_loops(name):
     import subprocess
     import sys
 
-    script = (f"import os, torch, ropescale\nfrom ropescale import ops\nprint('start', flush=True)\n"
+    # SIGINT gets Python's handler even where this test inherits it ignored (a background job of a
+    # non-interactive shell), as in a terminal.
+    script = (f"import os, signal, torch, ropescale\nfrom ropescale import ops\n"
+              f"signal.signal(signal.SIGINT, signal.default_int_handler)\nprint('start', flush=True)\n"
               f"try:\n    {_LONG_CALLS[name]}\nexcept KeyboardInterrupt:\n"
               f"    print('KeyboardInterrupt', flush=True)\n    os._exit(130)\nprint('finished', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
