@@ -1,7 +1,10 @@
-// rerope_attention on the CPU: flash-style (blocked over keys, online softmax), never an Lq x Lk
-// matrix. Each side of the window is ordinary attention over pre-rotated operands (rerope_math.h),
-// so a tile of (query block x key block) wholly inside or outside the window costs one product and
-// only the band around the window edge costs two.
+// rerope_attention and rerope_attention_paged on the CPU, one body: flash-style (blocked over keys,
+// online softmax), never an Lq x Lk matrix. Both ops hand the plans below a list of problems (a batch
+// row; a request of the paged op, with its own q_len, seq_len, table and scale) and a layout that says
+// where a problem's q, k, v, out and lse rows lie (DenseLayout; PagedLayout reads keys and values
+// through the block table). Each side of the window is ordinary attention over pre-rotated operands
+// (rerope_math.h), so a tile of (query block x key block) wholly inside or outside the window costs
+// one product and only the band around the window edge costs two.
 //
 // Compiled once per instruction set (CPU_CAPABILITY = DEFAULT, AVX2, AVX512; CMakeLists.txt) and
 // picked at run time by cpu/rerope_attention.cpp; the softmax and the rounding are written with
@@ -11,8 +14,8 @@
 // Two plans share the tile classification, the masking and the online softmax:
 // * prefill (more than kDecodeRows query rows): compute-bound. The key blocks some tile needs are
 //   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: at
-//   p/k; ReRoPE far side: raw), then one task per (batch, q head, query block), heaviest first:
-//   scores and P.V by BLAS, the online softmax with a vectorised exp.
+//   p/k; ReRoPE far side: raw; gathered from their pages), then one task per (problem, q head, query
+//   block), heaviest first: scores and P.V by BLAS, the online softmax with a vectorised exp.
 // * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
 //   GQA group share one pass over their kv head, so every key and value is read once; the keys are
 //   split into chunks over the threads and the chunks' partial softmax states merged by their lse
@@ -27,7 +30,9 @@
 // NaN, and a non-finite v_j[d] of a visible key makes out[i, d] non-finite even where its
 // probability underflowed to 0. The row maximum is NaN-propagating (a plain max would skip a NaN
 // score and turn the row into zeros); P.V by BLAS over a tile with masked columns would compute
-// 0 * NaN for them, so such a tile takes a masked loop instead when its value block is not finite.
+// 0 * NaN for them, so when such a tile's value block is not finite its non-finite value rows are
+// zeroed for BLAS (the other rows sum in BLAS's order, as without them) and added to the rows that
+// see them alone (masked_tile_accumulate).
 //
 // Precision (DESIGN.md, "Versions and precision"), the same in both plans and at every size:
 // products are accumulated in float32 and the softmax is float32 throughout. For float16/bfloat16
@@ -557,6 +562,37 @@ void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_
   }
 }
 
+// acc[rows x D] += probs[rows x cols] . V for a tile with masked pairs whose values hold a non-finite
+// element (the float path): BLAS over the values with the non-finite rows zeroed, so that every row
+// sums in the order of the same tile with finite values (a masked pair's value changes nothing, to
+// the bit), then each non-finite value row added to the rows that see it (0 * inf = NaN there, as
+// SDPA's P.V computes). `values` is scratch [kBlockK x D].
+template <typename ValueAt>
+void masked_tile_accumulate(const float* probs, int64_t rows, int64_t cols, ValueAt value_at, int64_t dim, float* acc,
+                            const int64_t* row_pos, const int64_t* key_pos, bool causal, float* values) {
+  int64_t non_finite[kBlockK];
+  int64_t n_non_finite = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    float* row = values + c * dim;
+    load_row(value_at(c), dim, row);
+    if (!row_is_finite(row, dim)) {
+      non_finite[n_non_finite++] = c;
+      std::fill(row, row + dim, 0.0f);
+    }
+  }
+  tile_accumulate(probs, rows, cols, kBlockK, values, dim, dim, acc);
+  for (int64_t n = 0; n < n_non_finite; ++n) {
+    const int64_t c = non_finite[n];
+    const auto* value = value_at(c);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!rerope_visible(row_pos[r], key_pos[c], causal)) continue;
+      const float p = probs[r * kBlockK + c];
+      float* a = acc + r * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  }
+}
+
 // Which query rows (flat over the problems) have at least one visible key, from the positions alone
 // (the mask decides what a row with no visible key returns, never its scores).
 std::vector<uint8_t> rows_with_visible_keys(const std::vector<Problem>& problems, const ProblemOffsets& off,
@@ -769,6 +805,7 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
     std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<float> masked_values(packed ? 0 : kBlockK * D);
     std::vector<lp_t> q_near_lp(packed ? kBlockQ * D : 0), q_far_lp(packed ? kBlockQ * D : 0),
         probs_lp(packed ? kBlockQ * kBlockK : 0);
     for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
@@ -829,7 +866,8 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
           if (probs_out != nullptr)
             row_accumulate(probs_out, rows, cols, kBlockK, value_at, D, acc.data(), row_pos, key_pos, s.causal);
           else
-            row_accumulate(scores.data(), rows, cols, kBlockK, value_at, D, acc.data(), row_pos, key_pos, s.causal);
+            masked_tile_accumulate(scores.data(), rows, cols, value_at, D, acc.data(), row_pos, key_pos, s.causal,
+                                   masked_values.data());
         } else if (packed) {  // P in lp_t (zero columns past cols) times the packed V
           if (cols < kBlockK)
             for (int64_t r = 0; r < rows; ++r)
