@@ -11,7 +11,10 @@ calls after a warm-up, with the extra peak RSS of its own process:
 * ``sdpa``      torch SDPA causal attention on already-rotated q/k: ordinary RoPE attention, the floor
                 (decode: one query against a cache of rotated keys);
 * ``naive``     Su's reference formulation: two full score matrices (ropescale.rerope.rerope_attention_naive);
-* ``composite`` two SDPA calls merged by log-sum-exp (ropescale.ops.rerope_attention_composite).
+* ``composite`` two SDPA calls merged by log-sum-exp (ropescale.ops.rerope_attention_composite);
+* ``paged16``, ``paged128`` ropescale.ops.rerope_attention_paged on the same problem as one request whose
+                keys and values lie in pages of 16 / 128 slots (vLLM's cache, pages in reverse order):
+                what the engine form costs over the dense op (the "paged / fused" lines).
 
 Each (case, method) runs in a fresh subprocess so that peak memory is its own. Methods whose
 score matrices would not fit (naive at 16k: 2 x 8 GiB) are reported as skipped.
@@ -64,7 +67,8 @@ import sys
 import time
 
 HEADS, DIM, WINDOW, BASE = 8, 128, 512, 10000.0
-METHODS = ("fused", "sdpa", "naive", "composite")
+METHODS = ("fused", "sdpa", "naive", "composite", "paged16", "paged128")
+PAGED_METHODS = {"paged16": 16, "paged128": 128}  # method -> block_size
 MEMORY_LIMIT_GIB = 6.0  # skip a method whose score matrices alone would need more
 
 
@@ -112,16 +116,43 @@ def make_case(kind: str, length: int, heads: int, kv_heads: int, dtype, device="
     return q, k, v, q_pos, k_pos, cache
 
 
-def rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window) -> dict:
-    """The ReRoPE methods on one case, as calls (the sdpa floor is built by each mode)."""
+def paged_case(q, k, v, block_size: int):
+    """The case (batch 1, positions 0..L-1) as rerope_attention_paged takes it: q [Lq, H, D] and one
+    request whose keys/values lie in pages of block_size slots, handed out in reverse order."""
+    import torch
+
+    _, kv_heads, length, dim = k.shape
+    pages = -(-length // block_size)
+    order = torch.arange(pages - 1, -1, -1, device=k.device)
+
+    def to_pages(x):
+        padded = x.new_zeros(kv_heads, pages * block_size, dim)
+        padded[:, :length] = x[0]
+        cache = torch.empty(pages, kv_heads, block_size, dim, dtype=x.dtype, device=x.device)
+        cache[order] = padded.view(kv_heads, pages, block_size, dim).transpose(0, 1)
+        return cache
+
+    meta = dict(device=k.device, dtype=torch.int32)
+    return (q[0].transpose(0, 1).contiguous(), to_pages(k), to_pages(v), order[None].to(torch.int32),
+            torch.tensor([length], **meta), torch.tensor([0, q.shape[2]], **meta))
+
+
+def rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window, methods=METHODS) -> dict:
+    """The ReRoPE methods on one case, as calls (the sdpa floor is built by each mode); the paged ones'
+    inputs are built only when asked for."""
     from ropescale import ops
     from ropescale.rerope import rerope_attention_naive
 
-    return {
+    runs = {
         "fused": lambda: ops.rerope_attention(q, k, v, q_pos, k_pos, inv_freq, window),
         "naive": lambda: rerope_attention_naive(q, k, v, q_pos, k_pos, inv_freq, window),
         "composite": lambda: ops.rerope_attention_composite(q, k, v, q_pos, k_pos, inv_freq, window),
     }
+    for method, block_size in PAGED_METHODS.items():
+        if method in methods:
+            paged = paged_case(q, k, v, block_size)
+            runs[method] = lambda paged=paged: ops.rerope_attention_paged(*paged, inv_freq, window)
+    return runs
 
 
 def worker(kind: str, method: str, length: int, repeats: int, dtype_name: str, kv_heads: int) -> dict:
@@ -141,7 +172,7 @@ def worker(kind: str, method: str, length: int, repeats: int, dtype_name: str, k
             return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=kind == "prefill",
                                                   enable_gqa=kv_heads != HEADS)
     else:
-        run = rerope_runs(q, k, v, q_pos, k_pos, inv_freq, WINDOW)[method]
+        run = rerope_runs(q, k, v, q_pos, k_pos, inv_freq, WINDOW, (method,))[method]
 
     # Warm the BLAS kernels on a small problem so that the first timed call is not a JIT.
     ops.rerope_attention(q[:, :, -1:], k[:, :, :64], v[:, :, :64], q_pos[:, -1:], k_pos[:, :64], inv_freq, WINDOW)
@@ -347,7 +378,7 @@ def cuda_main(args) -> int:
                 q, k, v, q_pos, k_pos, cache = make_case(kind, length, heads, kv_heads, dtype, device)
                 q_rot, k_rot = rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq)  # a rotated-key cache
                 sdpa_run, sdpa_label = pick_sdpa(q_rot, k_rot, v, kind == "prefill")
-                runs = {**rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window), "sdpa": sdpa_run}
+                runs = {**rerope_runs(q, k, v, q_pos, k_pos, inv_freq, window, args.methods), "sdpa": sdpa_run}
                 results = {}
                 for method in [m for m in METHODS if m in args.methods or m == "sdpa"]:
                     # naive: two f32 score matrices, their selection and the probabilities (~5 of them)
@@ -420,8 +451,9 @@ def main():
     parser.add_argument("--window", type=int, default=None,
                         help=f"ReRoPE window, --device cuda only (default {CUDA_DEFAULTS['window']}; the CPU mode "
                              f"measures {WINDOW})")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                        help="methods to time (sdpa is always timed: the ratios are against it)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                        help="methods to time (sdpa is always timed: the ratios are against it; default all, "
+                             "cuda: all but the paged ones)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -431,6 +463,7 @@ def main():
     defaults = CUDA_DEFAULTS if args.device == "cuda" else dict(
         prefill=[1024, 4096, 16384], decode=[4096, 16384, 65536], dtype="float32", heads=HEADS, kv_heads=HEADS,
         window=WINDOW)
+    defaults["methods"] = [m for m in METHODS if args.device == "cpu" or m not in PAGED_METHODS]
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -481,6 +514,11 @@ def main():
         r = summary[("decode", 16384)]
         ratio = r["fused"]["seconds"] / r["sdpa"]["seconds"]
         print(f"  decode 16k: fused / sdpa = {ratio:.2f} (target <= 1.5): {'met' if ratio <= 1.5 else 'MISSED'}")
+    for (kind, length), r in summary.items():
+        for method, block_size in PAGED_METHODS.items():
+            if r.get(method):
+                print(f"  {kind} {length // 1024}k: paged (block_size {block_size}) / fused = "
+                      f"{r[method]['seconds'] / r['fused']['seconds']:.2f}")
 
 
 if __name__ == "__main__":

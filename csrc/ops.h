@@ -96,6 +96,14 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                         int64_t window, double leaky_k, double scale,
                                                         int64_t logn_length, bool causal, bool interleaved);
+// ---- rerope_attention_paged, rerope_cache_write_: cpu/rerope_attention.cpp (checks: rerope_paged.cpp) ----
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cpu(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved);
+void rerope_cache_write_cpu_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& slot_mapping);
 #ifdef ROPESCALE_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                          const at::Tensor& v, const at::Tensor& q_positions,

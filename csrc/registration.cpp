@@ -11,6 +11,7 @@
 
 #include "ops.h"
 #include "rerope_attention.h"
+#include "rerope_paged.h"
 #include "rotary_args.h"
 
 #include <string>
@@ -86,6 +87,15 @@ TORCH_LIBRARY(ropescale, m) {
       "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
       "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
       "-> (Tensor out, Tensor lse)");
+  // The engine form: requests packed along T, raw keys/values read through vLLM's paged cache, positions
+  // implicit (key slot j at j, the q_len queries last), a rotation table and scale factor per request.
+  m.def(
+      "rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False) -> (Tensor out, Tensor lse)");
+  // Stores raw key/value rows [T, Hkv, D] into the pages at slot_mapping (negative slots skipped), in place.
+  m.def("rerope_cache_write_(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
+        "Tensor slot_mapping) -> ()");
   // ---- The checks of the rotary ops and rerope_attention as ops (metadata; CPU positions' range),
   // for the plain-PyTorch paths that compute those ops (rerope_attention_composite, the reference
   // kernels): they refuse what the op refuses, with its message, eagerly and under torch.compile.
@@ -97,6 +107,11 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
         "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "
         "bool allow_float64=False) -> ()");
+  m.def("_check_rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
+        "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False) -> ()");
+  m.def("_check_rerope_cache_write(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, "
+        "Tensor slot_mapping) -> ()");
 }
 
 // Ops without tensor inputs have no backend to dispatch on: CompositeExplicitAutograd serves them
@@ -116,6 +131,8 @@ TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   m.impl("_check_rotary", &ropescale::check_rotary);
   m.impl("_check_rotary_pos", &ropescale::check_rotary_pos);
   m.impl("_check_rerope_attention", &ropescale::check_rerope_attention);
+  m.impl("_check_rerope_attention_paged", &ropescale::check_rerope_attention_paged_op);
+  m.impl("_check_rerope_cache_write", &ropescale::check_rerope_cache_write);
 }
 
 TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
@@ -124,6 +141,8 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("effective_context_length", &ropescale::effective_context_length);
   m.impl("feature_gap", &ropescale::feature_gap);
   m.impl("rerope_attention", &ropescale::rerope_attention_cpu);
+  m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_cpu);
+  m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_cpu_);
 }
 
 // The rotary ops check their arguments and pick the kernel of the operands' device themselves
@@ -154,6 +173,8 @@ TORCH_LIBRARY_IMPL(ropescale, Meta, m) {
   m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk_meta);
   m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_meta_);
   m.impl("rerope_attention", &ropescale::rerope_attention_meta);
+  m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_meta);
+  m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_meta_);
   m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq_meta);
   m.impl("similarity_decay", &ropescale::similarity_decay_meta);
   m.impl("feature_gap", &ropescale::feature_gap_meta);

@@ -58,4 +58,23 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
 void check_rerope_cache_write(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
 
+// The Meta kernels: the shared checks, then empty outputs of the right shapes (rerope_cache_write_: the
+// checks alone).
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved);
+void rerope_cache_write_meta_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& slot_mapping);
+
+// The op ropescale::_check_rerope_attention_paged: the metadata check and (CPU) the value checks, for
+// the plain-PyTorch paths that compute the op (the float64 oracle: allow_float64; the reference
+// kernels), so that they refuse what the op refuses with its messages.
+void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                     const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+                                     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
+                                     int64_t logn_length, bool allow_float64);
+
 }  // namespace ropescale

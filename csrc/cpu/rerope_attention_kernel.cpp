@@ -1,7 +1,10 @@
-// rerope_attention on the CPU: flash-style (blocked over keys, online softmax), never an Lq x Lk
-// matrix. Each side of the window is ordinary attention over pre-rotated operands (rerope_math.h),
-// so a tile of (query block x key block) wholly inside or outside the window costs one product and
-// only the band around the window edge costs two.
+// rerope_attention and rerope_attention_paged on the CPU, one body: flash-style (blocked over keys,
+// online softmax), never an Lq x Lk matrix. Both ops hand the plans below a list of problems (a batch
+// row; a request of the paged op, with its own q_len, seq_len, table and scale) and a layout that says
+// where a problem's q, k, v, out and lse rows lie (DenseLayout; PagedLayout reads keys and values
+// through the block table). Each side of the window is ordinary attention over pre-rotated operands
+// (rerope_math.h), so a tile of (query block x key block) wholly inside or outside the window costs
+// one product and only the band around the window edge costs two.
 //
 // Compiled once per instruction set (CPU_CAPABILITY = DEFAULT, AVX2, AVX512; CMakeLists.txt) and
 // picked at run time by cpu/rerope_attention.cpp; the softmax and the rounding are written with
@@ -11,8 +14,8 @@
 // Two plans share the tile classification, the masking and the online softmax:
 // * prefill (more than kDecodeRows query rows): compute-bound. The key blocks some tile needs are
 //   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: at
-//   p/k; ReRoPE far side: raw), then one task per (batch, q head, query block), heaviest first:
-//   scores and P.V by BLAS, the online softmax with a vectorised exp.
+//   p/k; ReRoPE far side: raw; gathered from their pages), then one task per (problem, q head, query
+//   block), heaviest first: scores and P.V by BLAS, the online softmax with a vectorised exp.
 // * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
 //   GQA group share one pass over their kv head, so every key and value is read once; the keys are
 //   split into chunks over the threads and the chunks' partial softmax states merged by their lse
@@ -27,7 +30,9 @@
 // NaN, and a non-finite v_j[d] of a visible key makes out[i, d] non-finite even where its
 // probability underflowed to 0. The row maximum is NaN-propagating (a plain max would skip a NaN
 // score and turn the row into zeros); P.V by BLAS over a tile with masked columns would compute
-// 0 * NaN for them, so such a tile takes a masked loop instead when its value block is not finite.
+// 0 * NaN for them, so when such a tile's value block is not finite its non-finite value rows are
+// zeroed for BLAS (the other rows sum in BLAS's order, as without them) and added to the rows that
+// see them alone (masked_tile_accumulate).
 //
 // Precision (DESIGN.md, "Versions and precision"), the same in both plans and at every size:
 // products are accumulated in float32 and the softmax is float32 throughout. For float16/bfloat16
@@ -63,6 +68,7 @@
 #include <vector>
 
 #include "rerope_attention.h"
+#include "rerope_paged.h"
 #include "rotary_args.h"
 #include "ropescale/rerope_math.h"
 #include "ropescale/rotary_math.h"
@@ -351,17 +357,110 @@ template <typename scalar_t>
 inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
+// ---- the problems one call computes, and where their tensors lie
+//
+// Both ops run the same two plans over a list of PROBLEMS: a problem is q_len queries against k_len
+// keys with their own positions, rotation table and softmax scale (a batch row of rerope_attention, a
+// request of rerope_attention_paged). Where a problem's q, k, v, out and lse rows lie is the LAYOUT's
+// business (DenseLayout, PagedLayout: a template parameter, so each layout's addressing inlines).
 
-// cos/sin rows [kBlockK x 2P] (cos then sin) for the keys of the flagged (batch, key block)s, at
-// position_of(p): one sincos per key and pair, shared by every head.
+// What every problem of a call shares.
+struct AttentionShape {
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0, rotary_pairs = 0, window = 0, logn_length = 0;
+  double leaky_inv = 0.0, inv_log_train = 0.0;
+  bool causal = true, interleaved = false;
+};
+
+struct Problem {
+  int64_t index = 0;               // the layout's index of the problem (batch row, request)
+  int64_t q_len = 0, k_len = 0;    // both > 0
+  const int64_t* q_pos = nullptr;  // [q_len]
+  const int64_t* k_pos = nullptr;  // [k_len]
+  const float* inv_freq = nullptr;  // [rotary_pairs]
+  float scale = 0.0f;              // softmax scale of its scores
+  int64_t q_blocks() const { return (q_len + kBlockQ - 1) / kBlockQ; }
+  int64_t k_blocks() const { return (k_len + kBlockK - 1) / kBlockK; }
+};
+
+// Where each problem's query rows, query blocks, key blocks and tiles start in the flat per-call
+// arrays (prefix sums, n + 1 entries each), and the problem of every query block and key block.
+struct ProblemOffsets {
+  std::vector<int64_t> rows{0}, q_blocks{0}, k_blocks{0}, tiles{0};
+  std::vector<int64_t> q_block_problem, k_block_problem;
+
+  explicit ProblemOffsets(const std::vector<Problem>& problems) {
+    for (size_t p = 0; p < problems.size(); ++p) {
+      const Problem& pr = problems[p];
+      rows.push_back(rows.back() + pr.q_len);
+      q_blocks.push_back(q_blocks.back() + pr.q_blocks());
+      k_blocks.push_back(k_blocks.back() + pr.k_blocks());
+      tiles.push_back(tiles.back() + pr.q_blocks() * pr.k_blocks());
+      q_block_problem.insert(q_block_problem.end(), pr.q_blocks(), static_cast<int64_t>(p));
+      k_block_problem.insert(k_block_problem.end(), pr.k_blocks(), static_cast<int64_t>(p));
+    }
+  }
+  // The problem that owns a flat query row.
+  int64_t problem_of_row(int64_t row) const {
+    return std::upper_bound(rows.begin(), rows.end(), row) - rows.begin() - 1;
+  }
+};
+
+// rerope_attention: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (any strides, unit last), out [B, Hq, Lq, D]
+// and lse [B, Hq, Lq] contiguous; problem b is batch row b.
+template <typename scalar_t>
+struct DenseLayout {
+  const scalar_t *q, *k, *v;
+  scalar_t* out;
+  float* lse;
+  int64_t sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, q_heads, q_len, head_dim;
+
+  const scalar_t* q_row(int64_t b, int64_t h, int64_t i) const { return q + b * sq0 + h * sq1 + i * sq2; }
+  const scalar_t* key_row(int64_t b, int64_t h, int64_t j) const { return k + b * sk0 + h * sk1 + j * sk2; }
+  const scalar_t* value_row(int64_t b, int64_t h, int64_t j) const { return v + b * sv0 + h * sv1 + j * sv2; }
+  scalar_t* out_row(int64_t b, int64_t h, int64_t i) const { return out + ((b * q_heads + h) * q_len + i) * head_dim; }
+  float* lse_at(int64_t b, int64_t h, int64_t i) const { return lse + (b * q_heads + h) * q_len + i; }
+  // Whether BLAS can read a key block's values where they lie (float32, rows at least D apart), and how.
+  bool float_values_in_place() const { return std::is_same_v<scalar_t, float> && sv2 >= head_dim; }
+  int64_t float_values_ld() const { return sv2; }
+};
+
+// rerope_attention_paged: q [T, Hq, D] (unit last stride), the caches [num_blocks, Hkv, block_size, D]
+// (last two dims contiguous), key slot j of request r in page block_table[r, j / block_size]; out
+// [T, Hq, D] and lse [T, Hq] contiguous; problem r is request r, its query i is row starts[r] + i.
+template <typename scalar_t>
+struct PagedLayout {
+  const scalar_t *q, *key_cache, *value_cache;
+  scalar_t* out;
+  float* lse;
+  const int32_t *block_table, *starts;
+  int64_t sq0, sq1, sk0, sk1, sv0, sv1, block_size, max_blocks, q_heads, head_dim;
+
+  const scalar_t* q_row(int64_t r, int64_t h, int64_t i) const { return q + (starts[r] + i) * sq0 + h * sq1; }
+  int64_t page_of(int64_t r, int64_t j) const { return block_table[r * max_blocks + j / block_size]; }
+  const scalar_t* key_row(int64_t r, int64_t h, int64_t j) const {
+    return key_cache + page_of(r, j) * sk0 + h * sk1 + (j % block_size) * head_dim;
+  }
+  const scalar_t* value_row(int64_t r, int64_t h, int64_t j) const {
+    return value_cache + page_of(r, j) * sv0 + h * sv1 + (j % block_size) * head_dim;
+  }
+  scalar_t* out_row(int64_t r, int64_t h, int64_t i) const { return out + ((starts[r] + i) * q_heads + h) * head_dim; }
+  float* lse_at(int64_t r, int64_t h, int64_t i) const { return lse + (starts[r] + i) * q_heads + h; }
+  // A key block (kBlockK slots from a multiple of kBlockK) lies in one page when pages hold whole blocks.
+  bool float_values_in_place() const { return std::is_same_v<scalar_t, float> && block_size % kBlockK == 0; }
+  int64_t float_values_ld() const { return head_dim; }
+};
+
+// cos/sin rows [kBlockK x 2P] (cos then sin) for the keys of the flagged key blocks (flat over the
+// problems), at position_of(p) with the block's problem's table: one sincos per key and pair, shared by
+// every head.
 struct KeyRotations {
-  std::vector<int64_t> slot;  // per (b, kb): its rows in `cs`, -1 when not flagged
+  std::vector<int64_t> slot;  // per key block: its rows in `cs`, -1 when not flagged
   std::vector<float> cs;
   int64_t pairs = 0;
 
   template <typename PositionOf>
-  KeyRotations(const std::vector<uint8_t>& flagged, const int64_t* k_pos, int64_t k_len, int64_t n_kb,
-               const float* inv_freq, int64_t pair_count, PositionOf position_of)
+  KeyRotations(const std::vector<uint8_t>& flagged, const std::vector<Problem>& problems, const ProblemOffsets& off,
+               int64_t pair_count, PositionOf position_of)
       : slot(flagged.size(), -1), pairs(pair_count) {
     std::vector<int64_t> blocks;
     for (size_t i = 0; i < flagged.size(); ++i)
@@ -372,10 +471,12 @@ struct KeyRotations {
     cs.resize(blocks.size() * kBlockK * 2 * pairs);
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const int64_t b = blocks[n] / n_kb, j0 = (blocks[n] % n_kb) * kBlockK, j1 = std::min(k_len, j0 + kBlockK);
+        const int64_t p = off.k_block_problem[blocks[n]];
+        const Problem& pr = problems[p];
+        const int64_t j0 = (blocks[n] - off.k_blocks[p]) * kBlockK, j1 = std::min(pr.k_len, j0 + kBlockK);
         for (int64_t j = j0; j < j1; ++j) {
           float* row = &cs[(n * kBlockK + j - j0) * 2 * pairs];
-          rotary_cos_sin_cpu(position_of(k_pos[b * k_len + j]), inv_freq, pairs, row, row + pairs);
+          rotary_cos_sin_cpu(position_of(pr.k_pos[j]), pr.inv_freq, pairs, row, row + pairs);
         }
       }
     });
@@ -383,18 +484,18 @@ struct KeyRotations {
   const float* rows(int64_t block) const { return slot[block] < 0 ? nullptr : &cs[slot[block] * kBlockK * 2 * pairs]; }
 };
 
-// Key rows [j0, j0 + cols) of one head (rows ld apart) as float rows [cols x D]: rotated with a
-// KeyRotations block's cos/sin rows (and rounded to scalar_t, as the rotated operand) when `rot` is
-// given, as stored otherwise.
-template <typename scalar_t>
-void load_key_rows(const scalar_t* k_head, int64_t ld, int64_t j0, int64_t cols, int64_t dim, const float* rot,
-                   int64_t pairs, bool interleaved, float* scratch, float* dst) {
+// Key rows c = 0 .. cols-1 of a block (key_at(c) points at one, in the input dtype) as float rows
+// [cols x D]: rotated with a KeyRotations block's cos/sin rows (and rounded to scalar_t, as the rotated
+// operand) when `rot` is given, as stored otherwise.
+template <typename scalar_t, typename KeyAt>
+void load_key_rows(KeyAt key_at, int64_t cols, int64_t dim, const float* rot, int64_t pairs, bool interleaved,
+                   float* scratch, float* dst) {
   for (int64_t c = 0; c < cols; ++c) {
     if (rot) {
-      load_row(k_head + (j0 + c) * ld, dim, scratch);
+      load_row(key_at(c), dim, scratch);
       rotate_row(scratch, rot + c * 2 * pairs, rot + c * 2 * pairs + pairs, pairs, dim, interleaved, dst + c * dim);
     } else {
-      load_row(k_head + (j0 + c) * ld, dim, dst + c * dim);
+      load_row(key_at(c), dim, dst + c * dim);
     }
   }
   if (rot) round_rows<scalar_t>(dst, cols * dim);
@@ -417,13 +518,15 @@ inline float dot_row(const float* q, const key_t* key, int64_t dim) {
   return lanes[0] + tail;
 }
 
-// Scores of a few query rows against key rows (ld_keys apart, read where they lie, any cache
-// dtype): every key is read once for all the rows.
-template <typename key_t>
-void row_scores(const float* q, int64_t rows, int64_t dim, const key_t* keys, int64_t ld_keys, int64_t cols,
-                float* scores, int64_t ld_scores) {
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, keys + c * ld_keys, dim);
+// Scores of a few query rows against key rows (key_at(c): read where they lie, any cache dtype):
+// every key is read once for all the rows.
+template <typename KeyAt>
+void row_scores(const float* q, int64_t rows, int64_t dim, KeyAt key_at, int64_t cols, float* scores,
+                int64_t ld_scores) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const auto* key = key_at(c);
+    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, key, dim);
+  }
 }
 
 // Whether every element of a row is finite (x * 0 is 0 for finite x, NaN otherwise).
@@ -435,16 +538,15 @@ inline bool row_is_finite(const value_t* x, int64_t dim) {
   return zero == 0.0f;
 }
 
-// acc[rows x D] += probs . V for a few rows (V rows ld_v apart, any cache dtype, probs of any float
-// type): every value row is read once for all the rows. A zero probability is skipped when the pair
-// is masked (whatever the value holds) or the value row is finite; a visible key's non-finite value
-// is added even at probability 0 (0 * inf = NaN, as SDPA's P.V computes).
-template <typename prob_t, typename value_t>
-void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_probs, const value_t* v,
-                    int64_t ld_v, int64_t dim, float* acc, const int64_t* row_pos, const int64_t* key_pos,
-                    bool causal) {
+// acc[rows x D] += probs . V for a few rows (value_at(c): value rows read where they lie, any cache
+// dtype; probs of any float type): every value row is read once for all the rows. A zero probability
+// is skipped when the pair is masked (whatever the value holds) or the value row is finite; a visible
+// key's non-finite value is added even at probability 0 (0 * inf = NaN, as SDPA's P.V computes).
+template <typename prob_t, typename ValueAt>
+void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_probs, ValueAt value_at, int64_t dim,
+                    float* acc, const int64_t* row_pos, const int64_t* key_pos, bool causal) {
   for (int64_t c = 0; c < cols; ++c) {
-    const value_t* value = v + c * ld_v;
+    const auto* value = value_at(c);
     int finite = -1;  // unknown until a zero probability of a visible pair asks
     for (int64_t r = 0; r < rows; ++r) {
       const float p = static_cast<float>(probs[r * ld_probs + c]);
@@ -460,17 +562,49 @@ void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_
   }
 }
 
-// Which query rows have at least one visible key, from the positions alone (the mask decides what
-// a row with no visible key returns, never its scores): [B * Lq].
-std::vector<uint8_t> rows_with_visible_keys(const int64_t* q_pos, const int64_t* k_pos, int64_t batch, int64_t q_len,
-                                            int64_t k_len, bool causal) {
-  std::vector<uint8_t> seen(batch * q_len, 0);
-  for (int64_t b = 0; b < batch; ++b) {
+// acc[rows x D] += probs[rows x cols] . V for a tile with masked pairs whose values hold a non-finite
+// element (the float path): BLAS over the values with the non-finite rows zeroed, so that every row
+// sums in the order of the same tile with finite values (a masked pair's value changes nothing, to
+// the bit), then each non-finite value row added to the rows that see it (0 * inf = NaN there, as
+// SDPA's P.V computes). `values` is scratch [kBlockK x D].
+template <typename ValueAt>
+void masked_tile_accumulate(const float* probs, int64_t rows, int64_t cols, ValueAt value_at, int64_t dim, float* acc,
+                            const int64_t* row_pos, const int64_t* key_pos, bool causal, float* values) {
+  int64_t non_finite[kBlockK];
+  int64_t n_non_finite = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    float* row = values + c * dim;
+    load_row(value_at(c), dim, row);
+    if (!row_is_finite(row, dim)) {
+      non_finite[n_non_finite++] = c;
+      std::fill(row, row + dim, 0.0f);
+    }
+  }
+  tile_accumulate(probs, rows, cols, kBlockK, values, dim, dim, acc);
+  for (int64_t n = 0; n < n_non_finite; ++n) {
+    const int64_t c = non_finite[n];
+    const auto* value = value_at(c);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!rerope_visible(row_pos[r], key_pos[c], causal)) continue;
+      const float p = probs[r * kBlockK + c];
+      float* a = acc + r * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  }
+}
+
+// Which query rows (flat over the problems) have at least one visible key, from the positions alone
+// (the mask decides what a row with no visible key returns, never its scores).
+std::vector<uint8_t> rows_with_visible_keys(const std::vector<Problem>& problems, const ProblemOffsets& off,
+                                            bool causal) {
+  std::vector<uint8_t> seen(off.rows.back(), 0);
+  for (size_t p = 0; p < problems.size(); ++p) {
+    const Problem& pr = problems[p];
     PositionRange keys;
-    for (int64_t j = 0; j < k_len; ++j) keys.add(k_pos[b * k_len + j]);
-    for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t p = q_pos[b * q_len + i];
-      seen[b * q_len + i] = keys.count > 0 && p >= 0 && (!causal || keys.min <= p);
+    for (int64_t j = 0; j < pr.k_len; ++j) keys.add(pr.k_pos[j]);
+    for (int64_t i = 0; i < pr.q_len; ++i) {
+      const int64_t q = pr.q_pos[i];
+      seen[off.rows[p] + i] = keys.count > 0 && q >= 0 && (!causal || keys.min <= q);
     }
   }
   return seen;
@@ -494,40 +628,22 @@ inline void write_row(bool seen, float max, float sum, const float* acc, int64_t
   }
 }
 
-// v as float rows BLAS can read: the tensor itself when it already is float32 with rows at least
-// D apart, a float copy otherwise.
-struct FloatRows {
-  at::Tensor storage;
-  const float* data = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_l = 0;
-
-  explicit FloatRows(const at::Tensor& t) {
-    const bool usable = t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.stride(2) >= t.size(3);
-    storage = usable ? t : t.to(at::kFloat).contiguous();
-    data = storage.data_ptr<float>();
-    stride_b = storage.stride(0);
-    stride_h = storage.stride(1);
-    stride_l = storage.stride(2);
-  }
-  const float* row(int64_t b, int64_t h, int64_t l) const { return data + b * stride_b + h * stride_h + l * stride_l; }
-};
-
-// Per-(batch, kv head, key block) panels [B, Hkv, n_kb, panel_size] of element type panel_t, written
-// only for the blocks that need them: transposed keys [D x kBlockK] and, on the packed path, values
-// [kBlockK x D], both in the layout the GEMM reads (float rows, or VNNI as cpublas::pack writes it).
+// Per-(key block, kv head) panels [key blocks, Hkv, panel_size] of element type panel_t, written only
+// for the blocks that need them: transposed keys [D x kBlockK], float values [kBlockK x D] where BLAS
+// cannot read them in place, and, on the packed path, values [kBlockK x D], all in the layout the GEMM
+// reads (float rows, or VNNI as cpublas::pack writes it).
 template <typename panel_t>
 struct Panels {
   at::Tensor storage;
   panel_t* data = nullptr;
-  int64_t heads = 0, blocks = 0, size = 0;
+  int64_t heads = 0, size = 0;
 
-  Panels(int64_t batch, int64_t heads_, int64_t blocks_, int64_t size_, bool allocate = true)
-      : heads(heads_), blocks(blocks_), size(size_) {
+  Panels(int64_t blocks, int64_t heads_, int64_t size_, bool allocate = true) : heads(heads_), size(size_) {
     if (!allocate) return;
-    storage = at::empty({batch, heads_, blocks_, size_}, at::TensorOptions().dtype(c10::CppTypeToScalarType<panel_t>::value));
+    storage = at::empty({blocks, heads_, size_}, at::TensorOptions().dtype(c10::CppTypeToScalarType<panel_t>::value));
     data = storage.data_ptr<panel_t>();
   }
-  panel_t* panel(int64_t b, int64_t h, int64_t kb) const { return data + ((b * heads + h) * blocks + kb) * size; }
+  panel_t* panel(int64_t block, int64_t h) const { return data + (block * heads + h) * size; }
 };
 
 // The bf16/fp16 GEMMs on the packed path: cpublas::brgemm with VNNI-packed B, which oneDNN runs on
@@ -549,94 +665,107 @@ bool use_packed_gemm(int64_t head_dim) {
     return head_dim % 16 == 0 && at::native::cpublas::could_pack(c10::CppTypeToScalarType<scalar_t>::value);
   }
 #else
+  (void)head_dim;
   return false;
 #endif
 }
 
-template <typename scalar_t>
-void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
-  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = a.leaky_inv != 0.0;
-  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
-  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
-  const float* inv_freq = a.inv_freq.data_ptr<float>();
-  const int64_t n_qb = (Lq + kBlockQ - 1) / kBlockQ, n_kb = (Lk + kBlockK - 1) / kBlockK;
+// ---- prefill plan
+
+template <typename scalar_t, typename Layout>
+void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
+  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
+  const bool leaky = s.leaky_inv != 0.0;
+  const ProblemOffsets off(problems);
+  const int64_t n_problems = static_cast<int64_t>(problems.size());
+  const int64_t total_rows = off.rows.back(), total_qb = off.q_blocks.back(), total_kb = off.k_blocks.back();
 
   // ---- tile classification, and which key blocks each side needs
-  std::vector<PositionRange> q_ranges(B * n_qb), k_ranges(B * n_kb);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < Lq; ++i) q_ranges[b * n_qb + i / kBlockQ].add(q_pos[b * Lq + i]);
-    for (int64_t j = 0; j < Lk; ++j) k_ranges[b * n_kb + j / kBlockK].add(k_pos[b * Lk + j]);
+  std::vector<PositionRange> q_ranges(total_qb), k_ranges(total_kb);
+  for (int64_t p = 0; p < n_problems; ++p) {
+    const Problem& pr = problems[p];
+    for (int64_t i = 0; i < pr.q_len; ++i) q_ranges[off.q_blocks[p] + i / kBlockQ].add(pr.q_pos[i]);
+    for (int64_t j = 0; j < pr.k_len; ++j) k_ranges[off.k_blocks[p] + j / kBlockK].add(pr.k_pos[j]);
   }
-  std::vector<TileClass> tiles(B * n_qb * n_kb);
-  std::vector<uint8_t> needs_near(B * n_kb, 0), needs_far(B * n_kb, 0);
-  std::vector<int64_t> task_cost(B * n_qb, 0);
-  for (int64_t b = 0; b < B; ++b)
+  std::vector<TileClass> tiles(off.tiles.back());
+  std::vector<uint8_t> needs_near(total_kb, 0), needs_far(total_kb, 0);
+  std::vector<int64_t> task_cost(total_qb, 0);
+  for (int64_t p = 0; p < n_problems; ++p) {
+    const int64_t n_qb = problems[p].q_blocks(), n_kb = problems[p].k_blocks();
     for (int64_t qb = 0; qb < n_qb; ++qb)
       for (int64_t kb = 0; kb < n_kb; ++kb) {
-        const TileClass tc =
-            rerope_classify_tile(q_ranges[b * n_qb + qb], k_ranges[b * n_kb + kb], a.window, a.causal);
-        tiles[(b * n_qb + qb) * n_kb + kb] = tc;
-        needs_near[b * n_kb + kb] |= tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
-        needs_far[b * n_kb + kb] |= tc.kind == TileKind::kFar || tc.kind == TileKind::kBand;
-        task_cost[b * n_qb + qb] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
+        const int64_t gq = off.q_blocks[p] + qb, gk = off.k_blocks[p] + kb;
+        const TileClass tc = rerope_classify_tile(q_ranges[gq], k_ranges[gk], s.window, s.causal);
+        tiles[off.tiles[p] + qb * n_kb + kb] = tc;
+        needs_near[gk] |= tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
+        needs_far[gk] |= tc.kind == TileKind::kFar || tc.kind == TileKind::kBand;
+        task_cost[gq] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
       }
+  }
 
-  const std::vector<uint8_t> row_seen = rows_with_visible_keys(q_pos, k_pos, B, Lq, Lk, a.causal);
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
 
-  // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k; row factors
-  std::vector<float> q_near_cs(2 * B * Lq * P), q_far_cs(2 * (leaky ? B * Lq : 1) * P), row_factor(B * Lq);
-  if (!leaky) rotary_cos_sin_cpu(static_cast<double>(a.window), inv_freq, P, q_far_cs.data(), q_far_cs.data() + P);
-  at::parallel_for(0, B * Lq, 256, [&](int64_t begin, int64_t end) {
+  // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k (ReRoPE: one row
+  // per problem, at w); row factors
+  std::vector<float> q_near_cs(2 * total_rows * P), q_far_cs(2 * (leaky ? total_rows : n_problems) * P),
+      row_factor(total_rows);
+  if (!leaky)
+    for (int64_t p = 0; p < n_problems; ++p)
+      rotary_cos_sin_cpu(static_cast<double>(s.window), problems[p].inv_freq, P, &q_far_cs[2 * p * P],
+                         &q_far_cs[(2 * p + 1) * P]);
+  at::parallel_for(0, total_rows, 256, [&](int64_t begin, int64_t end) {
+    int64_t p = off.problem_of_row(begin);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t p = q_pos[row];
-      rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, &q_near_cs[2 * row * P],
+      while (row >= off.rows[p + 1]) ++p;
+      const Problem& pr = problems[p];
+      const int64_t pos = pr.q_pos[row - off.rows[p]];
+      rotary_cos_sin_cpu(static_cast<double>(pos), pr.inv_freq, P, &q_near_cs[2 * row * P],
                          &q_near_cs[(2 * row + 1) * P]);
       if (leaky)
-        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, &q_far_cs[2 * row * P],
-                           &q_far_cs[(2 * row + 1) * P]);
-      row_factor[row] = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
+        rotary_cos_sin_cpu(rerope_far_query_position(pos, s.window, s.leaky_inv), pr.inv_freq, P,
+                           &q_far_cs[2 * row * P], &q_far_cs[(2 * row + 1) * P]);
+      row_factor[row] = pr.scale * rerope_logn_scale(pos, s.logn_length, s.inv_log_train);
     }
   });
 
   // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
-  const KeyRotations near_rot(needs_near, k_pos, Lk, n_kb, inv_freq, P,
-                              [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(B * n_kb, 0), k_pos, Lk, n_kb, inv_freq, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
+  const KeyRotations near_rot(needs_near, problems, off, P, [](int64_t p) { return static_cast<double>(p); });
+  const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(total_kb, 0), problems, off, P,
+                             [&](int64_t p) { return rerope_far_key_position(p, s.leaky_inv); });
   const bool packed = use_packed_gemm<scalar_t>(D);
+  const bool values_in_place = !packed && layout.float_values_in_place();
   using lp_t = std::conditional_t<std::is_same_v<scalar_t, float>, at::BFloat16, scalar_t>;  // packed operands
   const at::ScalarType lp_dtype = c10::CppTypeToScalarType<lp_t>::value;
-  const Panels<float> near_panels(B, Hkv, n_kb, D * kBlockK, !packed), far_panels(B, Hkv, n_kb, D * kBlockK, !packed);
-  const Panels<lp_t> near_packed(B, Hkv, n_kb, D * kBlockK, packed), far_packed(B, Hkv, n_kb, D * kBlockK, packed),
-      v_packed(B, Hkv, n_kb, kBlockK * D, packed);
-  const auto* k_data = a.k.data_ptr<scalar_t>();
-  const auto* v_data = a.v.data_ptr<scalar_t>();
-  // Per (batch, kv head, key block): whether its values hold a non-finite element (then a tile with
-  // masked pairs must not multiply them by its zero probabilities).
-  std::vector<uint8_t> v_not_finite(B * Hkv * n_kb, 0);
-  at::parallel_for(0, B * Hkv * n_kb, 1, [&](int64_t begin, int64_t end) {
+  const Panels<float> near_panels(total_kb, Hkv, D * kBlockK, !packed), far_panels(total_kb, Hkv, D * kBlockK, !packed),
+      v_float(total_kb, Hkv, kBlockK * D, !packed && !values_in_place);
+  const Panels<lp_t> near_packed(total_kb, Hkv, D * kBlockK, packed), far_packed(total_kb, Hkv, D * kBlockK, packed),
+      v_packed(total_kb, Hkv, kBlockK * D, packed);
+  // Per (key block, kv head): whether its values hold a non-finite element (then a tile with masked
+  // pairs must not multiply them by its zero probabilities).
+  std::vector<uint8_t> v_not_finite(total_kb * Hkv, 0);
+  at::parallel_for(0, total_kb * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), key_rows(kBlockK * D);
     std::vector<lp_t> staging(packed ? kBlockK * D : 0);
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t kb = unit % n_kb, h = (unit / n_kb) % Hkv, b = unit / (n_kb * Hkv), block = b * n_kb + kb;
-      const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
-      for (int64_t c = 0; c < cols && !v_not_finite[unit]; ++c)
-        v_not_finite[unit] = !row_is_finite(v_data + b * a.v.stride(0) + h * a.v.stride(1) + (j0 + c) * a.v.stride(2), D);
+      const int64_t block = unit / Hkv, h = unit % Hkv, p = off.k_block_problem[block];
+      const Problem& pr = problems[p];
+      const int64_t j0 = (block - off.k_blocks[p]) * kBlockK, cols = std::min(kBlockK, pr.k_len - j0);
+      auto key_at = [&](int64_t c) { return layout.key_row(pr.index, h, j0 + c); };
+      auto value_at = [&](int64_t c) { return layout.value_row(pr.index, h, j0 + c); };
+      for (int64_t c = 0; c < cols && !v_not_finite[unit]; ++c) v_not_finite[unit] = !row_is_finite(value_at(c), D);
+      if (!needs_near[block] && !needs_far[block]) continue;
       // The block's keys, rotated for one side (and rounded), transposed [D x kBlockK]: into the float
       // panel, or into the staging panel (zero past cols) that is then packed.
       auto write_panel = [&](const Panels<float>& panels, const Panels<lp_t>& packed_panels, const float* rot) {
-        load_key_rows(k_data + b * a.k.stride(0) + h * a.k.stride(1), a.k.stride(2), j0, cols, D, rot, P,
-                      a.interleaved, scratch.data(), key_rows.data());
+        load_key_rows<scalar_t>(key_at, cols, D, rot, P, s.interleaved, scratch.data(), key_rows.data());
         if (!packed) {
-          float* panel = panels.panel(b, h, kb);
+          float* panel = panels.panel(block, h);
           for (int64_t c = 0; c < cols; ++c)
             for (int64_t d = 0; d < D; ++d) panel[d * kBlockK + c] = key_rows[c * D + d];
           return;
         }
         // Column blocks of kPackN keys, each [D x kPackN], packed one after the other.
-        lp_t* out = packed_panels.panel(b, h, kb);
+        lp_t* out = packed_panels.panel(block, h);
         for (int64_t n0 = 0; n0 < kBlockK; n0 += kPackN) {
           for (int64_t d = 0; d < D; ++d)
             for (int64_t c = 0; c < kPackN; ++c)
@@ -646,56 +775,53 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
       };
       if (needs_near[block]) write_panel(near_panels, near_packed, near_rot.rows(block));
       if (needs_far[block]) write_panel(far_panels, far_packed, far_rot.rows(block));  // ReRoPE: raw keys
-      if (packed && (needs_near[block] || needs_far[block])) {
+      if (packed) {
         // The block's values [kBlockK x D] (zero past cols) in column blocks of up to kPackN dims.
-        const scalar_t* v_head = v_data + b * a.v.stride(0) + h * a.v.stride(1);
-        lp_t* out = v_packed.panel(b, h, kb);
+        lp_t* out = v_packed.panel(block, h);
         for (int64_t d0 = 0; d0 < D; d0 += kPackN) {
           const int64_t width = std::min(kPackN, D - d0);
           for (int64_t c = 0; c < kBlockK; ++c)
             for (int64_t d = 0; d < width; ++d)
-              staging[c * width + d] = c < cols ? static_cast<lp_t>(v_head[(j0 + c) * a.v.stride(2) + d0 + d]) : lp_t(0.0f);
+              staging[c * width + d] = c < cols ? static_cast<lp_t>(value_at(c)[d0 + d]) : lp_t(0.0f);
           at::native::cpublas::pack(kBlockK, width, width, width, lp_dtype, lp_dtype, staging.data(), out + kBlockK * d0);
         }
+      } else if (!values_in_place) {  // float rows [cols x D] (exact: a conversion, or a gather of pages)
+        float* panel = v_float.panel(block, h);
+        for (int64_t c = 0; c < cols; ++c) load_row(value_at(c), D, panel + c * D);
       }
     }
   });
-  std::optional<FloatRows> v_rows;  // the float path's V
-  if (!packed) v_rows.emplace(a.v);
 
-  // ---- attention tasks, heaviest first, handed out dynamically (causal rows differ in cost)
-  std::vector<int64_t> tasks;
-  tasks.reserve(B * Hq * n_qb);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t qb = 0; qb < n_qb; ++qb) tasks.push_back((b * Hq + h) * n_qb + qb);
-  auto cost_of = [&](int64_t task) { return task_cost[(task / (Hq * n_qb)) * n_qb + task % n_qb]; };
-  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) { return cost_of(x) > cost_of(y); });
+  // ---- attention tasks (problem, q head, query block), heaviest first, handed out dynamically (causal
+  // rows differ in cost)
+  std::vector<int64_t> tasks;  // global query block * Hq + head
+  tasks.reserve(total_qb * Hq);
+  for (int64_t gq = 0; gq < total_qb; ++gq)
+    for (int64_t h = 0; h < Hq; ++h) tasks.push_back(gq * Hq + h);
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](int64_t x, int64_t y) { return task_cost[x / Hq] > task_cost[y / Hq]; });
   std::atomic<int64_t> next_task{0};
-  const auto* q_data = a.q.data_ptr<scalar_t>();
-  auto* out_data = out.data_ptr<scalar_t>();
-  float* lse_data = lse.data_ptr<float>();
-  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q_row(D), q_near(kBlockQ * D), q_far(kBlockQ * D), acc(kBlockQ * D);
     std::vector<float> scores(kBlockQ * kBlockK), far_scores(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<float> masked_values(packed ? 0 : kBlockK * D);
     std::vector<lp_t> q_near_lp(packed ? kBlockQ * D : 0), q_far_lp(packed ? kBlockQ * D : 0),
         probs_lp(packed ? kBlockQ * kBlockK : 0);
     for (int64_t t = next_task.fetch_add(1); t < static_cast<int64_t>(tasks.size()); t = next_task.fetch_add(1)) {
-      const int64_t task = tasks[t];
-      const int64_t qb = task % n_qb, h = (task / n_qb) % Hq, b = task / (n_qb * Hq), hkv = h / group;
-      const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, Lq - i0);
-      const int64_t* row_pos = q_pos + b * Lq + i0;
+      const int64_t gq = tasks[t] / Hq, h = tasks[t] % Hq, hkv = h / group, p = off.q_block_problem[gq];
+      const Problem& pr = problems[p];
+      const int64_t qb = gq - off.q_blocks[p], n_kb = pr.k_blocks();
+      const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, pr.q_len - i0), row0 = off.rows[p] + i0;
+      const int64_t* row_pos = pr.q_pos + i0;
 
       // The query block's operands for both sides, rotated and rounded to scalar_t.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = b * Lq + i0 + r;
-        load_row(q_data + b * sq0 + h * sq1 + (i0 + r) * sq2, D, q_row.data());
-        const float* near_cs = &q_near_cs[2 * row * P];
-        const float* far_cs = leaky ? &q_far_cs[2 * row * P] : q_far_cs.data();
-        rotate_row(q_row.data(), near_cs, near_cs + P, P, D, a.interleaved, &q_near[r * D]);
-        rotate_row(q_row.data(), far_cs, far_cs + P, P, D, a.interleaved, &q_far[r * D]);
+        load_row(layout.q_row(pr.index, h, i0 + r), D, q_row.data());
+        const float* near_cs = &q_near_cs[2 * (row0 + r) * P];
+        const float* far_cs = &q_far_cs[2 * (leaky ? row0 + r : p) * P];
+        rotate_row(q_row.data(), near_cs, near_cs + P, P, D, s.interleaved, &q_near[r * D]);
+        rotate_row(q_row.data(), far_cs, far_cs + P, P, D, s.interleaved, &q_far[r * D]);
       }
       if (packed) {  // the GEMM reads them in lp_t: the conversion is the rounding
         convert_row(q_near.data(), rows * D, q_near_lp.data());
@@ -709,39 +835,39 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
       std::fill(acc.begin(), acc.end(), 0.0f);
 
       for (int64_t kb = 0; kb < n_kb; ++kb) {
-        const TileClass tc = tiles[(b * n_qb + qb) * n_kb + kb];
+        const TileClass tc = tiles[off.tiles[p] + qb * n_kb + kb];
         if (tc.kind == TileKind::kSkip) continue;
-        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+        const int64_t block = off.k_blocks[p] + kb, j0 = kb * kBlockK, cols = std::min(kBlockK, pr.k_len - j0);
         const bool band = tc.kind == TileKind::kBand;
+        const int64_t* key_pos = pr.k_pos + j0;
         // Scores: the packed path computes all kBlockK columns (past cols the keys are zero; not read).
         auto scores_of = [&](const float* q, const lp_t* q_lp, const Panels<float>& panels,
                              const Panels<lp_t>& packed_panels, float* dst) {
           if (packed)
             for (int64_t n0 = 0; n0 < kBlockK; n0 += kPackN)
               at::native::cpublas::brgemm(rows, kPackN, D, D, kPackN, kBlockK, /*add_C=*/false, q_lp,
-                                          packed_panels.panel(b, hkv, kb) + n0 * D, dst + n0, /*is_vnni=*/true);
+                                          packed_panels.panel(block, hkv) + n0 * D, dst + n0, /*is_vnni=*/true);
           else
-            tile_scores(q, rows, D, panels.panel(b, hkv, kb), cols, dst, kBlockK);
+            tile_scores(q, rows, D, panels.panel(block, hkv), cols, dst, kBlockK);
         };
         if (tc.kind != TileKind::kFar) scores_of(q_near.data(), q_near_lp.data(), near_panels, near_packed, scores.data());
         if (tc.kind != TileKind::kNear)
           scores_of(q_far.data(), q_far_lp.data(), far_panels, far_packed, band ? far_scores.data() : scores.data());
         if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, k_pos + b * Lk + j0,
-                               a.window, a.causal, band, tc.needs_mask);
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, key_pos, s.window,
+                               s.causal, band, tc.needs_mask);
         scalar_t* probs_out = nullptr;
         if constexpr (std::is_same_v<scalar_t, lp_t>)
           if (packed) probs_out = probs_lp.data();
-        online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, &row_factor[b * Lq + i0], row_max.data(),
+        online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, &row_factor[row0], row_max.data(),
                                         row_sum.data(), acc.data(), D, probs_out);
-        if (tc.needs_mask && v_not_finite[(b * Hkv + hkv) * n_kb + kb]) {  // rare: masked values that are not finite
-          const scalar_t* v_block = v_data + b * a.v.stride(0) + hkv * a.v.stride(1) + j0 * a.v.stride(2);
+        if (tc.needs_mask && v_not_finite[block * Hkv + hkv]) {  // rare: masked values that are not finite
+          auto value_at = [&](int64_t c) { return layout.value_row(pr.index, hkv, j0 + c); };
           if (probs_out != nullptr)
-            row_accumulate(probs_out, rows, cols, kBlockK, v_block, a.v.stride(2), D, acc.data(), row_pos,
-                           k_pos + b * Lk + j0, a.causal);
+            row_accumulate(probs_out, rows, cols, kBlockK, value_at, D, acc.data(), row_pos, key_pos, s.causal);
           else
-            row_accumulate(scores.data(), rows, cols, kBlockK, v_block, a.v.stride(2), D, acc.data(), row_pos,
-                           k_pos + b * Lk + j0, a.causal);
+            masked_tile_accumulate(scores.data(), rows, cols, value_at, D, acc.data(), row_pos, key_pos, s.causal,
+                                   masked_values.data());
         } else if (packed) {  // P in lp_t (zero columns past cols) times the packed V
           if (cols < kBlockK)
             for (int64_t r = 0; r < rows; ++r)
@@ -749,18 +875,19 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
           for (int64_t d0 = 0; d0 < D; d0 += kPackN) {
             const int64_t width = std::min(kPackN, D - d0);
             at::native::cpublas::brgemm(rows, width, kBlockK, kBlockK, width, D, /*add_C=*/true, probs_lp.data(),
-                                        v_packed.panel(b, hkv, kb) + kBlockK * d0, acc.data() + d0, /*is_vnni=*/true);
+                                        v_packed.panel(block, hkv) + kBlockK * d0, acc.data() + d0, /*is_vnni=*/true);
           }
+        } else if (values_in_place) {
+          const float* v_rows = reinterpret_cast<const float*>(layout.value_row(pr.index, hkv, j0));
+          tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows, layout.float_values_ld(), D, acc.data());
         } else {
-          tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows->row(b, hkv, j0), v_rows->stride_l, D, acc.data());
+          tile_accumulate(scores.data(), rows, cols, kBlockK, v_float.panel(block, hkv), D, D, acc.data());
         }
       }
 
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t out_row = (b * Hq + h) * Lq + i0 + r;
-        write_row(row_seen[b * Lq + i0 + r] != 0, row_max[r], row_sum[r], &acc[r * D], D, out_data + out_row * D,
-                  &lse_data[out_row]);
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        write_row(row_seen[row0 + r] != 0, row_max[r], row_sum[r], &acc[r * D], D,
+                  layout.out_row(pr.index, h, i0 + r), layout.lse_at(pr.index, h, i0 + r));
     }
     if (packed) at::native::cpublas::brgemm_release(/*is_vnni=*/true);  // the AMX tile state of this thread
   });
@@ -768,140 +895,144 @@ void rerope_prefill_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor&
 
 // ---- decode plan
 
-template <typename scalar_t>
-void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = a.batch, Hq = a.q_heads, Hkv = a.kv_heads, Lq = a.q_len, Lk = a.k_len, D = a.head_dim;
-  const int64_t P = a.rotary_pairs, group = Hq / Hkv;
-  const int64_t rows = group * Lq;  // query rows sharing a kv head: row r is head (r / Lq) of the group, token r % Lq
-  const bool leaky = a.leaky_inv != 0.0;
-  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
-  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
-  const float* inv_freq = a.inv_freq.data_ptr<float>();
-  const int64_t n_kb = (Lk + kBlockK - 1) / kBlockK;
+template <typename scalar_t, typename Layout>
+void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
+  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
+  const bool leaky = s.leaky_inv != 0.0;
+  const ProblemOffsets off(problems);
+  const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
+  // A problem's rows sharing a kv head: row r is head (r / q_len) of the group, query r % q_len.
+  int64_t max_rows = 0;
+  for (const Problem& pr : problems) max_rows = std::max(max_rows, group * pr.q_len);
 
-  // ---- tile classification: the query rows of a batch row are one block
-  std::vector<TileClass> tiles(B * n_kb);
-  std::vector<uint8_t> near_blocks(B * n_kb, 0), leaky_far_blocks(B * n_kb, 0);
-  for (int64_t b = 0; b < B; ++b) {
+  // ---- tile classification: the query rows of a problem are one block
+  std::vector<TileClass> tiles(total_kb);
+  std::vector<uint8_t> near_blocks(total_kb, 0), leaky_far_blocks(total_kb, 0);
+  for (int64_t p = 0; p < n_problems; ++p) {
+    const Problem& pr = problems[p];
     PositionRange queries;
-    for (int64_t i = 0; i < Lq; ++i) queries.add(q_pos[b * Lq + i]);
-    for (int64_t kb = 0; kb < n_kb; ++kb) {
+    for (int64_t i = 0; i < pr.q_len; ++i) queries.add(pr.q_pos[i]);
+    for (int64_t kb = 0; kb < pr.k_blocks(); ++kb) {
       PositionRange keys;
-      for (int64_t j = kb * kBlockK; j < std::min(Lk, (kb + 1) * kBlockK); ++j) keys.add(k_pos[b * Lk + j]);
-      const TileClass tc = rerope_classify_tile(queries, keys, a.window, a.causal);
-      tiles[b * n_kb + kb] = tc;
-      near_blocks[b * n_kb + kb] = tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
-      leaky_far_blocks[b * n_kb + kb] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
+      for (int64_t j = kb * kBlockK; j < std::min(pr.k_len, (kb + 1) * kBlockK); ++j) keys.add(pr.k_pos[j]);
+      const int64_t block = off.k_blocks[p] + kb;
+      const TileClass tc = rerope_classify_tile(queries, keys, s.window, s.causal);
+      tiles[block] = tc;
+      near_blocks[block] = tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
+      leaky_far_blocks[block] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
     }
   }
-  const KeyRotations near_rot(near_blocks, k_pos, Lk, n_kb, inv_freq, P,
-                              [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky_far_blocks, k_pos, Lk, n_kb, inv_freq, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, a.leaky_inv); });
+  const KeyRotations near_rot(near_blocks, problems, off, P, [](int64_t p) { return static_cast<double>(p); });
+  const KeyRotations far_rot(leaky_far_blocks, problems, off, P,
+                             [&](int64_t p) { return rerope_far_key_position(p, s.leaky_inv); });
 
-  // ---- chunks of key blocks: about four work units per thread
-  const int64_t wanted = std::clamp<int64_t>((4 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv), 1, n_kb);
-  const int64_t chunk_blocks = (n_kb + wanted - 1) / wanted;
-  const int64_t chunks = (n_kb + chunk_blocks - 1) / chunk_blocks, units = B * Hkv * chunks;
-  std::vector<float> part_acc(units * rows * D), part_max(units * rows), part_sum(units * rows);
-
-  const auto* q_data = a.q.data_ptr<scalar_t>();
-  const auto* k_data = a.k.data_ptr<scalar_t>();
-  const auto* v_data = a.v.data_ptr<scalar_t>();
-  const int64_t sq0 = a.q.stride(0), sq1 = a.q.stride(1), sq2 = a.q.stride(2);
-  const int64_t sk0 = a.k.stride(0), sk1 = a.k.stride(1), sk2 = a.k.stride(2);
-  const int64_t sv0 = a.v.stride(0), sv1 = a.v.stride(1), sv2 = a.v.stride(2);
+  // ---- units (problem, kv head, chunk of key blocks): about four per thread in all
+  const int64_t wanted = std::max<int64_t>(4 * at::get_num_threads(), 1);
+  const int64_t chunk_blocks = std::max<int64_t>(1, (total_kb * Hkv + wanted - 1) / wanted);
+  std::vector<int64_t> unit_begin{0}, chunks_of(n_problems);
+  for (int64_t p = 0; p < n_problems; ++p) {
+    chunks_of[p] = (problems[p].k_blocks() + chunk_blocks - 1) / chunk_blocks;
+    unit_begin.push_back(unit_begin.back() + Hkv * chunks_of[p]);
+  }
+  const int64_t units = unit_begin.back();
+  std::vector<float> part_acc(units * max_rows * D), part_max(units * max_rows), part_sum(units * max_rows);
 
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(D), cs(2 * P), q_near(rows * D), q_far(rows * D);
+    std::vector<float> scratch(D), cs(2 * P), q_near(max_rows * D), q_far(max_rows * D);
     std::vector<float> near_keys(kBlockK * D), far_keys(kBlockK * D);
-    std::vector<float> scores(rows * kBlockK), far_scores(rows * kBlockK);
-    std::vector<int64_t> row_pos(rows);
-    std::vector<float> row_factor(rows);
+    std::vector<float> scores(max_rows * kBlockK), far_scores(max_rows * kBlockK);
+    std::vector<int64_t> row_pos(max_rows);
+    std::vector<float> row_factor(max_rows);
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t chunk = unit % chunks, hkv = (unit / chunks) % Hkv, b = unit / (chunks * Hkv);
+      const int64_t p = std::upper_bound(unit_begin.begin(), unit_begin.end(), unit) - unit_begin.begin() - 1;
+      const Problem& pr = problems[p];
+      const int64_t local = unit - unit_begin[p], chunk = local % chunks_of[p], hkv = local / chunks_of[p];
+      const int64_t Lq = pr.q_len, rows = group * Lq;
       // The rows' operands for both sides, rotated and rounded to scalar_t as in the prefill plan.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = hkv * group + r / Lq, i = r % Lq, p = q_pos[b * Lq + i];
-        row_pos[r] = p;
-        row_factor[r] = a.scale * rerope_logn_scale(p, a.logn_length, a.inv_log_train);
-        load_row(q_data + b * sq0 + h * sq1 + i * sq2, D, scratch.data());
-        rotary_cos_sin_cpu(static_cast<double>(p), inv_freq, P, cs.data(), cs.data() + P);
-        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, a.interleaved, &q_near[r * D]);
-        rotary_cos_sin_cpu(rerope_far_query_position(p, a.window, a.leaky_inv), inv_freq, P, cs.data(),
+        const int64_t h = hkv * group + r / Lq, i = r % Lq, pos = pr.q_pos[i];
+        row_pos[r] = pos;
+        row_factor[r] = pr.scale * rerope_logn_scale(pos, s.logn_length, s.inv_log_train);
+        load_row(layout.q_row(pr.index, h, i), D, scratch.data());
+        rotary_cos_sin_cpu(static_cast<double>(pos), pr.inv_freq, P, cs.data(), cs.data() + P);
+        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_near[r * D]);
+        rotary_cos_sin_cpu(rerope_far_query_position(pos, s.window, s.leaky_inv), pr.inv_freq, P, cs.data(),
                            cs.data() + P);
-        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, a.interleaved, &q_far[r * D]);
+        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_far[r * D]);
       }
       round_rows<scalar_t>(q_near.data(), rows * D);
       round_rows<scalar_t>(q_far.data(), rows * D);
-      float* acc = &part_acc[unit * rows * D];
-      float* row_max = &part_max[unit * rows];
-      float* row_sum = &part_sum[unit * rows];
+      float* acc = &part_acc[unit * max_rows * D];
+      float* row_max = &part_max[unit * max_rows];
+      float* row_sum = &part_sum[unit * max_rows];
       std::fill(row_max, row_max + rows, kNegInf);
       std::fill(row_sum, row_sum + rows, 0.0f);
       std::fill(acc, acc + rows * D, 0.0f);
-      const scalar_t* k_head = k_data + b * sk0 + hkv * sk1;
-      const scalar_t* v_head = v_data + b * sv0 + hkv * sv1;
 
-      for (int64_t kb = chunk * chunk_blocks; kb < std::min(n_kb, (chunk + 1) * chunk_blocks); ++kb) {
-        const int64_t block = b * n_kb + kb;
+      for (int64_t kb = chunk * chunk_blocks; kb < std::min(pr.k_blocks(), (chunk + 1) * chunk_blocks); ++kb) {
+        const int64_t block = off.k_blocks[p] + kb;
         const TileClass tc = tiles[block];
         if (tc.kind == TileKind::kSkip) continue;
-        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, Lk - j0);
+        const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, pr.k_len - j0);
         const bool band = tc.kind == TileKind::kBand;
+        const int64_t* key_pos = pr.k_pos + j0;
+        auto key_at = [&](int64_t c) { return layout.key_row(pr.index, hkv, j0 + c); };
         if (tc.kind != TileKind::kFar) {
-          load_key_rows(k_head, sk2, j0, cols, D, near_rot.rows(block), P, a.interleaved, scratch.data(),
-                        near_keys.data());
-          row_scores(q_near.data(), rows, D, near_keys.data(), D, cols, scores.data(), kBlockK);
+          load_key_rows<scalar_t>(key_at, cols, D, near_rot.rows(block), P, s.interleaved, scratch.data(),
+                                  near_keys.data());
+          row_scores(q_near.data(), rows, D, [&](int64_t c) { return &near_keys[c * D]; }, cols, scores.data(),
+                     kBlockK);
         }
         if (tc.kind != TileKind::kNear) {
           float* far_dst = band ? far_scores.data() : scores.data();
           if (!leaky) {  // ReRoPE's far keys are the stored keys: read in place
-            row_scores(q_far.data(), rows, D, k_head + j0 * sk2, sk2, cols, far_dst, kBlockK);
+            row_scores(q_far.data(), rows, D, key_at, cols, far_dst, kBlockK);
           } else {
-            load_key_rows(k_head, sk2, j0, cols, D, far_rot.rows(block), P, a.interleaved, scratch.data(),
-                          far_keys.data());
-            row_scores(q_far.data(), rows, D, far_keys.data(), D, cols, far_dst, kBlockK);
+            load_key_rows<scalar_t>(key_at, cols, D, far_rot.rows(block), P, s.interleaved, scratch.data(),
+                                    far_keys.data());
+            row_scores(q_far.data(), rows, D, [&](int64_t c) { return &far_keys[c * D]; }, cols, far_dst, kBlockK);
           }
         }
         if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(),
-                               k_pos + b * Lk + j0, a.window, a.causal, band, tc.needs_mask);
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(), key_pos,
+                               s.window, s.causal, band, tc.needs_mask);
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, row_factor.data(), row_max, row_sum,
                                         acc, D);
-        row_accumulate(scores.data(), rows, cols, kBlockK, v_head + j0 * sv2, sv2, D, acc, row_pos.data(),
-                       k_pos + b * Lk + j0, a.causal);
+        row_accumulate(scores.data(), rows, cols, kBlockK,
+                       [&](int64_t c) { return layout.value_row(pr.index, hkv, j0 + c); }, D, acc, row_pos.data(),
+                       key_pos, s.causal);
       }
     }
   });
 
   // ---- merge the chunks of every row by their lse (NaN-propagating; a chunk whose visible scores
   // were all -inf still adds its acc with weight 0, so a non-finite value there stays non-finite)
-  const std::vector<uint8_t> row_seen = rows_with_visible_keys(q_pos, k_pos, B, Lq, Lk, a.causal);
-  auto* out_data = out.data_ptr<scalar_t>();
-  float* lse_data = lse.data_ptr<float>();
-  at::parallel_for(0, B * Hkv * rows, 16, [&](int64_t begin, int64_t end) {
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
+  at::parallel_for(0, n_problems * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t r = index % rows, head_unit = index / rows;  // head_unit = b * Hkv + hkv
-      const int64_t b = head_unit / Hkv, h = (head_unit % Hkv) * group + r / Lq;
-      const int64_t out_row = (b * Hq + h) * Lq + r % Lq;
-      float global_max = kNegInf;
-      for (int64_t c = 0; c < chunks; ++c)
-        global_max = nan_max(global_max, part_max[(head_unit * chunks + c) * rows + r]);
-      std::fill(merged.begin(), merged.end(), 0.0f);
-      float total = 0.0f;
-      if (std::isfinite(global_max)) {
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t part = (head_unit * chunks + c) * rows + r;
-          const float weight = std::exp(part_max[part] - global_max);  // 0 for a chunk at -inf
-          total += weight * part_sum[part];
-          const float* acc = &part_acc[part * D];
-          for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
+      const int64_t p = index / Hkv, hkv = index % Hkv;
+      const Problem& pr = problems[p];
+      const int64_t Lq = pr.q_len, first_unit = unit_begin[p] + hkv * chunks_of[p];
+      for (int64_t r = 0; r < group * Lq; ++r) {
+        const int64_t h = hkv * group + r / Lq, i = r % Lq;
+        float global_max = kNegInf;
+        for (int64_t c = 0; c < chunks_of[p]; ++c)
+          global_max = nan_max(global_max, part_max[(first_unit + c) * max_rows + r]);
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        float total = 0.0f;
+        if (std::isfinite(global_max)) {
+          for (int64_t c = 0; c < chunks_of[p]; ++c) {
+            const int64_t part = (first_unit + c) * max_rows + r;
+            const float weight = std::exp(part_max[part] - global_max);  // 0 for a chunk at -inf
+            total += weight * part_sum[part];
+            const float* acc = &part_acc[part * D];
+            for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
+          }
         }
+        write_row(row_seen[off.rows[p] + i] != 0, global_max, total, merged.data(), D, layout.out_row(pr.index, h, i),
+                  layout.lse_at(pr.index, h, i));
       }
-      write_row(row_seen[b * Lq + r % Lq] != 0, global_max, total, merged.data(), D, out_data + out_row * D,
-                &lse_data[out_row]);
     }
   });
 }
@@ -911,12 +1042,93 @@ void rerope_decode_cpu_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& 
 namespace cpu {
 namespace CPU_CAPABILITY {
 
-void rerope_attention_kernel(const ReropeArgs& args, at::Tensor& out, at::Tensor& lse) {
-  AT_DISPATCH_V2(args.q.scalar_type(), "rerope_attention_cpu", AT_WRAP([&] {
-                   if (args.q_len <= kDecodeRows)
-                     rerope_decode_cpu_kernel<scalar_t>(args, out, lse);
+void rerope_attention_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
+  AttentionShape s;
+  s.q_heads = a.q_heads;
+  s.kv_heads = a.kv_heads;
+  s.head_dim = a.head_dim;
+  s.rotary_pairs = a.rotary_pairs;
+  s.window = a.window;
+  s.logn_length = a.logn_length;
+  s.leaky_inv = a.leaky_inv;
+  s.inv_log_train = a.inv_log_train;
+  s.causal = a.causal;
+  s.interleaved = a.interleaved;
+  const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
+  const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
+  std::vector<Problem> problems(a.batch);
+  for (int64_t b = 0; b < a.batch; ++b)
+    problems[b] = {b, a.q_len, a.k_len, q_pos + b * a.q_len, k_pos + b * a.k_len, a.inv_freq.data_ptr<float>(),
+                   a.scale};
+  AT_DISPATCH_V2(a.q.scalar_type(), "rerope_attention_cpu", AT_WRAP([&] {
+                   const DenseLayout<scalar_t> layout{
+                       a.q.data_ptr<scalar_t>(), a.k.data_ptr<scalar_t>(), a.v.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), lse.data_ptr<float>(), a.q.stride(0), a.q.stride(1), a.q.stride(2),
+                       a.k.stride(0), a.k.stride(1), a.k.stride(2), a.v.stride(0), a.v.stride(1), a.v.stride(2),
+                       a.q_heads, a.q_len, a.head_dim};
+                   if (a.q_len <= kDecodeRows)
+                     rerope_decode_plan<scalar_t>(s, problems, layout);
                    else
-                     rerope_prefill_cpu_kernel<scalar_t>(args, out, lse);
+                     rerope_prefill_plan<scalar_t>(s, problems, layout);
+                 }),
+                 at::kFloat, at::kHalf, at::kBFloat16);
+}
+
+void rerope_attention_paged_kernel(const ReropePagedArgs& a, at::Tensor& out, at::Tensor& lse) {
+  AttentionShape s;
+  s.q_heads = a.q_heads;
+  s.kv_heads = a.kv_heads;
+  s.head_dim = a.head_dim;
+  s.rotary_pairs = a.rotary_pairs;
+  s.window = a.window;
+  s.logn_length = a.logn_length;
+  s.leaky_inv = a.leaky_inv;
+  s.inv_log_train = a.inv_log_train;
+  s.causal = true;
+  s.interleaved = a.interleaved;
+  const int32_t* starts = a.query_start_loc.data_ptr<int32_t>();
+  const int32_t* seq_lens = a.seq_lens.data_ptr<int32_t>();
+  const float* inv_freq = a.inv_freq.data_ptr<float>();
+  const float* factors = a.scale_factors ? a.scale_factors->data_ptr<float>() : nullptr;
+  // Positions are implicit: key slot j is at position j, query i at seq_len - q_len + i. One 0, 1, 2, ...
+  // array serves every request's keys, and its tail every request's queries.
+  int64_t longest = 0;
+  for (int64_t r = 0; r < a.requests; ++r) longest = std::max<int64_t>(longest, seq_lens[r]);
+  std::vector<int64_t> positions(longest);
+  for (int64_t j = 0; j < longest; ++j) positions[j] = j;
+  std::vector<Problem> decode, prefill;  // a request's rows take the plan their count calls for
+  for (int64_t r = 0; r < a.requests; ++r) {
+    const int64_t q_len = starts[r + 1] - starts[r], k_len = seq_lens[r];
+    if (q_len == 0) continue;
+    const Problem problem{r,
+                          q_len,
+                          k_len,
+                          positions.data() + (k_len - q_len),
+                          positions.data(),
+                          inv_freq + (a.per_request_inv_freq ? r * a.rotary_pairs : 0),
+                          a.scale * (factors ? factors[r] : 1.0f)};
+    (q_len <= kDecodeRows ? decode : prefill).push_back(problem);
+  }
+  AT_DISPATCH_V2(a.q.scalar_type(), "rerope_attention_paged_cpu", AT_WRAP([&] {
+                   const PagedLayout<scalar_t> layout{a.q.data_ptr<scalar_t>(),
+                                                      a.key_cache.data_ptr<scalar_t>(),
+                                                      a.value_cache.data_ptr<scalar_t>(),
+                                                      out.data_ptr<scalar_t>(),
+                                                      lse.data_ptr<float>(),
+                                                      a.block_table.data_ptr<int32_t>(),
+                                                      starts,
+                                                      a.q.stride(0),
+                                                      a.q.stride(1),
+                                                      a.key_cache.stride(0),
+                                                      a.key_cache.stride(1),
+                                                      a.value_cache.stride(0),
+                                                      a.value_cache.stride(1),
+                                                      a.block_size,
+                                                      a.max_blocks,
+                                                      a.q_heads,
+                                                      a.head_dim};
+                   if (!decode.empty()) rerope_decode_plan<scalar_t>(s, decode, layout);
+                   if (!prefill.empty()) rerope_prefill_plan<scalar_t>(s, prefill, layout);
                  }),
                  at::kFloat, at::kHalf, at::kBFloat16);
 }

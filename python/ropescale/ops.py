@@ -548,9 +548,10 @@ torch.library.register_autograd("ropescale::rerope_attention", _rerope_attention
 # ---------------------------------------------------------------------------------------------
 # Paged ReRoPE attention, the engine form (docs/DESIGN.md, "Paged ReRoPE attention").
 
-from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite  # noqa: E402
+from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite  # noqa: E402,F401  (plain-PyTorch twins)
 
-__all__ += ["rerope_attention_paged", "rerope_cache_write_"]
+__all__ += ["rerope_attention_paged", "rerope_cache_write_", "rerope_attention_paged_composite",
+            "rerope_cache_write_composite"]
 
 
 def rerope_attention_paged(
@@ -576,12 +577,11 @@ def rerope_attention_paged(
     (``seq_lens[r] - q_len + i``). ``inv_freq`` ``[P]`` or one table per request ``[R, P]``;
     ``scale_factors`` ``[R]`` multiplies each request's softmax scale. The rest as
     :func:`rerope_attention`. Returns ``(out [T, Hq, D], lse float32 [T, Hq])``.
+
+    On CPU tensors the metadata values are checked (pages inside the cache, ``q_len <= seq_len <=``
+    the pages' capacity, ``query_start_loc`` from 0 to T, non-decreasing): an error names the request.
+    On CUDA they are the caller's contract. No backward pass (an inference op).
     """
-    # TEMPORARY (issue 18, in progress): the plain-PyTorch form until the native op is registered.
-    if not hasattr(_ops, "rerope_attention_paged"):
-        return rerope_attention_paged_composite(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                                inv_freq, window, leaky_k, -1.0 if scale is None else scale,
-                                                scale_factors, logn_length, interleaved)
     return _ops.rerope_attention_paged(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
         -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved,
@@ -592,8 +592,14 @@ def rerope_cache_write_(key_cache: torch.Tensor, value_cache: torch.Tensor, key:
                         slot_mapping: torch.Tensor) -> None:
     """Stores raw ``key``/``value`` ``[T, Hkv, D]`` into the pages at ``slot_mapping`` (int64 ``[T]``,
     ``page * block_size + offset``; negative slots are skipped), in place."""
-    # TEMPORARY (issue 18, in progress): the plain-PyTorch form until the native op is registered.
-    if not hasattr(_ops, "rerope_cache_write_"):
-        rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping)
-        return
     _ops.rerope_cache_write_(key_cache, value_cache, key, value, slot_mapping)
+
+
+def _rerope_attention_paged_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError(
+        "rerope_attention_paged: the fused kernels have no backward pass (an inference op); train through "
+        "ropescale.ops.rerope_attention_composite"
+    )
+
+
+torch.library.register_autograd("ropescale::rerope_attention_paged", _rerope_attention_paged_backward)

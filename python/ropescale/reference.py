@@ -7,6 +7,8 @@ the variable before ``import ropescale`` and every kernel op runs as PyTorch cod
   ``apply_rotary_pos_qk`` and their in-place twins): the definition, with float32 math for
   half types (float64 for float64 inputs) and the angles of the positions ops formed in float64;
 * ``rerope_attention``: :func:`ropescale.rerope.rerope_attention_composite` (two SDPA calls).
+* ``rerope_attention_paged`` / ``rerope_cache_write_``: :func:`ropescale.rerope.rerope_attention_paged_composite`
+  (the pages of each request gathered, then the composite) / :func:`ropescale.rerope.rerope_cache_write_composite`.
 
 They are registered over the native CPU and CUDA kernels of ``torch.ops.ropescale.*``, so
 ``torch.ops.ropescale.X``, ``ropescale.ops.X``, autograd, the fake kernels, ``torch.compile`` and
@@ -28,7 +30,7 @@ import warnings
 import torch
 
 from . import ops  # noqa: F401  (the library and the autograd registrations, before ours)
-from .rerope import rerope_attention_composite
+from .rerope import rerope_attention_composite, rerope_attention_paged_composite, rerope_cache_write_composite
 
 ENV = "ROPESCALE_KERNELS"
 CHOICES = ("native", "reference")
@@ -49,6 +51,8 @@ KERNELS = _requested()
 _ROTARY_TABLE_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
 _ROTARY_POSITION_OPS = ("apply_rotary_pos", "apply_rotary_pos_", "apply_rotary_pos_qk", "apply_rotary_pos_qk_")
 ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention",)
+# Routed too, not yet rows of `ropescale check`'s grid (which covers ROUTED_OPS): the paged engine ops.
+PAGED_OPS = ("rerope_attention_paged", "rerope_cache_write_")
 
 _R = torch.ops.ropescale
 
@@ -232,6 +236,21 @@ def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
+def rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
+                           leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0, interleaved=False):
+    _R._check_rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
+                                     window, leaky_k, scale, scale_factors, logn_length, allow_float64=False)
+    # float32 math for half types, as the native kernels accumulate (see rerope_attention above).
+    out, lse = rerope_attention_paged_composite(
+        q.float(), key_cache.float(), value_cache.float(), block_table, seq_lens, query_start_loc, inv_freq.float(),
+        window, leaky_k, scale, None if scale_factors is None else scale_factors.float(), logn_length, interleaved)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def rerope_cache_write_(key_cache, value_cache, key, value, slot_mapping):
+    rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration
 
@@ -244,7 +263,7 @@ def _register() -> None:
     CUDA only in a build with the CUDA kernels)."""
     global _library
     _library = torch.library.Library("ropescale", "IMPL")
-    for name in ROUTED_OPS:
+    for name in ROUTED_OPS + PAGED_OPS:
         for key in ("CPU", "CUDA"):
             if torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", key):
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point here

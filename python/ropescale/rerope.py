@@ -298,7 +298,12 @@ def rerope_attention_paged_composite(
     scale_factors=None, logn_length=0, interleaved=False,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
-    lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages."""
+    lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages.
+    Runs the op's own checks first (``ropescale::_check_rerope_attention_paged``), so it refuses what the op
+    refuses and never indexes outside the cache."""
+    torch.ops.ropescale._check_rerope_attention_paged(
+        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
+        _schema_scale(scale), scale_factors, logn_length, allow_float64=True)
     total, q_heads, head_dim = q.shape
     block_size = key_cache.shape[2]
     starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)
@@ -327,7 +332,8 @@ def rerope_attention_paged_composite(
 
 def rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping):
     """:func:`ropescale.ops.rerope_cache_write_` in plain PyTorch: raw ``key``/``value`` ``[T, Hkv, D]`` into
-    the pages at ``slot_mapping`` (negative slots skipped)."""
+    the pages at ``slot_mapping`` (negative slots skipped). Runs the op's checks first."""
+    torch.ops.ropescale._check_rerope_cache_write(key_cache, value_cache, key, value, slot_mapping)
     block_size = key_cache.shape[2]
     slots = slot_mapping.to(torch.int64)
     keep = slots >= 0

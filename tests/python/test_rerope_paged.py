@@ -1,0 +1,333 @@
+"""rerope_attention_paged and rerope_cache_write_ (CPU): the op against a float64 reference over each
+request's gathered pages (the two-matrix reference of test_rerope_attention), low precision judged
+against SDPA's own error, batches mixing decode, chunked-prefill, full-prefill and empty requests,
+shuffled pages, the dense op's equality, the write op, opcheck, torch.compile, ROPESCALE_KERNELS=reference."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from ropescale import ops
+from ropescale.rerope import rerope_attention_paged_composite, rerope_cache_write_composite
+from test_rerope_attention import BASE, SDPA_ERROR_FACTOR, reference, sdpa_error
+
+NOT_WRITTEN = float("nan")  # cache slots no request owns: any read of them would show in the output
+
+
+def make_paged(requests, q_heads, kv_heads, dim, block_size, dtype=torch.float32, seed=0, q_layout="contiguous"):
+    """A batch in vLLM's form: requests [(q_len, seq_len)], pages handed out in shuffled order from a cache
+    with spare pages, unused slots NaN, block-table entries past a request's pages garbage (never read).
+    Returns (q [T, Hq, D], key_cache, value_cache, block_table, seq_lens, query_start_loc) and the dense
+    per-request keys/values [(k [Hkv, seq, D], v)]."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-seq // block_size) for _, seq in requests]
+    max_blocks = max(pages + [1]) + 1
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), NOT_WRITTEN, dtype=dtype)
+    value_cache = torch.full_like(key_cache, NOT_WRITTEN)
+    block_table = torch.full((len(requests), max_blocks), 10**6, dtype=torch.int32)
+    dense = []
+    for r, (_, seq) in enumerate(requests):
+        k = torch.randn(kv_heads, seq, dim, generator=g).to(dtype)
+        v = torch.randn(kv_heads, seq, dim, generator=g).to(dtype)
+        dense.append((k, v))
+        for page in range(pages[r]):
+            block = order.pop()
+            block_table[r, page] = block
+            rows = slice(page * block_size, min(seq, (page + 1) * block_size))
+            key_cache[block, :, : rows.stop - rows.start] = k[:, rows]
+            value_cache[block, :, : rows.stop - rows.start] = v[:, rows]
+    total = sum(q_len for q_len, _ in requests)
+    q = torch.randn(total, q_heads, dim, generator=g).to(dtype)
+    if q_layout == "strided":  # a view of a wider buffer (q sliced out of a fused qkv projection)
+        buffer = torch.randn(total, q_heads, dim + 6, generator=g).to(dtype)
+        buffer[..., 3 : 3 + dim] = q
+        q = buffer[..., 3 : 3 + dim]
+    elif q_layout == "head_major":
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    starts = torch.tensor([0] + [q_len for q_len, _ in requests]).cumsum(0)
+    seq_lens = torch.tensor([seq for _, seq in requests])
+    return (q, key_cache, value_cache, block_table, seq_lens, starts), dense
+
+
+def reference_paged(q, dense, requests, inv_freq, window, leaky_k=0.0, scale=None, scale_factors=None,
+                    logn_length=0, interleaved=False):
+    """(out [T, Hq, D], lse [T, Hq]) in float64, one dense reference call per request."""
+    total, q_heads, dim = q.shape
+    out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
+    lse = torch.full((total, q_heads), -math.inf, dtype=torch.float64)
+    start = 0
+    for r, ((q_len, seq), (k, v)) in enumerate(zip(requests, dense)):
+        if q_len:
+            kp = torch.arange(seq)[None]
+            table = inv_freq if inv_freq.dim() == 1 else inv_freq[r]
+            base_scale = 1 / math.sqrt(dim) if scale is None else scale
+            factor = 1.0 if scale_factors is None else float(scale_factors[r])
+            o, l = reference(q[start : start + q_len].transpose(0, 1)[None], k[None], v[None], kp[:, seq - q_len :],
+                             kp, table, window, leaky_k, base_scale * factor, logn_length, True, interleaved)
+            out[start : start + q_len] = o[0].transpose(0, 1)
+            lse[start : start + q_len] = l[0].transpose(0, 1)
+        start += q_len
+    return out, lse
+
+
+def paged_sdpa_error(q, dense, requests, inv_freq, scale_factors, logn_length, interleaved):
+    """SDPA's largest error in q's dtype (test_rerope_attention.sdpa_error) over the requests' problems."""
+    errors = []
+    start = 0
+    for r, ((q_len, seq), (k, v)) in enumerate(zip(requests, dense)):
+        if q_len:
+            kp = torch.arange(seq)[None]
+            table = inv_freq if inv_freq.dim() == 1 else inv_freq[r]
+            scale = (1 / math.sqrt(q.shape[-1])) * (1.0 if scale_factors is None else float(scale_factors[r]))
+            errors.append(sdpa_error(q[start : start + q_len].transpose(0, 1)[None], k[None], v[None],
+                                     kp[:, seq - q_len :], kp, table, scale, logn_length, True, interleaved))
+        start += q_len
+    return max(e[0] for e in errors), max(e[1] for e in errors)
+
+
+# A batch of each kind vLLM sends: decode rows (q_len 1..4: the decode plan), chunked-prefill rows
+# (seq_len > q_len > 4), full-prefill rows (q_len = seq_len), empty requests (q_len 0, and a request
+# with no keys at all), lengths at and across the 128-key blocks.
+# (requests, Hq, Hkv, D, rotary_dim, window, leaky_k, logn_length, interleaved, per-request tables +
+# scale_factors, q layout)
+CASES = [
+    ([(1, 37), (0, 20), (5, 5), (70, 200), (3, 131), (130, 130)], 4, 2, 32, 32, 16, 0.0, 0, False, True,
+     "contiguous"),
+    ([(2, 300), (129, 140), (1, 1), (0, 0), (4, 9), (17, 17)], 8, 1, 18, 12, 7, 16.0, 40, True, False, "strided"),
+    ([(40, 257), (1, 256), (256, 256), (0, 3)], 2, 2, 64, 48, 64, 0.0, 100, False, True, "head_major"),
+]
+BLOCK_SIZES = (1, 16, 128, 13)
+
+
+def run_case(case, block_size, dtype, seed):
+    requests, q_heads, kv_heads, dim, rotary_dim, window, leaky_k, logn_length, interleaved, per_request, \
+        q_layout = case
+    inputs, dense = make_paged(requests, q_heads, kv_heads, dim, block_size, dtype, seed, q_layout)
+    if per_request:  # Dynamic NTK at each request's own length, and an attention factor per request
+        inv_freq = torch.stack([ops.dynamic_ntk_inv_freq(rotary_dim, BASE, 2.0, 64, max(seq, 1))
+                                for _, seq in requests])
+        scale_factors = torch.linspace(0.8, 1.3, len(requests))
+    else:
+        inv_freq, scale_factors = ops.default_inv_freq(rotary_dim, BASE), None
+    kw = dict(leaky_k=leaky_k, scale_factors=scale_factors, logn_length=logn_length, interleaved=interleaved)
+    out, lse = ops.rerope_attention_paged(*inputs, inv_freq, window, **kw)
+    ref_out, ref_lse = reference_paged(inputs[0], dense, requests, inv_freq, window, **kw)
+    return inputs, dense, requests, inv_freq, scale_factors, (out, lse), (ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_float32_matches_reference(case, block_size):
+    inputs, *_, (out, lse), (ref_out, ref_lse) = run_case(CASES[case], block_size, torch.float32, seed=case)
+    assert out.shape == inputs[0].shape and out.dtype == torch.float32 and lse.shape == inputs[0].shape[:2]
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_low_precision_within_sdpa_error(case, block_size, dtype):
+    inputs, dense, requests, inv_freq, scale_factors, (out, lse), (ref_out, ref_lse) = run_case(
+        CASES[case], block_size, dtype, seed=10 + case)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    sdpa_out, sdpa_lse = paged_sdpa_error(inputs[0], dense, requests, inv_freq, scale_factors, CASES[case][7],
+                                          CASES[case][8])
+    err_out = (out.double() - ref_out).abs().max().item()
+    err_lse = (lse.double() - ref_lse).abs().max().item()
+    assert err_out <= SDPA_ERROR_FACTOR * sdpa_out, f"out error {err_out:.3g}, SDPA's {sdpa_out:.3g}"
+    assert err_lse <= SDPA_ERROR_FACTOR * sdpa_lse, f"lse error {err_lse:.3g}, SDPA's {sdpa_lse:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_len,seq_len", [(1, 300), (4, 129), (5, 260), (300, 300), (77, 1000)])
+@pytest.mark.parametrize("block_size", (16, 128))
+def test_one_request_equals_the_dense_op_exactly(q_len, seq_len, block_size, dtype):
+    """One body for both ops: a request computes exactly what rerope_attention computes for the same
+    problem with dense keys (the same tiles, plan, rounding and summation order)."""
+    inputs, dense = make_paged([(q_len, seq_len)], 4, 2, 32, block_size, dtype, seed=q_len)
+    inv_freq = ops.default_inv_freq(32, BASE)
+    out, lse = ops.rerope_attention_paged(*inputs, inv_freq, 40, leaky_k=8.0, logn_length=50)
+    k, v = dense[0]
+    kp = torch.arange(seq_len)[None]
+    dense_out, dense_lse = ops.rerope_attention(inputs[0].transpose(0, 1)[None], k[None], v[None],
+                                                kp[:, seq_len - q_len :], kp, inv_freq, 40, leaky_k=8.0, logn_length=50)
+    assert torch.equal(out, dense_out[0].transpose(0, 1)) and torch.equal(lse, dense_lse[0].transpose(0, 1))
+
+
+def test_requests_are_independent_of_their_batch():
+    """A request computes the same thing alone and in a mixed batch (its rows, its table, its scale)."""
+    requests = [(1, 200), (6, 90), (90, 90), (2, 3)]
+    inputs, dense = make_paged(requests, 4, 1, 16, 16, seed=5)
+    inv_freq = torch.stack([ops.dynamic_ntk_inv_freq(16, BASE, 2.0, 32, seq) for _, seq in requests])
+    factors = torch.tensor([1.0, 1.2, 0.9, 1.1])
+    out, lse = ops.rerope_attention_paged(*inputs, inv_freq, 8, scale_factors=factors)
+    q, key_cache, value_cache, block_table, seq_lens, starts = inputs
+    for r in range(len(requests)):
+        rows = slice(int(starts[r]), int(starts[r + 1]))
+        alone = ops.rerope_attention_paged(q[rows], key_cache, value_cache, block_table[r : r + 1], seq_lens[r : r + 1],
+                                           starts[r : r + 2] - starts[r], inv_freq[r : r + 1], 8,
+                                           scale_factors=factors[r : r + 1])
+        torch.testing.assert_close(out[rows], alone[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse[rows], alone[1], atol=1e-6, rtol=1e-6)
+
+
+def test_int64_metadata_and_float64_table_are_taken():
+    inputs, _ = make_paged([(3, 20), (20, 20)], 2, 2, 8, 16, seed=2)
+    q, key_cache, value_cache, block_table, seq_lens, starts = inputs
+    inv_freq = ops.default_inv_freq(8, BASE)
+    out32 = ops.rerope_attention_paged(q, key_cache, value_cache, block_table.int(), seq_lens.int(), starts.int(),
+                                       inv_freq, 5)
+    out64 = ops.rerope_attention_paged(q, key_cache, value_cache, block_table.long(), seq_lens.long(), starts.long(),
+                                       inv_freq.double(), 5)
+    assert torch.equal(out32[0], out64[0]) and torch.equal(out32[1], out64[1])
+
+
+def test_composite_form_matches_reference():
+    """The plain-PyTorch form (ROPESCALE_KERNELS=reference's kernel, the float64 oracle of other paths)."""
+    case = CASES[1]
+    inputs, dense, requests, inv_freq, scale_factors, _, (ref_out, ref_lse) = run_case(case, 13, torch.float32, 3)
+    q, key_cache, value_cache, *meta = inputs
+    out, lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(), *meta,
+                                                inv_freq.double(), case[5], case[6], -1.0, scale_factors, case[7],
+                                                case[8])
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-10, rtol=1e-10)
+
+
+def test_no_backward():
+    inputs, _ = make_paged([(3, 5)], 2, 1, 8, 4)
+    q = inputs[0].clone().requires_grad_()
+    out, _ = ops.rerope_attention_paged(q, *inputs[1:], ops.default_inv_freq(8, BASE), 3)
+    with pytest.raises(RuntimeError, match="rerope_attention_paged: the fused kernels have no backward pass"):
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# rerope_cache_write_
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", (1, 16, 13))
+def test_cache_write_matches_plain_form(block_size, dtype):
+    g = torch.Generator().manual_seed(block_size)
+    num_blocks, heads, dim, tokens = 7, 3, 24, 40
+    key_cache = torch.randn(num_blocks, heads, block_size, dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, heads, block_size, dim, generator=g).to(dtype)
+    # vLLM's qkv projection: key and value are strided views of one buffer
+    qkv = torch.randn(tokens, 3 * heads, dim, generator=g).to(dtype)
+    key, value = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens] if num_blocks * block_size >= tokens else \
+        torch.randint(0, num_blocks * block_size, (tokens,), generator=g).unique()[:tokens]
+    slots = torch.cat([slots, torch.full((tokens - slots.numel(),), -1)])
+    slots[::5] = -1  # padding tokens
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    rerope_cache_write_composite(expected_k, expected_v, key, value, slots)
+    ops.rerope_cache_write_(key_cache, value_cache, key, value, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_cache_write_then_attention_equals_dense():
+    """The write op stores what the attention op reads: a prefill written through slot_mapping."""
+    g = torch.Generator().manual_seed(0)
+    seq, heads, dim, block_size = 50, 2, 16, 16
+    k, v, q = (torch.randn(seq, heads, dim, generator=g) for _ in range(3))
+    kv_cache = torch.zeros(2, 6, heads, block_size, dim)  # vLLM's [2, num_blocks, ...] tensor
+    block_table = torch.tensor([[4, 0, 5, 2]])
+    slots = block_table[0, torch.arange(seq) // block_size] * block_size + torch.arange(seq) % block_size
+    ops.rerope_cache_write_(kv_cache[0], kv_cache[1], k, v, slots)
+    inv_freq = ops.default_inv_freq(dim, BASE)
+    out, _ = ops.rerope_attention_paged(q, kv_cache[0], kv_cache[1], block_table, torch.tensor([seq]),
+                                        torch.tensor([0, seq]), inv_freq, 9)
+    pos = torch.arange(seq)[None]
+    dense, _ = ops.rerope_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], pos,
+                                    pos, inv_freq, 9)
+    assert torch.equal(out, dense[0].transpose(0, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck, torch.compile, the reference kernels
+
+
+def _samples():
+    inputs, _ = make_paged([(1, 9), (0, 4), (6, 6), (3, 20)], 4, 2, 8, 4, seed=1)
+    inv_freq = ops.default_inv_freq(8, BASE)
+    yield inputs + (inv_freq, 3), {}
+    yield inputs + (inv_freq[None].expand(4, 4).contiguous(), 3, 16.0, 0.5), {
+        "scale_factors": torch.full((4,), 1.5), "logn_length": 5, "interleaved": True}
+    bf16 = (inputs[0].bfloat16(), inputs[1].bfloat16(), inputs[2].bfloat16()) + inputs[3:]
+    yield bf16 + (inv_freq, 2), {}
+
+
+@pytest.mark.parametrize("sample", list(_samples()), ids=range(3))
+def test_opcheck_attention(sample):
+    args, kwargs = sample
+    opcheck(torch.ops.ropescale.rerope_attention_paged.default, args, kwargs)
+
+
+def test_opcheck_cache_write():
+    key_cache, value_cache = torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4, 8)
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    opcheck(torch.ops.ropescale.rerope_cache_write_.default, (key_cache, value_cache, key, value,
+                                                               torch.tensor([3, -1, 0, 11, 7])))
+
+
+def test_torch_compile_of_a_function_calling_both_ops():
+    inputs, _ = make_paged([(1, 9), (6, 6), (0, 2)], 4, 2, 8, 4, seed=4)
+    q, key_cache, value_cache, block_table, seq_lens, starts = inputs
+    inv_freq = ops.default_inv_freq(8, BASE)
+    key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    slots = torch.tensor([int(block_table[2, 0]) * 4, -1])
+
+    def step(q, key_cache, value_cache, key, value):
+        ops.rerope_cache_write_(key_cache, value_cache, key, value, slots)
+        out, lse = ops.rerope_attention_paged(q * 2, key_cache, value_cache, block_table, seq_lens, starts, inv_freq, 3)
+        return out + 1, lse
+
+    eager_caches = (key_cache.clone(), value_cache.clone())
+    expected = step(q, *eager_caches, key, value)
+    compiled_caches = (key_cache.clone(), value_cache.clone())
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, *compiled_caches, key, value)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    for compiled, eager in zip(compiled_caches, eager_caches):  # the unused slots are NaN
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(eager_caches[0][int(block_table[2, 0]), :, 0], key_cache[int(block_table[2, 0]), :, 0])
+
+
+def test_reference_kernels_route_both_ops():
+    """ROPESCALE_KERNELS=reference runs the plain-PyTorch forms (and refuses what the op refuses)."""
+    script = textwrap.dedent("""
+        import torch, ropescale
+        from ropescale import ops
+        from test_rerope_paged import make_paged, reference_paged
+        requests = [(1, 30), (7, 7), (0, 4)]
+        inputs, dense = make_paged(requests, 2, 1, 8, 16)
+        f = ops.default_inv_freq(8, 1e4)
+        out, lse = ops.rerope_attention_paged(*inputs, f, 5)
+        ref, ref_lse = reference_paged(inputs[0], dense, requests, f, 5)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        kc, vc = torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8)
+        ops.rerope_cache_write_(kc, vc, torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([5, -1]))
+        assert kc[1, 0, 1].eq(1).all() and kc.sum() == 8
+        try:
+            ops.rerope_cache_write_(kc, vc, torch.ones(1, 1, 8), torch.ones(1, 1, 8), torch.tensor([8]))
+        except RuntimeError as e:
+            assert "slot_mapping[0] = 8 is past the cache" in str(e), e
+        else:
+            raise AssertionError("no error")
+        print("reference-ok", ropescale.build_info()["kernels"])
+    """)
+    env = {**os.environ, "ROPESCALE_KERNELS": "reference",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reference-ok reference" in result.stdout
