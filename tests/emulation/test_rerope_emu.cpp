@@ -960,15 +960,14 @@ TEST_CASE("paged kernel: decode, chunked-prefill and prefill rows in one launch 
           "[rerope][paged]") {
   unsigned seed = 500;
   // Block sizes 1, 16 and odd; GQA 1/2/4; ReRoPE, Leaky, log-n; partial rotary and interleaved pairs;
-  // a shared table and per-request tables and scale factors; with and without key splits.
+  // a shared table and per-request tables and scale factors; with key splits (even cases) and without.
   const std::vector<PagedCase> cases = {
       {kMixedRequests, 4, 2, 16, 16, 16, 8, 0.0, 0, false, false},
       {kMixedRequests, 4, 1, 24, 16, 5, 7, 16.0, 20, false, true},
       {kMixedRequests, 2, 2, 10, 10, 1, 12, 0.0, 30, true, true},
       {{{2, 90}, {40, 40}}, 8, 2, 32, 32, 16, 20, 8.0, 0, false, false},
   };
-  for (const PagedCase& c : cases)
-    for (int splits : {1, 3}) run_paged<float>(c, seed++, splits);
+  for (size_t i = 0; i < cases.size(); ++i) run_paged<float>(cases[i], seed++, i % 2 == 0 ? 3 : 1);
 }
 
 TEST_CASE("paged kernel: half and bfloat16 within twice the SDPA-way error", "[rerope][paged][lowp]") {
@@ -980,10 +979,17 @@ TEST_CASE("paged kernel: half and bfloat16 within twice the SDPA-way error", "[r
 TEST_CASE("paged kernel: a request whose metadata points outside the cache gets NaN rows, nothing read outside",
           "[rerope][paged][poison]") {
   // Guarded caches: a read past the key cache's end or before the value cache's start faults.
-  const PagedCase c{kMixedRequests, 4, 2, 16, 16, 5, 8, 0.0, 0, false, false};
+  // The spoiled request: a decode row (launched with key splits) or a prefill row.
+  const PagedCase c{{{1, 40}, {9, 30}, {20, 20}, {0, 6}}, 4, 2, 16, 16, 5, 8, 0.0, 0, false, false};
+  struct Spoil {
+    Poison poison;
+    int request, splits;
+  };
   unsigned seed = 700;
-  for (Poison poison : {Poison::kPagePastCache, Poison::kNegativePage, Poison::kSeqPastTable, Poison::kQueriesPastSeq})
-    for (int poisoned : {0, 2}) run_paged<float>(c, seed++, poisoned == 0 ? 3 : 1, poison, poisoned);
+  for (const Spoil& s : {Spoil{Poison::kPagePastCache, 0, 3}, Spoil{Poison::kPagePastCache, 2, 1},
+                         Spoil{Poison::kNegativePage, 2, 1}, Spoil{Poison::kSeqPastTable, 0, 3},
+                         Spoil{Poison::kQueriesPastSeq, 2, 1}})
+    run_paged<float>(c, seed++, s.splits, s.poison, s.request);
 }
 
 TEST_CASE("cache write kernel: raw keys and values at their slots, negative and past-the-cache slots skipped",
