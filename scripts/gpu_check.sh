@@ -154,10 +154,15 @@ if [ "$build_ok" = 1 ] && [ -z "$ARCH" ]; then
 fi
 
 if [ "$build_ok" = 1 ]; then
-  run "pytest -m cuda (CUDA tests: tensor-core prefill, masking, CPU-vs-CUDA parity)" 200 "$OUT/pytest_cuda.log" \
+  # (test_cuda_kernels.py includes rerope_attention_paged / rerope_cache_write_ against the float64 oracle.)
+  run "pytest -m cuda (CUDA tests: tensor-core prefill, masking, paged attention, CPU-vs-CUDA parity)" 200 \
+    "$OUT/pytest_cuda.log" \
     "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
+    # A paged row belongs here, in bench_rerope.py's CUDA mode: rerope_attention_paged over a batch of
+    # decode requests (and a chunked prefill) through a block table, as a ratio to the dense
+    # rerope_attention on the same keys gathered contiguously; not written yet.
     run "bench_rerope (GPU)" 120 "$OUT/bench_rerope.log" "$PYTHON" benchmarks/bench_rerope.py --device cuda
   else
     echo "benchmarks/bench_rerope.py has no CUDA mode (--device) in this tree: not measured" >"$OUT/bench_rerope.log"

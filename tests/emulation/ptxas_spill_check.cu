@@ -20,7 +20,9 @@ void instantiate_rerope(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
       with_simt_shape(head_dim, smem_optin, [&]<class Shape>() {
         launch_rerope_prefill<T, Shape>(p, stream);
         launch_rerope_decode<T, Shape>(p, 2, stream);
+        launch_rerope_paged<T, Shape>(p, 2, stream);  // rerope_attention_paged (csrc/cuda/rerope_paged.cu)
       });
+  launch_rerope_cache_write<T>(CacheWriteParams{}, stream);
   if constexpr (!std::is_same_v<T, float>) {
     launch_rerope_prefill_tc<T, 64>(p, tiles, stream, IgnoreLaunchStatus{});
     launch_rerope_prefill_tc<T, 80>(p, tiles, stream, IgnoreLaunchStatus{});

@@ -9,6 +9,9 @@
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "ropescale/rerope_attention.cuh"
 #include "ropescale/rerope_attention_tc.cuh"
 
@@ -46,6 +49,7 @@ struct Problem {
   Case c;
   std::vector<float> q, k, v, inv_freq;  // contiguous [B, H, L, D]
   std::vector<int64_t> q_pos, k_pos;
+  double scale_factor = 1.0;  // multiplies the softmax scale 1/sqrt(D) (the paged op's scale_factors)
 };
 
 Problem make_problem(const Case& c, unsigned seed) {
@@ -72,7 +76,7 @@ Problem make_problem(const Case& c, unsigned seed) {
 void reference(const Problem& pr, std::vector<double>& out, std::vector<double>& lse) {
   const Case& c = pr.c;
   const int group = c.q_heads / c.kv_heads, pairs = c.rotary_dim / 2;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+  const double scale = pr.scale_factor / std::sqrt(static_cast<double>(c.dim));
   out.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len * c.dim, 0.0);
   lse.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len, -std::numeric_limits<double>::infinity());
   std::vector<double> scores(c.k_len), rotated(c.dim);
@@ -206,7 +210,7 @@ template <typename T>
 void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& lse) {
   const Case& c = pr.c;
   const int group = c.q_heads / c.kv_heads, D = c.dim;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))) * static_cast<float>(pr.scale_factor);
   const double leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
   // Keys rotated once per side, rounded to T.
   std::vector<float> k_near(pr.k.size()), k_far(pr.k.size());
@@ -663,4 +667,370 @@ TEST_CASE("tensor-core prefill: masked keys never contribute, visible non-finite
                                            Kernel::kTensorCore, 1);
   check_nonfinite_semantics<__half>(Case{2, 2, 2, 40, 70, 80, 80, 9, 16.0, 0, true, false, 33}, 61,
                                     Kernel::kTensorCore, 1);
+}
+
+// ---- rerope_attention_paged: requests packed along T, keys and values read through a block table --
+//
+// Each request is checked against the dense float64 reference (and, for fp16/bf16, the SDPA-way
+// error) of the same request as a dense problem: its queries at seq_len - q_len + i, keys 0 .. seq_len - 1
+// gathered from its pages, its own rotation table and softmax scale. The caches live in guarded
+// memory (a PROT_NONE page right after the key cache and right before the value cache: a read past
+// either end of the cache faults), every slot that no request owns holds NaN (a read of one shows
+// in the result), and the block-table entries past a request's pages point outside the cache.
+namespace {
+
+using ropescale::rerope_cuda::PagedRequest;
+using ropescale::rerope_cuda::PagedTask;
+
+// `bytes` of memory touching a PROT_NONE page at its end (kAtEnd) or at its start.
+class GuardedBuffer {
+ public:
+  GuardedBuffer(size_t bytes, bool at_end) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t span = (bytes + page - 1) / page * page;
+    size_ = span + 2 * page;
+    base_ = static_cast<unsigned char*>(mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    REQUIRE(base_ != MAP_FAILED);
+    REQUIRE(mprotect(base_, page, PROT_NONE) == 0);
+    REQUIRE(mprotect(base_ + page + span, page, PROT_NONE) == 0);
+    data_ = at_end ? base_ + page + span - bytes : base_ + page;
+  }
+  ~GuardedBuffer() { munmap(base_, size_); }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+  template <typename T>
+  T* as() const {
+    return reinterpret_cast<T*>(data_);
+  }
+
+ private:
+  unsigned char* base_ = nullptr;
+  unsigned char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+struct PagedCase {
+  std::vector<std::pair<int, int>> requests;  // (q_len, seq_len)
+  int q_heads, kv_heads, dim, rotary_dim, block_size;
+  int64_t window;
+  double leaky_k;
+  int64_t logn_length;
+  bool interleaved, per_request_tables;  // inv_freq row and scale factor per request
+  std::string name() const {
+    std::string s = "requests";
+    for (auto [q_len, seq_len] : requests) s += " " + std::to_string(q_len) + "/" + std::to_string(seq_len);
+    return s + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " D" + std::to_string(dim) +
+           " R" + std::to_string(rotary_dim) + " bs" + std::to_string(block_size) + " w" + std::to_string(window) +
+           " k" + std::to_string(leaky_k) + " logn" + std::to_string(logn_length) +
+           (interleaved ? " interleaved" : "") + (per_request_tables ? " per-request tables" : "");
+  }
+};
+
+// What makes a request's metadata bad (for the poisoned-request test).
+enum class Poison { kNone, kPagePastCache, kNegativePage, kSeqPastTable, kQueriesPastSeq };
+
+template <typename T>
+struct PagedRun {
+  PagedCase c;
+  std::vector<Problem> dense;  // request r as a dense problem (batch 1)
+  std::vector<int> qsl, seq_lens, block_table;
+  std::vector<float> inv_freq, scale_factors;
+  std::vector<T> q;
+  int tokens = 0, num_blocks = 0, max_blocks = 0;
+};
+
+// Builds the packed problem: q [T, Hq, D]; request r's keys in pages taken from a shuffled pool (with
+// spare pages), block-table entries past its pages pointing outside the cache.
+template <typename T>
+PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& key_slots, std::vector<float>& value_slots) {
+  PagedRun<T> run;
+  run.c = c;
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  const int R = static_cast<int>(c.requests.size()), pairs = c.rotary_dim / 2;
+  run.qsl.push_back(0);
+  int pages_total = 0;
+  for (auto [q_len, seq_len] : c.requests) {
+    run.qsl.push_back(run.qsl.back() + q_len);
+    run.seq_lens.push_back(seq_len);
+    const int pages = (seq_len + c.block_size - 1) / c.block_size;
+    pages_total += pages;
+    run.max_blocks = std::max(run.max_blocks, pages + 1);
+  }
+  run.tokens = run.qsl.back();
+  run.num_blocks = pages_total + 3;  // spare pages: NaN, never read
+  std::vector<int> pool(run.num_blocks);
+  for (int i = 0; i < run.num_blocks; ++i) pool[i] = i;
+  std::shuffle(pool.begin(), pool.end(), gen);
+  run.block_table.assign(static_cast<size_t>(R) * run.max_blocks, run.num_blocks + 1000);
+  const size_t slot_floats = static_cast<size_t>(c.kv_heads) * c.block_size * c.dim;  // one page
+  key_slots.assign(run.num_blocks * slot_floats, NAN);
+  value_slots.assign(key_slots.size(), NAN);
+  run.q.resize(static_cast<size_t>(run.tokens) * c.q_heads * c.dim);
+  for (T& x : run.q) x = from_float_host<T>(normal(gen));
+  int next_page = 0;
+  for (int r = 0; r < R; ++r) {
+    const auto [q_len, seq_len] = c.requests[r];
+    // Per-request tables: a different linear factor per request (as Dynamic NTK/YaRN give each request
+    // the table of its own length) and its attention factor squared as the scale factor.
+    const double factor = c.per_request_tables ? 1.0 + 0.75 * r : 1.0;
+    Case dc{1, c.q_heads, c.kv_heads, q_len, seq_len, c.dim, c.rotary_dim, c.window, c.leaky_k, c.logn_length,
+            true, c.interleaved, 0};
+    Problem pr{dc, {}, {}, {}, {}, {}, {}};
+    pr.scale_factor = c.per_request_tables ? 1.0 + 0.1 * r : 1.0;
+    for (int i = 0; i < pairs; ++i)
+      pr.inv_freq.push_back(static_cast<float>(std::pow(10000.0, -2.0 * i / c.rotary_dim) / factor));
+    if (c.per_request_tables || r == 0) run.inv_freq.insert(run.inv_freq.end(), pr.inv_freq.begin(), pr.inv_freq.end());
+    run.scale_factors.push_back(static_cast<float>(pr.scale_factor));
+    for (int j = 0; j < seq_len; ++j) pr.k_pos.push_back(j);
+    for (int i = 0; i < q_len; ++i) pr.q_pos.push_back(seq_len - q_len + i);
+    // q rows of the request, [Hq, q_len, D] in the dense problem (the rounded values).
+    pr.q.resize(static_cast<size_t>(c.q_heads) * q_len * c.dim);
+    for (int h = 0; h < c.q_heads; ++h)
+      for (int i = 0; i < q_len; ++i)
+        for (int d = 0; d < c.dim; ++d)
+          pr.q[(static_cast<size_t>(h) * q_len + i) * c.dim + d] =
+              to_float_host(run.q[(static_cast<size_t>(run.qsl[r] + i) * c.q_heads + h) * c.dim + d]);
+    // Keys and values (rounded to T), into the dense problem and the request's pages.
+    pr.k.resize(static_cast<size_t>(c.kv_heads) * seq_len * c.dim);
+    pr.v.resize(pr.k.size());
+    const int pages = (seq_len + c.block_size - 1) / c.block_size;
+    for (int i = 0; i < pages; ++i) run.block_table[static_cast<size_t>(r) * run.max_blocks + i] = pool[next_page++];
+    for (int h = 0; h < c.kv_heads; ++h)
+      for (int j = 0; j < seq_len; ++j) {
+        const int page = run.block_table[static_cast<size_t>(r) * run.max_blocks + j / c.block_size];
+        const size_t slot = ((static_cast<size_t>(page) * c.kv_heads + h) * c.block_size + j % c.block_size) * c.dim;
+        for (int d = 0; d < c.dim; ++d) {
+          const size_t at = (static_cast<size_t>(h) * seq_len + j) * c.dim + d;
+          pr.k[at] = key_slots[slot + d] = to_float_host(from_float_host<T>(normal(gen)));
+          pr.v[at] = value_slots[slot + d] = to_float_host(from_float_host<T>(normal(gen)));
+        }
+      }
+    run.dense.push_back(std::move(pr));
+  }
+  return run;
+}
+
+// Runs the paged launch (schedule, attention, combine) with the tile shape the emulated device allows.
+template <typename T>
+void launch_paged(ReropeParams p, int splits) {
+  using namespace ropescale::rerope_cuda;
+  const std::size_t missing = with_simt_shape(
+      p.head_dim, static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()), [&]<class Shape>() {
+        // Workspaces start as garbage: whatever the kernels read before writing shows.
+        std::vector<PagedRequest> requests(p.requests, PagedRequest{-5, -5, -5, -5});
+        std::vector<int> offsets(p.requests + 1, -5);
+        p.num_paged_tasks = static_cast<int>(
+            rerope_paged_max_tasks(p.q_len, p.requests, p.q_heads / p.kv_heads, Shape::kRows));
+        std::vector<PagedTask> tasks(p.num_paged_tasks, PagedTask{-5, -5, -5, -5});
+        const size_t rows = static_cast<size_t>(p.q_len) * p.q_heads;
+        std::vector<float> partial_out(splits * rows * p.head_dim, NAN), partial_lse(splits * rows, NAN);
+        p.paged_requests = requests.data();
+        p.paged_task_offsets = offsets.data();
+        p.paged_tasks = tasks.data();
+        p.partial_out = partial_out.data();
+        p.partial_lse = partial_lse.data();
+        launch_rerope_paged<T, Shape>(p, splits, nullptr);
+      });
+  REQUIRE(missing == 0);
+}
+
+// The caches in T, guarded (a PROT_NONE page right after the key cache, right before the value cache).
+template <typename T>
+struct PagedCaches {
+  GuardedBuffer keys, values;
+  PagedCaches(const std::vector<float>& key_slots, const std::vector<float>& value_slots)
+      : keys(std::max<size_t>(key_slots.size(), 1) * sizeof(T), true),
+        values(std::max<size_t>(value_slots.size(), 1) * sizeof(T), false) {
+    for (size_t i = 0; i < key_slots.size(); ++i) keys.as<T>()[i] = from_float_host<T>(key_slots[i]);
+    for (size_t i = 0; i < value_slots.size(); ++i) values.as<T>()[i] = from_float_host<T>(value_slots[i]);
+  }
+};
+
+template <typename T>
+ReropeParams paged_params(const PagedRun<T>& run, const PagedCaches<T>& caches, T* out, float* lse) {
+  const PagedCase& c = run.c;
+  ReropeParams p;
+  p.q = run.q.data();
+  p.q_stride_l = static_cast<int64_t>(c.q_heads) * c.dim, p.q_stride_h = c.dim;
+  p.k = caches.keys.template as<T>();
+  p.v = caches.values.template as<T>();
+  p.k_stride_l = p.v_stride_l = c.dim;
+  p.k_stride_h = p.v_stride_h = static_cast<int64_t>(c.block_size) * c.dim;
+  p.k_stride_b = p.v_stride_b = static_cast<int64_t>(c.kv_heads) * c.block_size * c.dim;
+  p.inv_freq = run.inv_freq.data();
+  p.inv_freq_stride = c.per_request_tables ? c.rotary_dim / 2 : 0;
+  p.scale_factors = c.per_request_tables ? run.scale_factors.data() : nullptr;
+  p.block_table = run.block_table.data();
+  p.seq_lens = run.seq_lens.data();
+  p.query_start_loc = run.qsl.data();
+  p.requests = static_cast<int>(c.requests.size());
+  p.num_blocks = run.num_blocks, p.block_size = c.block_size, p.max_blocks = run.max_blocks;
+  p.out = out;
+  p.lse = lse;
+  p.batch = 1, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = run.tokens, p.k_len = 0;
+  p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
+  p.window = c.window, p.logn_length = c.logn_length;
+  p.leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  p.inv_log_train = c.logn_length > 0 ? 1.0 / std::log(static_cast<double>(c.logn_length)) : 0.0;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
+  p.causal = true, p.interleaved = c.interleaved;
+  return p;
+}
+
+// The rows of request r from the packed [T, Hq, D] output, in its dense layout [Hq, q_len, D].
+template <typename T>
+void unpack_request(const PagedRun<T>& run, int r, const std::vector<T>& out, const std::vector<float>& lse,
+                    std::vector<T>& dense_out, std::vector<float>& dense_lse) {
+  const PagedCase& c = run.c;
+  const int q_len = run.qsl[r + 1] - run.qsl[r];
+  dense_out.assign(static_cast<size_t>(c.q_heads) * q_len * c.dim, from_float_host<T>(0.0f));
+  dense_lse.assign(static_cast<size_t>(c.q_heads) * q_len, 0.0f);
+  for (int h = 0; h < c.q_heads; ++h)
+    for (int i = 0; i < q_len; ++i) {
+      const size_t token = static_cast<size_t>(run.qsl[r] + i);
+      dense_lse[static_cast<size_t>(h) * q_len + i] = lse[token * c.q_heads + h];
+      for (int d = 0; d < c.dim; ++d)
+        dense_out[(static_cast<size_t>(h) * q_len + i) * c.dim + d] = out[(token * c.q_heads + h) * c.dim + d];
+    }
+}
+
+// The paged launch against each request's dense float64 reference: fp32 within 2e-5, fp16/bf16 within
+// twice the SDPA-way error. `poison` spoils request `poisoned`'s metadata: its rows must be NaN, the
+// others unaffected.
+template <typename T>
+void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Poison::kNone, int poisoned = -1) {
+  std::vector<float> key_slots, value_slots;
+  PagedRun<T> run = make_paged<T>(c, seed, key_slots, value_slots);
+  if (poison != Poison::kNone) {
+    int* table = run.block_table.data() + static_cast<size_t>(poisoned) * run.max_blocks;
+    const int last_page = (run.seq_lens[poisoned] - 1) / c.block_size;
+    switch (poison) {
+      case Poison::kPagePastCache: table[last_page] = run.num_blocks; break;
+      case Poison::kNegativePage: table[0] = -1; break;
+      case Poison::kSeqPastTable: run.seq_lens[poisoned] = run.max_blocks * c.block_size + 1; break;
+      case Poison::kQueriesPastSeq: run.seq_lens[poisoned] = run.qsl[poisoned + 1] - run.qsl[poisoned] - 1; break;
+      case Poison::kNone: break;
+    }
+  }
+  const PagedCaches<T> caches(key_slots, value_slots);
+  const size_t rows = static_cast<size_t>(run.tokens) * c.q_heads;
+  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<float> lse(rows, -7.0f);
+  launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits);
+
+  for (int r = 0; r < static_cast<int>(c.requests.size()); ++r) {
+    INFO(c.name() << " splits " << splits << " request " << r);
+    std::vector<T> got_out;
+    std::vector<float> got_lse;
+    unpack_request(run, r, out, lse, got_out, got_lse);
+    if (r == poisoned) {
+      for (float x : got_lse) REQUIRE(std::isnan(x));
+      for (T x : got_out) REQUIRE(std::isnan(to_float_host(x)));
+      continue;
+    }
+    const Problem& pr = run.dense[r];
+    if (pr.c.q_len == 0) continue;  // no rows
+    std::vector<double> ref_out, ref_lse;
+    reference(pr, ref_out, ref_lse);
+    if constexpr (!std::is_same_v<T, float>) {
+      check_within_sdpa_error<T>(pr, ref_out, ref_lse, got_out, got_lse, "paged");
+    } else {
+      for (size_t row = 0; row < got_lse.size(); ++row) {
+        INFO("row " << row << " lse " << got_lse[row] << " ref " << ref_lse[row]);
+        REQUIRE(std::abs(got_lse[row] - ref_lse[row]) <= 2e-5 * (1 + std::abs(ref_lse[row])));
+        for (int d = 0; d < c.dim; ++d) {
+          const double got = got_out[row * c.dim + d], want = ref_out[row * c.dim + d];
+          INFO("dim " << d << " got " << got << " want " << want);
+          REQUIRE(std::abs(got - want) <= 2e-5 + 2e-5 * std::abs(want));
+        }
+      }
+    }
+  }
+}
+
+// Decode rows (1 query), chunked-prefill rows (a chunk at the end of a longer sequence), full-prefill
+// rows (q_len = seq_len), an empty row range, in one launch; the window puts near, band and far tiles
+// in the longer requests.
+const std::vector<std::pair<int, int>> kMixedRequests = {{1, 70}, {9, 45}, {35, 35}, {0, 6}, {1, 1}, {3, 40}};
+
+}  // namespace
+
+TEST_CASE("paged kernel: decode, chunked-prefill and prefill rows in one launch match the double reference",
+          "[rerope][paged]") {
+  unsigned seed = 500;
+  // Block sizes 1, 16 and odd; GQA 1/2/4; ReRoPE, Leaky, log-n; partial rotary and interleaved pairs;
+  // a shared table and per-request tables and scale factors; with key splits (even cases) and without.
+  const std::vector<PagedCase> cases = {
+      {kMixedRequests, 4, 2, 16, 16, 16, 8, 0.0, 0, false, false},
+      {kMixedRequests, 4, 1, 24, 16, 5, 7, 16.0, 20, false, true},
+      {kMixedRequests, 2, 2, 10, 10, 1, 12, 0.0, 30, true, true},
+      {{{2, 90}, {40, 40}}, 8, 2, 32, 32, 16, 20, 8.0, 0, false, false},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) run_paged<float>(cases[i], seed++, i % 2 == 0 ? 3 : 1);
+}
+
+TEST_CASE("paged kernel: half and bfloat16 within twice the SDPA-way error", "[rerope][paged][lowp]") {
+  const PagedCase c{kMixedRequests, 4, 2, 32, 32, 7, 8, 16.0, 0, false, true};
+  run_paged<__half>(c, 600, 2);
+  run_paged<__nv_bfloat16>(c, 601, 1);
+}
+
+TEST_CASE("paged kernel: a request whose metadata points outside the cache gets NaN rows, nothing read outside",
+          "[rerope][paged][poison]") {
+  // Guarded caches: a read past the key cache's end or before the value cache's start faults.
+  // The spoiled request: a decode row (launched with key splits) or a prefill row.
+  const PagedCase c{{{1, 40}, {9, 30}, {20, 20}, {0, 6}}, 4, 2, 16, 16, 5, 8, 0.0, 0, false, false};
+  struct Spoil {
+    Poison poison;
+    int request, splits;
+  };
+  unsigned seed = 700;
+  for (const Spoil& s : {Spoil{Poison::kPagePastCache, 0, 3}, Spoil{Poison::kPagePastCache, 2, 1},
+                         Spoil{Poison::kNegativePage, 2, 1}, Spoil{Poison::kSeqPastTable, 0, 3},
+                         Spoil{Poison::kQueriesPastSeq, 2, 1}})
+    run_paged<float>(c, seed++, s.splits, s.poison, s.request);
+}
+
+TEST_CASE("cache write kernel: raw keys and values at their slots, negative and past-the-cache slots skipped",
+          "[rerope][paged][cache_write]") {
+  using namespace ropescale::rerope_cuda;
+  const int tokens = 11, kv_heads = 2, dim = 12, block_size = 5, num_blocks = 4;
+  const int64_t slots = static_cast<int64_t>(num_blocks) * block_size;
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  // key and value [T, Hkv, D] strided (token stride 2 * Hkv * D, as a slice of a wider tensor).
+  std::vector<__half> key(2 * tokens * kv_heads * dim), value(key.size());
+  for (size_t i = 0; i < key.size(); ++i) key[i] = __float2half(normal(gen)), value[i] = __float2half(normal(gen));
+  const std::vector<int64_t> slot_mapping = {7, -1, 0, 19, 3, slots, 12, -5, 8, 15, 1};
+  std::vector<__half> key_cache(slots * kv_heads * dim, __float2half(-3.0f)), value_cache(key_cache);
+  CacheWriteParams p;
+  p.key_cache = key_cache.data(), p.value_cache = value_cache.data();
+  p.key = key.data(), p.value = value.data(), p.slot_mapping = slot_mapping.data();
+  p.key_stride_t = p.value_stride_t = 2 * kv_heads * dim, p.key_stride_h = p.value_stride_h = dim;
+  p.cache_stride_block = p.vcache_stride_block = static_cast<int64_t>(kv_heads) * block_size * dim;
+  p.cache_stride_h = p.vcache_stride_h = static_cast<int64_t>(block_size) * dim;
+  p.cache_stride_slot = p.vcache_stride_slot = dim;
+  p.tokens = tokens, p.slots = slots, p.kv_heads = kv_heads, p.head_dim = dim, p.block_size = block_size;
+  launch_rerope_cache_write<__half>(p, nullptr);
+  std::vector<int> writer(slots, -1);
+  for (int t = 0; t < tokens; ++t)
+    if (slot_mapping[t] >= 0 && slot_mapping[t] < slots) writer[slot_mapping[t]] = t;
+  for (int64_t s = 0; s < slots; ++s)
+    for (int h = 0; h < kv_heads; ++h)
+      for (int d = 0; d < dim; ++d) {
+        const size_t at = ((s / block_size * kv_heads + h) * block_size + s % block_size) * dim + d;
+        const int t = writer[s];
+        INFO("slot " << s << " head " << h << " dim " << d);
+        REQUIRE(__half2float(key_cache[at]) ==
+                (t < 0 ? -3.0f : __half2float(key[(static_cast<size_t>(t) * 2 * kv_heads + h) * dim + d])));
+        REQUIRE(__half2float(value_cache[at]) ==
+                (t < 0 ? -3.0f : __half2float(value[(static_cast<size_t>(t) * 2 * kv_heads + h) * dim + d])));
+      }
+}
+
+TEST_CASE("race check: one small paged launch with splits, blocks shuffled", "[tsan][paged]") {
+  const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 5);
+  const PagedCase c{{{1, 40}, {5, 12}}, 2, 1, 8, 8, 3, 5, 16.0, 10, false, true};
+  run_paged<float>(c, 800, 2);
 }

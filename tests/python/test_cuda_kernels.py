@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ropescale import ops
-from ropescale.rerope import rerope_attention_composite
+from ropescale.rerope import (rerope_attention_composite, rerope_attention_paged_composite,
+                              rerope_cache_write_composite)
 from test_rerope_attention import BASE, as_layout, assert_within_sdpa_error, make_inputs, reference, sdpa_error
 
 pytestmark = pytest.mark.cuda
@@ -252,3 +253,128 @@ def test_rerope_attention_cuda_matches_cpu(dtype, q_len, k_len, dim):
         torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-4, rtol=1e-5)
         c_out, c_lse = rerope_attention_composite(*to_device(q, k, v, qp, kp, inv_freq), 33, **kw)
         torch.testing.assert_close(c_out.cpu().float(), cpu_out.float(), **tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# rerope_attention_paged and rerope_cache_write_ (the paged kernels of rerope_attention.cuh), against
+# the plain-PyTorch oracle rerope_attention_paged_composite in float64 on the CPU.
+
+# (q_len, seq_len) per request: decode rows, a chunked-prefill row (a chunk at the end of a longer
+# sequence), a full prefill, an empty row range, a one-token sequence; the window puts near, band and
+# far key tiles in the longer requests.
+PAGED_REQUESTS = [(1, 300), (17, 90), (70, 70), (0, 6), (1, 1), (5, 140)]
+
+
+def make_paged(requests, q_heads, kv_heads, dim, block_size, dtype, seed=0, per_request_tables=False):
+    """Packed q [T, Hq, D], caches [num_blocks, Hkv, block_size, D] whose pages are handed out shuffled
+    (spare pages and the slots past each sequence hold NaN: a read of one shows), the metadata (int32),
+    and the tables: one shared inv_freq, or a row and a scale factor per request."""
+    g = torch.Generator().manual_seed(seed)
+    starts = [0]
+    for q_len, _ in requests:
+        starts.append(starts[-1] + q_len)
+    pages = [-(-seq_len // block_size) for _, seq_len in requests]
+    num_blocks = sum(pages) + 3
+    max_blocks = max(pages) + 1
+    order = torch.randperm(num_blocks, generator=g)
+    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    block_table = torch.full((len(requests), max_blocks), num_blocks + 1000, dtype=torch.int32)
+    used = 0
+    for r, (_, seq_len) in enumerate(requests):
+        block_table[r, : pages[r]] = order[used: used + pages[r]].to(torch.int32)
+        used += pages[r]
+        for j in range(seq_len):
+            page, slot = block_table[r, j // block_size], j % block_size
+            key_cache[page, :, slot] = torch.randn(kv_heads, dim, generator=g)
+            value_cache[page, :, slot] = torch.randn(kv_heads, dim, generator=g)
+    q = torch.randn(starts[-1], q_heads, dim, generator=g)
+    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    base_table = ops.default_inv_freq(dim, BASE)
+    if per_request_tables:  # as Dynamic NTK/YaRN give each request the table of its own length
+        inv_freq = torch.stack([base_table / (1.0 + 0.75 * r) for r in range(len(requests))])
+        scale_factors = torch.tensor([1.0 + 0.1 * r for r in range(len(requests))])
+    else:
+        inv_freq, scale_factors = base_table, None
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    return cast(q), cast(key_cache), cast(value_cache), block_table, seq_lens, query_start_loc, inv_freq, scale_factors
+
+
+def paged_on(device, args):
+    return [None if t is None else t.to(device) for t in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size,dim,kv_heads,per_request", [(16, 64, 2, False), (5, 128, 1, True),
+                                                                 (1, 96, 4, True)])
+def test_rerope_attention_paged_cuda_matches_the_float64_oracle(dtype, block_size, dim, kv_heads, per_request):
+    """Decode, chunked-prefill and prefill rows in one launch, shuffled pages, GQA, per-request tables.
+    fp32 within 2e-5; fp16/bf16 within twice the error of the same composite computation in that dtype."""
+    args = make_paged(PAGED_REQUESTS, 4, kv_heads, dim, block_size, dtype, seed=block_size,
+                      per_request_tables=per_request)
+    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors = args
+    for leaky_k, logn_length in ((0.0, 0), (16.0, 100)):
+        kw = dict(leaky_k=leaky_k, logn_length=logn_length, scale_factors=scale_factors)
+        ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
+                                                            block_table, seq_lens, qsl, inv_freq, 33, **kw)
+        dev = paged_on(DEVICE, [q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors])
+        out, lse = ops.rerope_attention_paged(*dev[:7], 33, leaky_k=leaky_k, logn_length=logn_length,
+                                              scale_factors=dev[7])
+        assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+        out, lse = out.cpu().double(), lse.cpu().double()
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # no NaN slot was read
+        err_out = (out - ref_out).abs().max().item()
+        err_lse = (lse - ref_lse.double()).abs().max().item()
+        if dtype == torch.float32:
+            assert err_out <= 2e-5 and err_lse <= 2e-5 * (1 + ref_lse.abs().max().item())
+        else:
+            low_out, low_lse = rerope_attention_paged_composite(*dev[:7], 33, leaky_k=leaky_k,
+                                                                logn_length=logn_length, scale_factors=dev[7])
+            low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
+            low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
+            assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
+            assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+
+
+@pytest.mark.parametrize("spoil", ["page past the cache", "negative page", "seq_len past the table",
+                                   "q_len past seq_len"])
+def test_rerope_attention_paged_cuda_bad_metadata_gives_nan_rows_and_reads_nothing_outside(spoil):
+    """On CUDA the metadata values are the caller's contract (no host sync): a request whose metadata
+    points outside the cache gets NaN rows; the other requests are unaffected."""
+    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, _ = make_paged(PAGED_REQUESTS, 4, 2, 64, 16,
+                                                                                   torch.float32, seed=3)
+    ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
+                                                        block_table, seq_lens, qsl, inv_freq, 33)
+    bad = 1
+    if spoil == "page past the cache":
+        block_table[bad, 0] = key_cache.shape[0]
+    elif spoil == "negative page":
+        block_table[bad, 1] = -1
+    elif spoil == "seq_len past the table":
+        seq_lens[bad] = block_table.shape[1] * key_cache.shape[2] + 1
+    else:
+        seq_lens[bad] = int(qsl[bad + 1] - qsl[bad]) - 1
+    out, lse = ops.rerope_attention_paged(*paged_on(DEVICE, [q, key_cache, value_cache, block_table, seq_lens, qsl,
+                                                             inv_freq]), 33)
+    torch.cuda.synchronize()  # no illegal address
+    rows = torch.zeros(q.shape[0], dtype=torch.bool)
+    rows[int(qsl[bad]): int(qsl[bad + 1])] = True
+    assert torch.isnan(out.cpu()[rows]).all() and torch.isnan(lse.cpu()[rows]).all()
+    torch.testing.assert_close(out.cpu()[~rows].double(), ref_out[~rows], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rerope_cache_write_cuda_matches_the_composite(dtype):
+    """Raw rows at their slots (strided key/value), negative slots skipped, untouched slots kept."""
+    g = torch.Generator().manual_seed(5)
+    key_cache = torch.randn(4, 2, 5, 24, generator=g).to(dtype)
+    value_cache = torch.randn(4, 2, 5, 24, generator=g).to(dtype)
+    key = torch.randn(11, 4, 24, generator=g).to(dtype)[:, ::2]  # strided rows
+    value = torch.randn(11, 2, 24, generator=g).to(dtype)
+    slot_mapping = torch.tensor([7, -1, 0, 19, 3, 11, 12, -5, 8, 15, 1])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    rerope_cache_write_composite(want_k, want_v, key, value, slot_mapping)
+    got_k, got_v = key_cache.to(DEVICE), value_cache.to(DEVICE)
+    ops.rerope_cache_write_(got_k, got_v, *to_device(key, value, slot_mapping))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)

@@ -18,7 +18,7 @@
 // the scores and head-dim slots lane, lane+32, ... of the output accumulators for P.V.
 //
 // Shared memory decides the tile shape (TileShape): the wide tiles hold both sides of a key tile at
-// once and fit A100/H100-class parts at every head dim (the 256 bucket needs 134,928 B per block);
+// once and fit A100/H100-class parts at every head dim (the 256 bucket needs 135,440 B per block);
 // the compact tiles (head dims up to 256 in under 99 KiB, for sm_86/89/120) hold one side at a
 // time, so a band tile loads its far side after its near scores, and keep fewer query rows per
 // block. with_simt_shape() picks one from the device's sharedMemPerBlockOptin.
@@ -27,6 +27,10 @@
 // replaced by -inf and their (row, key) pairs are skipped in P.V (no 0 * NaN). Visible keys follow
 // IEEE arithmetic: a non-finite q, k or v propagates into the row. Whether a row saw a visible key
 // is decided by the mask, never by the scores: a row with none gives zeros and lse = -inf.
+//
+// The same body serves rerope_attention_paged (requests packed along T, raw keys and values read
+// through a block table; see "rerope_attention_paged" at the end): a Problem class (DenseProblem,
+// PagedProblem) says where a block's rows, keys, values, positions, rotation table and scale are.
 //
 // These scalar-FMA kernels serve fp32 inputs, head dims the tensor-core prefill does not take, and
 // every decode. Decode stays here on purpose: one query token against the cache reads every key and
@@ -72,6 +76,18 @@ __device__ __forceinline__ float round_like(float x) {
 template <>
 __device__ __forceinline__ float round_like<float>(float x) { return x; }
 
+// One request of a paged launch, as the schedule kernel validated it: its query rows
+// [q_begin, q_begin + q_len) of the packed T, its keys 0 .. seq_len - 1, and whether its metadata
+// would make the kernel read outside the cache or q (then its rows are NaN; see rerope_paged_schedule_kernel).
+struct PagedRequest {
+  int q_begin, q_len, seq_len, poisoned;
+};
+// One block's share of a paged launch: rows block (query_block, head_block) of request `request`
+// (-1: past the launch's work, the block exits).
+struct PagedTask {
+  int request, query_block, head_block, unused;
+};
+
 // Everything a launch needs. Strides are in elements, last dim unit-stride.
 struct ReropeParams {
   const void* q = nullptr;  // [B, Hq, Lq, D]
@@ -97,7 +113,38 @@ struct ReropeParams {
   bool causal = true, interleaved = false;
   // Launch plan (set by the launchers).
   int queries_per_block = 0, heads_per_block = 0, num_splits = 1, keys_per_split = 0;
+  // rerope_attention_paged (PagedProblem): q [T, Hq, D] with q_stride_l the token stride and q_len = T,
+  // batch = 1 (so the output rows [T, Hq] are the dense rows of one batch row); k / v are the caches
+  // [num_blocks, Hkv, block_size, D] with k_stride_b the page stride and k_stride_l the slot stride.
+  const int* block_table = nullptr;      // [requests, max_blocks], contiguous
+  const int* seq_lens = nullptr;         // [requests]
+  const int* query_start_loc = nullptr;  // [requests + 1]
+  const float* scale_factors = nullptr;  // [requests] or null (1)
+  int64_t inv_freq_stride = 0;           // rotary_pairs when inv_freq has a row per request, else 0
+  int requests = 0, num_blocks = 0, block_size = 0, max_blocks = 0;
+  PagedRequest* paged_requests = nullptr;  // workspace [requests], written by the schedule kernel
+  PagedTask* paged_tasks = nullptr;        // workspace [num_paged_tasks], written by the schedule kernel
+  int* paged_task_offsets = nullptr;              // workspace [requests + 1]
+  int num_paged_tasks = 0;                        // the grid's upper bound of (request, row block) tasks
 };
+
+// Rows of a block for a problem with q_len query rows and a GQA group of `group` q heads per kv head
+// on `rows` rows per block: the query rows of as many heads of the group as fit (decode packs the
+// heads of a group into one block so that they share each rotated key tile), else rows of one head.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rerope_rows_plan(int q_len, int group, int rows, int* queries_per_block,
+                                                             int* heads_per_block) {
+  *queries_per_block = q_len < rows ? (q_len > 0 ? q_len : 1) : rows;
+  const int heads = rows / *queries_per_block;
+  *heads_per_block = group < heads ? group : heads;
+}
+// Blocks of that plan: query blocks x head blocks.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t rerope_rows_plan_blocks(int q_len, int group, int rows) {
+  if (q_len <= 0) return 0;
+  int queries_per_block, heads_per_block;
+  rerope_rows_plan(q_len, group, rows, &queries_per_block, &heads_per_block);
+  return (static_cast<int64_t>(q_len) + queries_per_block - 1) / queries_per_block *
+         ((group + heads_per_block - 1) / heads_per_block);
+}
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -126,7 +173,9 @@ struct TileShape {
   static constexpr std::size_t kRowTableBytes = kRows * (2 * sizeof(int) + sizeof(long long) + sizeof(bool));
   static constexpr std::size_t kRowTableOffset = kSmemFloats * sizeof(float);
   static constexpr std::size_t kTilePositionsOffset = (kRowTableOffset + kRowTableBytes + 7) / 8 * 8;
-  static constexpr std::size_t kSmemBytes = kTilePositionsOffset + 2 * kBlockK * sizeof(long long);
+  // The (page, slot) of each key of the current tile, by parity (paged problems only).
+  static constexpr std::size_t kTileRowsOffset = kTilePositionsOffset + 2 * kBlockK * sizeof(long long);
+  static constexpr std::size_t kSmemBytes = kTileRowsOffset + 2 * kBlockK * 2 * sizeof(int);
   // No static shared memory; the whole block must fit an A100 (163 KiB per block, opted in), and
   // the compact tiles the 99 KiB parts (101,376 B per block).
   static_assert(kSmemBytes <= (kCompact ? 101376u : 166912u), "shared memory above the per-block maximum");
@@ -178,12 +227,120 @@ struct BlockRows {
   bool valid[Shape::kRows];
 };
 
+// Where a key of the current tile lives in a paged cache.
+struct TileRow {
+  int page, slot;
+};
+
+// What a block works on, and how it addresses it. A problem is one batch row of rerope_attention
+// (DenseProblem: explicit positions, [B, H, L, D] tensors, the grid decoded from blockIdx) or one
+// request of rerope_attention_paged (PagedProblem: implicit positions, keys and values read through
+// the block table, a per-request rotation table and scale, the block's share read from the schedule
+// kernel's task list). The kernel body reads q, k, v, positions, the rotation table and the softmax
+// scale only through these, so that dense and paged launches run one body.
+struct BlockTask {
+  int problem = 0, kv_head = 0, split = 0, query_block = 0, head_block = 0;
+  int queries_per_block = 1, heads_per_block = 1, q_len = 0, k_len = 0;
+  bool active = true;     // false: a paged block past the work (exits at once)
+  bool poisoned = false;  // paged: the request's metadata would read outside the cache: NaN rows
+};
+
+// Grid: x = key split, y = (query block, head block), z = (batch, kv head).
+struct DenseProblem {
+  const ReropeParams& p;
+  BlockTask task;
+
+  __device__ DenseProblem(const ReropeParams& params, int /*rows per block*/) : p(params) {
+    const int query_blocks = (p.q_len + p.queries_per_block - 1) / p.queries_per_block;
+    task.split = static_cast<int>(blockIdx.x);
+    task.query_block = static_cast<int>(blockIdx.y) % query_blocks;
+    task.head_block = static_cast<int>(blockIdx.y) / query_blocks;
+    task.problem = static_cast<int>(blockIdx.z) / p.kv_heads;
+    task.kv_head = static_cast<int>(blockIdx.z) % p.kv_heads;
+    task.queries_per_block = p.queries_per_block;
+    task.heads_per_block = p.heads_per_block;
+    task.q_len = p.q_len;
+    task.k_len = p.k_len;
+  }
+  __device__ int64_t query_position(int query) const {
+    return p.q_positions[static_cast<int64_t>(task.problem) * p.q_len + query];
+  }
+  __device__ int64_t key_position(int key) const { return p.k_positions[static_cast<int64_t>(task.problem) * p.k_len + key]; }
+  __device__ int64_t q_offset(int head, int query) const {
+    return task.problem * p.q_stride_b + head * p.q_stride_h + query * p.q_stride_l;
+  }
+  __device__ int64_t out_row(int head, int query) const {
+    return (static_cast<int64_t>(task.problem) * p.q_heads + head) * p.q_len + query;
+  }
+  __device__ const float* inv_freq() const { return p.inv_freq; }
+  __device__ float scale() const { return p.scale; }
+  __device__ int64_t k_base() const { return task.problem * p.k_stride_b + task.kv_head * p.k_stride_h; }
+  __device__ int64_t v_base() const { return task.problem * p.v_stride_b + task.kv_head * p.v_stride_h; }
+  __device__ void locate_key(int, TileRow*) const {}  // rows are strided: nothing to look up
+  // Element offset (from k_base / v_base) of key j0 + j of the current tile.
+  __device__ int64_t k_row(const TileRow*, int j0, int j) const { return static_cast<int64_t>(j0 + j) * p.k_stride_l; }
+  __device__ int64_t v_row(const TileRow*, int j0, int j) const { return static_cast<int64_t>(j0 + j) * p.v_stride_l; }
+};
+
+// Grid: x = task (rerope_paged_schedule_kernel's list), y = key split, z = kv head.
+struct PagedProblem {
+  const ReropeParams& p;
+  BlockTask task;
+  int q_begin = 0;
+
+  __device__ PagedProblem(const ReropeParams& params, int rows_per_block) : p(params) {
+    const PagedTask t = p.paged_tasks[blockIdx.x];
+    task.split = static_cast<int>(blockIdx.y);
+    task.kv_head = static_cast<int>(blockIdx.z);
+    if (t.request < 0) {
+      task.active = false;
+      return;
+    }
+    const PagedRequest request = p.paged_requests[t.request];
+    task.problem = t.request;
+    task.query_block = t.query_block;
+    task.head_block = t.head_block;
+    task.q_len = request.q_len;
+    task.k_len = request.seq_len;
+    task.poisoned = request.poisoned != 0;
+    q_begin = request.q_begin;
+    rerope_rows_plan(task.q_len, p.q_heads / p.kv_heads, rows_per_block, &task.queries_per_block,
+                     &task.heads_per_block);
+  }
+  // vLLM's rule: the request's queries are its last q_len tokens; key slot j has position j.
+  __device__ int64_t query_position(int query) const { return static_cast<int64_t>(task.k_len) - task.q_len + query; }
+  __device__ int64_t key_position(int key) const { return key; }
+  __device__ int64_t q_offset(int head, int query) const {
+    return static_cast<int64_t>(q_begin + query) * p.q_stride_l + head * p.q_stride_h;
+  }
+  __device__ int64_t out_row(int head, int query) const {
+    return static_cast<int64_t>(q_begin + query) * p.q_heads + head;
+  }
+  __device__ const float* inv_freq() const { return p.inv_freq + task.problem * p.inv_freq_stride; }
+  __device__ float scale() const { return p.scale_factors ? p.scale * p.scale_factors[task.problem] : p.scale; }
+  __device__ int64_t k_base() const { return task.kv_head * p.k_stride_h; }
+  __device__ int64_t v_base() const { return task.kv_head * p.v_stride_h; }
+  // The page and slot of key `key` (< seq_len; the schedule kernel checked that its page is in the cache).
+  __device__ void locate_key(int key, TileRow* row) const {
+    row->page = p.block_table[static_cast<int64_t>(task.problem) * p.max_blocks + key / p.block_size];
+    row->slot = key % p.block_size;
+  }
+  __device__ int64_t k_row(const TileRow* rows, int, int j) const {
+    return rows[j].page * p.k_stride_b + rows[j].slot * p.k_stride_l;
+  }
+  __device__ int64_t v_row(const TileRow* rows, int, int j) const {
+    return rows[j].page * p.v_stride_b + rows[j].slot * p.v_stride_l;
+  }
+};
+
 // Writes the rotated (rounded like T, then scale * log-n scaled in f32) operands of the block's query
 // rows: near side at p, far side at w + (p - w)/k. Rows past the problem and padded head dims are zeros.
-template <typename T, class Shape>
-__device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<Shape>& rows, SmemTiles<Shape>& s,
-                                int padded_dim) {
+template <typename T, class Shape, class Problem>
+__device__ void load_query_rows(const ReropeParams& p, const Problem& problem, const BlockRows<Shape>& rows,
+                                SmemTiles<Shape>& s, int padded_dim) {
   const T* q = static_cast<const T*>(p.q);
+  const float* inv_freq = problem.inv_freq();
+  const float scale = problem.scale();
   const int tid = static_cast<int>(threadIdx.x);
   // Dims past the rotary ones (copied) and the zero padding up to a multiple of 4.
   for (int idx = tid; idx < Shape::kRows * padded_dim; idx += kThreads) {
@@ -191,8 +348,8 @@ __device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<Sh
     if (d < 2 * p.rotary_pairs) continue;
     float x = 0.0f;
     if (rows.valid[r] && d < p.head_dim) {
-      const float factor = p.scale * rerope_logn_scale(rows.position[r], p.logn_length, p.inv_log_train);
-      x = to_float(q[b * p.q_stride_b + rows.head[r] * p.q_stride_h + rows.query[r] * p.q_stride_l + d]) * factor;
+      const float factor = scale * rerope_logn_scale(rows.position[r], p.logn_length, p.inv_log_train);
+      x = to_float(q[problem.q_offset(rows.head[r], rows.query[r]) + d]) * factor;
     }
     s.q_near[r * Shape::kQStride + d] = x;
     s.q_far[r * Shape::kQStride + d] = x;
@@ -209,27 +366,29 @@ __device__ void load_query_rows(const ReropeParams& p, int b, const BlockRows<Sh
       continue;
     }
     const int64_t pos = rows.position[r];
-    const float factor = p.scale * rerope_logn_scale(pos, p.logn_length, p.inv_log_train);
-    const T* src = q + b * p.q_stride_b + rows.head[r] * p.q_stride_h + rows.query[r] * p.q_stride_l;
+    const float factor = scale * rerope_logn_scale(pos, p.logn_length, p.inv_log_train);
+    const T* src = q + problem.q_offset(rows.head[r], rows.query[r]);
     const float x1 = to_float(src[first]), x2 = to_float(src[second]);
     float sin_v, cos_v, a, c;
-    rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sin_v, &cos_v);
+    rotary_sincos(static_cast<double>(pos), inv_freq[pair], &sin_v, &cos_v);
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
     near_row[first] = round_like<T>(a) * factor;
     near_row[second] = round_like<T>(c) * factor;
-    rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sin_v, &cos_v);
+    rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), inv_freq[pair], &sin_v, &cos_v);
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
     far_row[first] = round_like<T>(a) * factor;
     far_row[second] = round_like<T>(c) * factor;
   }
 }
 
-// Loads a [kBlockK x padded_dim] tile of float rows (zeros past the keys and past D).
-template <typename Src, int kStride>
-__device__ void load_tile(const Src* base, int64_t row_stride, int rows_in_range, int dim, int padded_dim, float* dst) {
+// Loads a [kBlockK x padded_dim] tile of float rows, row j at base + row_offset(j) (zeros past the
+// keys and past D: rows past rows_in_range are never addressed).
+template <typename Src, int kStride, class RowOffset>
+__device__ void load_tile(const Src* base, RowOffset row_offset, int rows_in_range, int dim, int padded_dim,
+                          float* dst) {
   for (int idx = static_cast<int>(threadIdx.x); idx < kBlockK * padded_dim; idx += kThreads) {
     const int j = idx / padded_dim, d = idx % padded_dim;
-    dst[j * kStride + d] = (j < rows_in_range && d < dim) ? to_float(base[j * row_stride + d]) : 0.0f;
+    dst[j * kStride + d] = (j < rows_in_range && d < dim) ? to_float(base[row_offset(j) + d]) : 0.0f;
   }
 }
 
@@ -333,15 +492,16 @@ __device__ void process_tile(const ReropeParams& p, const BlockRows<Shape>& rows
 // A row without a visible key: zeros and -inf. A row with one whose sum is not > 0 (NaN, or every
 // visible score -inf): non-finite output and lse NaN (what softmax gives), also in a split's
 // partials, so that the combine propagates it.
-template <typename T, class Shape>
-__device__ void store_rows(const ReropeParams& p, int b, int split, const BlockRows<Shape>& rows,
+template <typename T, class Shape, class Problem>
+__device__ void store_rows(const ReropeParams& p, const Problem& problem, const BlockRows<Shape>& rows,
                            const RowAccumulators<Shape>& st) {
+  const int split = problem.task.split;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
   for (int r = 0; r < Shape::kRowsPerWarp; ++r) {
     const int row = warp + kWarps * r;
     if (!rows.valid[row]) continue;
-    const int64_t out_row = (static_cast<int64_t>(b) * p.q_heads + rows.head[row]) * p.q_len + rows.query[row];
+    const int64_t out_row = problem.out_row(rows.head[row], rows.query[row]);
     const float row_sum = warp_sum(st.row_sum[r]);
     const bool seen = (st.seen >> r) & 1u;
     const float inv = seen ? 1.0f / row_sum : 0.0f;
@@ -367,64 +527,86 @@ __device__ void store_rows(const ReropeParams& p, int b, int split, const BlockR
 }
 
 // Fills the block's row table: rows r = (head offset r / queries_per_block, query r % queries_per_block).
-template <class Shape>
-__device__ void map_block_rows(const ReropeParams& p, int b, int kv_head, int query_block, int head_block,
-                               BlockRows<Shape>& rows) {
+template <class Shape, class Problem>
+__device__ void map_block_rows(const ReropeParams& p, const Problem& problem, BlockRows<Shape>& rows) {
+  const BlockTask& task = problem.task;
   const int group = p.q_heads / p.kv_heads;
   for (int r = static_cast<int>(threadIdx.x); r < Shape::kRows; r += kThreads) {
-    const int head_offset = head_block * p.heads_per_block + r / p.queries_per_block;
-    const int query = query_block * p.queries_per_block + r % p.queries_per_block;
-    const bool valid = r < p.heads_per_block * p.queries_per_block && head_offset < group && query < p.q_len;
+    const int head_offset = task.head_block * task.heads_per_block + r / task.queries_per_block;
+    const int query = task.query_block * task.queries_per_block + r % task.queries_per_block;
+    const bool valid =
+        r < task.heads_per_block * task.queries_per_block && head_offset < group && query < task.q_len;
     rows.valid[r] = valid;
-    rows.head[r] = valid ? kv_head * group + head_offset : 0;
+    rows.head[r] = valid ? task.kv_head * group + head_offset : 0;
     rows.query[r] = valid ? query : 0;
-    rows.position[r] = valid ? p.q_positions[static_cast<int64_t>(b) * p.q_len + query] : -1;
+    rows.position[r] = valid ? problem.query_position(query) : -1;
   }
 }
 
-// The kernel body shared by prefill (keys pre-rotated in global memory) and decode (keys rotated
-// here, tile by tile, only where needed). Grid: x = key split, y = (query block, head block),
-// z = (batch, kv head).
-template <typename T, class Shape, bool kKeysPreRotated>
+// The kernel body shared by prefill (keys pre-rotated in global memory; dense problems only) and
+// decode (keys rotated here, tile by tile, only where needed), over a dense batch row or a paged
+// request (Problem).
+template <typename T, class Shape, bool kKeysPreRotated, class Problem>
 __device__ void rerope_attention_block(const ReropeParams& p) {
+  static_assert(!kKeysPreRotated || std::is_same_v<Problem, DenseProblem>, "pre-rotated keys: dense problems only");
   constexpr int kR = Shape::kRowsPerWarp;
+  const Problem problem(p, Shape::kRows);
+  if (!problem.task.active) return;  // uniform over the block, before any barrier
   ROPESCALE_DYNAMIC_SMEM(float, smem);
   SmemTiles<Shape> s(smem);
   unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
   BlockRows<Shape>& rows = *reinterpret_cast<BlockRows<Shape>*>(smem_bytes + Shape::kRowTableOffset);
   // By tile parity: a skipped tile may run ahead.
   long long (*tile_positions)[kBlockK] = reinterpret_cast<long long (*)[kBlockK]>(smem_bytes + Shape::kTilePositionsOffset);
+  TileRow (*tile_rows)[kBlockK] = reinterpret_cast<TileRow (*)[kBlockK]>(smem_bytes + Shape::kTileRowsOffset);
 
-  const int split = static_cast<int>(blockIdx.x);
-  const int query_blocks = (p.q_len + p.queries_per_block - 1) / p.queries_per_block;
-  const int query_block = static_cast<int>(blockIdx.y) % query_blocks;
-  const int head_block = static_cast<int>(blockIdx.y) / query_blocks;
-  const int b = static_cast<int>(blockIdx.z) / p.kv_heads, kv_head = static_cast<int>(blockIdx.z) % p.kv_heads;
+  const int b = problem.task.problem, kv_head = problem.task.kv_head;
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   const int padded_dim = (p.head_dim + 3) / 4 * 4;
   const bool leaky = p.leaky_inv != 0.0;
+  const float* const inv_freq = problem.inv_freq();
 
-  map_block_rows<Shape>(p, b, kv_head, query_block, head_block, rows);
+  map_block_rows<Shape>(p, problem, rows);
   __syncthreads();
+  RowAccumulators<Shape> st;
+  st.init();
+  // A paged request whose metadata would read outside the cache (rerope_paged_schedule_kernel): NaN
+  // rows, no key read.
+  if (problem.task.poisoned) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      st.row_max[r] = st.row_sum[r] = NAN;
+#pragma unroll
+      for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] = NAN;
+    }
+    st.seen = ~0u;
+    store_rows<T, Shape>(p, problem, rows, st);
+    return;
+  }
+  const int key_begin = problem.task.split * p.keys_per_split;
+  const int key_end =
+      key_begin + p.keys_per_split < problem.task.k_len ? key_begin + p.keys_per_split : problem.task.k_len;
   // Bounds of the block's query positions, computed by every thread (no shuffles, no barrier).
   PositionRange query_range;
   for (int r = 0; r < Shape::kRows; ++r)
     if (rows.valid[r]) query_range.add(rows.position[r]);
-  load_query_rows<T, Shape>(p, b, rows, s, padded_dim);
+  // (A split past the problem's keys stores its empty rows, -inf, for the combine.)
+  if (key_begin < key_end) load_query_rows<T, Shape>(p, problem, rows, s, padded_dim);
 
-  RowAccumulators<Shape> st;
-  st.init();
-  const int key_begin = split * p.keys_per_split;
-  const int key_end = key_begin + p.keys_per_split < p.k_len ? key_begin + p.keys_per_split : p.k_len;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h;
-  const int64_t* k_positions = p.k_positions + static_cast<int64_t>(b) * p.k_len;
+  const T* k = static_cast<const T*>(p.k) + problem.k_base();
+  const T* v = static_cast<const T*>(p.v) + problem.v_base();
   const int64_t rotated_offset = (static_cast<int64_t>(b) * p.kv_heads + kv_head) * p.k_len * p.head_dim;
 
   for (int j0 = key_begin, parity = 0; j0 < key_end; j0 += kBlockK, parity ^= 1) {
     const int keys_in_tile = key_end - j0 < kBlockK ? key_end - j0 : kBlockK;
-    if (tid < kBlockK) tile_positions[parity][tid] = tid < keys_in_tile ? k_positions[j0 + tid] : -1;
+    if (tid < kBlockK) {
+      tile_positions[parity][tid] = tid < keys_in_tile ? problem.key_position(j0 + tid) : -1;
+      if (tid < keys_in_tile) problem.locate_key(j0 + tid, &tile_rows[parity][tid]);
+    }
     __syncthreads();  // positions published; the previous tile is consumed (and the query rows written)
+    const TileRow* const key_rows = tile_rows[parity];
+    const auto k_row = [&](int j) { return problem.k_row(key_rows, j0, j); };
+    const auto v_row = [&](int j) { return problem.v_row(key_rows, j0, j); };
     // Every thread classifies the same positions, so the whole block agrees on the tile's class.
     PositionRange key_range;
     for (int j = 0; j < keys_in_tile; ++j) key_range.add(tile_positions[parity][j]);
@@ -441,13 +623,14 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     const auto stage_keys = [&](bool far_side, float* dst) {
       if constexpr (kKeysPreRotated) {
         if (!far_side || leaky)
-          load_tile<float, Shape::kKStride>(static_cast<const float*>(far_side ? p.k_far : p.k_near) + rotated_offset +
-                                                static_cast<int64_t>(j0) * p.head_dim,
-                                            p.head_dim, keys_in_tile, p.head_dim, padded_dim, dst);
+          load_tile<float, Shape::kKStride>(
+              static_cast<const float*>(far_side ? p.k_far : p.k_near) + rotated_offset +
+                  static_cast<int64_t>(j0) * p.head_dim,
+              [&](int j) { return static_cast<int64_t>(j) * p.head_dim; }, keys_in_tile, p.head_dim, padded_dim, dst);
         else
-          load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim, dst);
+          load_tile<T, Shape::kKStride>(k, k_row, keys_in_tile, p.head_dim, padded_dim, dst);
       } else {
-        load_tile<T, Shape::kKStride>(k + j0 * p.k_stride_l, p.k_stride_l, keys_in_tile, p.head_dim, padded_dim, dst);
+        load_tile<T, Shape::kKStride>(k, k_row, keys_in_tile, p.head_dim, padded_dim, dst);
         if (far_side && !leaky) return;
         __syncthreads();
         for (int idx = tid; idx < kBlockK * p.rotary_pairs; idx += kThreads) {
@@ -455,10 +638,10 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           int first, second;
           rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
           float* row = dst + j * Shape::kKStride;
-          const int64_t pos = j < keys_in_tile ? k_positions[j0 + j] : 0;
+          const int64_t pos = j < keys_in_tile ? tile_positions[parity][j] : 0;
           float sin_v, cos_v, a, c;
           rotary_sincos(far_side ? rerope_far_key_position(pos, p.leaky_inv) : static_cast<double>(pos),
-                        p.inv_freq[pair], &sin_v, &cos_v);
+                        inv_freq[pair], &sin_v, &cos_v);
           rotate_pair(row[first], row[second], cos_v, sin_v, &a, &c);
           row[first] = round_like<T>(a);
           row[second] = round_like<T>(c);
@@ -466,7 +649,7 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
       }
     };
 
-    load_tile<T, Shape::kVStride>(v + j0 * p.v_stride_l, p.v_stride_l, keys_in_tile, p.head_dim, padded_dim, s.v);
+    load_tile<T, Shape::kVStride>(v, v_row, keys_in_tile, p.head_dim, padded_dim, s.v);
     // Scores from operands picked by pointer, never a score array picked at run time (that would
     // demote both arrays to local memory): far tiles score from the far operands, band tiles fill
     // far_scores as well.
@@ -491,17 +674,17 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     }
     process_tile<T, Shape>(p, rows, s, tile, key_position, scores, far_scores, st);
   }
-  store_rows<T, Shape>(p, b, split, rows, st);
+  store_rows<T, Shape>(p, problem, rows, st);
 }
 
 template <typename T, class Shape>
 __global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_prefill_kernel(const ReropeParams p) {
-  rerope_attention_block<T, Shape, true>(p);
+  rerope_attention_block<T, Shape, true, DenseProblem>(p);
 }
 
 template <typename T, class Shape>
 __global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_decode_kernel(const ReropeParams p) {
-  rerope_attention_block<T, Shape, false>(p);
+  rerope_attention_block<T, Shape, false, DenseProblem>(p);
 }
 
 // Prefill pre-pass: every key rotated once, for all kv heads from one sin/cos: near side at p into
@@ -613,11 +796,7 @@ inline int64_t rerope_prefill_grid_y(const ReropeParams& p) {
 }
 template <class Shape>
 inline int64_t rerope_decode_grid_y(const ReropeParams& p) {
-  const int group = p.q_heads / p.kv_heads;
-  const int queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
-  const int heads_per_block = group < Shape::kRows / queries_per_block ? group : Shape::kRows / queries_per_block;
-  return (static_cast<int64_t>(p.q_len) + queries_per_block - 1) / queries_per_block *
-         ((group + heads_per_block - 1) / heads_per_block);
+  return rerope_rows_plan_blocks(p.q_len, p.q_heads / p.kv_heads, Shape::kRows);
 }
 
 // Prefill plan: one block per (Shape::kRows queries of one head); keys rotated once by the pre-pass
@@ -649,12 +828,8 @@ inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream, Check&& c
 // at least 4 key tiles per split. Splits > 1 need p.partial_out / p.partial_lse.
 template <class Shape>
 inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
-  const int group = p.q_heads / p.kv_heads;
-  const int queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
-  const int heads_per_block = group < Shape::kRows / queries_per_block ? group : Shape::kRows / queries_per_block;
-  const int64_t blocks = static_cast<int64_t>(p.batch) * p.kv_heads *
-                         ((p.q_len + queries_per_block - 1) / queries_per_block) *
-                         ((group + heads_per_block - 1) / heads_per_block);
+  const int64_t blocks =
+      static_cast<int64_t>(p.batch) * p.kv_heads * rerope_rows_plan_blocks(p.q_len, p.q_heads / p.kv_heads, Shape::kRows);
   const int64_t max_splits = (p.k_len + 4 * kBlockK - 1) / (4 * kBlockK);
   int64_t splits = (2 * static_cast<int64_t>(multiprocessors) + blocks - 1) / blocks;
   splits = splits < max_splits ? splits : max_splits;
@@ -666,8 +841,7 @@ inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
 template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
   const int group = p.q_heads / p.kv_heads;
-  p.queries_per_block = p.q_len < Shape::kRows ? p.q_len : Shape::kRows;
-  p.heads_per_block = group < Shape::kRows / p.queries_per_block ? group : Shape::kRows / p.queries_per_block;
+  rerope_rows_plan(p.q_len, group, Shape::kRows, &p.queries_per_block, &p.heads_per_block);
   const int tiles = (p.k_len + kBlockK - 1) / kBlockK;
   const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
   p.keys_per_split = tiles_per_split * kBlockK;
@@ -687,6 +861,211 @@ inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t st
                             dim3(kThreads), 0, stream, p);
     check(ROPESCALE_LAST_LAUNCH_ERROR(), "the split-combine kernel");
   }
+}
+
+
+// ---- rerope_attention_paged: requests packed along T, keys and values read through the block table --
+//
+// Two launches and no host sync: the schedule kernel turns the device-side metadata (query_start_loc,
+// seq_lens, block_table) into a task list, (request, row block) per entry, whose length the host
+// bounds from the sizes alone (rerope_paged_max_tasks); the attention kernel's grid is that bound x key
+// splits x kv heads, and the blocks past the last task exit at once. Every request runs the decode
+// body above (rows of a GQA group packed per block, keys rotated in shared memory tile by tile, only
+// the tiles that need it), with its own positions (key slot j at j, query i at seq_len - q_len + i),
+// rotation table and softmax scale: decode, chunked-prefill and prefill rows mixed in one launch.
+// Splits > 1 are merged by rerope_combine_kernel, as for dense decode.
+
+constexpr int kScheduleThreads = 256;
+constexpr int kScheduleWarps = kScheduleThreads / 32;
+
+// Upper bound of the tasks of a launch over `tokens` rows of `requests` requests: a request of q_len
+// rows has at most 2 * q_len * group / rows + 1 row blocks (rerope_rows_plan: for q_len >= rows,
+// ceil(q_len / rows) * group <= 2 q_len group / rows; below, ceil(group / floor(rows / q_len)) with
+// floor(x) >= x / 2), so the sum is at most 2 * tokens * group / rows + requests.
+inline int64_t rerope_paged_max_tasks(int64_t tokens, int64_t requests, int group, int rows) {
+  return (2 * tokens * group + rows - 1) / rows + requests;
+}
+
+// The schedule of a paged launch: one block, before the attention kernel.
+//  1. Each request (a warp each) is validated against what the kernel will read: its query rows inside
+//     [0, T), 0 <= q_len <= seq_len <= max_blocks * block_size, and the page of every key slot
+//     (block_table[r, 0 .. ceil(seq_len / block_size))) inside [0, num_blocks). A request that fails
+//     is poisoned: its rows (clamped to [0, T)) become NaN and none of its keys is read. This is the
+//     CUDA side of the op's value checks, which the CPU kernel makes with an error (a check here would
+//     cost a host sync per call). Rows that no request covers (query_start_loc not covering [0, T)) are
+//     left unwritten, and so are the tasks past the bound when bad metadata overlaps requests.
+//  2. The row blocks of each request (rerope_rows_plan) are counted and scanned into offsets.
+//  3. The task list is written: entry e is (request, query block, head block), -1 past the last.
+template <int kRows>
+__global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel(const ReropeParams p) {
+  ROPESCALE_DYNAMIC_SMEM(int, warp_totals);  // [kScheduleWarps]
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int group = p.q_heads / p.kv_heads, tokens = p.q_len;
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  for (int r = warp; r < p.requests; r += kScheduleWarps) {
+    const int q_begin = p.query_start_loc[r], q_end = p.query_start_loc[r + 1], seq_len = p.seq_lens[r];
+    bool poisoned = q_begin < 0 || q_end > tokens || q_end < q_begin || seq_len < 0 || seq_len > capacity ||
+                    q_end - q_begin > seq_len;
+    if (!poisoned) {  // warp-uniform
+      const int pages = static_cast<int>((static_cast<int64_t>(seq_len) + p.block_size - 1) / p.block_size);
+      const int* table = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
+      bool outside = false;
+      for (int i = lane; i < pages; i += 32) outside |= table[i] < 0 || table[i] >= p.num_blocks;
+      poisoned = __any_sync(kFullMask, outside);
+    }
+    if (lane == 0) {
+      const int lo = q_begin < 0 ? 0 : (q_begin > tokens ? tokens : q_begin);
+      const int hi = q_end < lo ? lo : (q_end > tokens ? tokens : q_end);
+      p.paged_requests[r] = PagedRequest{lo, hi - lo, seq_len, poisoned ? 1 : 0};
+    }
+  }
+  __syncthreads();
+  // Exclusive scan of the task counts, kScheduleThreads requests at a time.
+  int64_t carry = 0;
+  for (int base = 0; base < p.requests; base += kScheduleThreads) {
+    const int r = base + tid;
+    const int count =
+        r < p.requests ? static_cast<int>(rerope_rows_plan_blocks(p.paged_requests[r].q_len, group, kRows)) : 0;
+    int inclusive = count;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    int64_t warp_base = 0, chunk_total = 0;
+    for (int w = 0; w < kScheduleWarps; ++w) {
+      warp_base += w < warp ? warp_totals[w] : 0;
+      chunk_total += warp_totals[w];
+    }
+    if (r < p.requests) {
+      const int64_t offset = carry + warp_base + inclusive - count;
+      p.paged_task_offsets[r] = static_cast<int>(offset < p.num_paged_tasks ? offset : p.num_paged_tasks);
+    }
+    carry += chunk_total;
+    __syncthreads();  // warp_totals is rewritten by the next chunk
+  }
+  const int total = static_cast<int>(carry < p.num_paged_tasks ? carry : p.num_paged_tasks);
+  if (tid == 0) p.paged_task_offsets[p.requests] = total;
+  __syncthreads();
+  for (int e = tid; e < p.num_paged_tasks; e += kScheduleThreads) {
+    PagedTask task{-1, 0, 0, 0};
+    if (e < total) {  // the last request whose offset is <= e (requests without rows share the next one's)
+      int lo = 0, hi = p.requests - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.paged_task_offsets[mid] <= e) lo = mid;
+        else hi = mid - 1;
+      }
+      int queries_per_block, heads_per_block;
+      const int q_len = p.paged_requests[lo].q_len;
+      rerope_rows_plan(q_len, group, kRows, &queries_per_block, &heads_per_block);
+      const int query_blocks = (q_len + queries_per_block - 1) / queries_per_block;
+      const int local = e - p.paged_task_offsets[lo];
+      task = PagedTask{lo, local % query_blocks, local / query_blocks, 0};
+    }
+    p.paged_tasks[e] = task;
+  }
+}
+
+template <typename T, class Shape>
+__global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_paged_kernel(const ReropeParams p) {
+  rerope_attention_block<T, Shape, false, PagedProblem>(p);
+}
+
+// Key splits of a paged launch: ~2 waves of blocks on `multiprocessors` SMs for the live tasks (at
+// least one per request, or per 32 rows of a GQA group), at least 4 key tiles per split of the block
+// table's capacity (the longest a sequence may be; the splits past a shorter one store empty rows).
+template <class Shape>
+inline int rerope_paged_splits(const ReropeParams& p, int multiprocessors) {
+  const int group = p.q_heads / p.kv_heads;
+  const int64_t row_blocks = (static_cast<int64_t>(p.q_len) * group + Shape::kRows - 1) / Shape::kRows;
+  const int64_t blocks = static_cast<int64_t>(p.kv_heads) * (row_blocks > p.requests ? row_blocks : p.requests);
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  const int64_t max_splits = (capacity + 4 * kBlockK - 1) / (4 * kBlockK);
+  int64_t splits = blocks > 0 ? (2 * static_cast<int64_t>(multiprocessors) + blocks - 1) / blocks : 1;
+  splits = splits < max_splits ? splits : max_splits;
+  splits = splits < 65535 ? splits : 65535;
+  return splits < 1 ? 1 : static_cast<int>(splits);
+}
+
+// The paged launch. The caller sets the paged fields of p (q_len = T, batch = 1, the cache strides,
+// the metadata pointers) and allocates the workspaces: p.paged_requests [requests],
+// p.paged_task_offsets [requests + 1], p.paged_tasks [rerope_paged_max_tasks(T, requests, group,
+// Shape::kRows)] (p.num_paged_tasks), and, when num_splits > 1, p.partial_out float [num_splits, T,
+// Hq, D] and p.partial_lse [num_splits, T, Hq]. `num_splits` is a request: the launch may use fewer.
+template <typename T, class Shape, class Check = IgnoreLaunchStatus>
+inline void launch_rerope_paged(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
+  p.batch = 1;
+  p.causal = true;
+  ROPESCALE_LAUNCH_KERNEL(rerope_paged_schedule_kernel<Shape::kRows>, dim3(1), dim3(kScheduleThreads),
+                          kScheduleWarps * sizeof(int), stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged schedule kernel");
+  if (p.num_paged_tasks == 0) return;
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  const int64_t tiles = (capacity + kBlockK - 1) / kBlockK;
+  const int64_t tiles_per_split = (tiles + num_splits - 1) / num_splits;
+  p.keys_per_split = static_cast<int>(tiles_per_split * kBlockK);
+  p.num_splits = p.keys_per_split > 0 ? static_cast<int>((capacity + p.keys_per_split - 1) / p.keys_per_split) : 1;
+  if (p.num_splits < 1) p.num_splits = 1;
+  const dim3 grid(static_cast<unsigned>(p.num_paged_tasks), static_cast<unsigned>(p.num_splits),
+                  static_cast<unsigned>(p.kv_heads));
+  static device::SmemOptIn opt_in;  // once per device
+  check(opt_in.ensure((rerope_paged_kernel<T, Shape>), Shape::kSmemBytes),
+        "the shared-memory opt-in of the paged kernel");
+  ROPESCALE_LAUNCH_KERNEL((rerope_paged_kernel<T, Shape>), grid, dim3(kThreads), Shape::kSmemBytes, stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged attention kernel");
+  if (p.num_splits > 1) {
+    const int64_t rows_total = static_cast<int64_t>(p.q_heads) * p.q_len;
+    ROPESCALE_LAUNCH_KERNEL(rerope_combine_kernel<T>, dim3(static_cast<unsigned>((rows_total + kWarps - 1) / kWarps)),
+                            dim3(kThreads), 0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the split-combine kernel");
+  }
+}
+
+// rerope_cache_write_: key / value [T, Hkv, D] (row strides in elements, unit last stride) stored at
+// slot_mapping[t] = page * block_size + offset of the caches [num_blocks, Hkv, block_size, D]; a
+// negative slot is skipped, as vLLM pads, and so is a slot past the cache (the CPU op refuses it; on
+// CUDA a check would cost a host sync). One thread per element: consecutive threads write
+// consecutive dims of one (token, head) row, coalesced on both sides.
+struct CacheWriteParams {
+  void* key_cache = nullptr;
+  void* value_cache = nullptr;
+  const void* key = nullptr;
+  const void* value = nullptr;
+  const int64_t* slot_mapping = nullptr;
+  int64_t key_stride_t = 0, key_stride_h = 0, value_stride_t = 0, value_stride_h = 0;
+  int64_t cache_stride_block = 0, cache_stride_h = 0, cache_stride_slot = 0;  // key cache
+  int64_t vcache_stride_block = 0, vcache_stride_h = 0, vcache_stride_slot = 0;  // value cache
+  int64_t tokens = 0, slots = 0;
+  int kv_heads = 0, head_dim = 0, block_size = 1;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(256) rerope_cache_write_kernel(const CacheWriteParams p) {
+  const int64_t total = p.tokens * p.kv_heads * p.head_dim;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(idx % p.head_dim);
+    const int h = static_cast<int>((idx / p.head_dim) % p.kv_heads);
+    const int64_t t = idx / (static_cast<int64_t>(p.head_dim) * p.kv_heads);
+    const int64_t slot = p.slot_mapping[t];
+    if (slot < 0 || slot >= p.slots) continue;
+    const int64_t page = slot / p.block_size, offset = slot % p.block_size;
+    static_cast<T*>(p.key_cache)[page * p.cache_stride_block + h * p.cache_stride_h + offset * p.cache_stride_slot + d] =
+        static_cast<const T*>(p.key)[t * p.key_stride_t + h * p.key_stride_h + d];
+    static_cast<T*>(p.value_cache)[page * p.vcache_stride_block + h * p.vcache_stride_h + offset * p.vcache_stride_slot +
+                                   d] = static_cast<const T*>(p.value)[t * p.value_stride_t + h * p.value_stride_h + d];
+  }
+}
+
+template <typename T, class Check = IgnoreLaunchStatus>
+inline void launch_rerope_cache_write(const CacheWriteParams& p, cudaStream_t stream, Check&& check = {}) {
+  const int64_t total = p.tokens * p.kv_heads * p.head_dim;
+  if (total == 0) return;
+  const int64_t blocks = (total + 255) / 256 < 65535 ? (total + 255) / 256 : 65535;
+  ROPESCALE_LAUNCH_KERNEL(rerope_cache_write_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the cache-write kernel");
 }
 
 }  // namespace ropescale::rerope_cuda

@@ -1,0 +1,169 @@
+// rerope_attention_paged and rerope_cache_write_ on CUDA: ATen glue around the paged kernels of
+// ropescale/rerope_attention.cuh (the schedule kernel, the paged attention body it shares with dense
+// decode, the split combine; the cache-write kernel): the shared checks (rerope_paged.h), device
+// guard, current stream, workspaces, dtype and head-dim dispatch, a check after every launch.
+//
+// No host sync: the metadata (query_start_loc, seq_lens, block_table) stays on the device and the
+// grid is an upper bound of the work computed from the sizes alone. The value checks the CPU kernel
+// makes with an error are the caller's contract here; the schedule kernel still guards every read:
+// a request whose pages fall outside [0, num_blocks), whose seq_len is past its block-table row, or
+// whose q_len is past its seq_len gets NaN rows, and nothing outside the cache is read.
+//
+// Every row (decode, chunked prefill, prefill; every dtype) runs the SIMT body with keys rotated in
+// shared memory tile by tile. (The tensor-core prefill of rerope_attention_tc.cuh reads pre-rotated
+// contiguous keys; its paged form is not written yet.)
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "cuda_element.h"
+#include "device_info.h"
+#include "ops.h"
+#include "rerope_paged.h"
+#include "ropescale/rerope_attention.cuh"
+
+namespace ropescale {
+namespace {
+
+using rerope_cuda::ReropeParams;
+
+template <const char* kOp>
+struct ThrowOnLaunchError {
+  void operator()(int status, const char* what) const {
+    TORCH_CHECK(status == 0, kOp, ": ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
+  }
+};
+constexpr char kPagedOp[] = "rerope_attention_paged";
+constexpr char kWriteOp[] = "rerope_cache_write_";
+
+template <typename T, class Shape>
+void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream, int multiprocessors) {
+  const auto options = a.q.options();
+  const int group = static_cast<int>(a.q_heads / a.kv_heads);
+  const int64_t tasks = rerope_cuda::rerope_paged_max_tasks(a.tokens, a.requests, group, Shape::kRows);
+  TORCH_CHECK(tasks <= std::numeric_limits<int>::max(), kPagedOp, ": too many query rows for one launch (", a.tokens,
+              " tokens x ", group, " q heads per k/v head)");
+  p.num_paged_tasks = static_cast<int>(tasks);
+  // Workspaces: the validated requests (4 ints each), the task offsets and the task list (4 ints each).
+  at::Tensor requests = at::empty({a.requests * 4}, options.dtype(at::kInt));
+  at::Tensor offsets = at::empty({a.requests + 1}, options.dtype(at::kInt));
+  at::Tensor task_list = at::empty({tasks * 4}, options.dtype(at::kInt));
+  p.paged_requests = reinterpret_cast<rerope_cuda::PagedRequest*>(requests.data_ptr<int>());
+  p.paged_task_offsets = offsets.data_ptr<int>();
+  p.paged_tasks = reinterpret_cast<rerope_cuda::PagedTask*>(task_list.data_ptr<int>());
+  const int splits = rerope_cuda::rerope_paged_splits<Shape>(p, multiprocessors);
+  at::Tensor partial_out, partial_lse;
+  if (splits > 1) {
+    partial_out = at::empty({splits, a.tokens * a.q_heads, a.head_dim}, options.dtype(at::kFloat));
+    partial_lse = at::empty({splits, a.tokens * a.q_heads}, options.dtype(at::kFloat));
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  rerope_cuda::launch_rerope_paged<T, Shape>(p, splits, stream, ThrowOnLaunchError<kPagedOp>{});
+}
+
+template <typename T>
+void launch(const ReropePagedArgs& a, const ReropeParams& p, cudaStream_t stream) {
+  const CudaDeviceInfo device = cuda_device_info(a.q.get_device());
+  const auto smem_optin = static_cast<std::size_t>(device.shared_memory_per_block_optin);
+  const std::size_t missing = rerope_cuda::with_simt_shape(static_cast<int>(a.head_dim), smem_optin, [&]<class Shape>() {
+    launch_paged<T, Shape>(a, p, stream, device.multiprocessors);
+  });
+  TORCH_CHECK(missing == 0, kPagedOp, ": head dim ", a.head_dim, " needs ", missing,
+              " bytes of shared memory per block on CUDA, and this GPU (compute capability ", device.major, ".",
+              device.minor, ") allows ", smem_optin);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved) {
+  const ReropePagedArgs a = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
+                                                    query_start_loc, inv_freq, window, leaky_k, scale, scale_factors,
+                                                    logn_length, interleaved);
+  TORCH_CHECK(a.q.is_cuda(), kPagedOp, ": the CUDA kernel got tensors on ", a.q.device());
+  const c10::cuda::CUDAGuard guard(a.q.device());
+  at::Tensor out = at::empty({a.tokens, a.q_heads, a.head_dim}, a.q.options());
+  at::Tensor lse = at::empty({a.tokens, a.q_heads}, a.q.options().dtype(at::kFloat));
+  if (a.tokens == 0 || a.requests == 0) return {out, lse};
+  // int index sums (a key split's end, a tile's first key, a row's first token) stay below INT_MAX.
+  constexpr int64_t kMaxLength = std::numeric_limits<int>::max() - 4096;
+  TORCH_CHECK(a.tokens <= kMaxLength && a.max_blocks * a.block_size <= kMaxLength && a.num_blocks <= kMaxLength,
+              kPagedOp, ": sizes must be <= ", kMaxLength, " on CUDA, got ", a.tokens, " tokens, ", a.num_blocks,
+              " pages and ", a.max_blocks * a.block_size, " slots per block-table row");
+  TORCH_CHECK(a.kv_heads <= 65535, kPagedOp, ": at most 65535 k/v heads on CUDA, got ", a.kv_heads);
+
+  ReropeParams p;
+  p.q = a.q.data_ptr();
+  p.q_stride_l = a.q.stride(0), p.q_stride_h = a.q.stride(1);
+  p.k = a.key_cache.data_ptr();
+  p.v = a.value_cache.data_ptr();
+  p.k_stride_b = a.key_cache.stride(0), p.k_stride_h = a.key_cache.stride(1), p.k_stride_l = a.key_cache.stride(2);
+  p.v_stride_b = a.value_cache.stride(0), p.v_stride_h = a.value_cache.stride(1);
+  p.v_stride_l = a.value_cache.stride(2);
+  p.block_table = a.block_table.data_ptr<int>();
+  p.seq_lens = a.seq_lens.data_ptr<int>();
+  p.query_start_loc = a.query_start_loc.data_ptr<int>();
+  p.inv_freq = a.inv_freq.data_ptr<float>();
+  p.inv_freq_stride = a.per_request_inv_freq ? a.rotary_pairs : 0;
+  p.scale_factors = a.scale_factors ? a.scale_factors->data_ptr<float>() : nullptr;
+  p.requests = static_cast<int>(a.requests), p.num_blocks = static_cast<int>(a.num_blocks);
+  p.block_size = static_cast<int>(a.block_size), p.max_blocks = static_cast<int>(a.max_blocks);
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = 1, p.q_heads = static_cast<int>(a.q_heads), p.kv_heads = static_cast<int>(a.kv_heads);
+  p.q_len = static_cast<int>(a.tokens), p.k_len = 0;
+  p.head_dim = static_cast<int>(a.head_dim), p.rotary_pairs = static_cast<int>(a.rotary_pairs);
+  p.window = a.window, p.logn_length = a.logn_length;
+  p.leaky_inv = a.leaky_inv, p.inv_log_train = a.inv_log_train;
+  p.scale = a.scale, p.causal = true, p.interleaved = a.interleaved;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_SWITCH(a.q.scalar_type(), "rerope_attention_paged_cuda",
+                     AT_DISPATCH_CASE_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, [&] {
+                       using T = typename CudaElement<scalar_t>::type;
+                       if constexpr (!std::is_same_v<T, double>) launch<T>(a, p, stream);
+                     }));
+  return {out, lse};
+}
+
+void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& slot_mapping) {
+  check_rerope_cache_write(key_cache, value_cache, key, value, slot_mapping);
+  TORCH_CHECK(key.is_cuda(), kWriteOp, ": the CUDA kernel got tensors on ", key.device());
+  const c10::cuda::CUDAGuard guard(key.device());
+  if (key.numel() == 0) return;
+  // Unit last strides for the kernel (the caches have them: checked); slots as int64 on the device.
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  rerope_cuda::CacheWriteParams p;
+  p.key_cache = key_cache.data_ptr(), p.value_cache = value_cache.data_ptr();
+  p.key = k.data_ptr(), p.value = v.data_ptr(), p.slot_mapping = slots.data_ptr<int64_t>();
+  p.key_stride_t = k.stride(0), p.key_stride_h = k.stride(1);
+  p.value_stride_t = v.stride(0), p.value_stride_h = v.stride(1);
+  p.cache_stride_block = key_cache.stride(0), p.cache_stride_h = key_cache.stride(1);
+  p.cache_stride_slot = key_cache.stride(2);
+  p.vcache_stride_block = value_cache.stride(0), p.vcache_stride_h = value_cache.stride(1);
+  p.vcache_stride_slot = value_cache.stride(2);
+  p.tokens = k.size(0), p.slots = key_cache.size(0) * key_cache.size(2);
+  p.kv_heads = static_cast<int>(k.size(1)), p.head_dim = static_cast<int>(k.size(2));
+  p.block_size = static_cast<int>(key_cache.size(2));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_SWITCH(key.scalar_type(), "rerope_cache_write_cuda",
+                     AT_DISPATCH_CASE_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, [&] {
+                       using T = typename CudaElement<scalar_t>::type;
+                       rerope_cuda::launch_rerope_cache_write<T>(p, stream, ThrowOnLaunchError<kWriteOp>{});
+                     }));
+}
+
+}  // namespace ropescale
