@@ -110,7 +110,6 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
                                                          int64_t logn_length, bool causal, bool interleaved);
-#ifdef ROPESCALE_WITH_PAGED_CUDA
 // ---- rerope_attention_paged, rerope_cache_write_ on CUDA: cuda/rerope_paged.cu (checks: rerope_paged.cpp) ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
@@ -119,7 +118,6 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
     bool interleaved);
 void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
-#endif
 #endif
 
 }  // namespace ropescale

@@ -214,10 +214,8 @@ TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
 #ifdef ROPESCALE_WITH_CUDA
 TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
   m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
-#ifdef ROPESCALE_WITH_PAGED_CUDA
   m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_cuda);
   m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_cuda_);
-#endif
 }
 #endif
 
