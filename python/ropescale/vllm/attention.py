@@ -158,7 +158,8 @@ def check_backend(vllm_config, what: str) -> None:
                 else "select it with `--attention-backend CUSTOM` (LLM(..., attention_backend='CUSTOM'))")
         raise NotImplementedError(
             f"ropescale.vllm: {what} keeps keys un-rotated in vLLM's cache, which only ropescale's attention "
-            f"backend reads correctly; the backend that would run is {path or selected!s}: {hint}")
+            f"backend reads correctly; the backend that would run is "
+            f"{path or (selected.name if selected is not None else 'vLLM automatic choice')}: {hint}")
 
 
 def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool,
@@ -169,6 +170,11 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
     check_backend(vllm_config, what)
     plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
     _record(plan, vllm_config)
+    if "active" not in _warned:
+        _warned.add("active")
+        logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
+                    "attention backend (window %s, leaky_k %s, logn_length %s)", what,
+                    "none" if plan.window == NO_WINDOW else plan.window, plan.leaky_k, plan.logn_length)
     cache = getattr(vllm_config, "cache_config", None)
     if plan.method.dynamic and getattr(cache, "enable_prefix_caching", False) and "prefix" not in _warned:
         _warned.add("prefix")
