@@ -103,6 +103,9 @@ def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
 _plan: dict[str, object] = {}
 
 
+_warned: set[str] = set()  # one-time log lines, per process
+
+
 def current_plan() -> PreRopePlan | None:
     return _plan.get("plan")  # type: ignore[return-value]
 
@@ -185,9 +188,6 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
             "output depend on what ran before it: pass enable_prefix_caching=False "
             "(--no-enable-prefix-caching) for outputs that equal a solo run", what)
     return PreRopeRotary(head_size, rotary_dim, max_position, is_neox_style, plan)
-
-
-_warned: set[str] = set()
 
 
 # ---------------------------------------------------------------------------------------------
