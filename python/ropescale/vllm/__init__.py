@@ -10,8 +10,11 @@ does there, once per process and without touching a GPU:
   ``default`` with the ``ropescale`` entry naming it) gets :class:`~ropescale.vllm.rotary.RopescaleRotaryEmbedding`,
   its table computed by ropescale's ops and rotated by ropescale's kernel, exactly as
   ``transformers`` + ``hf.patch`` run it. Every other layer gets vLLM's own rotary, untouched.
-  Methods that need the pre-RoPE KV cache (Dynamic NTK, Dynamic YaRN, ReRoPE) are refused at model
-  build with a clear error (not served yet);
+  Methods that rotate at attention time (ReRoPE, Leaky ReRoPE, log-n, Dynamic NTK, Dynamic YaRN) get a
+  pass-through rotary: vLLM's paged cache holds RAW keys and ropescale's attention backend rotates
+  (:mod:`ropescale.vllm.attention`);
+- registers that backend over ``CPU_ATTN`` (the CPU platform's only choice; other models' layers still run
+  vLLM's own implementation) and in the ``CUSTOM`` slot (CUDA: ``--attention-backend CUSTOM``);
 - with ``ROPESCALE_VLLM_ROTATION=1`` (opt-in), vLLM's own rotary classes (default, linear, YaRN,
   Llama 3) also rotate with ropescale's kernel (``CustomOp.register_oot``), over vLLM's own tables;
 - registers ropescale's rope types in transformers (``import ropescale.hf``), so vLLM's config
@@ -78,9 +81,10 @@ def register() -> None:
             "is NOT active; checkpoints with ropescale's rope types will be refused by vLLM", version, *lower, *upper)
         return
     from .. import __version__ as ropescale_version
-    from . import rotary
+    from . import attention, rotary
 
     rotary.install()
+    attention.register_backends()
     rotation = rotary.install_rotation() if os.environ.get("ROPESCALE_VLLM_ROTATION", "0").strip() == "1" else False
     _state["active"] = True
     logger.info("ropescale %s: vLLM %s plugin active (ropescale rope types served%s)", ropescale_version, version,

@@ -93,13 +93,6 @@ def _model_config():
     return get_current_vllm_config().model_config
 
 
-def _refusal(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"ropescale.vllm: this checkpoint uses {what}, which needs ropescale's pre-RoPE KV cache: vLLM cannot "
-        "serve it yet (ropescale issue 18). Serve it with transformers + ropescale.hf, or rewrite it with a static "
-        "method (`ropescale extend`)")
-
-
 def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
              rope_parameters: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
              *args, **kwargs) -> RotaryEmbedding:
@@ -125,10 +118,14 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         parsed = config_lib.read(params, max_position, entry, rotary_dim)
     except ValueError as err:
         raise ValueError(f"ropescale.vllm: {err}") from None
-    if parsed.attention == "rerope":
-        raise _refusal("ReRoPE attention")
-    if parsed.method.dynamic:
-        raise _refusal(f"a dynamic method ({type(parsed.method).__name__})")
+    if parsed.attention == "rerope" or parsed.method.dynamic:
+        # Pre-RoPE: raw keys in vLLM's cache, rotated by ropescale's attention backend (attention.py).
+        from vllm.config import get_current_vllm_config
+
+        from . import attention
+
+        return attention.pass_through(head_size, rotary_dim, max_position, is_neox_style, parsed,
+                                      get_current_vllm_config())
     dtype = dtype or torch.get_default_dtype()
     # Every position vLLM may serve: its max_model_len, derived from max_position_embeddings and factor.
     rows = max(int(max_position), int(getattr(model_config, "max_model_len", 0) or 0),

@@ -1,0 +1,494 @@
+"""Pre-RoPE models in vLLM: a pass-through rotary and an attention backend over vLLM's paged cache of RAW keys.
+
+ReRoPE, Leaky ReRoPE, log-n and the dynamic methods (Dynamic NTK, Dynamic YaRN, Resonance on them) rotate at
+attention time: ReRoPE clips the relative position at its window, a dynamic table changes with each
+request's length. So the keys vLLM caches must be the un-rotated ones (docs/DESIGN.md, "Engines"):
+
+- :func:`pass_through` is what ``get_rope`` (``rotary.py``) gives the layers of such a checkpoint: it leaves
+  q and k as they are, so vLLM's paged cache holds raw keys (one cache, no second copy). It is built only
+  when ropescale's backend is the one that will run (:func:`check_backend`): raw keys never meet a stock
+  backend, which would attend them un-rotated without a word;
+- the backend, registered over the platform's (``register_backend``: ``CPU_ATTN`` on CPU, which the CPU
+  platform always picks, and ``CUSTOM`` on CUDA, picked with ``--attention-backend CUSTOM``), runs the
+  layers of a pre-RoPE model with ``ops.rerope_cache_write_`` (raw K/V into the pages) and
+  ``ops.rerope_attention_paged`` (prefill, chunked prefill and decode rows in one call); on CPU every other
+  model's layers go to vLLM's own implementation unchanged;
+- the metadata builder computes, once per step, each request's table and attention factor at its own
+  length (what ``hf.patch``'s ``state.table(seq_len)`` gives transformers), cached by length: a step computes
+  each distinct length once, every layer reuses it.
+
+The cache of a layer is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` (the KV spec's page). This backend owns
+what a page holds: per (block, head), ``block_size`` raw keys then ``block_size`` raw values, so
+``kv_cache.view(num_blocks, Hkv, 2*block_size, D)`` splits into the op's ``key_cache`` / ``value_cache``
+``[num_blocks, Hkv, block_size, D]``.
+
+What stays inexact by construction for dynamic methods (as with ``hf.PreRopeCache``): each key's ROTATION is
+exact at every step, but values and deeper layers' keys were computed under the scale of an earlier length;
+a chunked prefill rotates each chunk with the table of its own length (a single-pass prefill uses the prompt's);
+a prefix-cache hit reuses pages computed under another request's scale (hence the warning below). ReRoPE with a
+static table has none of this: chunked prefill and prefix caching are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+
+import torch
+
+from .. import config as config_lib, ops, scaling
+
+logger = logging.getLogger("vllm.ropescale")
+
+from vllm.v1.attention.backend import (  # noqa: E402
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+
+__all__ = ["PreRopePlan", "PreRopeRotary", "StepTables", "TableCache", "pass_through", "check_backend",
+           "register_backends", "RopescaleCPUAttentionBackend", "PreRopeAttentionBackend"]
+
+#: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
+NO_WINDOW = 2**31 - 1
+#: Where ``register_backends`` puts each backend (class paths, as vLLM resolves them).
+CPU_BACKEND = f"{__name__}.RopescaleCPUAttentionBackend"
+CUDA_BACKEND = f"{__name__}.PreRopeAttentionBackend"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreRopePlan:
+    """How a pre-RoPE model's layers attend: the method's table and ReRoPE's attention side."""
+
+    method: scaling.RopeScaling
+    base: float
+    rotary_dim: int
+    window: int  # NO_WINDOW for the dynamic methods without ReRoPE
+    leaky_k: float = 0.0
+    logn_length: int = 0
+    interleaved: bool = False  # GPT-J pairs (vLLM's is_neox_style=False)
+
+    @classmethod
+    def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
+        rerope = parsed.attention == "rerope"
+        return cls(parsed.method, float(parsed.base), int(rotary_dim), int(parsed.window) if rerope else NO_WINDOW,
+                   float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
+                   not is_neox_style)
+
+    @property
+    def length_dependent(self) -> bool:
+        """Each request needs the table of its own length (as ``hf.patch``: dynamic methods and LongRoPE)."""
+        return self.method.dynamic or isinstance(self.method, scaling.LongRoPE)
+
+
+def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
+    """Whether a checkpoint's method rotates at attention time (ReRoPE, or a table that changes with length)."""
+    return parsed.attention == "rerope" or parsed.method.dynamic
+
+
+# The plan of the pre-RoPE model this process serves, recorded by get_rope at model build (vLLM builds one
+# model per worker process) with the id of the engine config it was built under, read by the attention
+# layers and the metadata builder.
+_plan: dict[str, object] = {}
+
+
+_warned: set[str] = set()  # one-time log lines, per process
+
+
+def current_plan() -> PreRopePlan | None:
+    return _plan.get("plan")  # type: ignore[return-value]
+
+
+def _record(plan: PreRopePlan, vllm_config) -> None:
+    if _plan.get("config") == id(vllm_config) and _plan.get("plan") != plan:
+        raise NotImplementedError(f"ropescale.vllm: the layers of one model ask for two pre-RoPE plans, "
+                                  f"{_plan['plan']} and {plan}; ropescale serves one per model")
+    _plan.update(config=id(vllm_config), plan=plan)
+
+
+class PreRopeRotary(torch.nn.Module):
+    """A rotary layer that rotates nothing: vLLM caches raw keys and ropescale's backend rotates (same
+    contract as vLLM's rotary: ``forward(positions, query, key) -> (query, key)``; nothing to trace)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool,
+                 plan: PreRopePlan) -> None:
+        super().__init__()
+        self.head_size, self.rotary_dim, self.max_position_embeddings = head_size, rotary_dim, max_position
+        self.is_neox_style, self.plan = is_neox_style, plan
+
+    def forward(self, positions, query, key=None):
+        return query, key
+
+    forward_native = forward_cpu = forward_cuda = forward
+
+    def extra_repr(self) -> str:
+        return f"pass-through (rotated by ropescale's attention backend), plan={self.plan}"
+
+
+def check_backend(vllm_config, what: str) -> None:
+    """Raise unless the attention backend that will run this model is ropescale's, and the parallel layout
+    keeps "cache slot j holds position j"."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:
+            raise NotImplementedError(
+                f"ropescale.vllm: {what} is served over a cache where slot j holds position j; {name}="
+                f"{getattr(parallel, name)} shards the cache by token and breaks that: serve it without context "
+                "parallelism (tensor parallelism works)")
+    if current_platform.is_cpu():
+        selected, path, wanted = AttentionBackendEnum.CPU_ATTN, None, CPU_BACKEND
+    else:
+        selected, path, wanted = vllm_config.attention_config.backend, None, CUDA_BACKEND
+    try:
+        path = selected.get_path() if selected is not None else None
+    except ValueError:  # CUSTOM selected but nothing registered there
+        path = None
+    if path != wanted:
+        hint = ("on CPU the plugin overrides CPU_ATTN: something replaced that override" if current_platform.is_cpu()
+                else "select it with `--attention-backend CUSTOM` (LLM(..., attention_backend='CUSTOM'))")
+        raise NotImplementedError(
+            f"ropescale.vllm: {what} keeps keys un-rotated in vLLM's cache, which only ropescale's attention "
+            f"backend reads correctly; the backend that would run is "
+            f"{path or (selected.name if selected is not None else 'vLLM automatic choice')}: {hint}")
+
+
+def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool,
+                 parsed: config_lib.RopeConfig, vllm_config) -> PreRopeRotary:
+    """``get_rope``'s answer for a pre-RoPE checkpoint (refused unless ropescale's backend will run)."""
+    what = ("ReRoPE attention" if parsed.attention == "rerope"
+            else f"a dynamic method ({type(parsed.method).__name__})")
+    check_backend(vllm_config, what)
+    plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
+    _record(plan, vllm_config)
+    if "active" not in _warned:
+        _warned.add("active")
+        logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
+                    "attention backend (window %s, leaky_k %s, logn_length %s)", what,
+                    "none" if plan.window == NO_WINDOW else plan.window, plan.leaky_k, plan.logn_length)
+    cache = getattr(vllm_config, "cache_config", None)
+    if plan.method.dynamic and getattr(cache, "enable_prefix_caching", False) and "prefix" not in _warned:
+        _warned.add("prefix")
+        logger.warning(
+            "ropescale: %s with vLLM's prefix caching: a cache hit reuses values and deeper layers' keys "
+            "computed under the scale of ANOTHER request's length (the rotation of every key stays exact). "
+            "Generation is inexact by construction anyway (as with hf.PreRopeCache), but a hit makes a request's "
+            "output depend on what ran before it: pass enable_prefix_caching=False "
+            "(--no-enable-prefix-caching) for outputs that equal a solo run", what)
+    return PreRopeRotary(head_size, rotary_dim, max_position, is_neox_style, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-request tables, once per step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTables:
+    """What ``rerope_attention_paged`` takes for one step's requests: ``inv_freq`` ``[P]`` (a static table)
+    or ``[R, P]`` (request r's table at its own length), ``scale_factors`` ``[R]`` (request r's attention
+    factor squared; None for a static table) and ``scale_factor``, a static table's attention factor squared
+    (1 when per request)."""
+
+    inv_freq: torch.Tensor
+    scale_factors: torch.Tensor | None
+    scale_factor: float
+
+
+class TableCache:
+    """A plan's tables by length (``hf.patch``'s ``state.table(seq_len)``: the method's float32 table and
+    its attention factor at ``seq_len`` = largest position + 1), and the last step's stacked ones."""
+
+    def __init__(self, plan: PreRopePlan, max_lengths: int = 4096) -> None:
+        self.plan, self.max_lengths = plan, max_lengths
+        self._by_length: OrderedDict[tuple[int | None, str], tuple[torch.Tensor, float]] = OrderedDict()
+        self._last: tuple[tuple, StepTables] | None = None
+        self.computed = 0  # tables computed so far (tests count them)
+
+    def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        key = (seq_len, str(device))
+        hit = self._by_length.get(key)
+        if hit is not None:
+            self._by_length.move_to_end(key)
+            return hit
+        plan = self.plan
+        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=seq_len).to(device)
+        factor = float(plan.method.attention_factor_for(seq_len))
+        self.computed += 1
+        self._by_length[key] = (inv_freq, factor)
+        if len(self._by_length) > self.max_lengths:
+            self._by_length.popitem(last=False)
+        return inv_freq, factor
+
+    def step(self, seq_lens: list[int], device: torch.device) -> StepTables:
+        """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens)."""
+        if not self.plan.length_dependent:
+            key = (None, str(device))
+        else:
+            key = (tuple(seq_lens), str(device))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        if not self.plan.length_dependent:
+            inv_freq, factor = self.table(None, device)
+            tables = StepTables(inv_freq, None, factor * factor)
+        else:
+            rows = [self.table(int(n), device) for n in seq_lens]
+            inv_freq = (torch.stack([r[0] for r in rows]) if rows
+                        else torch.empty(0, self.plan.rotary_dim // 2, device=device))
+            factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32, device=device)
+            tables = StepTables(inv_freq, factors, 1.0)
+        self._last = (key, tables)
+        return tables
+
+
+_tables: dict[str, TableCache] = {}
+
+
+def step_tables(plan: PreRopePlan, seq_lens: torch.Tensor) -> StepTables:
+    cache = _tables.get("model")
+    if cache is None or cache.plan != plan:
+        cache = _tables["model"] = TableCache(plan)
+    lengths = [] if not plan.length_dependent else [int(n) for n in seq_lens.tolist()]
+    return cache.step(lengths, seq_lens.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer's pre-RoPE attention
+
+
+def split_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's ``[num_blocks, Hkv, block_size, 2*D]`` cache as ``(key_cache, value_cache)``, each
+    ``[num_blocks, Hkv, block_size, D]`` with its last two dims contiguous (keys then values per page)."""
+    num_blocks, kv_heads, block_size, both = kv_cache.shape
+    pages = kv_cache.view(num_blocks, kv_heads, 2 * block_size, both // 2)
+    return pages[:, :, :block_size], pages[:, :, block_size:]
+
+
+class PreRopeLayer:
+    """The pre-RoPE side of one attention layer: raw K/V into the pages, ReRoPE / dynamic attention out."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *, sliding_window=None,
+                 alibi_slopes=None, logits_soft_cap=None, kv_cache_dtype: str = "auto",
+                 attn_type: str = AttentionType.DECODER, sinks=None) -> None:
+        refused = [name for name, unsupported in (
+            ("sliding_window", sliding_window not in (None, -1)), ("alibi_slopes", alibi_slopes is not None),
+            ("logits_soft_cap", logits_soft_cap not in (None, 0, 0.0)), ("sinks", sinks is not None),
+            (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+            (f"attn_type={attn_type!r}", attn_type != AttentionType.DECODER)) if unsupported]
+        if refused:
+            raise NotImplementedError(f"ropescale.vllm: pre-RoPE attention does not support {', '.join(refused)}")
+        self.num_heads, self.num_kv_heads, self.head_size, self.scale = num_heads, num_kv_heads, head_size, scale
+
+    @staticmethod
+    def plan() -> PreRopePlan:
+        plan = current_plan()
+        if plan is None:
+            raise RuntimeError("ropescale.vllm: a pre-RoPE attention layer ran but get_rope recorded no plan "
+                               "(the model's rotary layers were not built by ropescale's get_rope)")
+        return plan
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        key_cache, value_cache = split_pages(kv_cache)
+        n = slot_mapping.shape[0]
+        ops.rerope_cache_write_(key_cache, value_cache, key[:n], value[:n], slot_mapping.to(torch.int64))
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> torch.Tensor:
+        plan = self.plan()
+        tables = getattr(metadata, "rope_tables", None) or step_tables(plan, metadata.seq_lens)
+        key_cache, value_cache = split_pages(kv_cache)
+        n = metadata.num_actual_tokens
+        requests = metadata.seq_lens.shape[0]
+        out, _lse = ops.rerope_attention_paged(
+            query[:n], key_cache, value_cache, metadata.block_table[:requests], metadata.seq_lens,
+            metadata.query_start_loc[: requests + 1], tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
+            scale=self.scale * tables.scale_factor, scale_factors=tables.scale_factors,
+            logn_length=plan.logn_length, interleaved=plan.interleaved)
+        output[:n].copy_(out)
+        return output
+
+
+def _serving_pre_rope() -> bool:
+    """Whether the model this process builds is a pre-RoPE one (its config, read as get_rope reads it)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    if hf_config is None or getattr(hf_config, "rope_parameters", None) is None:
+        return False
+    try:
+        return needs_pre_rope(config_lib.read(hf_config.rope_parameters, getattr(hf_config, "max_position_embeddings",
+                                                                                  None),
+                                              getattr(hf_config, config_lib.CONFIG_KEY, None)))
+    except ValueError:
+        return False  # not ropescale's to judge: get_rope reports it
+
+
+def _impl_options(args, kwargs) -> dict:
+    names = ("num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes", "sliding_window", "kv_cache_dtype",
+             "logits_soft_cap", "attn_type", "kv_sharing_target_layer_name", "sinks")
+    options = dict(zip(names, args))
+    options.update(kwargs)
+    return options
+
+
+def _pre_rope_layer(options: dict) -> PreRopeLayer:
+    if options.get("kv_sharing_target_layer_name") is not None:
+        raise NotImplementedError("ropescale.vllm: pre-RoPE attention does not support KV sharing across layers")
+    return PreRopeLayer(options["num_heads"], options.get("num_kv_heads") or options["num_heads"],
+                        options["head_size"], float(options["scale"]),
+                        sliding_window=options.get("sliding_window"), alibi_slopes=options.get("alibi_slopes"),
+                        logits_soft_cap=options.get("logits_soft_cap"),
+                        kv_cache_dtype=options.get("kv_cache_dtype", "auto"),
+                        attn_type=options.get("attn_type", AttentionType.DECODER), sinks=options.get("sinks"))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: over CPU_ATTN; pre-RoPE models take ropescale's path, every other model vLLM's own
+
+
+@dataclasses.dataclass
+class RopescaleCPUAttentionMetadata(CPUAttentionMetadata):
+    rope_tables: StepTables | None = None
+
+
+class RopescaleCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata, plus this step's per-request tables when a pre-RoPE model is served."""
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CPUAttentionMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = current_plan()
+        if plan is None:
+            return metadata
+        fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
+        return RopescaleCPUAttentionMetadata(**fields, rope_tables=step_tables(plan, metadata.seq_lens))
+
+
+class RopescaleCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, or ropescale's pre-RoPE attention for the layers of a pre-RoPE model."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pre_rope = _pre_rope_layer(_impl_options(args, kwargs)) if _serving_pre_rope() else None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if self.pre_rope is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ropescale.vllm: pre-RoPE attention does not fuse output quantization")
+        if attn_metadata is None:  # warm-up
+            return output
+        return self.pre_rope.attend(query, kv_cache, attn_metadata, output)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.pre_rope is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        self.pre_rope.write(key, value, kv_cache, slot_mapping)
+
+
+class RopescaleCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with ropescale's pre-RoPE path (the name stays ``CPU_ATTN``: vLLM's CPU code keys on it)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return RopescaleCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return RopescaleCPUAttentionMetadataBuilder
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (and any other platform): the CUSTOM slot, pre-RoPE models only
+
+
+@dataclasses.dataclass
+class PreRopeMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    rope_tables: StepTables | None = None
+
+
+class PreRopeMetadataBuilder(AttentionMetadataBuilder[PreRopeMetadata]):
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PreRopeMetadata:
+        m = common_attn_metadata
+        plan = current_plan()
+        return PreRopeMetadata(m.num_actual_tokens, m.query_start_loc, m.seq_lens, m.block_table_tensor,
+                               m.slot_mapping, None if plan is None else step_tables(plan, m.seq_lens))
+
+
+class PreRopeAttentionImpl(AttentionImpl[PreRopeMetadata]):
+    def __init__(self, *args, **kwargs) -> None:
+        options = _impl_options(args, kwargs)
+        if not _serving_pre_rope():
+            raise NotImplementedError(
+                "ropescale.vllm: the CUSTOM attention backend is ropescale's pre-RoPE backend (ReRoPE, dynamic "
+                "methods); this model is not one: serve it without --attention-backend CUSTOM")
+        self.pre_rope = _pre_rope_layer(options)
+        self.num_heads, self.head_size, self.scale = options["num_heads"], options["head_size"], float(options["scale"])
+        self.num_kv_heads = options.get("num_kv_heads") or self.num_heads
+        self.kv_cache_dtype = options.get("kv_cache_dtype", "auto")
+        self.attn_type = options.get("attn_type", AttentionType.DECODER)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ropescale.vllm: pre-RoPE attention does not fuse output quantization")
+        if attn_metadata is None:
+            return output
+        return self.pre_rope.attend(query, kv_cache, attn_metadata, output)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        self.pre_rope.write(key, value, kv_cache, slot_mapping)
+
+
+class PreRopeAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update = False
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return PreRopeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return PreRopeMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)  # [blocks, heads, slots, 2*D] per layer: what split_pages reads
+
+
+def register_backends() -> None:
+    """Put ropescale's backends in vLLM's registry (this process): over ``CPU_ATTN`` (the CPU platform's
+    only choice; ordinary models still get vLLM's implementation) and in the ``CUSTOM`` slot."""
+    from vllm.v1.attention.backends.registry import register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
