@@ -189,10 +189,9 @@ def _attention_rows(device, label: str) -> list[Row]:
     own error in the dtype on the plain-attention problem with the same inputs (RoPE-rotated q and k
     rounded to the dtype, the same visibility), on problems of at least 64 rows."""
     import torch
-    import torch.nn.functional as F
 
     from . import ops
-    from .rerope import rerope_attention_naive, rotate
+    from .rerope import rerope_attention_naive
 
     # name, batch, q heads, kv heads, q_len, k_len, head dim, rotary dim, left padding of row 1, window,
     # leaky_k, logn_length, interleaved, dtypes, a view of a longer cache
@@ -225,24 +224,8 @@ def _attention_rows(device, label: str) -> list[Row]:
             kw = dict(leaky_k=leaky_k, logn_length=logn_length, interleaved=interleaved)
             ref_out, ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp, inv_freq.double(),
                                                       window, **kw)
-            # PyTorch's own error in this dtype: plain RoPE attention over the same inputs.
-            factor = torch.where((qp + 1 > logn_length) & (logn_length > 0),
-                                 (qp + 1).double().log() / math.log(max(logn_length, 2)), 1.0)
-            q_rot = rotate(q.double() * factor[:, None, :, None], qp, inv_freq, interleaved).to(dtype)
-            k_rot = rotate(k.double(), kp, inv_freq, interleaved).to(dtype)
-            visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0) & (kp[:, None, :] <= qp[:, :, None])
-            plain_ref_out, plain_ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp,
-                                                                  inv_freq.double(), _NO_WINDOW, **kw)
-            group = q_heads // kv_heads
-            scale = 1 / math.sqrt(dim)
-            plain_out = F.scaled_dot_product_attention(
-                q_rot.to(device), k_rot.repeat_interleave(group, 1).to(device),
-                v.repeat_interleave(group, 1).to(device), attn_mask=visible[:, None].to(device), scale=scale).cpu()
-            scores = (q_rot.float() @ k_rot.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-            plain_lse = torch.logsumexp(scores.masked_fill(~visible[:, None], -math.inf), dim=-1)
+            plain_errors = _plain_attention_error(q, k, v, qp, kp, inv_freq, device, logn_length, interleaved)
             seen = torch.isfinite(ref_lse)
-            plain_errors = ((plain_out.double() - plain_ref_out).abs()[seen].max().item(),
-                            (plain_lse.double() - plain_ref_lse).abs()[seen].max().item())
 
             args = [t.to(device) for t in (q, k, v, qp, kp, inv_freq)]
             if cache_view:  # k and v read in place from a cache with spare capacity
@@ -273,6 +256,104 @@ def _attention_rows(device, label: str) -> list[Row]:
     return rows
 
 
+def _plain_attention_error(q, k, v, qp, kp, inv_freq, device, logn_length, interleaved) -> tuple[float, float]:
+    """PyTorch's own error in q's dtype on the plain-attention problem with these inputs (RoPE-rotated q
+    and k rounded to the dtype, the same visibility): SDPA's out and a logsumexp over its scores, against
+    float64, over the rows that see a key: (out error, lse error)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .rerope import rerope_attention_naive, rotate
+
+    dtype, group, dim = q.dtype, q.shape[1] // k.shape[1], q.shape[-1]
+    factor = torch.where((qp + 1 > logn_length) & (logn_length > 0),
+                         (qp + 1).double().log() / math.log(max(logn_length, 2)), 1.0)
+    q_rot = rotate(q.double() * factor[:, None, :, None], qp, inv_freq, interleaved).to(dtype)
+    k_rot = rotate(k.double(), kp, inv_freq, interleaved).to(dtype)
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0) & (kp[:, None, :] <= qp[:, :, None])
+    ref_out, ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp, inv_freq.double(),
+                                              _NO_WINDOW, logn_length=logn_length, interleaved=interleaved)
+    scale = 1 / math.sqrt(dim)
+    out = F.scaled_dot_product_attention(
+        q_rot.to(device), k_rot.repeat_interleave(group, 1).to(device), v.repeat_interleave(group, 1).to(device),
+        attn_mask=visible[:, None].to(device), scale=scale).cpu()
+    scores = (q_rot.float() @ k_rot.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores.masked_fill(~visible[:, None], -math.inf), dim=-1)
+    seen = torch.isfinite(ref_lse)
+    return ((out.double() - ref_out).abs()[seen].max().item(), (lse.double() - ref_lse).abs()[seen].max().item())
+
+
+def _paged_rows(device, label: str) -> list[Row]:
+    """rerope_cache_write_ filling shuffled 16-key pages (exact against indexing), then rerope_attention_paged
+    over one mixed batch (a decode row against 300 keys, a chunked prefill of 40 rows over 150 keys, a
+    prefill of 77) against the float64 plain-PyTorch form, judged as rerope_attention is: against SDPA's
+    own error in the dtype on each request's plain problem."""
+    import torch
+
+    from . import ops
+    from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite
+
+    q_heads, kv_heads, dim, block_size, window = 8, 2, 64, 16, 32
+    seq_lens, q_lens = [300, 150, 77], [1, 40, 77]
+    pages = [-(-n // block_size) for n in seq_lens]
+    gen = torch.Generator().manual_seed(2)
+    order = torch.randperm(sum(pages) + 3, generator=gen)  # 3 pages nobody reads
+    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    slots = []
+    for r, n in enumerate(seq_lens):
+        block_table[r, :pages[r]] = order[sum(pages[:r]):sum(pages[:r + 1])]
+        j = torch.arange(n)
+        slots.append(block_table[r, j // block_size].long() * block_size + j % block_size)
+    slot_mapping = torch.cat(slots)
+    query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    inv_freq = ops.default_inv_freq(dim, 10000.0)
+    q64 = torch.randn(sum(q_lens), q_heads, dim, generator=gen, dtype=torch.float64)
+    k64 = torch.randn(sum(seq_lens), kv_heads, dim, generator=gen, dtype=torch.float64)
+    v64 = torch.randn(sum(seq_lens), kv_heads, dim, generator=gen, dtype=torch.float64)
+    shape = f"{len(seq_lens)} requests, q {tuple(q_lens)}, keys {tuple(seq_lens)}, {q_heads}/{kv_heads} heads, D {dim}"
+    rows = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        name = str(dtype)[6:]
+        q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+        cache_shape = (len(order), kv_heads, block_size, dim)
+        want_k, want_v = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
+        rerope_cache_write_composite(want_k, want_v, k, v, slot_mapping)
+        key_cache, value_cache = (torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(2))
+        try:
+            _, write_ms = _timed(lambda: ops.rerope_cache_write_(key_cache, value_cache, k.to(device), v.to(device),
+                                                                 slot_mapping.to(device)), device)
+            metadata = [t.to(device) for t in (block_table, seq_lens_t, query_start_loc, inv_freq)]
+            (out, lse), ms = _timed(lambda: ops.rerope_attention_paged(q.to(device), key_cache, value_cache,
+                                                                        *metadata, window), device)
+        except Exception as error:  # noqa: BLE001
+            note = f"raised {type(error).__name__}: {error}".splitlines()[0][:200]
+            rows += [Row(op, label, name, shape, math.nan, math.nan, math.nan, False, note)
+                     for op in ("rerope_cache_write_", "rerope_attention_paged")]
+            continue
+        write_error = max(_max_error(key_cache, want_k.double()), _max_error(value_cache, want_v.double()))
+        rows.append(Row("rerope_cache_write_", label, name, shape, write_error, 0.0, write_ms, write_error == 0.0))
+        ref_out, ref_lse = rerope_attention_paged_composite(q.double(), want_k.double(), want_v.double(), block_table,
+                                                           seq_lens_t, query_start_loc, inv_freq.double(), window)
+        plain = [0.0, 0.0]
+        for r, (n, m) in enumerate(zip(seq_lens, q_lens)):
+            rows_r = slice(int(query_start_loc[r]), int(query_start_loc[r + 1]))
+            kp = torch.arange(n)[None]
+            keys = slice(sum(seq_lens[:r]), sum(seq_lens[:r + 1]))
+            errors = _plain_attention_error(q[rows_r].transpose(0, 1)[None], k[keys].transpose(0, 1)[None],
+                                            v[keys].transpose(0, 1)[None], kp[:, n - m:], kp, inv_freq, device, 0,
+                                            False)
+            plain = [max(a, b) for a, b in zip(plain, errors)]
+        floor = _ATTENTION_FLOOR[name]
+        for what, got, ref, plain_error in (("out", out, ref_out, plain[0]), ("lse", lse, ref_lse, plain[1])):
+            error = _max_error(got, ref)
+            error = math.inf if math.isnan(error) else error
+            allowed = ERROR_FACTOR * plain_error + floor
+            rows.append(Row(f"rerope_attention_paged ({what})", label, name, shape, error, allowed,
+                            ms if what == "out" else math.nan, error <= allowed))
+    return rows
+
+
 def _worker(device_name: str, threads: int) -> None:
     """Runs the grid on one device with ``threads`` CPU threads; prints the device's label, then one
     JSON line per result."""
@@ -289,7 +370,7 @@ def _worker(device_name: str, threads: int) -> None:
     else:
         label = f"cpu {ropescale._C.rotary_cpu_isa()}"
     print(_DEVICE_PREFIX + json.dumps(label), flush=True)
-    for rows in (_rotary_rows, _attention_rows):
+    for rows in (_rotary_rows, _attention_rows, _paged_rows):
         for row in rows(device, label):
             print(_ROW_PREFIX + json.dumps(asdict(row)), flush=True)
 

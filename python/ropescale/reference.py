@@ -50,9 +50,8 @@ KERNELS = _requested()
 
 _ROTARY_TABLE_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
 _ROTARY_POSITION_OPS = ("apply_rotary_pos", "apply_rotary_pos_", "apply_rotary_pos_qk", "apply_rotary_pos_qk_")
-ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention",)
-# Routed too, not yet rows of `ropescale check`'s grid (which covers ROUTED_OPS): the paged engine ops.
-PAGED_OPS = ("rerope_attention_paged", "rerope_cache_write_")
+ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention", "rerope_attention_paged",
+                                                          "rerope_cache_write_")
 
 _R = torch.ops.ropescale
 
@@ -263,7 +262,7 @@ def _register() -> None:
     CUDA only in a build with the CUDA kernels)."""
     global _library
     _library = torch.library.Library("ropescale", "IMPL")
-    for name in ROUTED_OPS + PAGED_OPS:
+    for name in ROUTED_OPS:
         for key in ("CPU", "CUDA"):
             if torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", key):
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point here
