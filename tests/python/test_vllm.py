@@ -161,6 +161,24 @@ def test_stock_vllm_serves_every_written_type_exactly_or_refuses_it(monkeypatch,
     torch.testing.assert_close(rk.double(), reference_rotation(k, cos, sin), atol=2e-4, rtol=0)
 
 
+def test_vllms_longrope_takes_the_long_factors_at_every_position(monkeypatch):
+    # README ("Serve with vLLM"): with max_model_len past the original length, vLLM rotates a sequence shorter
+    # than it with the long factors, where transformers takes the short ones. If vLLM changes its rule, this
+    # fails: update the README (and the engine tests' LongRoPE prompts, which stay past the original length).
+    model = patched("longrope")
+    config, length, short = model.config, STATIC["longrope"][1], 8
+    served_length(monkeypatch, length)
+    layer = rotary._stock_get_rope(HEAD, config.max_position_embeddings, True, dict(config.rope_parameters),
+                                   torch.float32)
+    q, k = qk(short, seed=4)
+    rq, _ = layer(torch.arange(short), q.clone(), k.clone())
+    long_cos, long_sin = hf_tables(model, length)  # transformers on a sequence past the original length
+    short_cos, short_sin = hf_tables(model, short)  # transformers on a short sequence
+    torch.testing.assert_close(rq.double(), reference_rotation(q, long_cos[:short], long_sin[:short]), atol=2e-4,
+                               rtol=0)
+    assert (rq.double() - reference_rotation(q, short_cos, short_sin)).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("name", sorted(n for n in STATIC if "longrope" not in n))
 def test_longrope_export_serves_on_stock_vllm_exactly(monkeypatch, name):
     # `ropescale extend --target vllm`: any static table as a longrope with short == long factors.
@@ -583,6 +601,7 @@ def smollm2_checkpoints(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"{err}: the vLLM leg installs it (scripts/test_torch_compat.sh)")
         pytest.skip(f"{err} (scripts/test_torch_compat.sh installs it into the vLLM venv)")
+    model = _dequantised(model)
     prompt, _, _ = evaluate.passkey_prompts(tokenizer, REAL_LENGTH, 1, max_new_tokens=8)[0]
     ids = torch.tensor(tokenizer(prompt)["input_ids"])[None]
     assert REAL_LENGTH - 64 <= ids.shape[1] <= REAL_LENGTH, ids.shape
@@ -599,6 +618,24 @@ def smollm2_checkpoints(tmp_path_factory):
         hf.unpatch(model)
         checkpoints[name] = (root / name, {dtype: _last_logprobs(l, ids) for dtype, l in logits.items()})
     return checkpoints, ids[0].tolist()
+
+
+def _dequantised(model):
+    """The GGUF-loaded model as a plain one sharing its (already float32) weights: save_pretrained refuses a
+    model that carries the GGUF quantizer."""
+    import copy
+
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False, assign=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    plain.tie_weights()
+    return plain.eval()
 
 
 def _last_logprobs(logits, ids):
