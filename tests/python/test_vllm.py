@@ -9,9 +9,11 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
 2. the plugin's ``get_rope`` for every static method: the table ``hf.patch`` gives transformers, bit for
    bit, rotated by ropescale's kernel; layers of models ropescale did not write get vLLM's own object;
    methods that need the pre-RoPE KV cache are refused with a clear error;
-3. real engines (each start costs tens of seconds here, so few): a Resonance-YaRN tiny Llama in eager
-   and in compiled mode and an unpatched YaRN one through the plugin (greedy tokens and prompt
-   logprobs against transformers + ropescale), and the Resonance-YaRN one with the plugin switched off.
+3. real engines, four processes (each one serves many checkpoints in-process: see section 3): every
+   static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
+   mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
+   stock vLLM's refusals and the longrope export;
+4. SmolLM2 served at 12k (opt-in on the vLLM leg: ROPESCALE_VLLM_REAL=1).
 """
 
 import json
