@@ -9,9 +9,11 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
 2. the plugin's ``get_rope`` for every static method: the table ``hf.patch`` gives transformers, bit for
    bit, rotated by ropescale's kernel; layers of models ropescale did not write get vLLM's own object;
    methods that need the pre-RoPE KV cache are refused with a clear error;
-3. real engines (each start costs tens of seconds here, so few): a Resonance-YaRN tiny Llama in eager
-   and in compiled mode and an unpatched YaRN one through the plugin (greedy tokens and prompt
-   logprobs against transformers + ropescale), and the Resonance-YaRN one with the plugin switched off.
+3. real engines, four processes (each one serves many checkpoints in-process: see section 3): every
+   static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
+   mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
+   stock vLLM's refusals and the longrope export;
+4. SmolLM2 served at 12k (opt-in on the vLLM leg: ROPESCALE_VLLM_REAL=1).
 """
 
 import json
@@ -32,7 +34,7 @@ except ImportError:
     pytest.skip("vLLM is not installed: these tests run on the vLLM leg (scripts/test_torch_compat.sh)",
                 allow_module_level=True)
 
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.model import _get_and_verify_max_len  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as phi3_long_rope  # noqa: E402
@@ -159,6 +161,24 @@ def test_stock_vllm_serves_every_written_type_exactly_or_refuses_it(monkeypatch,
     # vLLM computes its angles in float32 (~1e-5 at these positions); another formula is off by O(1).
     torch.testing.assert_close(rq.double(), reference_rotation(q, cos, sin), atol=2e-4, rtol=0)
     torch.testing.assert_close(rk.double(), reference_rotation(k, cos, sin), atol=2e-4, rtol=0)
+
+
+def test_vllms_longrope_takes_the_long_factors_at_every_position(monkeypatch):
+    # README ("Serve with vLLM"): with max_model_len past the original length, vLLM rotates a sequence shorter
+    # than it with the long factors, where transformers takes the short ones. If vLLM changes its rule, this
+    # fails: update the README (and the engine tests' LongRoPE prompts, which stay past the original length).
+    model = patched("longrope")
+    config, length, short = model.config, STATIC["longrope"][1], 8
+    served_length(monkeypatch, length)
+    layer = rotary._stock_get_rope(HEAD, config.max_position_embeddings, True, dict(config.rope_parameters),
+                                   torch.float32)
+    q, k = qk(short, seed=4)
+    rq, _ = layer(torch.arange(short), q.clone(), k.clone())
+    long_cos, long_sin = hf_tables(model, length)  # transformers on a sequence past the original length
+    short_cos, short_sin = hf_tables(model, short)  # transformers on a short sequence
+    torch.testing.assert_close(rq.double(), reference_rotation(q, long_cos[:short], long_sin[:short]), atol=2e-4,
+                               rtol=0)
+    assert (rq.double() - reference_rotation(q, short_cos, short_sin)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("name", sorted(n for n in STATIC if "longrope" not in n))
@@ -296,11 +316,22 @@ def test_opt_in_rotation_routes_vllms_own_classes_through_ropescales_kernel(oot_
 
 # ---------------------------------------------------------------------------------------------
 # 3. Engines
-
+#
+# Every vLLM process start costs tens of seconds here (each spawned process imports vLLM again), so all the
+# engines of one plugin setting run one after the other in ONE process, in-process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and worker in the script's own process, where a further
+# LLM() costs a model build, seconds in eager mode), and each process is a module-scoped fixture:
+#   plugin:   every static method on a tiny Llama (Resonance-YaRN also on a tiny Qwen2), eager; compiled mode
+#             for Resonance-YaRN (compiled mode traces the same forward_native for every ropescale method,
+#             only the table buffer differs, so one method covers the path); vLLM's own types on unpatched models
+#   stock:    ROPESCALE_VLLM=0: the unpatched models (bit for bit as with the plugin), every written type
+#             stock vLLM does not know (refused, message asserted), the `extend --target vllm` export
+#   rotation: ROPESCALE_VLLM_ROTATION=1: the unpatched models through ropescale's kernel, eager, and YaRN compiled
+#   tp2:      tensor parallel 2; its workers are spawned processes, which only the entry point reaches
 
 ENGINE = textwrap.dedent("""
-    # Serves tiny checkpoints with vLLM; one engine at a time; prints one JSON line per run.
-    import json, sys
+    # Serves checkpoints with vLLM, one engine at a time in this process; one JSON line per run.
+    import gc, json, sys, time
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -309,41 +340,145 @@ ENGINE = textwrap.dedent("""
         params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], prompt_logprobs=0, logprobs=0,
                                 ignore_eos=True, detokenize=False)
         for run in job["runs"]:
+            start, tp = time.perf_counter(), run.get("tp", 1)
             try:
                 llm = LLM(model=run["path"], dtype="float32", skip_tokenizer_init=True, seed=0,
-                          enforce_eager=run["eager"], max_num_seqs=4)
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)
+                          enforce_eager=run["eager"], max_num_seqs=4, tensor_parallel_size=tp,
+                          distributed_executor_backend="mp" if tp > 1 else None)
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params)
             except Exception as err:  # noqa: BLE001 (the error is the result)
-                print("RESULT " + json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
-                continue
-            result = []
-            for out in outs:
-                logprobs = [None if d is None else d[t].logprob
-                            for d, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
-                result.append({"tokens": list(out.outputs[0].token_ids), "prompt_logprobs": logprobs})
-            print("RESULT " + json.dumps(result), flush=True)
-            del llm
+                result = {"error": f"{type(err).__name__}: {err}"}
+            else:
+                result = {"outputs": [
+                    {"tokens": list(out.outputs[0].token_ids),
+                     "prompt_logprobs": [None if d is None else d[t].logprob
+                                         for d, t in zip(out.prompt_logprobs, out.prompt_token_ids)]}
+                    for out in outs]}
+            llm = None
+            gc.collect()
+            print("RESULT " + json.dumps({"id": run["id"], "seconds": time.perf_counter() - start, **result}),
+                  flush=True)
 
     if __name__ == "__main__":
         main()
 """)
 NEW_TOKENS = 8
+# vLLM's own rope types, on models ropescale never touched: (rope_parameters, max_position_embeddings such
+# that vLLM's max_model_len covers the prompts).
+VLLM_TYPES = {
+    "default": ({"rope_type": "default", "rope_theta": 1e4}, 4 * ORIGINAL),
+    "linear": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}, ORIGINAL),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 1e4},
+             4 * ORIGINAL),
+    "llama3": ({"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL, "rope_theta": 1e4}, 4 * ORIGINAL),
+}
+STOCK_TYPES = ("default", "linear", "yarn", "llama3", "longrope")  # what stock vLLM serves of hf.patch's types
+REFUSED = sorted(n for n in (*STATIC, *PRE_ROPE) if patched(n).config.rope_parameters["rope_type"] not in STOCK_TYPES)
+QWEN2 = "qwen2_resonance_yarn"
+EXPORT = "export_resonance_yarn"  # `ropescale extend --method yarn --factor 4 --resonance --target vllm`
 
 
-def prompts():
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=ORIGINAL, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    return model
+
+
+def prompts(path):
+    """For a checkpoint: a prompt that fills the length vLLM serves it at (its derived max_model_len) but for
+    the new tokens, and a short one, served in the same batch. LongRoPE with distinct short and long factors
+    gets a short prompt past the original length: vLLM's own longrope layer takes the long factors at every
+    position once max_model_len exceeds the original length (it logs so), where transformers takes the short
+    ones up to it (README, "Serve with vLLM")."""
+    config = AutoConfig.from_pretrained(path)
+    params = config.rope_parameters
+    short = 37
+    if params.get("rope_type") == "longrope" and params["short_factor"] != params["long_factor"]:
+        short = params["original_max_position_embeddings"] + 5
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in (4 * ORIGINAL - NEW_TOKENS - 3, 37)]
+    return [torch.randint(2, 256, (n,), generator=g).tolist()
+            for n in (vllm_max_model_len(config) - NEW_TOKENS - 3, short)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every checkpoint the engines serve, by name: the methods hf.patch writes, a Qwen2, the unpatched
+    models with vLLM's own types (``vllm_<type>``) and the longrope export."""
+    from ropescale import cli
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for name in (*STATIC, *REFUSED):
+        if name not in paths:
+            patched(name).save_pretrained(paths.setdefault(name, root / name))
+    hf.patch(tiny_qwen2(), STATIC["resonance_yarn"][0]).save_pretrained(paths.setdefault(QWEN2, root / QWEN2))
+    for rope_type, (params, max_position) in VLLM_TYPES.items():
+        model = tiny_llama(seed=1)
+        model.config.rope_parameters, model.config.max_position_embeddings = dict(params), max_position
+        model.save_pretrained(paths.setdefault(f"vllm_{rope_type}", root / f"vllm_{rope_type}"))
+    tiny_llama().save_pretrained(root / "unpatched")
+    assert cli.main(["extend", str(root / "unpatched"), str(root / EXPORT), "--method", "yarn", "--factor", "4",
+                     "--resonance", "--target", "vllm"]) == 0
+    paths[EXPORT] = root / EXPORT
+    return paths
 
 
 def serve(tmp_path, runs, env=None):
+    """One process serving ``runs`` ({"id", "path", "eager", "tp"}), each with prompts that fill its
+    checkpoint's length: ({id: result}, the process's output)."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
-    job = {"runs": runs, "prompts": prompts(), "new_tokens": NEW_TOKENS}
-    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    job = {"runs": [{"tp": 1, **run, "path": str(run["path"]), "prompts": prompts(run["path"])} for run in runs],
+           "new_tokens": NEW_TOKENS}
+    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               # One core per tensor-parallel rank (vLLM's default binds each rank to a NUMA node: one here).
+               "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(max(run.get("tp", 1) for run in runs)))),
+               **(env or {})}
     result = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=tmp_path, env=environ,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=1800)
     lines = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    return lines, result.stdout + result.stderr
+    log = result.stdout + result.stderr
+    assert [r["id"] for r in lines] == [run["id"] for run in runs], log[-5000:]
+    print("engine seconds: " + ", ".join(f"{r['id']} {r['seconds']:.1f}" for r in lines))
+    return {r["id"]: r for r in lines}, log
+
+
+def engine_process(tmp_path_factory, name, runs, env=None):
+    return serve(tmp_path_factory.mktemp(name), runs, env)
+
+
+@pytest.fixture(scope="module")
+def plugin_engines(tmp_path_factory, checkpoints):
+    runs = [{"id": name, "path": checkpoints[name], "eager": True}
+            for name in (*STATIC, QWEN2, *(f"vllm_{t}" for t in VLLM_TYPES))]
+    runs.append({"id": "resonance_yarn/compiled", "path": checkpoints["resonance_yarn"], "eager": False})
+    return engine_process(tmp_path_factory, "plugin", runs)
+
+
+@pytest.fixture(scope="module")
+def stock_engines(tmp_path_factory, checkpoints):
+    runs = [{"id": name, "path": checkpoints[name], "eager": True}
+            for name in (*(f"vllm_{t}" for t in VLLM_TYPES), EXPORT, *REFUSED)]  # refusals last
+    return engine_process(tmp_path_factory, "stock", runs, {"ROPESCALE_VLLM": "0"})
+
+
+@pytest.fixture(scope="module")
+def rotation_engines(tmp_path_factory, checkpoints):
+    runs = [{"id": f"vllm_{t}", "path": checkpoints[f"vllm_{t}"], "eager": True} for t in VLLM_TYPES]
+    runs.append({"id": "vllm_yarn/compiled", "path": checkpoints["vllm_yarn"], "eager": False})
+    return engine_process(tmp_path_factory, "rotation", runs, {"ROPESCALE_VLLM_ROTATION": "1"})
 
 
 def reference(path, patch=True):
@@ -354,7 +489,7 @@ def reference(path, patch=True):
         hf.patch(model)
     model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: exactly NEW_TOKENS tokens
     out = []
-    for prompt in prompts():
+    for prompt in prompts(path):
         x = torch.tensor([prompt])
         with torch.no_grad():
             logprobs = model(x).logits[0].double().log_softmax(-1)
@@ -362,6 +497,11 @@ def reference(path, patch=True):
         out.append({"tokens": tokens.tolist(),
                     "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist()})
     return out
+
+
+def outputs(served, log):
+    assert "outputs" in served, f"{served.get('error')}\n{log[-5000:]}"
+    return served["outputs"]
 
 
 def assert_same(served, expected, what):
@@ -376,26 +516,188 @@ def assert_same(served, expected, what):
 
 
 @pytest.mark.slow
-def test_engines_serve_ropescale_checkpoints_as_transformers_does(tmp_path):
-    resonance_yarn, plain_yarn = tmp_path / "resonance_yarn", tmp_path / "yarn"
-    patched("resonance_yarn").save_pretrained(resonance_yarn)
-    model = tiny_llama(seed=1)  # a checkpoint ropescale never touched, with vLLM's own YaRN
-    model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
-                                    "rope_theta": 1e4}
-    model.config.max_position_embeddings = 4 * ORIGINAL
-    model.save_pretrained(plain_yarn)
-    runs = [{"path": str(resonance_yarn), "eager": True}, {"path": str(resonance_yarn), "eager": False},
-            {"path": str(plain_yarn), "eager": True}]
-    results, log = serve(tmp_path, runs)
-    assert len(results) == 3 and all(isinstance(r, list) for r in results), log[-5000:]
-    ry = reference(resonance_yarn)
-    assert_same(results[0], ry, "resonance_yarn, eager")
-    assert_same(results[1], ry, "resonance_yarn, compiled")
-    assert_same(results[2], reference(plain_yarn, patch=False), "unpatched yarn through the plugin")
+@pytest.mark.parametrize("name", [*STATIC, QWEN2])
+def test_engine_serves_every_static_method_as_transformers_does(plugin_engines, checkpoints, name):
+    results, log = plugin_engines
     assert "vLLM 0.32.0 plugin active" in log, log[-5000:]
+    assert_same(outputs(results[name], log), reference(checkpoints[name]), f"{name}, eager")
 
-    # The same Resonance-YaRN checkpoint without the plugin: refused loudly at model build.
-    results, log = serve(tmp_path, [{"path": str(resonance_yarn), "eager": True}], env={"ROPESCALE_VLLM": "0"})
-    assert "vLLM plugin off (ROPESCALE_VLLM=0)" in log
-    assert "Unknown RoPE scaling type resonance_yarn" in log, log[-5000:]
-    assert len(results) == 1 and "error" in results[0], results
+
+@pytest.mark.slow
+def test_engine_serves_a_ropescale_table_in_compiled_mode(plugin_engines, checkpoints):
+    results, log = plugin_engines
+    assert_same(outputs(results["resonance_yarn/compiled"], log), reference(checkpoints["resonance_yarn"]),
+                "resonance_yarn, compiled")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rope_type", sorted(VLLM_TYPES))
+def test_plugin_changes_nothing_for_models_without_a_ropescale_type(plugin_engines, stock_engines, checkpoints,
+                                                                      rope_type):
+    name = f"vllm_{rope_type}"
+    (with_plugin, log), (without, stock_log) = plugin_engines, stock_engines
+    assert "vLLM plugin off (ROPESCALE_VLLM=0)" in stock_log and "plugin active" not in stock_log
+    assert outputs(with_plugin[name], log) == outputs(without[name], stock_log)  # bit for bit
+    assert_same(outputs(with_plugin[name], log), reference(checkpoints[name], patch=False), f"{name} vs transformers")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [*(f"vllm_{t}" for t in sorted(VLLM_TYPES)), "vllm_yarn/compiled"])
+def test_opt_in_rotation_serves_vllms_own_types_through_ropescales_kernel(plugin_engines, rotation_engines, run):
+    (results, log), (plugin, plugin_log) = rotation_engines, plugin_engines
+    assert "vLLM's own rotary classes rotate with ropescale's kernel" in log, log[-5000:]
+    # vLLM's own tables rotated by another float32 kernel: equal within float32 rounding.
+    assert_same(outputs(results[run], log), outputs(plugin[run.split("/")[0]], plugin_log), f"{run}, opt-in rotation")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REFUSED)
+def test_stock_engine_refuses_every_type_it_does_not_know(stock_engines, checkpoints, name):
+    results, log = stock_engines
+    rope_type = json.loads((checkpoints[name] / "config.json").read_text())["rope_parameters"]["rope_type"]
+    assert "error" in results[name], results[name]
+    assert f"Unknown RoPE scaling type {rope_type}" in results[name]["error"], results[name]["error"]
+
+
+@pytest.mark.slow
+def test_stock_engine_serves_the_longrope_export_as_transformers_does(stock_engines, checkpoints):
+    results, log = stock_engines
+    assert json.loads((checkpoints[EXPORT] / "config.json").read_text())["rope_parameters"]["rope_type"] == "longrope"
+    served = outputs(results[EXPORT], log)
+    assert_same(served, reference(checkpoints[EXPORT], patch=False), "longrope export vs stock transformers")
+    # and it is the method it was exported from: Resonance-YaRN as transformers + ropescale serve it
+    assert_same(served, reference(checkpoints["resonance_yarn"]), "longrope export vs transformers + ropescale")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(tmp_path_factory, plugin_engines, checkpoints):
+    results, log = engine_process(tmp_path_factory, "tp2",
+                                  [{"id": "tp2", "path": checkpoints["resonance_yarn"], "eager": True, "tp": 2}])
+    # The main process and both workers (spawned: only the entry point reaches them) load the plugin.
+    assert log.count("vLLM 0.32.0 plugin active") >= 3, log[-5000:]
+    one, one_log = plugin_engines
+    assert_same(outputs(results["tp2"], log), outputs(one["resonance_yarn"], one_log), "resonance_yarn, TP=2 vs 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The real model: SmolLM2-135M (trained to 8k) extended to 16k, served at 12k tokens
+
+REAL_ORIGINAL = 8192
+REAL_LENGTH = 12 * 1024
+REAL_METHODS = {
+    "yarn": scaling.YaRN(factor=2.0, original_max_position=REAL_ORIGINAL),
+    "resonance_yarn": scaling.YaRN(factor=2.0, original_max_position=REAL_ORIGINAL, resonance=True),
+}
+LAST = 64  # the prompt positions compared: the last ones, past the model's 8k
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoints(tmp_path_factory):
+    """The GGUF converted once to a safetensors dir per method (hf.patch + save_pretrained), a 12k prompt of
+    real text, and transformers + ropescale's logprobs of its last positions (float32 and float64)."""
+    from ropescale import evaluate, realmodel
+
+    try:
+        model, tokenizer = realmodel.load_gguf()
+    except realmodel.RealModelUnavailable as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"{err}: the vLLM leg installs it (scripts/test_torch_compat.sh)")
+        pytest.skip(f"{err} (scripts/test_torch_compat.sh installs it into the vLLM venv)")
+    model = _dequantised(model)
+    prompt, _, _ = evaluate.passkey_prompts(tokenizer, REAL_LENGTH, 1, max_new_tokens=8)[0]
+    ids = torch.tensor(tokenizer(prompt)["input_ids"])[None]
+    assert REAL_LENGTH - 64 <= ids.shape[1] <= REAL_LENGTH, ids.shape
+    root = tmp_path_factory.mktemp("smollm2")
+    checkpoints = {}
+    for name, method in REAL_METHODS.items():
+        hf.patch(model, method)
+        model.save_pretrained(checkpoints.setdefault(name, root / name))
+        with torch.no_grad():
+            logits = {torch.float32: model(ids, logits_to_keep=LAST + 1).logits[0]}
+            if name == "yarn":  # float32's own error here, on one method (a float64 forward at 12k is minutes)
+                logits[torch.float64] = model.double()(ids, logits_to_keep=LAST + 1).logits[0]
+                model.float()
+        hf.unpatch(model)
+        checkpoints[name] = (root / name, {dtype: _last_logprobs(l, ids) for dtype, l in logits.items()})
+    return checkpoints, ids[0].tolist()
+
+
+def _dequantised(model):
+    """The GGUF-loaded model as a plain one sharing its (already float32) weights: save_pretrained refuses a
+    model that carries the GGUF quantizer."""
+    import copy
+
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False, assign=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    plain.tie_weights()
+    return plain.eval()
+
+
+def _last_logprobs(logits, ids):
+    """[LAST] logprobs of the last prompt tokens, and the next token's whole distribution [vocab]."""
+    logprobs = logits.double().log_softmax(-1)
+    return logprobs[:-1].gather(-1, ids[0, -LAST:, None])[:, 0], logprobs[-1]
+
+
+@pytest.mark.slow
+def test_real_model_served_at_12k_as_transformers_serves_it(tmp_path_factory, smollm2_checkpoints):
+    checkpoints, ids = smollm2_checkpoints
+    script = tmp_path_factory.mktemp("smollm2_engine") / "engine.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, time
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        def main():
+            job = json.loads(sys.argv[1])
+            ids = json.load(open(job["ids"]))
+            # vLLM scores every prompt token, a chunk of max_num_batched_tokens at a time ([2048, vocab] logits)
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, logprobs=20, ignore_eos=True,
+                                    detokenize=False)
+            for name, path in job["runs"]:
+                start = time.perf_counter()
+                llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=True,
+                          max_num_seqs=1, max_num_batched_tokens=2048, enable_prefix_caching=False)
+                out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
+                last = [d[t].logprob for d, t in zip(out.prompt_logprobs[-job["last"]:], ids[-job["last"]:])]
+                step = out.outputs[0]
+                top = {str(t): lp.logprob for t, lp in step.logprobs[0].items()}
+                print("RESULT " + json.dumps({"name": name, "last": last, "token": step.token_ids[0], "top": top,
+                                              "seconds": time.perf_counter() - start}), flush=True)
+                llm = None
+
+        if __name__ == "__main__":
+            main()
+    """))
+    (script.parent / "ids.json").write_text(json.dumps(ids))
+    job = {"ids": str(script.parent / "ids.json"), "last": LAST,
+           "runs": [(name, str(path)) for name, (path, _) in checkpoints.items()]}
+    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    result = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=script.parent, env=environ,
+                            capture_output=True, text=True, timeout=1800)
+    log = result.stdout + result.stderr
+    served = {r["name"]: r for r in (json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
+                                     if line.startswith("RESULT "))}
+    assert set(served) == set(REAL_METHODS), log[-5000:]
+    # float32's own error on this model at these positions: transformers + ropescale's float32 forward
+    # against its float64 copy (on YaRN), as the real-model tests judge (test_real_model.py).
+    (want32, next32), (want64, next64) = checkpoints["yarn"][1][torch.float32], checkpoints["yarn"][1][torch.float64]
+    level = max((want32 - want64).abs().max().item(), (next32 - next64).abs().max().item())
+    for name, (_, reference_logprobs) in checkpoints.items():
+        want, want_next = reference_logprobs[torch.float32]
+        got = torch.tensor(served[name]["last"], dtype=torch.float64)
+        top = {int(t): lp for t, lp in served[name]["top"].items()}
+        got_next = torch.tensor(list(top.values()), dtype=torch.float64)
+        error = max((got - want).abs().max().item(), (got_next - want_next[list(top)]).abs().max().item())
+        print(f"SmolLM2 {name} at {len(ids)} tokens: vLLM vs transformers + ropescale {error:.3g} on the last "
+              f"{LAST} prompt logprobs and the next token's top 20; float32's own error {level:.3g}; "
+              f"{served[name]['seconds']:.0f} s in vLLM")
+        assert served[name]["token"] == int(want_next.argmax())
+        assert error <= 2 * level, f"{name}: {error:.3g} > 2 x {level:.3g}"
