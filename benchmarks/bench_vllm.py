@@ -107,7 +107,7 @@ def checkpoints(workdir: Path, names) -> dict[str, Path]:
     if missing:
         from ropescale import hf, realmodel
 
-        model = _dequantised(realmodel.load_gguf()[0])
+        model = realmodel.dequantised(realmodel.load_gguf()[0])
         methods = _methods()
         for name in missing:
             method, kwargs = methods[name]
@@ -115,25 +115,6 @@ def checkpoints(workdir: Path, names) -> dict[str, Path]:
             model.save_pretrained(paths[name])
             hf.unpatch(model)
     return paths
-
-
-def _dequantised(model):
-    """The GGUF-loaded model as a plain one sharing its (already float32) weights: save_pretrained refuses a
-    model that carries the GGUF quantizer."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with no_init_weights():
-        plain = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False, assign=True)
-    assert not missing and not unexpected, (missing, unexpected)
-    plain.tie_weights()
-    return plain.eval()
 
 
 def serve(job) -> dict:

