@@ -371,6 +371,13 @@ struct AttentionShape {
   bool causal = true, interleaved = false;
 };
 
+// The shape both ops share, from their normalised arguments (ReropeArgs, ReropePagedArgs name it alike).
+template <class Args>
+AttentionShape attention_shape(const Args& a, bool causal) {
+  return {a.q_heads, a.kv_heads, a.head_dim, a.rotary_pairs, a.window, a.logn_length, a.leaky_inv,
+          a.inv_log_train, causal, a.interleaved};
+}
+
 struct Problem {
   int64_t index = 0;               // the layout's index of the problem (batch row, request)
   int64_t q_len = 0, k_len = 0;    // both > 0
@@ -1043,17 +1050,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 
 void rerope_attention_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& lse) {
-  AttentionShape s;
-  s.q_heads = a.q_heads;
-  s.kv_heads = a.kv_heads;
-  s.head_dim = a.head_dim;
-  s.rotary_pairs = a.rotary_pairs;
-  s.window = a.window;
-  s.logn_length = a.logn_length;
-  s.leaky_inv = a.leaky_inv;
-  s.inv_log_train = a.inv_log_train;
-  s.causal = a.causal;
-  s.interleaved = a.interleaved;
+  const AttentionShape s = attention_shape(a, a.causal);
   const int64_t* q_pos = a.q_positions.data_ptr<int64_t>();
   const int64_t* k_pos = a.k_positions.data_ptr<int64_t>();
   std::vector<Problem> problems(a.batch);
@@ -1075,17 +1072,7 @@ void rerope_attention_kernel(const ReropeArgs& a, at::Tensor& out, at::Tensor& l
 }
 
 void rerope_attention_paged_kernel(const ReropePagedArgs& a, at::Tensor& out, at::Tensor& lse) {
-  AttentionShape s;
-  s.q_heads = a.q_heads;
-  s.kv_heads = a.kv_heads;
-  s.head_dim = a.head_dim;
-  s.rotary_pairs = a.rotary_pairs;
-  s.window = a.window;
-  s.logn_length = a.logn_length;
-  s.leaky_inv = a.leaky_inv;
-  s.inv_log_train = a.inv_log_train;
-  s.causal = true;
-  s.interleaved = a.interleaved;
+  const AttentionShape s = attention_shape(a, /*causal=*/true);
   const int32_t* starts = a.query_start_loc.data_ptr<int32_t>();
   const int32_t* seq_lens = a.seq_lens.data_ptr<int32_t>();
   const float* inv_freq = a.inv_freq.data_ptr<float>();
