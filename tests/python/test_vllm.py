@@ -27,15 +27,11 @@ import types
 import pytest
 import torch
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("CI") == "true" and os.environ.get("ROPESCALE_VLLM_LEG") == "1":
-        raise  # on the vLLM leg of CI a missing vLLM is a failure, not a skip
-    pytest.skip("vLLM is not installed: these tests run on the vLLM leg (scripts/test_torch_compat.sh)",
-                allow_module_level=True)
+from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
 
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+require_vllm()
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.model import _get_and_verify_max_len  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as phi3_long_rope  # noqa: E402
@@ -43,8 +39,6 @@ from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_ro
 from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 from ropescale.vllm import rotary  # noqa: E402
 
-HEAD = 64  # vLLM's CPU attention takes head sizes 32, 64, 80, ...
-ORIGINAL = 64  # the tiny models' "pre-training" length
 SHORT = tuple(1.0 + 0.02 * i for i in range(HEAD // 2))
 LONG = tuple(1.0 + 0.25 * i for i in range(HEAD // 2))
 
@@ -75,16 +69,6 @@ PRE_ROPE = {
     "rerope_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), dict(attention="rerope", window=16),
                     4 * ORIGINAL),
 }
-
-
-def tiny_llama(seed=0):
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=HEAD, max_position_embeddings=ORIGINAL, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
 
 
 def patched(name):
@@ -505,17 +489,6 @@ def reference(path, patch=True):
 def outputs(served, log):
     assert "outputs" in served, f"{served.get('error')}\n{log[-5000:]}"
     return served["outputs"]
-
-
-def assert_same(served, expected, what):
-    for got, want in zip(served, expected, strict=True):
-        assert got["tokens"] == want["tokens"], what
-        assert got["prompt_logprobs"][0] is None
-        got_lp = torch.tensor(got["prompt_logprobs"][1:], dtype=torch.float64)
-        want_lp = torch.tensor(want["prompt_logprobs"][1:], dtype=torch.float64)
-        # float32 logits: 1e-5, plus float32's relative rounding on large logprobs
-        torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-6,
-                                   msg=f"{what}: max |diff| {(got_lp - want_lp).abs().max():.2e}")
 
 
 @pytest.mark.slow

@@ -27,23 +27,17 @@ import types
 import pytest
 import torch
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("CI") == "true" and os.environ.get("ROPESCALE_VLLM_LEG") == "1":
-        raise  # on the vLLM leg of CI a missing vLLM is a failure, not a skip
-    pytest.skip("vLLM is not installed: these tests run on the vLLM leg (scripts/test_torch_compat.sh)",
-                allow_module_level=True)
+from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
 
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+require_vllm()
+
+from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, _ATTN_OVERRIDES  # noqa: E402
 
 from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 from ropescale.vllm import attention, rotary  # noqa: E402
 
-HEAD = 64  # vLLM's CPU attention takes head sizes 32, 64, 80, ...
-ORIGINAL = 64  # the tiny models' "pre-training" length (log-n's and Dynamic-YaRN's L)
 SERVED = 256  # the length the engines serve (VLLM_ALLOW_LONG_MAX_MODEL_LEN: ReRoPE's point is to go past L)
 WINDOW = 16
 
@@ -56,16 +50,6 @@ CHECKPOINTS = {
     "dynamic_ntk": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}),
     "resonance_dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL, resonance=True), {}),
 }
-
-
-def tiny_llama(seed=0):
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=HEAD, max_position_embeddings=ORIGINAL, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
 
 
 def patched(name, seed=0):
@@ -326,18 +310,6 @@ def reference(path, batch):
         out.append({"tokens": tokens.tolist(),
                     "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist()})
     return out
-
-
-def assert_same(served, expected, what, atol=1e-5):
-    assert len(served) == len(expected), what
-    for i, (got, want) in enumerate(zip(served, expected)):
-        assert got["tokens"] == want["tokens"], f"{what}, request {i}"
-        assert got["prompt_logprobs"][0] is None
-        got_lp = torch.tensor(got["prompt_logprobs"][1:], dtype=torch.float64)
-        want_lp = torch.tensor(want["prompt_logprobs"][1:], dtype=torch.float64)
-        # float32 logits: 1e-5, plus float32's relative rounding on large logprobs
-        torch.testing.assert_close(got_lp, want_lp, atol=atol, rtol=1e-6,
-                                   msg=f"{what}, request {i}: max |diff| {(got_lp - want_lp).abs().max():.2e}")
 
 
 LONG = [SERVED - NEW_TOKENS - 3, 37]  # past L (64) and many windows; and a short one
