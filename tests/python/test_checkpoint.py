@@ -126,6 +126,8 @@ def test_reload_gives_the_trained_model(checkpoints, family, name):
     if name == "ntk":
         assert config["rope_parameters"]["rope_theta"] == 1e4 * 4.0 ** (16 / 14)
         assert config["ropescale"] == {"method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4}}
+    elif name in ("longrope", "resonance_longrope"):  # distinct short and long factors: recorded, so the vLLM plugin serves it per length
+        assert config["ropescale"] == {"method": config["rope_parameters"]}
     else:
         assert config.get("ropescale") == (None if not kwargs else {
             "attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
