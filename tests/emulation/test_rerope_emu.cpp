@@ -1106,3 +1106,9 @@ TEST_CASE("race check: one small paged launch with splits, blocks shuffled", "[t
   const PagedCase c{{{1, 40}, {5, 12}}, 2, 1, 8, 8, 3, 5, 16.0, 10, false, true};
   run_paged<float>(c, 800, 2);
 }
+
+TEST_CASE("race check: one small paged launch with tensor-core rows, blocks shuffled", "[tsan][paged]") {
+  const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 7);
+  const PagedCase c{{{1, 40}, {9, 70}}, 2, 1, 64, 64, 16, 5, 16.0, 0, false, true};
+  run_paged<__nv_bfloat16>(c, 801, 2, Poison::kNone, -1, -1, {0, 1});
+}
