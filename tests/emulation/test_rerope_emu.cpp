@@ -956,7 +956,8 @@ void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Po
   if (tc_key_budget < 0)
     tc_key_budget = ropescale::rerope_cuda::rerope_paged_tc_key_budget(
         run.tokens, static_cast<int64_t>(c.requests.size()), static_cast<int64_t>(run.max_blocks) * c.block_size);
-  const std::vector<int> took_tc = launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits, tc_key_budget);
+  const std::vector<int> took_tc =
+      launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits, tc_key_budget);
   if (tc_key_budget > 0) {
     INFO(c.name() << ": which requests took the tensor cores");
     CHECK(took_tc == tensor_core);

@@ -34,10 +34,10 @@
 //
 // These scalar-FMA kernels serve fp32 inputs, head dims the tensor-core prefill does not take, and
 // every decode (dense: up to 16 queries; paged: requests of up to 4 rows, and the prefill requests
-// past the tensor-core pre-pass's budget). Decode stays here on purpose: one query token against the cache reads every key and
-// value once and does about one FLOP per byte read, so it is bound by memory bandwidth; tensor
-// cores would raise a compute rate that is not the limit. The fp16/bf16 prefill runs on tensor
-// cores (rerope_attention_tc.cuh).
+// past the tensor-core pre-pass's budget). Decode stays here on purpose: one query token against the
+// cache reads every key and value once and does about one FLOP per byte read, so it is bound by
+// memory bandwidth; tensor cores would raise a compute rate that is not the limit. The fp16/bf16
+// prefill runs on tensor cores (rerope_attention_tc.cuh), dense and paged.
 #pragma once
 
 #include <cmath>
@@ -750,7 +750,9 @@ __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropePar
     const T* src = k + b * p.k_stride_b + j * p.k_stride_l;
     rotate_key_pair<T, Out>(p, p.inv_freq, p.k_positions[static_cast<int64_t>(b) * p.k_len + j], pair,
                             [&](int h) { return src + h * p.k_stride_h; },
-                            [&](int h) { return ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim; });
+                            [&](int h) {
+                              return ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim;
+                            });
   }
 }
 
@@ -1015,9 +1017,10 @@ __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel
       p.paged_requests[r].tensor_core = keys > 0 && before + keys <= p.paged_tc_key_budget ? 1 : 0;
     });
     __syncthreads();
-    const int64_t keys_total = schedule_scan(
-        p.requests, warp_totals, [&](int r) { return p.paged_requests[r].tensor_core ? p.paged_requests[r].seq_len : 0; },
-        [&](int r, long long before) { p.paged_tc_key_offsets[r] = static_cast<int>(before); });
+    const auto tc_keys = [&](int r) { return p.paged_requests[r].tensor_core ? p.paged_requests[r].seq_len : 0; };
+    const int64_t keys_total = schedule_scan(p.requests, warp_totals, tc_keys, [&](int r, long long before) {
+      p.paged_tc_key_offsets[r] = static_cast<int>(before);
+    });
     if (tid == 0) p.paged_tc_key_offsets[p.requests] = static_cast<int>(keys_total);
     // Each request writes its own tasks (its last query block first: it sees the most keys).
     const auto tc_blocks = [&](int r) {

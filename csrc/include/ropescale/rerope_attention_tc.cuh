@@ -81,7 +81,8 @@ struct KeyRows {
   int64_t page_stride = 0;
   __device__ __forceinline__ const T* operator()(int key) const {
     if (pages == nullptr) return base + static_cast<int64_t>(key) * stride;
-    return base + static_cast<int64_t>(pages[key / block_size]) * page_stride + static_cast<int64_t>(key % block_size) * stride;
+    return base + static_cast<int64_t>(pages[key / block_size]) * page_stride +
+           static_cast<int64_t>(key % block_size) * stride;
   }
 };
 
@@ -209,7 +210,8 @@ __device__ void store_query_rows(const ReropeParams& p, const Problem& problem, 
       const T* src = problem.q_row(query);
       const float x1 = to_float(src[first]), x2 = to_float(src[second]);
       if (pair < p.rotary_pairs) {
-        const float4 sc = reinterpret_cast<const float4*>(p.q_rotation)[problem.rotation_row(query) * p.rotary_pairs + pair];
+        const float4 sc =
+            reinterpret_cast<const float4*>(p.q_rotation)[problem.rotation_row(query) * p.rotary_pairs + pair];
         rotate_pair(x1, x2, sc.y, sc.x, &near1, &near2);
         rotate_pair(x1, x2, sc.w, sc.z, &far1, &far2);
       } else {  // past the rotary dims: the same on both sides
@@ -385,7 +387,8 @@ __global__ void __launch_bounds__(256) rerope_query_rotation_kernel(const Rerope
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int pair = static_cast<int>(idx % p.rotary_pairs);
-    reinterpret_cast<float4*>(p.q_rotation)[idx] = query_rotation(p, p.q_positions[idx / p.rotary_pairs], p.inv_freq[pair]);
+    reinterpret_cast<float4*>(p.q_rotation)[idx] =
+        query_rotation(p, p.q_positions[idx / p.rotary_pairs], p.inv_freq[pair]);
   }
 }
 
@@ -439,7 +442,9 @@ struct TcDenseProblem {
   }
   __device__ PositionRange key_tile(int tile) const { return tc::key_tile_range(tiles[tile]); }
   // The positions of the tile's keys when some may be padding (their V rows are zero-filled).
-  __device__ const int64_t* padding_positions(int j0) const { return p.k_positions + static_cast<int64_t>(b) * k_len + j0; }
+  __device__ const int64_t* padding_positions(int j0) const {
+    return p.k_positions + static_cast<int64_t>(b) * k_len + j0;
+  }
   __device__ const T* q_row(int query) const {
     return static_cast<const T*>(p.q) + b * p.q_stride_b + head * p.q_stride_h + query * p.q_stride_l;
   }
