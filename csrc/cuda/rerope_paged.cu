@@ -11,10 +11,10 @@
 // a request whose pages fall outside [0, num_blocks), whose seq_len is past its block-table row, or
 // whose q_len is past its seq_len gets NaN rows, and nothing outside the cache is read.
 //
-// What runs where: fp16/bf16 at head dims 64/80/96/128 on sm_80+ (caches whose rows are 16-byte
+// What runs where: fp16/bf16 at head dims 64/80/96/128 on sm_80+ (a value cache whose rows are 16-byte
 // aligned): the rows of requests with more than 4 queries (prefill, chunked prefill) run on the tensor
-// cores, over keys a pre-pass rotates through the block table into a workspace of at most
-// rerope_paged_tc_key_budget keys, both sides (requests past it, in order, stay on SIMT); every other row (decode
+// cores, over keys (both sides) a pre-pass rotates through the block table into a workspace of at most
+// rerope_paged_tc_key_budget keys (requests past it, in order, stay on SIMT); every other row (decode
 // rows, fp32, other head dims) runs the SIMT body with keys rotated in shared memory tile by tile. One
 // schedule kernel decides both, on the device.
 #include <ATen/ATen.h>

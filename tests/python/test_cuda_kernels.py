@@ -10,8 +10,8 @@
   frequency tables computed on the CPU and moved to the GPU) and ReRoPE attention (fused and
   composite);
 * the paged op (rerope_attention_paged, rerope_cache_write_) against its float64 oracle: decode rows
-  on the SIMT kernel, fp16/bf16 prefill rows on the tensor cores (and the SIMT fallback for caches
-  whose rows are not 16-byte aligned), bad metadata as NaN rows.
+  on the SIMT kernel, fp16/bf16 prefill rows on the tensor cores (and the SIMT fallback for a value
+  cache whose rows are not 16-byte aligned), bad metadata as NaN rows.
 
 The reference and the SDPA-relative tolerance come from test_rerope_attention.py.
 """
