@@ -36,9 +36,13 @@ torch.cuda.max_memory_allocated above the inputs (after reset_peak_memory_stats)
                 all (float32), the default backend, and the row says so: the floor the ratios divide by;
 * ``composite`` ropescale.ops.rerope_attention_composite (two masked SDPA calls merged by lse);
                 "out of memory" rows where its masks or SDPA backend do not fit;
-* ``naive``     only where its score matrices fit in half the GPU's memory (4k), else skipped.
+* ``naive``     only where its score matrices fit in half the GPU's memory (4k), else skipped;
+* ``paged16``   ropescale.ops.rerope_attention_paged on the same problem as one request in pages of 16 slots
+                (vLLM's CUDA default): its prefill rows on the tensor-core kernel through the paged pre-pass
+                (bf16/fp16), its decode rows on the split-K kernel; ``paged128`` on request (--methods).
 
-Prefill rows print achieved TFLOP/s. ``fused`` is credited with the tiles its kernel computes
+Prefill rows print achieved TFLOP/s. ``fused`` (and ``paged16``/``paged128`` at bf16/fp16: the same
+tensor-core body) is credited with the tiles its kernel computes
 (computed_tile_flops): every query block x key block tile at positions 0..L-1 that
 rerope_classify_tile does not skip, whole, at 4 D FLOPs per (query, key) pair (q.k and p.v), plus
 2 D per pair on band tiles (their second, far-side q.k). The tile is the warp's 16 queries x 64 keys
@@ -407,7 +411,8 @@ def cuda_main(args) -> int:
                     seconds, peak = r
                     tflops = gbs = ""
                     if kind == "prefill":
-                        flops = (computed_tile_flops(length, dim, heads, window, block_m, block_n) if method == "fused"
+                        tiles_of_fused = method == "fused" or (method in PAGED_METHODS and args.dtype != "float32")
+                        flops = (computed_tile_flops(length, dim, heads, window, block_m, block_n) if tiles_of_fused
                                  else causal_flops(length, dim, heads))
                         tflops = f"{flops / seconds / 1e12:.1f}"
                     else:  # the K and V of the cache, read once
@@ -453,7 +458,7 @@ def main():
                              f"measures {WINDOW})")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=None,
                         help="methods to time (sdpa is always timed: the ratios are against it; default all, "
-                             "cuda: all but the paged ones)")
+                             "cuda: all but paged128)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -463,7 +468,7 @@ def main():
     defaults = CUDA_DEFAULTS if args.device == "cuda" else dict(
         prefill=[1024, 4096, 16384], decode=[4096, 16384, 65536], dtype="float32", heads=HEADS, kv_heads=HEADS,
         window=WINDOW)
-    defaults["methods"] = [m for m in METHODS if args.device == "cpu" or m not in PAGED_METHODS]
+    defaults["methods"] = [m for m in METHODS if args.device == "cpu" or m != "paged128"]
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

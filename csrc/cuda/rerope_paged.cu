@@ -1,7 +1,9 @@
 // rerope_attention_paged and rerope_cache_write_ on CUDA: ATen glue around the paged kernels of
-// ropescale/rerope_attention.cuh (the schedule kernel, the paged attention body it shares with dense
-// decode, the split combine; the cache-write kernel): the shared checks (rerope_paged.h), device
-// guard, current stream, workspaces, dtype and head-dim dispatch, a check after every launch.
+// ropescale/rerope_attention.cuh (the schedule kernel, the paged SIMT body it shares with dense
+// decode, the split combine; the cache-write kernel) and ropescale/rerope_attention_tc.cuh (the
+// tensor-core prefill it shares with the dense op, and its paged pre-passes): the shared checks
+// (rerope_paged.h), device guard, current stream, workspaces, dtype and head-dim dispatch, a check
+// after every launch.
 //
 // No host sync: the metadata (query_start_loc, seq_lens, block_table) stays on the device and the
 // grid is an upper bound of the work computed from the sizes alone. The value checks the CPU kernel
@@ -9,9 +11,12 @@
 // a request whose pages fall outside [0, num_blocks), whose seq_len is past its block-table row, or
 // whose q_len is past its seq_len gets NaN rows, and nothing outside the cache is read.
 //
-// Every row (decode, chunked prefill, prefill; every dtype) runs the SIMT body with keys rotated in
-// shared memory tile by tile. (The tensor-core prefill of rerope_attention_tc.cuh reads pre-rotated
-// contiguous keys; its paged form is not written yet.)
+// What runs where: fp16/bf16 at head dims 64/80/96/128 on sm_80+ (a value cache whose rows are 16-byte
+// aligned): the rows of requests with more than 4 queries (prefill, chunked prefill) run on the tensor
+// cores, over keys (both sides) a pre-pass rotates through the block table into a workspace of at most
+// rerope_paged_tc_key_budget keys (requests past it, in order, stay on SIMT); every other row (decode
+// rows, fp32, other head dims) runs the SIMT body with keys rotated in shared memory tile by tile. One
+// schedule kernel decides both, on the device.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -27,6 +32,7 @@
 #include "ops.h"
 #include "rerope_paged.h"
 #include "ropescale/rerope_attention.cuh"
+#include "ropescale/rerope_attention_tc.cuh"
 
 namespace ropescale {
 namespace {
@@ -50,8 +56,9 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
   TORCH_CHECK(tasks <= std::numeric_limits<int>::max(), kPagedOp, ": too many query rows for one launch (", a.tokens,
               " tokens x ", group, " q heads per k/v head)");
   p.num_paged_tasks = static_cast<int>(tasks);
-  // Workspaces: the validated requests (4 ints each), the task offsets and the task list (4 ints each).
-  at::Tensor requests = at::empty({a.requests * 4}, options.dtype(at::kInt));
+  // Workspaces: the validated requests, the task offsets and the task list (4 ints each).
+  constexpr int64_t kRequestInts = sizeof(rerope_cuda::PagedRequest) / sizeof(int);
+  at::Tensor requests = at::empty({a.requests * kRequestInts}, options.dtype(at::kInt));
   at::Tensor offsets = at::empty({a.requests + 1}, options.dtype(at::kInt));
   at::Tensor task_list = at::empty({tasks * 4}, options.dtype(at::kInt));
   p.paged_requests = reinterpret_cast<rerope_cuda::PagedRequest*>(requests.data_ptr<int>());
@@ -69,15 +76,55 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
 }
 
 template <typename T>
-void launch(const ReropePagedArgs& a, const ReropeParams& p, cudaStream_t stream) {
+void launch(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream) {
   const CudaDeviceInfo device = cuda_device_info(a.q.get_device());
   const auto smem_optin = static_cast<std::size_t>(device.shared_memory_per_block_optin);
-  const std::size_t missing = rerope_cuda::with_simt_shape(static_cast<int>(a.head_dim), smem_optin, [&]<class Shape>() {
+  // The tensor-core prefill: fp16/bf16, its head dims, sm_80+ (mma.sync, ldmatrix, cp.async), its shared
+  // memory, and a value cache whose rows cp.async can read (the values are read in place).
+  // Its workspaces: the schedule's choice (key offsets, task list), the rotated keys, the queries' sin/cos.
+  const int head_dim = static_cast<int>(a.head_dim);
+  bool tensor_cores = false;
+  at::Tensor tc_key_offsets, tc_tasks, k_near, k_far, q_rotation;
+  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+    tensor_cores = rerope_cuda::rerope_tc_head_dim(head_dim) && device.major >= 8 &&
+                   rerope_cuda::rerope_tc_smem_bytes(head_dim) <= smem_optin && a.q_heads <= 65535 &&
+                   rerope_cuda::rerope_paged_tc_aligned(p, sizeof(T));
+  }
+  if (tensor_cores) {
+    const auto options = a.q.options();
+    p.paged_tc_key_budget = rerope_cuda::rerope_paged_tc_key_budget(a.tokens, a.requests, a.max_blocks * a.block_size);
+    const int64_t tc_task_count = rerope_cuda::rerope_paged_max_tc_tasks(a.tokens, a.requests);
+    tc_key_offsets = at::empty({a.requests + 1}, options.dtype(at::kInt));
+    tc_tasks = at::empty({tc_task_count * 4}, options.dtype(at::kInt));
+    k_near = at::empty({p.paged_tc_key_budget, a.kv_heads, a.head_dim}, options);
+    k_far = at::empty_like(k_near);  // Leaky: keys at p/k; ReRoPE: the raw keys
+    q_rotation = at::empty({a.tokens * a.rotary_pairs * 4}, options.dtype(at::kFloat));
+    p.paged_tc_key_offsets = tc_key_offsets.data_ptr<int>();
+    p.paged_tc_tasks = reinterpret_cast<rerope_cuda::PagedTask*>(tc_tasks.data_ptr<int>());
+    p.num_paged_tc_tasks = static_cast<int>(tc_task_count);
+    p.k_near = k_near.data_ptr();
+    p.k_far = k_far.data_ptr();
+    p.q_rotation = q_rotation.data_ptr<float>();
+  }
+  // The schedule and the SIMT rows (with the split combine), in the tile shape the device allows ...
+  const std::size_t missing = rerope_cuda::with_simt_shape(head_dim, smem_optin, [&]<class Shape>() {
     launch_paged<T, Shape>(a, p, stream, device.multiprocessors);
   });
   TORCH_CHECK(missing == 0, kPagedOp, ": head dim ", a.head_dim, " needs ", missing,
               " bytes of shared memory per block on CUDA, and this GPU (compute capability ", device.major, ".",
               device.minor, ") allows ", smem_optin);
+  // ... then the tensor-core rows (after the combine, which leaves them to this launch).
+  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+    if (tensor_cores) {
+      const ThrowOnLaunchError<kPagedOp> check;
+      switch (head_dim) {
+        case 64: return rerope_cuda::launch_rerope_paged_tc<T, 64>(p, stream, check);
+        case 80: return rerope_cuda::launch_rerope_paged_tc<T, 80>(p, stream, check);
+        case 96: return rerope_cuda::launch_rerope_paged_tc<T, 96>(p, stream, check);
+        default: return rerope_cuda::launch_rerope_paged_tc<T, 128>(p, stream, check);
+      }
+    }
+  }
 }
 
 }  // namespace

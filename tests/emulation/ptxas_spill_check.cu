@@ -28,6 +28,11 @@ void instantiate_rerope(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
     launch_rerope_prefill_tc<T, 80>(p, tiles, stream, IgnoreLaunchStatus{});
     launch_rerope_prefill_tc<T, 96>(p, tiles, stream, IgnoreLaunchStatus{});
     launch_rerope_prefill_tc<T, 128>(p, tiles, stream, IgnoreLaunchStatus{});
+    // rerope_attention_paged's prefill rows (csrc/cuda/rerope_paged.cu)
+    launch_rerope_paged_tc<T, 64>(p, stream, IgnoreLaunchStatus{});
+    launch_rerope_paged_tc<T, 80>(p, stream, IgnoreLaunchStatus{});
+    launch_rerope_paged_tc<T, 96>(p, stream, IgnoreLaunchStatus{});
+    launch_rerope_paged_tc<T, 128>(p, stream, IgnoreLaunchStatus{});
   }
 }
 

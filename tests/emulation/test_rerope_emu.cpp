@@ -811,14 +811,29 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
   return run;
 }
 
-// Runs the paged launch (schedule, attention, combine) with the tile shape the emulated device allows.
 template <typename T>
-void launch_paged(ReropeParams p, int splits) {
+void launch_paged_tc(const ReropeParams& p) {
   using namespace ropescale::rerope_cuda;
+  switch (p.head_dim) {
+    case 64: launch_rerope_paged_tc<T, 64>(p, nullptr, IgnoreLaunchStatus{}); break;
+    case 80: launch_rerope_paged_tc<T, 80>(p, nullptr, IgnoreLaunchStatus{}); break;
+    case 96: launch_rerope_paged_tc<T, 96>(p, nullptr, IgnoreLaunchStatus{}); break;
+    case 128: launch_rerope_paged_tc<T, 128>(p, nullptr, IgnoreLaunchStatus{}); break;
+    default: FAIL("no tensor-core kernel for head dim " << p.head_dim);
+  }
+}
+
+// Runs the paged launch (schedule, SIMT attention, combine) with the tile shape the emulated device
+// allows, then, with a tensor-core key budget (fp16/bf16), the tensor-core prefill of the requests the
+// schedule gave it, as rerope_paged.cu does. Returns each request's tensor_core flag.
+template <typename T>
+std::vector<int> launch_paged(ReropeParams p, int splits, int64_t tc_key_budget = 0) {
+  using namespace ropescale::rerope_cuda;
+  std::vector<int> tensor_core;
   const std::size_t missing = with_simt_shape(
       p.head_dim, static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()), [&]<class Shape>() {
         // Workspaces start as garbage: whatever the kernels read before writing shows.
-        std::vector<PagedRequest> requests(p.requests, PagedRequest{-5, -5, -5, -5});
+        std::vector<PagedRequest> requests(p.requests, PagedRequest{-5, -5, -5, -5, -5});
         std::vector<int> offsets(p.requests + 1, -5);
         p.num_paged_tasks = static_cast<int>(
             rerope_paged_max_tasks(p.q_len, p.requests, p.q_heads / p.kv_heads, Shape::kRows));
@@ -830,9 +845,28 @@ void launch_paged(ReropeParams p, int splits) {
         p.paged_tasks = tasks.data();
         p.partial_out = partial_out.data();
         p.partial_lse = partial_lse.data();
+        // The tensor-core workspaces (NaN / garbage, like the others).
+        std::vector<int> tc_key_offsets(p.requests + 1, -5);
+        std::vector<PagedTask> tc_tasks(rerope_paged_max_tc_tasks(p.q_len, p.requests), PagedTask{-5, -5, -5, -5});
+        const size_t rotated = static_cast<size_t>(tc_key_budget) * p.kv_heads * p.head_dim;
+        std::vector<T> k_near(rotated, from_float_host<T>(NAN)), k_far(rotated, from_float_host<T>(NAN));
+        std::vector<float> q_rotation(static_cast<size_t>(p.q_len) * p.rotary_pairs * 4, NAN);
+        if (tc_key_budget > 0) {
+          p.paged_tc_key_budget = tc_key_budget;
+          p.paged_tc_key_offsets = tc_key_offsets.data();
+          p.paged_tc_tasks = tc_tasks.data();
+          p.num_paged_tc_tasks = static_cast<int>(tc_tasks.size());
+          p.k_near = k_near.data();
+          p.k_far = k_far.data();  // Leaky: keys at p/k; ReRoPE: the raw keys
+          p.q_rotation = q_rotation.data();
+        }
         launch_rerope_paged<T, Shape>(p, splits, nullptr);
+        if constexpr (!std::is_same_v<T, float>)
+          if (tc_key_budget > 0) launch_paged_tc<T>(p);
+        for (const PagedRequest& r : requests) tensor_core.push_back(r.tensor_core);
       });
   REQUIRE(missing == 0);
+  return tensor_core;
 }
 
 // The caches in T, guarded (a PROT_NONE page right after the key cache, right before the value cache).
@@ -897,9 +931,11 @@ void unpack_request(const PagedRun<T>& run, int r, const std::vector<T>& out, co
 
 // The paged launch against each request's dense float64 reference: fp32 within 2e-5, fp16/bf16 within
 // twice the SDPA-way error. `poison` spoils request `poisoned`'s metadata: its rows must be NaN, the
-// others unaffected.
+// others unaffected. With a tensor-core key budget (-1: rerope_paged.cu's), `tensor_core` is the
+// path each request must have taken (1: the tensor cores).
 template <typename T>
-void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Poison::kNone, int poisoned = -1) {
+void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Poison::kNone, int poisoned = -1,
+               int64_t tc_key_budget = 0, const std::vector<int>& tensor_core = {}) {
   std::vector<float> key_slots, value_slots;
   PagedRun<T> run = make_paged<T>(c, seed, key_slots, value_slots);
   if (poison != Poison::kNone) {
@@ -917,7 +953,15 @@ void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Po
   const size_t rows = static_cast<size_t>(run.tokens) * c.q_heads;
   std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
   std::vector<float> lse(rows, -7.0f);
-  launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits);
+  if (tc_key_budget < 0)
+    tc_key_budget = ropescale::rerope_cuda::rerope_paged_tc_key_budget(
+        run.tokens, static_cast<int64_t>(c.requests.size()), static_cast<int64_t>(run.max_blocks) * c.block_size);
+  const std::vector<int> took_tc =
+      launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits, tc_key_budget);
+  if (tc_key_budget > 0) {
+    INFO(c.name() << ": which requests took the tensor cores");
+    CHECK(took_tc == tensor_core);
+  }
 
   for (int r = 0; r < static_cast<int>(c.requests.size()); ++r) {
     INFO(c.name() << " splits " << splits << " request " << r);
@@ -992,6 +1036,35 @@ TEST_CASE("paged kernel: a request whose metadata points outside the cache gets 
     run_paged<float>(c, seed++, s.splits, s.poison, s.request);
 }
 
+// The tensor-core prefill of paged requests (fp16 / bf16 at its head dims): requests of more than 4
+// rows whose keys fit the pre-pass budget run there, the others (decode rows, an empty row range,
+// what does not fit) on the SIMT body, in one launch; each request against its dense float64
+// reference. The requests: decode, a prefill of two query blocks, empty, a chunked prefill, a few
+// decode rows, a chunk whose queries start mid-sequence (40 of 130: near, band, far and skipped tiles).
+const std::vector<std::pair<int, int>> kTensorCoreRequests = {{1, 70}, {70, 70}, {0, 6}, {9, 45}, {3, 40}, {40, 130}};
+
+TEST_CASE("paged kernel: prefill requests on the tensor cores, decode rows on SIMT, within twice the SDPA-way error",
+          "[rerope][paged][tensor_core]") {
+  // fp16: block size 16, GQA 2, ReRoPE, per-request tables and scale factors, key splits on the SIMT rows.
+  run_paged<__half>({kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true}, 900, 2, Poison::kNone, -1, -1,
+                    {0, 1, 0, 1, 0, 1});
+  // bf16: block size 1, GQA 4, Leaky + log-n, partial interleaved rotary, D 80.
+  run_paged<__nv_bfloat16>({kTensorCoreRequests, 4, 1, 80, 48, 1, 30, 8.0, 50, true, true}, 901, 1, Poison::kNone, -1,
+                           -1, {0, 1, 0, 1, 0, 1});
+  // A budget of 130 keys: the first two prefill requests (70 + 45 keys) fit, the last (130) runs on SIMT.
+  run_paged<__half>({kTensorCoreRequests, 2, 2, 96, 96, 7, 9, 16.0, 0, false, false}, 902, 1, Poison::kNone, -1, 130,
+                    {0, 1, 0, 1, 0, 0});
+}
+
+TEST_CASE("paged tensor-core prefill: a spoiled request gets NaN rows, nothing read outside",
+          "[rerope][paged][tensor_core][poison]") {
+  // Guarded caches as above; the spoiled request would have taken the tensor cores, the prefill
+  // requests after it still do (their rotated keys' offsets skip it).
+  const PagedCase c{{{1, 40}, {9, 30}, {20, 20}, {0, 6}, {12, 50}}, 4, 2, 64, 64, 5, 8, 0.0, 0, false, false};
+  run_paged<__half>(c, 950, 1, Poison::kPagePastCache, 2, -1, {0, 1, 0, 0, 1});
+  run_paged<__nv_bfloat16>(c, 951, 2, Poison::kNegativePage, 1, -1, {0, 0, 1, 0, 1});
+}
+
 TEST_CASE("cache write kernel: raw keys and values at their slots, negative and past-the-cache slots skipped",
           "[rerope][paged][cache_write]") {
   using namespace ropescale::rerope_cuda;
@@ -1033,4 +1106,10 @@ TEST_CASE("race check: one small paged launch with splits, blocks shuffled", "[t
   const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 5);
   const PagedCase c{{{1, 40}, {5, 12}}, 2, 1, 8, 8, 3, 5, 16.0, 10, false, true};
   run_paged<float>(c, 800, 2);
+}
+
+TEST_CASE("race check: one small paged launch with tensor-core rows, blocks shuffled", "[tsan][paged]") {
+  const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 7);
+  const PagedCase c{{{1, 40}, {9, 70}}, 2, 1, 64, 64, 16, 5, 16.0, 0, false, true};
+  run_paged<__nv_bfloat16>(c, 801, 2, Poison::kNone, -1, -1, {0, 1});
 }

@@ -8,7 +8,10 @@
   prefill sizes;
 * CUDA against CPU on the same inputs, for every op with a CUDA kernel: the rotary ops (with
   frequency tables computed on the CPU and moved to the GPU) and ReRoPE attention (fused and
-  composite).
+  composite);
+* the paged op (rerope_attention_paged, rerope_cache_write_) against its float64 oracle: decode rows
+  on the SIMT kernel, fp16/bf16 prefill rows on the tensor cores (and the SIMT fallback for a value
+  cache whose rows are not 16-byte aligned), bad metadata as NaN rows.
 
 The reference and the SDPA-relative tolerance come from test_rerope_attention.py.
 """
@@ -335,6 +338,41 @@ def test_rerope_attention_paged_cuda_matches_the_float64_oracle(dtype, block_siz
             low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
             assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
             assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+
+
+# Long-ish prefill rows beside decode rows: a full prefill of several 64-query blocks, a chunk of 300
+# queries starting mid-sequence (at 700 of 1000), a short prefill, decode rows. fp16/bf16 at the
+# tensor-core head dims: the requests of more than 4 rows run on the tensor cores, the others on SIMT.
+PAGED_TENSOR_CORE_REQUESTS = [(1, 1000), (257, 257), (1, 33), (300, 1000), (3, 700), (9, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size,dim,kv_heads,leaky_k,logn_length,aligned",
+                         [(16, 128, 2, 0.0, 0, True), (1, 64, 1, 16.0, 300, True), (7, 80, 4, 0.0, 0, True),
+                          (16, 96, 2, 8.0, 0, False)])
+def test_rerope_attention_paged_cuda_tensor_core_prefill_beside_decode_rows(dtype, block_size, dim, kv_heads, leaky_k,
+                                                                            logn_length, aligned):
+    """The paged op's tensor-core prefill (and, with caches whose rows are not 16-byte aligned, the SIMT
+    fallback) against the float64 oracle, within twice the error of the composite in that dtype."""
+    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors = make_paged(
+        PAGED_TENSOR_CORE_REQUESTS, 8, kv_heads, dim, block_size, dtype, seed=dim, per_request_tables=True)
+    kw = dict(leaky_k=leaky_k, logn_length=logn_length)
+    ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
+                                                        block_table, seq_lens, qsl, inv_freq, 100,
+                                                        scale_factors=scale_factors, **kw)
+    dev = paged_on(DEVICE, [q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors])
+    if not aligned:  # the caches one element past a 16-byte boundary
+        dev[1] = torch.empty(dev[1].numel() + 1, dtype=dtype, device=DEVICE)[1:].view_as(dev[1]).copy_(dev[1])
+        dev[2] = torch.empty(dev[2].numel() + 1, dtype=dtype, device=DEVICE)[1:].view_as(dev[2]).copy_(dev[2])
+    out, lse = ops.rerope_attention_paged(*dev[:7], 100, scale_factors=dev[7], **kw)
+    low_out, low_lse = rerope_attention_paged_composite(*dev[:7], 100, scale_factors=dev[7], **kw)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # no NaN slot was read
+    err_out, err_lse = (out - ref_out).abs().max().item(), (lse - ref_lse.double()).abs().max().item()
+    low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
+    low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
+    assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
+    assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
 
 
 @pytest.mark.parametrize("spoil", ["page past the cache", "negative page", "seq_len past the table",

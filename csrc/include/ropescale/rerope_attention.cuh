@@ -33,10 +33,11 @@
 // PagedProblem) says where a block's rows, keys, values, positions, rotation table and scale are.
 //
 // These scalar-FMA kernels serve fp32 inputs, head dims the tensor-core prefill does not take, and
-// every decode. Decode stays here on purpose: one query token against the cache reads every key and
-// value once and does about one FLOP per byte read, so it is bound by memory bandwidth; tensor
-// cores would raise a compute rate that is not the limit. The fp16/bf16 prefill runs on tensor
-// cores (rerope_attention_tc.cuh).
+// every decode (dense: up to 16 queries; paged: requests of up to 4 rows, and the prefill requests
+// past the tensor-core pre-pass's budget). Decode stays here on purpose: one query token against the
+// cache reads every key and value once and does about one FLOP per byte read, so it is bound by
+// memory bandwidth; tensor cores would raise a compute rate that is not the limit. The fp16/bf16
+// prefill runs on tensor cores (rerope_attention_tc.cuh), dense and paged.
 #pragma once
 
 #include <cmath>
@@ -77,13 +78,15 @@ template <>
 __device__ __forceinline__ float round_like<float>(float x) { return x; }
 
 // One request of a paged launch, as the schedule kernel validated it: its query rows
-// [q_begin, q_begin + q_len) of the packed T, its keys 0 .. seq_len - 1, and whether its metadata
-// would make the kernel read outside the cache or q (then its rows are NaN; see rerope_paged_schedule_kernel).
+// [q_begin, q_begin + q_len) of the packed T, its keys 0 .. seq_len - 1, whether its metadata
+// would make the kernel read outside the cache or q (then its rows are NaN; see
+// rerope_paged_schedule_kernel), and whether its rows run on the tensor-core prefill
+// (rerope_attention_tc.cuh) rather than on the SIMT body.
 struct PagedRequest {
-  int q_begin, q_len, seq_len, poisoned;
+  int q_begin, q_len, seq_len, poisoned, tensor_core;
 };
 // One block's share of a paged launch: rows block (query_block, head_block) of request `request`
-// (-1: past the launch's work, the block exits).
+// (-1: past the launch's work, the block exits). Tensor-core tasks: (request, query block of 64).
 struct PagedTask {
   int request, query_block, head_block, unused;
 };
@@ -126,6 +129,12 @@ struct ReropeParams {
   PagedTask* paged_tasks = nullptr;        // workspace [num_paged_tasks], written by the schedule kernel
   int* paged_task_offsets = nullptr;              // workspace [requests + 1]
   int num_paged_tasks = 0;                        // the grid's upper bound of (request, row block) tasks
+  // The tensor-core prefill of paged requests (fp16/bf16; rerope_attention_tc.cuh): requests with more
+  // than kPagedDecodeMaxQueries rows, in order while their keys fit the budget, run there.
+  int64_t paged_tc_key_budget = 0;     // keys the pre-pass may rotate (0: every row on the SIMT body)
+  int* paged_tc_key_offsets = nullptr;  // workspace [requests + 1]: request r's rotated keys start at row offset[r]
+  PagedTask* paged_tc_tasks = nullptr;  // workspace [num_paged_tc_tasks]: (request, query block of 64)
+  int num_paged_tc_tasks = 0;           // the tensor-core grid's upper bound of tasks
 };
 
 // Rows of a block for a problem with q_len query rows and a GQA group of `group` q heads per kv head
@@ -687,45 +696,63 @@ __global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_decod
   rerope_attention_block<T, Shape, false, DenseProblem>(p);
 }
 
-// Prefill pre-pass: every key rotated once, for all kv heads from one sin/cos: near side at p into
-// k_near, and for Leaky ReRoPE the far side at p/k into k_far, as Out (float for the SIMT prefill,
-// T for the tensor-core one: rounded to the input dtype). One thread per (batch, key, pair); pairs
-// past the rotary ones copy two un-rotated dims.
+// One rotation pair of one key (position `pos`, table `inv_freq`) for every kv head, from one sin/cos:
+// the near side at p into p.k_near and, where p.k_far is set, the far side into p.k_far (Leaky: at
+// p/k; plain ReRoPE: the raw key, for the paged tensor-core prefill), rounded like T, as Out; a pair
+// past the rotary ones copies two un-rotated dims. The head's source row is src_row(h), its
+// destination row offset dst_row(h).
+template <typename T, typename Out, class SrcRow, class DstRow>
+__device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const float* inv_freq, int64_t pos, int pair,
+                                                SrcRow&& src_row, DstRow&& dst_row) {
+  Out* const k_near = static_cast<Out*>(p.k_near);
+  Out* const k_far = static_cast<Out*>(p.k_far);
+  const bool leaky = p.leaky_inv != 0.0;
+  const bool rotated = pair < p.rotary_pairs;
+  int first = 2 * pair, second = 2 * pair + 1;
+  float near_sin = 0.0f, near_cos = 1.0f, far_sin = 0.0f, far_cos = 1.0f;
+  if (rotated) {
+    rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
+    rotary_sincos(static_cast<double>(pos), inv_freq[pair], &near_sin, &near_cos);
+    if (k_far && leaky) rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), inv_freq[pair], &far_sin, &far_cos);
+  }
+  for (int h = 0; h < p.kv_heads; ++h) {
+    const T* src = src_row(h);
+    const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+    const int64_t dst = dst_row(h);
+    float a, c;  // rounded like T (a no-op for fp32; for Out = T, the one rounding to T)
+    rotate_pair(x1, x2, near_cos, near_sin, &a, &c);
+    k_near[dst + first] = from_float<Out>(round_like<T>(a));
+    k_near[dst + second] = from_float<Out>(round_like<T>(c));
+    if (k_far) {
+      if (leaky)
+        rotate_pair(x1, x2, far_cos, far_sin, &a, &c);
+      else
+        a = x1, c = x2;
+      k_far[dst + first] = from_float<Out>(round_like<T>(a));
+      k_far[dst + second] = from_float<Out>(round_like<T>(c));
+    }
+  }
+}
+
+// Prefill pre-pass: every key rotated once (rotate_key_pair), near side at p into k_near, and for Leaky
+// ReRoPE the far side at p/k into k_far, [B, Hkv, Lk, D] as Out (float for the SIMT prefill, T for the
+// tensor-core one: rounded to the input dtype). One thread per (batch, key, pair).
 template <typename T, typename Out>
 __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropeParams p) {
   const int half_dim = p.head_dim / 2;
   const int64_t total = static_cast<int64_t>(p.batch) * p.k_len * half_dim;
   const T* k = static_cast<const T*>(p.k);
-  Out* const k_near = static_cast<Out*>(p.k_near);
-  Out* const k_far = static_cast<Out*>(p.k_far);
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int pair = static_cast<int>(idx % half_dim);
     const int j = static_cast<int>((idx / half_dim) % p.k_len);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(half_dim) * p.k_len));
-    const int64_t pos = p.k_positions[static_cast<int64_t>(b) * p.k_len + j];
-    const bool rotated = pair < p.rotary_pairs;
-    int first = 2 * pair, second = 2 * pair + 1;
-    float near_sin = 0.0f, near_cos = 1.0f, far_sin = 0.0f, far_cos = 1.0f;
-    if (rotated) {
-      rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
-      rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &near_sin, &near_cos);
-      if (k_far) rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), p.inv_freq[pair], &far_sin, &far_cos);
-    }
-    for (int h = 0; h < p.kv_heads; ++h) {
-      const T* src = k + b * p.k_stride_b + h * p.k_stride_h + j * p.k_stride_l;
-      const float x1 = to_float(src[first]), x2 = to_float(src[second]);
-      const int64_t dst = ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim;
-      float a, c;  // rounded like T (a no-op for fp32; for Out = T, the one rounding to T)
-      rotate_pair(x1, x2, near_cos, near_sin, &a, &c);
-      k_near[dst + first] = from_float<Out>(round_like<T>(a));
-      k_near[dst + second] = from_float<Out>(round_like<T>(c));
-      if (k_far) {
-        rotate_pair(x1, x2, far_cos, far_sin, &a, &c);
-        k_far[dst + first] = from_float<Out>(round_like<T>(a));
-        k_far[dst + second] = from_float<Out>(round_like<T>(c));
-      }
-    }
+    const T* src = k + b * p.k_stride_b + j * p.k_stride_l;
+    rotate_key_pair<T, Out>(p, p.inv_freq, p.k_positions[static_cast<int64_t>(b) * p.k_len + j], pair,
+                            [&](int h) { return src + h * p.k_stride_h; },
+                            [&](int h) {
+                              return ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim;
+                            });
   }
 }
 
@@ -866,17 +893,26 @@ inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t st
 
 // ---- rerope_attention_paged: requests packed along T, keys and values read through the block table --
 //
-// Two launches and no host sync: the schedule kernel turns the device-side metadata (query_start_loc,
-// seq_lens, block_table) into a task list, (request, row block) per entry, whose length the host
-// bounds from the sizes alone (rerope_paged_max_tasks); the attention kernel's grid is that bound x key
-// splits x kv heads, and the blocks past the last task exit at once. Every request runs the decode
-// body above (rows of a GQA group packed per block, keys rotated in shared memory tile by tile, only
-// the tiles that need it), with its own positions (key slot j at j, query i at seq_len - q_len + i),
-// rotation table and softmax scale: decode, chunked-prefill and prefill rows mixed in one launch.
-// Splits > 1 are merged by rerope_combine_kernel, as for dense decode.
+// No host sync: the schedule kernel turns the device-side metadata (query_start_loc, seq_lens,
+// block_table) into task lists whose lengths the host bounds from the sizes alone; the grids are
+// those bounds, and the blocks past the last task exit at once. Rows of requests with at most
+// kPagedDecodeMaxQueries queries (decode), and every row of an fp32 launch, run the decode body above
+// (rows of a GQA group packed per block, keys split over the grid and rotated in shared memory tile
+// by tile, only the tiles that need it), with each request's own positions (key slot j at j, query i
+// at seq_len - q_len + i), rotation table and softmax scale; splits > 1 are merged by
+// rerope_combine_kernel, as for dense decode. For fp16/bf16 at the tensor-core head dims, the other
+// requests (prefill, chunked prefill) run on the tensor-core prefill (rerope_attention_tc.cuh,
+// launch_rerope_paged_tc, after this launch) over keys its pre-pass rotates through the block table,
+// as long as their keys fit the pre-pass's workspace (ReropeParams::paged_tc_key_budget); the rest
+// stay here.
 
 constexpr int kScheduleThreads = 256;
 constexpr int kScheduleWarps = kScheduleThreads / 32;
+// A request with up to this many query rows is a decode request: the SIMT split-K body (memory-bound;
+// the CPU kernel's decode plan takes the same requests).
+constexpr int kPagedDecodeMaxQueries = 4;
+// Query rows per block of the tensor-core prefill (tc::kBlockM).
+constexpr int kPagedTcQueries = 64;
 
 // Upper bound of the tasks of a launch over `tokens` rows of `requests` requests: a request of q_len
 // rows has at most 2 * q_len * group / rows + 1 row blocks (rerope_rows_plan: for q_len >= rows,
@@ -885,20 +921,70 @@ constexpr int kScheduleWarps = kScheduleThreads / 32;
 inline int64_t rerope_paged_max_tasks(int64_t tokens, int64_t requests, int group, int rows) {
   return (2 * tokens * group + rows - 1) / rows + requests;
 }
+// Upper bound of the tensor-core tasks (request, 64 queries): sum of ceil(q_len / 64) over requests of
+// more than kPagedDecodeMaxQueries rows, at most (tokens + 63 * min(requests, tokens / 5)) / 64.
+inline int64_t rerope_paged_max_tc_tasks(int64_t tokens, int64_t requests) {
+  const int64_t prefill = tokens / (kPagedDecodeMaxQueries + 1) < requests ? tokens / (kPagedDecodeMaxQueries + 1)
+                                                                            : requests;
+  return (tokens + (kPagedTcQueries - 1) * prefill + kPagedTcQueries - 1) / kPagedTcQueries;
+}
+// Keys the tensor-core pre-pass may rotate in one launch (its workspace: this many rows of Hkv x D, in
+// T, for each side): max(4 T, 65536), and never more than the block table can name.
+// The prefill requests take the tensor-core path in order while their keys fit; the rest run on the
+// SIMT body (same results, slower). A bound from the sizes alone: the sum of seq_lens is on the device.
+inline int64_t rerope_paged_tc_key_budget(int64_t tokens, int64_t requests, int64_t capacity) {
+  const int64_t want = 4 * tokens > 65536 ? 4 * tokens : 65536;
+  const int64_t most = requests * capacity;
+  const int64_t budget = want < most ? want : most;
+  return budget < (int64_t{1} << 30) ? budget : (int64_t{1} << 30);
+}
 
-// The schedule of a paged launch: one block, before the attention kernel.
-//  1. Each request (a warp each) is validated against what the kernel will read: its query rows inside
+// Exclusive scan over the requests of count(r) by one block of kScheduleThreads: store(r, offset) for
+// each, returns the total. `warp_totals`: kScheduleWarps int64 of shared memory.
+template <class Count, class Store>
+__device__ int64_t schedule_scan(int requests, long long* warp_totals, Count&& count, Store&& store) {
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  long long carry = 0;
+  for (int base = 0; base < requests; base += kScheduleThreads) {
+    const int r = base + tid;
+    const long long value = r < requests ? static_cast<long long>(count(r)) : 0;
+    long long inclusive = value;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const long long other = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    long long warp_base = 0, chunk_total = 0;
+    for (int w = 0; w < kScheduleWarps; ++w) {
+      warp_base += w < warp ? warp_totals[w] : 0;
+      chunk_total += warp_totals[w];
+    }
+    if (r < requests) store(r, carry + warp_base + inclusive - value);
+    carry += chunk_total;
+    __syncthreads();  // warp_totals is rewritten by the next chunk
+  }
+  return carry;
+}
+
+// The schedule of a paged launch: one block, before the attention kernels.
+//  1. Each request (a warp each) is validated against what the kernels will read: its query rows inside
 //     [0, T), 0 <= q_len <= seq_len <= max_blocks * block_size, and the page of every key slot
 //     (block_table[r, 0 .. ceil(seq_len / block_size))) inside [0, num_blocks). A request that fails
-//     is poisoned: its rows (clamped to [0, T)) become NaN and none of its keys is read. This is the
-//     CUDA side of the op's value checks, which the CPU kernel makes with an error (a check here would
-//     cost a host sync per call). Rows that no request covers (query_start_loc not covering [0, T)) are
-//     left unwritten, and so are the tasks past the bound when bad metadata overlaps requests.
-//  2. The row blocks of each request (rerope_rows_plan) are counted and scanned into offsets.
-//  3. The task list is written: entry e is (request, query block, head block), -1 past the last.
+//     is poisoned: its rows (clamped to [0, T)) become NaN (on the SIMT body) and none of its keys is
+//     read. This is the CUDA side of the op's value checks, which the CPU kernel makes with an error (a
+//     check here would cost a host sync per call). Rows that no request covers (query_start_loc not
+//     covering [0, T)) are left unwritten, and so are the tasks past the bounds when bad metadata
+//     overlaps requests.
+//  2. With a tensor-core budget: the valid requests of more than kPagedDecodeMaxQueries rows whose
+//     keys, summed in request order, fit the budget take the tensor-core prefill; their rotated keys'
+//     offsets are scanned (paged_tc_key_offsets), their (request, query block) tasks written, heaviest
+//     block first (paged_tc_tasks, -1 past the last).
+//  3. The SIMT row blocks of the other requests (rerope_rows_plan) are counted and scanned into offsets,
+//     and the SIMT task list is written: entry e is (request, query block, head block), -1 past the last.
 template <int kRows>
 __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel(const ReropeParams p) {
-  ROPESCALE_DYNAMIC_SMEM(int, warp_totals);  // [kScheduleWarps]
+  ROPESCALE_DYNAMIC_SMEM(long long, warp_totals);  // [kScheduleWarps]
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int group = p.q_heads / p.kv_heads, tokens = p.q_len;
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
@@ -916,36 +1002,51 @@ __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel
     if (lane == 0) {
       const int lo = q_begin < 0 ? 0 : (q_begin > tokens ? tokens : q_begin);
       const int hi = q_end < lo ? lo : (q_end > tokens ? tokens : q_end);
-      p.paged_requests[r] = PagedRequest{lo, hi - lo, seq_len, poisoned ? 1 : 0};
+      p.paged_requests[r] = PagedRequest{lo, hi - lo, seq_len, poisoned ? 1 : 0, 0};
     }
   }
   __syncthreads();
-  // Exclusive scan of the task counts, kScheduleThreads requests at a time.
-  int64_t carry = 0;
-  for (int base = 0; base < p.requests; base += kScheduleThreads) {
-    const int r = base + tid;
-    const int count =
-        r < p.requests ? static_cast<int>(rerope_rows_plan_blocks(p.paged_requests[r].q_len, group, kRows)) : 0;
-    int inclusive = count;
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += other;
-    }
-    if (lane == 31) warp_totals[warp] = inclusive;
+  if (p.paged_tc_key_budget > 0) {
+    // The candidates' keys in request order: a candidate fits while the running sum is within budget.
+    const auto candidate_keys = [&](int r) {
+      const PagedRequest& q = p.paged_requests[r];
+      return !q.poisoned && q.q_len > kPagedDecodeMaxQueries ? q.seq_len : 0;
+    };
+    schedule_scan(p.requests, warp_totals, candidate_keys, [&](int r, long long before) {
+      const int keys = candidate_keys(r);
+      p.paged_requests[r].tensor_core = keys > 0 && before + keys <= p.paged_tc_key_budget ? 1 : 0;
+    });
     __syncthreads();
-    int64_t warp_base = 0, chunk_total = 0;
-    for (int w = 0; w < kScheduleWarps; ++w) {
-      warp_base += w < warp ? warp_totals[w] : 0;
-      chunk_total += warp_totals[w];
-    }
-    if (r < p.requests) {
-      const int64_t offset = carry + warp_base + inclusive - count;
-      p.paged_task_offsets[r] = static_cast<int>(offset < p.num_paged_tasks ? offset : p.num_paged_tasks);
-    }
-    carry += chunk_total;
-    __syncthreads();  // warp_totals is rewritten by the next chunk
+    const auto tc_keys = [&](int r) { return p.paged_requests[r].tensor_core ? p.paged_requests[r].seq_len : 0; };
+    const int64_t keys_total = schedule_scan(p.requests, warp_totals, tc_keys, [&](int r, long long before) {
+      p.paged_tc_key_offsets[r] = static_cast<int>(before);
+    });
+    if (tid == 0) p.paged_tc_key_offsets[p.requests] = static_cast<int>(keys_total);
+    // Each request writes its own tasks (its last query block first: it sees the most keys).
+    const auto tc_blocks = [&](int r) {
+      const PagedRequest& q = p.paged_requests[r];
+      return q.tensor_core ? (q.q_len + kPagedTcQueries - 1) / kPagedTcQueries : 0;
+    };
+    const int64_t tc_total = schedule_scan(p.requests, warp_totals, tc_blocks, [&](int r, long long before) {
+      const int blocks = tc_blocks(r);
+      for (int i = 0; i < blocks && before + i < p.num_paged_tc_tasks; ++i)
+        p.paged_tc_tasks[before + i] = PagedTask{r, blocks - 1 - i, 0, 0};
+    });
+    for (int64_t e = tc_total + tid; e < p.num_paged_tc_tasks; e += kScheduleThreads)
+      p.paged_tc_tasks[e] = PagedTask{-1, 0, 0, 0};
   }
-  const int total = static_cast<int>(carry < p.num_paged_tasks ? carry : p.num_paged_tasks);
+  // The SIMT row blocks of the other requests.
+  const int64_t simt_total =
+      schedule_scan(p.requests, warp_totals,
+                    [&](int r) {
+                      const PagedRequest& q = p.paged_requests[r];
+                      return q.tensor_core ? int64_t{0} : rerope_rows_plan_blocks(q.q_len, group, kRows);
+                    },
+                    [&](int r, long long before) {
+                      p.paged_task_offsets[r] =
+                          static_cast<int>(before < p.num_paged_tasks ? before : p.num_paged_tasks);
+                    });
+  const int total = static_cast<int>(simt_total < p.num_paged_tasks ? simt_total : p.num_paged_tasks);
   if (tid == 0) p.paged_task_offsets[p.requests] = total;
   __syncthreads();
   for (int e = tid; e < p.num_paged_tasks; e += kScheduleThreads) {
@@ -999,7 +1100,7 @@ inline void launch_rerope_paged(ReropeParams p, int num_splits, cudaStream_t str
   p.batch = 1;
   p.causal = true;
   ROPESCALE_LAUNCH_KERNEL(rerope_paged_schedule_kernel<Shape::kRows>, dim3(1), dim3(kScheduleThreads),
-                          kScheduleWarps * sizeof(int), stream, p);
+                          kScheduleWarps * sizeof(long long), stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged schedule kernel");
   if (p.num_paged_tasks == 0) return;
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;

@@ -3,6 +3,13 @@
 // compiles with nvcc (inline PTX through ropescale/portable.h) and, with ROPESCALE_EMULATION, runs on
 // the CPU emulation, whose mma.sync / ldmatrix / cp.async follow the PTX ISA's fragment layouts.
 //
+// One body (rerope_prefill_tc_block) over two problems, as the SIMT kernels: TcDenseProblem (a batch
+// row of rerope_attention; keys pre-rotated by rerope_rotate_keys_kernel, key-tile bounds from
+// rerope_key_tiles_kernel) and TcPagedProblem (a prefill request of rerope_attention_paged, chosen by
+// rerope_paged_schedule_kernel: keys rotated through the block table by rerope_paged_rotate_keys_kernel
+// into a packed workspace, ReRoPE's far side and the values read in place from the pages, tile bounds
+// from the slot indices, its own table and softmax scale).
+//
 // The FlashAttention-2 structure, with ReRoPE's tile classification:
 //   * one CTA of 4 warps per (64 queries, q head); warp w owns query rows 16w..16w+15 of the block
 //     and keeps its output accumulator (16 x D, f32) and its online-softmax state in registers;
@@ -60,6 +67,24 @@ namespace tc {
 static_assert(kWarps == 4 && kThreads == 128, "the tensor-core prefill uses 4 warps");
 constexpr int kBlockM = 16 * kWarps;  // queries per block
 constexpr int kBlockN = 64;           // keys per tile
+static_assert(kBlockM == kPagedTcQueries, "the paged schedule counts tensor-core blocks of kBlockM queries");
+
+// Where the rows (one kv head) of keys or values lie: row `key` at base + key * stride, or, through a
+// block-table row (`pages`, a paged cache), at base + pages[key / block_size] * page_stride +
+// (key % block_size) * stride. The pages were validated by the schedule kernel.
+template <typename T>
+struct KeyRows {
+  const T* base = nullptr;
+  int64_t stride = 0;
+  const int* pages = nullptr;
+  int block_size = 1;
+  int64_t page_stride = 0;
+  __device__ __forceinline__ const T* operator()(int key) const {
+    if (pages == nullptr) return base + static_cast<int64_t>(key) * stride;
+    return base + static_cast<int64_t>(pages[key / block_size]) * page_stride +
+           static_cast<int64_t>(key % block_size) * stride;
+  }
+};
 
 template <int kHeadDim>
 struct Shape {
@@ -124,14 +149,15 @@ __device__ __forceinline__ PositionRange key_tile_range(const KeyTile& t) {
 
 // The first tile >= `from` that the block needs (not skipped), or n_tiles: 32 tiles per step, one
 // per lane, agreed by ballot. Every warp computes the same answer from the same inputs.
-__device__ __forceinline__ int next_active_tile(const KeyTile* tiles, int from, int n_tiles, const PositionRange& queries,
-                                                int64_t window, bool causal) {
+template <class Problem>
+__device__ __forceinline__ int next_active_tile(const Problem& problem, int from, int n_tiles,
+                                                const PositionRange& queries, int64_t window, bool causal) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   for (int base = from; base < n_tiles; base += 32) {
     const int tile = base + lane;
     bool active = false;
     if (tile < n_tiles)
-      active = rerope_classify_tile(queries, key_tile_range(tiles[tile]), window, causal).kind != TileKind::kSkip;
+      active = rerope_classify_tile(queries, problem.key_tile(tile), window, causal).kind != TileKind::kSkip;
     const unsigned ballot = __ballot_sync(kFullMask, active);
     if (ballot != 0u) return base + __ffs(static_cast<int>(ballot)) - 1;
   }
@@ -140,17 +166,17 @@ __device__ __forceinline__ int next_active_tile(const KeyTile* tiles, int from, 
 
 // ---- shared-memory tiles ----------------------------------------------------------------------
 
-// cp.async of kBlockN rows (`rows_valid` of them real, the rest zero-filled) into a shared tile;
-// with `positions`, the rows of padding keys (position < 0) are zero-filled too, so that whatever
-// they hold never reaches the mma (0 * NaN).
+// cp.async of the kBlockN rows from key j0 on (`rows_valid` of them real, the rest zero-filled) into a
+// shared tile; with `positions`, the rows of padding keys (position < 0) are zero-filled too, so that
+// whatever they hold never reaches the mma (0 * NaN).
 template <typename T, int kHeadDim>
-__device__ __forceinline__ void load_key_rows_async(T* dst, const T* src, int64_t row_stride, int rows_valid,
+__device__ __forceinline__ void load_key_rows_async(T* dst, const KeyRows<T>& src, int j0, int rows_valid,
                                                     const int64_t* positions = nullptr) {
   using S = Shape<kHeadDim>;
   for (int c = static_cast<int>(threadIdx.x); c < kBlockN * S::kChunks; c += kThreads) {
     const int row = c / S::kChunks, chunk = c % S::kChunks;
     const bool valid = row < rows_valid && (positions == nullptr || positions[row] >= 0);
-    const T* from = valid ? src + row * row_stride + chunk * 8 : src;
+    const T* from = src(valid ? j0 + row : j0) + (valid ? chunk * 8 : 0);  // (row j0: any real address)
     device::cp_async_16(dst + smem_offset<kHeadDim>(row, chunk), from, valid ? 16 : 0);
   }
 }
@@ -170,23 +196,22 @@ __device__ __forceinline__ bool chunk_has_nonfinite(const T* chunk) {
 
 // The block's query rows, rotated near (at p) and far (at w + (p - w)/k) in f32 from the sin/cos of
 // p.q_rotation, rounded to T, into the shared q tiles. Rows past the queries and padding rows are zeros.
-template <typename T, int kHeadDim>
-__device__ void store_query_rows(const ReropeParams& p, int b, int head, int q0, T* q_near, T* q_far) {
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + head * p.q_stride_h;
+template <typename T, int kHeadDim, class Problem>
+__device__ void store_query_rows(const ReropeParams& p, const Problem& problem, int q0, T* q_near, T* q_far) {
   const int half_dim = kHeadDim / 2;
   for (int idx = static_cast<int>(threadIdx.x); idx < kBlockM * half_dim; idx += kThreads) {
     const int r = idx / half_dim, pair = idx % half_dim;
     const int query = q0 + r;
-    const int64_t pos = query < p.q_len ? p.q_positions[static_cast<int64_t>(b) * p.q_len + query] : -1;
+    const int64_t pos = query < problem.q_len ? problem.query_position(query) : -1;
     int first = 2 * pair, second = 2 * pair + 1;
     float near1 = 0.0f, near2 = 0.0f, far1 = 0.0f, far2 = 0.0f;
     if (pair < p.rotary_pairs) rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
     if (pos >= 0) {
-      const T* src = q + query * p.q_stride_l;
+      const T* src = problem.q_row(query);
       const float x1 = to_float(src[first]), x2 = to_float(src[second]);
       if (pair < p.rotary_pairs) {
-        const float4 sc = reinterpret_cast<const float4*>(
-            p.q_rotation)[(static_cast<int64_t>(b) * p.q_len + query) * p.rotary_pairs + pair];
+        const float4 sc =
+            reinterpret_cast<const float4*>(p.q_rotation)[problem.rotation_row(query) * p.rotary_pairs + pair];
         rotate_pair(x1, x2, sc.y, sc.x, &near1, &near2);
         rotate_pair(x1, x2, sc.w, sc.z, &far1, &far2);
       } else {  // past the rotary dims: the same on both sides
@@ -235,7 +260,8 @@ __device__ __forceinline__ void warp_scores(const T* q_tile, const T* k_tile, fl
 struct PairBits {
   uint32_t near = 0, visible = 0;
 };
-__device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const int64_t* k_positions, int j0, int k_len,
+template <class Problem>
+__device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const Problem& problem, int j0,
                                               int64_t window, bool causal) {
   const int t = static_cast<int>(threadIdx.x) % 4;
   PairBits bits;
@@ -244,7 +270,7 @@ __device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int key = j0 + 8 * j + 2 * t + c;
-      const int64_t key_pos = key < k_len ? k_positions[key] : -1;  // past the keys: never visible
+      const int64_t key_pos = problem.key_position(key);  // past the keys: -1, never visible
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int bit = 4 * j + 2 * h + c;
@@ -345,6 +371,15 @@ __device__ void warp_pv_skip_masked(const float (&prob)[kBlockN / 8][4], uint32_
 // far): once per (query, pair) rather than once per head in every block's prologue, which would
 // repeat the double-precision reduction Hq times. One thread per (batch, query, pair). (A template
 // only so that the header may be included by several translation units of one program.)
+__device__ __forceinline__ float4 query_rotation(const ReropeParams& p, int64_t pos, float inv_freq) {
+  float4 sc;
+  sc.x = 0.0f, sc.y = 1.0f, sc.z = 0.0f, sc.w = 1.0f;  // padding queries: never read
+  if (pos >= 0) {
+    rotary_sincos(static_cast<double>(pos), inv_freq, &sc.x, &sc.y);
+    rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), inv_freq, &sc.z, &sc.w);
+  }
+  return sc;
+}
 template <int kValuesPerPair>
 __global__ void __launch_bounds__(256) rerope_query_rotation_kernel(const ReropeParams p) {
   static_assert(kValuesPerPair == 4, "(sin, cos) near and far");
@@ -352,14 +387,8 @@ __global__ void __launch_bounds__(256) rerope_query_rotation_kernel(const Rerope
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int pair = static_cast<int>(idx % p.rotary_pairs);
-    const int64_t pos = p.q_positions[idx / p.rotary_pairs];
-    float4 sc;
-    sc.x = 0.0f, sc.y = 1.0f, sc.z = 0.0f, sc.w = 1.0f;  // padding queries: never read
-    if (pos >= 0) {
-      rotary_sincos(static_cast<double>(pos), p.inv_freq[pair], &sc.x, &sc.y);
-      rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), p.inv_freq[pair], &sc.z, &sc.w);
-    }
-    reinterpret_cast<float4*>(p.q_rotation)[idx] = sc;
+    reinterpret_cast<float4*>(p.q_rotation)[idx] =
+        query_rotation(p, p.q_positions[idx / p.rotary_pairs], p.inv_freq[pair]);
   }
 }
 
@@ -382,12 +411,125 @@ __global__ void __launch_bounds__(kThreads) rerope_key_tiles_kernel(const Rerope
                                                                             range.any_padding ? 1 : 0};
 }
 
-// The prefill. Grid: x = query blocks (heaviest first), y = q heads, z = batch. p.k_near (and p.k_far
-// for Leaky) hold the keys rotated by rerope_rotate_keys_kernel<T, T>: T [B, Hkv, Lk, D], contiguous.
-// p.k and p.v rows must be 16-byte aligned (head dim and row/head/batch strides multiples of 8).
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm)
-    rerope_prefill_tc_kernel(const ReropeParams p, const KeyTile* tiles) {
+// What a tensor-core block works on (as DenseProblem / PagedProblem do for the SIMT body): the 64
+// queries of query block `query_block` of one q head, over one batch row of rerope_attention
+// (TcDenseProblem) or one request of rerope_attention_paged (TcPagedProblem). The body reads
+// positions, key-tile bounds, q, the query rotation, the key and value rows, the output rows and the
+// softmax scale only through these.
+
+// Grid: x = query blocks (heaviest first), y = q heads, z = batch. p.k_near (and p.k_far for Leaky)
+// hold the keys rotated by rerope_rotate_keys_kernel<T, T>: T [B, Hkv, Lk, D], contiguous; `tiles` the
+// key-tile bounds of rerope_key_tiles_kernel.
+template <typename T>
+struct TcDenseProblem {
+  const ReropeParams& p;
+  const KeyTile* tiles;  // this batch row's
+  int b, head, query_block, q_len, k_len;
+  bool active = true;
+
+  __device__ TcDenseProblem(const ReropeParams& params, const KeyTile* key_tiles)
+      : p(params),
+        b(static_cast<int>(blockIdx.z)),
+        head(static_cast<int>(blockIdx.y)),
+        query_block(static_cast<int>(gridDim.x - 1 - blockIdx.x)),  // the longest rows first
+        q_len(params.q_len),
+        k_len(params.k_len) {
+    tiles = key_tiles + static_cast<int64_t>(b) * ((k_len + tc::kBlockN - 1) / tc::kBlockN);
+  }
+  __device__ int64_t query_position(int query) const { return p.q_positions[static_cast<int64_t>(b) * q_len + query]; }
+  __device__ int64_t key_position(int key) const {
+    return key < k_len ? p.k_positions[static_cast<int64_t>(b) * k_len + key] : -1;
+  }
+  __device__ PositionRange key_tile(int tile) const { return tc::key_tile_range(tiles[tile]); }
+  // The positions of the tile's keys when some may be padding (their V rows are zero-filled).
+  __device__ const int64_t* padding_positions(int j0) const {
+    return p.k_positions + static_cast<int64_t>(b) * k_len + j0;
+  }
+  __device__ const T* q_row(int query) const {
+    return static_cast<const T*>(p.q) + b * p.q_stride_b + head * p.q_stride_h + query * p.q_stride_l;
+  }
+  __device__ int64_t rotation_row(int query) const { return static_cast<int64_t>(b) * q_len + query; }
+  __device__ int64_t out_row(int query) const { return (static_cast<int64_t>(b) * p.q_heads + head) * q_len + query; }
+  __device__ float scale() const { return p.scale; }
+  __device__ tc::KeyRows<T> near_keys(int kv_head) const {
+    return {static_cast<const T*>(p.k_near) + (static_cast<int64_t>(b) * p.kv_heads + kv_head) * k_len * p.head_dim,
+            p.head_dim};
+  }
+  // Leaky: the keys rotated at p/k; ReRoPE: the raw keys.
+  __device__ tc::KeyRows<T> far_keys(int kv_head) const {
+    if (p.leaky_inv != 0.0)
+      return {static_cast<const T*>(p.k_far) + (static_cast<int64_t>(b) * p.kv_heads + kv_head) * k_len * p.head_dim,
+              p.head_dim};
+    return {static_cast<const T*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h, p.k_stride_l};
+  }
+  __device__ tc::KeyRows<T> values(int kv_head) const {
+    return {static_cast<const T*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h, p.v_stride_l};
+  }
+};
+
+// Grid: x = the schedule kernel's tensor-core tasks (request, query block), y = q heads. The request's
+// keys 0 .. seq_len - 1 (slot j at position j, no padding), its queries at seq_len - q_len + i; p.k_near
+// and p.k_far hold its keys' two sides (rerope_paged_rotate_keys_kernel; ReRoPE's far side is the raw
+// key) from row p.paged_tc_key_offsets[r] on (T [rows, Hkv, D]); the values are read in place, through
+// the block table. (Reading ReRoPE's far side from the pages as well spills registers at D 128 on sm_80:
+// the key loads come when the scores and the accumulators are live.)
+template <typename T>
+struct TcPagedProblem {
+  const ReropeParams& p;
+  int request = 0, head = 0, query_block = 0, q_len = 0, k_len = 0, q_begin = 0, key_offset = 0;
+  bool active = true;
+
+  __device__ TcPagedProblem(const ReropeParams& params, const KeyTile*) : p(params) {
+    const PagedTask t = p.paged_tc_tasks[blockIdx.x];
+    if (t.request < 0) {
+      active = false;
+      return;
+    }
+    const PagedRequest r = p.paged_requests[t.request];
+    request = t.request;
+    head = static_cast<int>(blockIdx.y);
+    query_block = t.query_block;
+    q_len = r.q_len;
+    k_len = r.seq_len;
+    q_begin = r.q_begin;
+    key_offset = p.paged_tc_key_offsets[t.request];
+  }
+  __device__ int64_t query_position(int query) const { return static_cast<int64_t>(k_len) - q_len + query; }
+  __device__ int64_t key_position(int key) const { return key < k_len ? key : -1; }
+  __device__ PositionRange key_tile(int tile) const {
+    const int j0 = tile * tc::kBlockN, count = k_len - j0 < tc::kBlockN ? k_len - j0 : tc::kBlockN;
+    PositionRange r;
+    r.min = j0;
+    r.max = j0 + count - 1;
+    r.count = count;
+    r.any_padding = count < tc::kBlockN;  // keys past the last: never visible
+    return r;
+  }
+  __device__ const int64_t* padding_positions(int) const { return nullptr; }  // no padding keys
+  __device__ const T* q_row(int query) const {
+    return static_cast<const T*>(p.q) + static_cast<int64_t>(q_begin + query) * p.q_stride_l + head * p.q_stride_h;
+  }
+  __device__ int64_t rotation_row(int query) const { return q_begin + query; }
+  __device__ int64_t out_row(int query) const { return static_cast<int64_t>(q_begin + query) * p.q_heads + head; }
+  __device__ float scale() const { return p.scale_factors ? p.scale * p.scale_factors[request] : p.scale; }
+  __device__ tc::KeyRows<T> near_keys(int kv_head) const {
+    return {static_cast<const T*>(p.k_near) + (static_cast<int64_t>(key_offset) * p.kv_heads + kv_head) * p.head_dim,
+            static_cast<int64_t>(p.kv_heads) * p.head_dim};
+  }
+  __device__ tc::KeyRows<T> far_keys(int kv_head) const {
+    return {static_cast<const T*>(p.k_far) + (static_cast<int64_t>(key_offset) * p.kv_heads + kv_head) * p.head_dim,
+            static_cast<int64_t>(p.kv_heads) * p.head_dim};
+  }
+  __device__ tc::KeyRows<T> values(int kv_head) const {
+    return {static_cast<const T*>(p.v) + kv_head * p.v_stride_h, p.v_stride_l, table(), p.block_size, p.v_stride_b};
+  }
+  __device__ const int* table() const { return p.block_table + static_cast<int64_t>(request) * p.max_blocks; }
+};
+
+// The prefill body over a problem. p.k and p.v rows (and the rotated buffers') must be 16-byte aligned
+// (head dim and row / head / batch or page strides multiples of 8).
+template <typename T, int kHeadDim, class Problem>
+__device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& problem) {
   using namespace tc;
   using S = Shape<kHeadDim>;
   ROPESCALE_DYNAMIC_SMEM(T, smem);
@@ -396,17 +538,14 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
   T* const k_s = q_far_s + S::kQElems;  // near-side or far-side keys of the current tile
   T* const v_s = k_s + S::kKElems;
 
-  const int query_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // the longest rows first
-  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int head = problem.head;
   const int kv_head = head / (p.q_heads / p.kv_heads);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // the row group and column pair of the mma fragments
-  const int q0 = query_block * kBlockM;
-  const int n_tiles = (p.k_len + kBlockN - 1) / kBlockN;
-  const bool leaky = p.leaky_inv != 0.0;
-  const int64_t* q_positions = p.q_positions + static_cast<int64_t>(b) * p.q_len;
-  const int64_t* k_positions = p.k_positions + static_cast<int64_t>(b) * p.k_len;
-  const KeyTile* block_tiles = tiles + static_cast<int64_t>(b) * n_tiles;
+  const int q_len = problem.q_len, k_len = problem.k_len;
+  const int q0 = problem.query_block * kBlockM;
+  const int n_tiles = (k_len + kBlockN - 1) / kBlockN;
+  const float scale = problem.scale();
 
   // Rows g and g + 8 of the warp's slice: positions (-1 past the queries: never visible), and the
   // f32 score factor scale * log-n, times log2(e) for exp2.
@@ -415,39 +554,34 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int query = q0 + 16 * warp + g + 8 * h;
-    row_pos[h] = query < p.q_len ? q_positions[query] : -1;
-    row_factor[h] = p.scale * rerope_logn_scale(row_pos[h], p.logn_length, p.inv_log_train) * 1.4426950408889634f;
+    row_pos[h] = query < q_len ? problem.query_position(query) : -1;
+    row_factor[h] = scale * rerope_logn_scale(row_pos[h], p.logn_length, p.inv_log_train) * 1.4426950408889634f;
   }
   // Position bounds of the block's 64 queries and of the warp's 16 (rows past q_len left out).
   PositionRange block_q, warp_q;
   for (int r = lane; r < kBlockM; r += 32)
-    if (q0 + r < p.q_len) block_q.add(q_positions[q0 + r]);
-  if (lane < 16 && q0 + 16 * warp + lane < p.q_len) warp_q.add(q_positions[q0 + 16 * warp + lane]);
+    if (q0 + r < q_len) block_q.add(problem.query_position(q0 + r));
+  if (lane < 16 && q0 + 16 * warp + lane < q_len) warp_q.add(problem.query_position(q0 + 16 * warp + lane));
   block_q = warp_reduce_range(block_q);
   warp_q = warp_reduce_range(warp_q);
 
-  store_query_rows<T, kHeadDim>(p, b, head, q0, q_near_s, q_far_s);
-
-  const int64_t rotated_base = (static_cast<int64_t>(b) * p.kv_heads + kv_head) * p.k_len * kHeadDim;
-  const T* k_near_g = static_cast<const T*>(p.k_near) + rotated_base;
-  const T* k_far_g = leaky ? static_cast<const T*>(p.k_far) + rotated_base
-                           : static_cast<const T*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const int64_t k_far_stride = leaky ? kHeadDim : p.k_stride_l;
-  const T* v_g = static_cast<const T*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h;
+  store_query_rows<T, kHeadDim>(p, problem, q0, q_near_s, q_far_s);
 
   // The keys of one side of a tile into the K tile (rows past k_len zero-filled), as one cp.async group.
+  // (Where the rows lie is worked out at each load, from the problem: kept live across the loop, the
+  // three row sources cost the paged D-128 kernel its last registers.)
   const auto load_keys = [&](int tile, bool far_side) {
-    const int j0 = tile * kBlockN, rows = p.k_len - j0 < kBlockN ? p.k_len - j0 : kBlockN;
+    const int j0 = tile * kBlockN, rows = k_len - j0 < kBlockN ? k_len - j0 : kBlockN;
     if (far_side)
-      load_key_rows_async<T, kHeadDim>(k_s, k_far_g + static_cast<int64_t>(j0) * k_far_stride, k_far_stride, rows);
+      load_key_rows_async<T, kHeadDim>(k_s, problem.far_keys(kv_head), j0, rows);
     else
-      load_key_rows_async<T, kHeadDim>(k_s, k_near_g + static_cast<int64_t>(j0) * kHeadDim, kHeadDim, rows);
+      load_key_rows_async<T, kHeadDim>(k_s, problem.near_keys(kv_head), j0, rows);
     device::cp_async_commit();
   };
   // The block's class of a tile: what is loaded. A near tile loads near keys, a far tile far keys, a
   // band tile near keys first, then far keys into the same K tile.
   const auto block_class = [&](int tile) {
-    return rerope_classify_tile(block_q, key_tile_range(block_tiles[tile]), p.window, p.causal);
+    return rerope_classify_tile(block_q, problem.key_tile(tile), p.window, p.causal);
   };
 
   float o[S::kDimBlocks][4];
@@ -456,25 +590,25 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // log2 domain; sum: this lane's
   bool seen[2] = {false, false};  // rows g, g + 8 had a visible pair among this lane's (by the mask)
 
-  int tile = next_active_tile(block_tiles, 0, n_tiles, block_q, p.window, p.causal);
+  int tile = next_active_tile(problem, 0, n_tiles, block_q, p.window, p.causal);
   if (tile < n_tiles) load_keys(tile, block_class(tile).kind == TileKind::kFar);
   while (tile < n_tiles) {
     device::cp_async_wait<0>();
     __syncthreads();  // K of `tile` (and the query rows) visible; every warp is done with the last V
-    const int j0 = tile * kBlockN, rows = p.k_len - j0 < kBlockN ? p.k_len - j0 : kBlockN;
+    const int j0 = tile * kBlockN, rows = k_len - j0 < kBlockN ? k_len - j0 : kBlockN;
     const TileClass block_tile = block_class(tile);
     const TileKind block_kind = block_tile.kind;
     // V rows of padding keys zero-filled (only tiles with padding look at the positions).
-    load_key_rows_async<T, kHeadDim>(v_s, v_g + j0 * p.v_stride_l, p.v_stride_l, rows,
-                                     block_tile.needs_mask ? k_positions + j0 : nullptr);
+    load_key_rows_async<T, kHeadDim>(v_s, problem.values(kv_head), j0, rows,
+                                     block_tile.needs_mask ? problem.padding_positions(j0) : nullptr);
     device::cp_async_commit();
 
     // This warp's class of the tile (its 16 queries): what it computes.
-    const TileClass mine = rerope_classify_tile(warp_q, key_tile_range(block_tiles[tile]), p.window, p.causal);
+    const TileClass mine = rerope_classify_tile(warp_q, problem.key_tile(tile), p.window, p.causal);
     float s[kBlockN / 8][4];
     PairBits bits;
     if (mine.kind == TileKind::kBand || mine.needs_mask)
-      bits = pair_bits(row_pos, k_positions, j0, p.k_len, p.window, p.causal);
+      bits = pair_bits(row_pos, problem, j0, p.window, p.causal);
     // Near scores (near and band warps) from the near keys; on a far tile, far scores from the far keys.
     if (mine.kind == TileKind::kNear || mine.kind == TileKind::kBand ||
         (mine.kind == TileKind::kFar && block_kind == TileKind::kFar)) {
@@ -536,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
         o[j][3] *= alpha[1];
       }
     }
-    const int next = next_active_tile(block_tiles, tile + 1, n_tiles, block_q, p.window, p.causal);
+    const int next = next_active_tile(problem, tile + 1, n_tiles, block_q, p.window, p.causal);
     device::cp_async_wait<0>();
     // V of `tile` visible; every warp is done with the K tile. On tiles with masked pairs, whether V
     // holds a non-finite value (each thread scans the chunks it copied, visible to it after its wait).
@@ -572,8 +706,8 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
     row_seen |= __shfl_xor_sync(kFullMask, row_seen, 1);
     row_seen |= __shfl_xor_sync(kFullMask, row_seen, 2);
     const int query = q0 + 16 * warp + g + 8 * h;
-    if (query >= p.q_len) continue;
-    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + head) * p.q_len + query;
+    if (query >= q_len) continue;
+    const int64_t row = problem.out_row(query);
     const float inv = row_seen ? 1.0f / total : 0.0f;
 #pragma unroll
     for (int j = 0; j < S::kDimBlocks; ++j)  // one 32-bit store per pair of dims
@@ -585,7 +719,70 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
   }
 }
 
-// ---- host launcher -------------------------------------------------------------------------------
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm)
+    rerope_prefill_tc_kernel(const ReropeParams p, const KeyTile* tiles) {
+  rerope_prefill_tc_block<T, kHeadDim>(p, TcDenseProblem<T>(p, tiles));
+}
+
+// rerope_attention_paged's prefill rows: the same body over the requests the schedule kernel gave the
+// tensor cores (TcPagedProblem).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm)
+    rerope_paged_tc_kernel(const ReropeParams p) {
+  const TcPagedProblem<T> problem(p, nullptr);
+  if (!problem.active) return;  // past the tasks: uniform over the block, before any barrier
+  rerope_prefill_tc_block<T, kHeadDim>(p, problem);
+}
+
+// Paged pre-pass: the keys of the tensor-core requests, read through the block table (pages the
+// schedule kernel validated; slots < seq_len only) and rotated once for every kv head with the
+// request's own table (near side at p = the slot index; Leaky far side at p/k, ReRoPE's the raw key),
+// as T into p.k_near and p.k_far [rows, Hkv, D], request r's keys from row paged_tc_key_offsets[r] on. One thread per
+// (row, pair), grid-stride over the rows in use (paged_tc_key_offsets[requests], read on the device).
+template <typename T>
+__global__ void __launch_bounds__(256) rerope_paged_rotate_keys_kernel(const ReropeParams p) {
+  const int half_dim = p.head_dim / 2;
+  const int* offsets = p.paged_tc_key_offsets;
+  const int64_t total = static_cast<int64_t>(offsets[p.requests]) * half_dim;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int pair = static_cast<int>(idx % half_dim);
+    const int row = static_cast<int>(idx / half_dim);
+    int r = 0, hi = p.requests - 1;  // the last request whose rows start at or before `row`
+    while (r < hi) {
+      const int mid = (r + hi + 1) / 2;
+      if (offsets[mid] <= row) r = mid;
+      else hi = mid - 1;
+    }
+    const int key = row - offsets[r];
+    const int64_t page = p.block_table[static_cast<int64_t>(r) * p.max_blocks + key / p.block_size];
+    const T* src = static_cast<const T*>(p.k) + page * p.k_stride_b + (key % p.block_size) * p.k_stride_l;
+    rotate_key_pair<T, T>(p, p.inv_freq + r * p.inv_freq_stride, key, pair,
+                          [&](int h) { return src + h * p.k_stride_h; },
+                          [&](int h) { return (static_cast<int64_t>(row) * p.kv_heads + h) * p.head_dim; });
+  }
+}
+
+// Paged pre-pass: one block per tensor-core task, the sin/cos of its queries (at seq_len - q_len + i,
+// with the request's own table) into p.q_rotation [T, rotary_pairs, 4] at their tokens' rows. (A
+// template only so that the header may be included by several translation units of one program.)
+template <int kQueries>
+__global__ void __launch_bounds__(256) rerope_paged_query_rotation_kernel(const ReropeParams p) {
+  const PagedTask task = p.paged_tc_tasks[blockIdx.x];
+  if (task.request < 0) return;
+  const PagedRequest r = p.paged_requests[task.request];
+  const float* inv_freq = p.inv_freq + task.request * p.inv_freq_stride;
+  for (int idx = static_cast<int>(threadIdx.x); idx < kQueries * p.rotary_pairs; idx += static_cast<int>(blockDim.x)) {
+    const int query = task.query_block * kQueries + idx / p.rotary_pairs, pair = idx % p.rotary_pairs;
+    if (query >= r.q_len) continue;
+    const int64_t pos = static_cast<int64_t>(r.seq_len) - r.q_len + query;
+    reinterpret_cast<float4*>(p.q_rotation)[static_cast<int64_t>(r.q_begin + query) * p.rotary_pairs + pair] =
+        query_rotation(p, pos, inv_freq[pair]);
+  }
+}
+
+// ---- host launchers ------------------------------------------------------------------------------
 
 // Whether the tensor-core prefill serves this problem: fp16/bf16 (the caller's choice of T), a
 // supported head dim, and 16-byte aligned k/v rows (checked by the caller on the pointers).
@@ -643,6 +840,46 @@ inline void launch_rerope_prefill_tc(ReropeParams p, KeyTile* tiles, cudaStream_
   ROPESCALE_LAUNCH_KERNEL((rerope_prefill_tc_kernel<T, kHeadDim>), grid, dim3(kThreads), S::kSmemBytes, stream, p,
                           static_cast<const KeyTile*>(tiles));
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the tensor-core prefill kernel");
+}
+
+// Whether the value cache's rows suit the tensor-core prefill's 16-byte cp.async (the values are read
+// in place): base address and every stride (elements) multiples of 16 bytes.
+inline bool rerope_paged_tc_aligned(const ReropeParams& p, std::size_t element_bytes) {
+  const int64_t per_chunk = static_cast<int64_t>(16 / element_bytes);
+  return reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_stride_b % per_chunk == 0 &&
+         p.v_stride_h % per_chunk == 0 && p.v_stride_l % per_chunk == 0;
+}
+
+// The tensor-core rows of a paged launch: after launch_rerope_paged (and its split combine, which
+// leaves these rows to this launch), whose schedule kernel, run with p.paged_tc_key_budget > 0, chose
+// the requests and wrote p.paged_tc_key_offsets and p.paged_tc_tasks (p.num_paged_tc_tasks of them,
+// rerope_paged_max_tc_tasks). Workspaces, allocated by the caller: p.k_near and p.k_far, T
+// [paged_tc_key_budget, Hkv, D] each; p.q_rotation float [T, rotary_pairs, 4]. The value cache must pass
+// rerope_paged_tc_aligned; q_heads <= 65535.
+template <typename T, int kHeadDim, class Check>
+inline void launch_rerope_paged_tc(ReropeParams p, cudaStream_t stream, Check&& check) {
+  using S = tc::Shape<kHeadDim>;
+  p.batch = 1;
+  p.causal = true;
+  if (p.num_paged_tc_tasks == 0 || p.paged_tc_key_budget == 0) return;
+  // Grid-stride over the rows in use (known on the device only): up to 1024 blocks of 256, so that a
+  // launch without tensor-core rows (a decode step) costs little.
+  const int64_t rotate_items = p.paged_tc_key_budget * (p.head_dim / 2);
+  const int64_t rotate_blocks = (rotate_items + 255) / 256 < 1024 ? (rotate_items + 255) / 256 : 1024;
+  ROPESCALE_LAUNCH_KERNEL(rerope_paged_rotate_keys_kernel<T>, dim3(static_cast<unsigned>(rotate_blocks)), dim3(256), 0,
+                          stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged rotate-keys kernel");
+  if (p.rotary_pairs > 0) {
+    ROPESCALE_LAUNCH_KERNEL(rerope_paged_query_rotation_kernel<tc::kBlockM>,
+                            dim3(static_cast<unsigned>(p.num_paged_tc_tasks)), dim3(256), 0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged query-rotation kernel");
+  }
+  static device::SmemOptIn opt_in;  // once per device
+  check(opt_in.ensure((rerope_paged_tc_kernel<T, kHeadDim>), S::kSmemBytes),
+        "the shared-memory opt-in of the paged tensor-core prefill");
+  const dim3 grid(static_cast<unsigned>(p.num_paged_tc_tasks), static_cast<unsigned>(p.q_heads));
+  ROPESCALE_LAUNCH_KERNEL((rerope_paged_tc_kernel<T, kHeadDim>), grid, dim3(kThreads), S::kSmemBytes, stream, p);
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged tensor-core prefill kernel");
 }
 
 }  // namespace ropescale::rerope_cuda
