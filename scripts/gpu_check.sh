@@ -160,10 +160,9 @@ if [ "$build_ok" = 1 ]; then
     "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
-    # A paged row belongs here, in bench_rerope.py's CUDA mode: rerope_attention_paged over a batch of
-    # decode requests (and a chunked prefill) through a block table, as a ratio to the dense
-    # rerope_attention on the same keys gathered contiguously; not written yet.
-    run "bench_rerope (GPU)" 120 "$OUT/bench_rerope.log" "$PYTHON" benchmarks/bench_rerope.py --device cuda
+    # bench_rerope.py's CUDA mode includes paged16 (rerope_attention_paged, one request in pages of 16
+    # slots: tensor-core prefill rows, split-K decode rows) beside the dense kernels.
+    run "bench_rerope (GPU)" 180 "$OUT/bench_rerope.log" "$PYTHON" benchmarks/bench_rerope.py --device cuda
   else
     echo "benchmarks/bench_rerope.py has no CUDA mode (--device) in this tree: not measured" >"$OUT/bench_rerope.log"
     failures+=("bench_rerope: no CUDA mode in this tree")
