@@ -6,7 +6,7 @@
 
 One line per (kernel, arch), names demangled with c++filt when it is on the PATH. Exits 1 when a
 kernel spills, so CI can flag it; prints nothing (exit 0) when the log has no ptxas output (nothing
-was recompiled, or a CPU-only build), except with --require (the ptxas_no_spills test), where an
+was recompiled, or a CPU-only build), except with --require (the ptxas_no_spills_sm* tests), where an
 empty report is a failure (exit 2): a check that saw no kernel checked nothing.
 """
 

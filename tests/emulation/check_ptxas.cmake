@@ -1,4 +1,4 @@
-# ctest driver for ptxas_no_spills: compiles ptxas_spill_check.cu (every CUDA kernel instantiation
+# ctest driver for ptxas_no_spills_sm80 / _sm90: compiles ptxas_spill_check.cu (every CUDA kernel instantiation
 # ropescale builds) with `nvcc -Xptxas -v` for each arch in ARCHS, writes the ptxas report to LOG and
 # fails when a kernel spills or when ptxas printed nothing to check (scripts/ptxas_summary.py).
 #   cmake -DNVCC=... -DPYTHON=... -DSOURCE=... -DINCLUDE=... -DSUMMARY=... -DLOG=... -DARCHS=80,90
