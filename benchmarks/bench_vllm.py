@@ -76,9 +76,11 @@ class Row:
 
 
 ROWS = {
-    "yarn/vllm": Row("yarn", "yarn/vllm", {}, "YaRN s=2 (rope_type yarn): vLLM's own table and rotation"),
-    "yarn/ropescale": Row("yarn", "yarn/vllm", {"ROPESCALE_VLLM_ROTATION": "1"},
-                          "the same checkpoint, vLLM's table rotated by ropescale's kernel (opt-in switch)"),
+    "yarn/vllm": Row("yarn", "yarn/vllm", {"ROPESCALE_VLLM": "0"},
+                     "YaRN s=2 (rope_type yarn) on stock vLLM (plugin off): vLLM's own table and rotation"),
+    "yarn/ropescale": Row("yarn", "yarn/vllm", {},
+                          "the same checkpoint through the plugin: ropescale's table (hf.patch recorded the "
+                          "method) and rotation kernel"),
     "resonance_yarn": Row("resonance_yarn", "yarn/vllm", {},
                           "Resonance-YaRN s=2: ropescale's table and kernel (plugin)"),
     "native": Row("native", "native", {"ROPESCALE_VLLM": "0"},

@@ -20,10 +20,12 @@ A checkpoint says what it is in two places (docs/DESIGN.md, "Checkpoints"):
                     "method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 10000.0}}
 
   the attention side (ReRoPE only: ``leaky_k=0`` is plain ReRoPE, ``logn_length=0`` no log-n scaling),
-  and, where ``rope_parameters`` does not name the method (NTK-aware) or a stock engine serves it by
-  another rule (LongRoPE with distinct short and long factors: stock vLLM takes the long ones at every
-  length past its original one, and logs so), the method in ropescale's own format under ``method``;
-  a config whose ``rope_parameters`` no longer match it is refused.
+  and the method in ropescale's own format under ``method`` wherever ``rope_parameters`` does not name
+  it (NTK-aware) or names a stock type (``linear``, ``yarn``, ``llama3``, ``longrope``): it marks the
+  checkpoint as ropescale's, so ``ropescale.vllm`` serves it with ropescale's table (vLLM's own tables
+  take float32 angles, 5e-4 off at 12k; its LongRoPE takes the long factors at every length past the
+  original one) while a stock engine serves the stock type. A config whose ``rope_parameters`` no
+  longer hold every field of the recorded method is refused.
 
 ``max_position_embeddings`` is written so that transformers and vLLM derive the length the method was
 set for: vLLM multiplies it by ``rope_parameters["factor"]`` for every type but ``yarn``, ``llama3`` and
@@ -60,6 +62,8 @@ REROPE_PREFIX = REROPE_MARKER + "_"
 DYNAMIC_NTK_TYPE = "dynamic_ntk"
 # Types whose max_position_embeddings vLLM takes as the scaled length (it multiplies the others by factor).
 _SCALED_LENGTH_TYPES = ("yarn", "llama3", "longrope")
+# Stock types whose method hf.patch records in the entry (see _stock_table).
+_RECORDED_STOCK_TYPES = ("linear", "yarn", "llama3", "longrope")
 
 
 def split_rope_type(rope_type: str) -> tuple[bool, str]:
@@ -130,10 +134,12 @@ def _stock_table(method: scaling.RopeScaling, base: float, rotary_dim: int) -> t
     params = method.to_hf(base=base)
     if params["rope_type"] == "dynamic":
         params["rope_type"] = DYNAMIC_NTK_TYPE
-    if params["rope_type"] == "longrope" and params["short_factor"] != params["long_factor"]:
-        # Stock vLLM serves the long factors at every length once max_model_len passes the original one (it
-        # logs so); transformers picks by length. The entry marks it as ropescale's, so ropescale.vllm serves
-        # each request with its own length's table, as hf.patch does.
+    if params["rope_type"] in _RECORDED_STOCK_TYPES:
+        # A type stock engines also serve, by their own code: the entry marks the checkpoint as ropescale's,
+        # so ropescale.vllm serves it with ropescale's table (angles in double: vLLM's float32 angles are
+        # 5e-4 off at 12k) and, for a LongRoPE with distinct short and long factors, each request with its
+        # own length's table, as hf.patch does (stock vLLM takes the long factors at every length once
+        # max_model_len passes the original one, and logs so).
         return params, dict(params)
     return params, None
 
@@ -209,6 +215,18 @@ def checked_entry(entry: Any, rope_type: str, rerope: bool) -> dict[str, Any] | 
     return dict(entry)
 
 
+def _same_parameters(expected: Mapping[str, Any], written: Mapping[str, Any]) -> bool:
+    """Whether ``written`` holds every field of ``expected`` (numbers to 1e-12): a stock engine reads
+    ``rope_parameters``, ropescale the entry, so an edit of one alone would split them silently."""
+    def same(a, b):
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            return math.isclose(float(a), float(b), rel_tol=1e-12)
+        return a == b
+    return all(key in written and same(value, written[key]) for key, value in expected.items())
+
+
 def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int | None, entry: Any = None,
          rotary_dim: int | None = None) -> RopeConfig:
     """The method a config asks for (``rope_parameters``, ``max_position_embeddings`` and the ``ropescale``
@@ -224,8 +242,7 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
         method = scaling.from_hf(method_params, max_position_embeddings)
         if rotary_dim is not None:
             expected, _ = _stock_table(method, base, rotary_dim)
-            if expected["rope_type"] != params["rope_type"] or not math.isclose(
-                    float(expected["rope_theta"]), float(params.get("rope_theta", 10000.0)), rel_tol=1e-12):
+            if not _same_parameters(expected, {**params, "rope_theta": params.get("rope_theta", 10000.0)}):
                 raise ValueError(
                     f"config.{CONFIG_KEY}.{METHOD_KEY} ({dict(entry[METHOD_KEY])}) does not match rope_parameters "
                     f"({dict(rope_parameters or {})}), which should be {expected}: the config was edited by hand")

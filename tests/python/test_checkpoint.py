@@ -126,12 +126,14 @@ def test_reload_gives_the_trained_model(checkpoints, family, name):
     if name == "ntk":
         assert config["rope_parameters"]["rope_theta"] == 1e4 * 4.0 ** (16 / 14)
         assert config["ropescale"] == {"method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4}}
-    elif name in ("longrope", "resonance_longrope"):  # distinct short and long factors: recorded, so the vLLM plugin serves it per length
-        assert config["ropescale"] == {"method": config["rope_parameters"]}
     else:
-        assert config.get("ropescale") == (None if not kwargs else {
-            "attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
-            "logn_length": kwargs.get("logn_length", 0)})
+        attention = None if not kwargs else {"attention": "rerope", "window": 8, "leaky_k": kwargs.get("leaky_k", 0.0),
+                                             "logn_length": kwargs.get("logn_length", 0)}
+        # A stock type (linear, yarn, llama3, longrope) is recorded: the vLLM plugin serves ropescale's table.
+        table_type = config["rope_parameters"]["rope_type"].removeprefix("rerope_")
+        method = {"method": {**config["rope_parameters"], "rope_type": table_type}} if table_type in (
+            "linear", "yarn", "llama3", "longrope") else {}
+        assert config.get("ropescale") == ({**(attention or {}), **method} or None)
     shards = sorted(p.name for p in path.glob("*.safetensors"))
     assert (len(shards) > 2) == (family in SHARDED), shards
     if family in SHARDED:
@@ -268,10 +270,11 @@ def test_explicit_arguments_override_what_the_config_records(checkpoints):
     hf.patch(model, attention="rerope", window=4)  # the saved leaky_k and logn_length are not mixed in
     state = model._ropescale_patch
     assert (state.window, state.leaky_k, state.logn_length) == (4, 0.0, 0)
-    assert model.config.ropescale == {"attention": "rerope", "window": 4, "leaky_k": 0.0, "logn_length": 0}
+    recorded = {"method": {**model.config.rope_parameters, "rope_type": "yarn"}}  # the YaRN table stays recorded
+    assert model.config.ropescale == {"attention": "rerope", "window": 4, "leaky_k": 0.0, "logn_length": 0, **recorded}
     hf.unpatch(model)
-    hf.patch(model, attention="sdpa")  # plain attention over the saved table: the marker and entry go
-    assert model.config.rope_parameters["rope_type"] == "yarn" and not hasattr(model.config, "ropescale")
+    hf.patch(model, attention="sdpa")  # plain attention over the saved table: the marker and attention side go
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.ropescale == recorded
     assert model._ropescale_patch.method == scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)
 
 

@@ -67,9 +67,31 @@ def test_longrope_with_distinct_factors_is_recorded_so_ropescale_serves_it_per_l
     # The same longrope without the entry (a third-party checkpoint, e.g. Phi-3): the engine's own rule.
     third_party = config.read(written.rope_parameters, written.max_position_embeddings, None, DIM)
     assert third_party.method == method and not third_party.per_length
-    # One table (short == long, as `extend --target vllm` writes): every engine serves it alike, no entry.
-    assert config.write(scaling.LongRoPE(short_factor=LONG, long_factor=LONG, original_max_position=L, factor=4.0),
-                        1e4, DIM, 64).entry is None
+    # One table (short == long): recorded (ropescale's table in the plugin) but one table at every length.
+    one_table = config.write(scaling.LongRoPE(short_factor=LONG, long_factor=LONG, original_max_position=L,
+                                              factor=4.0), 1e4, DIM, 64)
+    assert not config.read(one_table.rope_parameters, 4 * L, one_table.entry, DIM).per_length
+    # `extend --target vllm` (write_longrope) writes no entry: stock vLLM serves it alike, with or without the plugin.
+    assert config.write_longrope(scaling.YaRN(factor=4.0, original_max_position=L), 1e4, DIM, 64).entry is None
+
+
+@pytest.mark.parametrize("method", [m for m, rope_type, _ in WRITTEN if rope_type in ("linear", "yarn", "llama3",
+                                                                                     "longrope")], ids=repr)
+def test_stock_types_are_recorded_so_the_vllm_plugin_serves_ropescales_table(method):
+    # vLLM's own tables take float32 angles (5e-4 off at 12k on SmolLM2's YaRN): the entry tells ropescale.vllm
+    # that ropescale wrote this checkpoint, while stock engines read the stock type as before.
+    written = config.write(method, 1e4, DIM, 64)
+    assert written.entry == {"method": written.rope_parameters}
+    assert config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM).recorded
+    # Editing a field of rope_parameters alone would split stock engines from ropescale: refused.
+    for key, value in written.rope_parameters.items():
+        if key == "rope_type":
+            continue
+        edited = {**written.rope_parameters,
+                  key: [v * 2 for v in value] if isinstance(value, list) else (not value) if isinstance(value, bool)
+                  else value * 2}
+        with pytest.raises(ValueError, match=r"does not match rope_parameters .* edited by hand"):
+            config.read(edited, written.max_position_embeddings, written.entry, DIM)
 
 
 def test_old_checkpoints_still_read():
