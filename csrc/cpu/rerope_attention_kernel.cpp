@@ -424,6 +424,13 @@ struct DenseLayout {
   const scalar_t* q_row(int64_t b, int64_t h, int64_t i) const { return q + b * sq0 + h * sq1 + i * sq2; }
   const scalar_t* key_row(int64_t b, int64_t h, int64_t j) const { return k + b * sk0 + h * sk1 + j * sk2; }
   const scalar_t* value_row(int64_t b, int64_t h, int64_t j) const { return v + b * sv0 + h * sv1 + j * sv2; }
+  // The key and value rows of slots j0 .. j0 + n - 1, looked up once for the loops that read them.
+  void tile_rows(int64_t b, int64_t h, int64_t j0, int64_t n, const scalar_t** keys, const scalar_t** values) const {
+    for (int64_t c = 0; c < n; ++c) {
+      keys[c] = key_row(b, h, j0 + c);
+      values[c] = value_row(b, h, j0 + c);
+    }
+  }
   scalar_t* out_row(int64_t b, int64_t h, int64_t i) const { return out + ((b * q_heads + h) * q_len + i) * head_dim; }
   float* lse_at(int64_t b, int64_t h, int64_t i) const { return lse + (b * q_heads + h) * q_len + i; }
   // Whether BLAS can read a key block's values where they lie (float32, rows at least D apart), and how.
@@ -449,6 +456,20 @@ struct PagedLayout {
   }
   const scalar_t* value_row(int64_t r, int64_t h, int64_t j) const {
     return value_cache + page_of(r, j) * sv0 + h * sv1 + (j % block_size) * head_dim;
+  }
+  // As DenseLayout's: slot by slot through the block table, one division per tile (a division per row
+  // and use, on the decode loop's address path, cost more than its arithmetic).
+  void tile_rows(int64_t r, int64_t h, int64_t j0, int64_t n, const scalar_t** keys, const scalar_t** values) const {
+    const int32_t* pages = block_table + r * max_blocks;
+    int64_t page = j0 / block_size, slot = j0 % block_size;
+    for (int64_t c = 0; c < n; ++c) {
+      keys[c] = key_cache + pages[page] * sk0 + h * sk1 + slot * head_dim;
+      values[c] = value_cache + pages[page] * sv0 + h * sv1 + slot * head_dim;
+      if (++slot == block_size) {
+        slot = 0;
+        ++page;
+      }
+    }
   }
   scalar_t* out_row(int64_t r, int64_t h, int64_t i) const { return out + ((starts[r] + i) * q_heads + h) * head_dim; }
   float* lse_at(int64_t r, int64_t h, int64_t i) const { return lse + (starts[r] + i) * q_heads + h; }
@@ -508,31 +529,126 @@ void load_key_rows(KeyAt key_at, int64_t cols, int64_t dim, const float* rot, in
   if (rot) round_rows<scalar_t>(dst, cols * dim);
 }
 
-// <q, key> in float for a key row of any cache dtype: 16 independent lanes (one AVX-512 register)
-// reduced as a tree, so neither the FMAs nor the final sum form one long dependency chain.
-template <typename key_t>
-inline float dot_row(const float* q, const key_t* key, int64_t dim) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes)
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(key[d + l]);
-  float tail = 0.0f;
-  for (; d < dim; ++d) tail += q[d] * static_cast<float>(key[d]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
+// The decode plan's two products, register-blocked: a few query rows (a GQA group) against a tile of
+// keys and values read where they lie (any cache dtype), each key and value element loaded once per
+// row group, the partial sums kept in vector registers (the scalar loops they replace spent about half
+// the decode time storing and reloading their accumulators). D is walked in chunks of two float vectors
+// (one 16-bit vector: bf16/fp16 convert in one step); a partial last chunk loads zeros past D.
+constexpr int64_t kChunk = 2 * fVec::size();
+
+template <typename T>
+inline void load_chunk(const T* src, int64_t n, fVec& lo, fVec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= kChunk) {
+      lo = fVec::loadu(src);
+      hi = fVec::loadu(src + fVec::size());
+    } else {
+      lo = fVec::loadu(src, std::min<int64_t>(n, fVec::size()));
+      hi = n > fVec::size() ? fVec::loadu(src + fVec::size(), n - fVec::size()) : fVec(0.0f);
+    }
+  } else {
+    using Vec = at::vec::Vectorized<T>;
+    static_assert(Vec::size() == kChunk);
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(n >= kChunk ? Vec::loadu(src) : Vec::loadu(src, n));
+  }
 }
 
-// Scores of a few query rows against key rows (key_at(c): read where they lie, any cache dtype):
-// every key is read once for all the rows.
+// {sum of a's lanes, b's, c's, d's} into out[0, 4): on AVX2 three horizontal adds and one fold for the
+// four (1.25 instructions per dot product instead of a shuffle tree each).
+inline void lanes_sum4(const fVec& a, const fVec& b, const fVec& c, const fVec& d, float* out) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  // Each 512-bit vector folded to 256 bits (low half + high half), then as on AVX2. (at::vec's and GCC's
+  // own 512-bit reductions trip GCC 12's -Wuninitialized false positive on their undefined operands.)
+  alignas(64) float spill[4][16];
+  const __m512 all[4] = {a, b, c, d};
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) {
+    _mm512_store_ps(spill[i], all[i]);
+    v[i] = _mm256_add_ps(_mm256_load_ps(spill[i]), _mm256_load_ps(spill[i] + 8));
+  }
+#else
+  const __m256 v[4] = {a, b, c, d};
+#endif
+  const __m256 ab = _mm256_hadd_ps(v[0], v[1]), cd = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: sum(a), sum(b), sum(c), sum(d)
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  out[0] = lanes_sum(a);
+  out[1] = lanes_sum(b);
+  out[2] = lanes_sum(c);
+  out[3] = lanes_sum(d);
+#endif
+}
+
+// scores[r][c] = <q_r, key_c> for kRows (1 or 2) rows and the key rows c = 0 .. cols-1, four keys at a time
+// (8 accumulators, the q chunks and a key chunk: 14 of AVX2's 16 registers).
+template <int kRows, typename KeyAt>
+void row_scores_block(const float* q, int64_t dim, KeyAt key_at, int64_t cols, float* scores, int64_t ld_scores) {
+  constexpr int kKeys = 4;
+  for (int64_t c0 = 0; c0 < cols; c0 += kKeys) {
+    const int64_t keys = std::min<int64_t>(kKeys, cols - c0);
+    decltype(key_at(0)) key[kKeys];
+    for (int k = 0; k < kKeys; ++k) key[k] = key_at(c0 + std::min<int64_t>(k, keys - 1));  // repeats are dropped
+    fVec acc[kRows][kKeys];
+    for (int r = 0; r < kRows; ++r)
+      for (int k = 0; k < kKeys; ++k) acc[r][k] = fVec(0.0f);
+    for (int64_t d = 0; d < dim; d += kChunk) {
+      const int64_t n = std::min(kChunk, dim - d);
+      fVec q_lo[kRows], q_hi[kRows];
+      for (int r = 0; r < kRows; ++r) load_chunk(q + r * dim + d, n, q_lo[r], q_hi[r]);
+      for (int k = 0; k < kKeys; ++k) {
+        fVec k_lo, k_hi;
+        load_chunk(key[k] + d, n, k_lo, k_hi);
+        for (int r = 0; r < kRows; ++r) acc[r][k] = at::vec::fmadd(q_hi[r], k_hi, at::vec::fmadd(q_lo[r], k_lo, acc[r][k]));
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float sums[kKeys];
+      lanes_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+      std::copy(sums, sums + keys, scores + r * ld_scores + c0);
+    }
+  }
+}
+
+// Scores of a few query rows against key rows (key_at(c): read where they lie, any cache dtype), rows
+// two at a time.
 template <typename KeyAt>
 void row_scores(const float* q, int64_t rows, int64_t dim, KeyAt key_at, int64_t cols, float* scores,
                 int64_t ld_scores) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const auto* key = key_at(c);
-    for (int64_t r = 0; r < rows; ++r) scores[r * ld_scores + c] = dot_row(q + r * dim, key, dim);
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) row_scores_block<2>(q + r * dim, dim, key_at, cols, scores + r * ld_scores, ld_scores);
+  if (r < rows) row_scores_block<1>(q + r * dim, dim, key_at, cols, scores + r * ld_scores, ld_scores);
+}
+
+// acc[kRows x D] += probs . V over every column of a tile (every pair visible): per D chunk, the kRows
+// accumulator pairs stay in registers over all the value rows.
+template <int kRows, typename prob_t, typename ValueAt>
+void visible_accumulate_block(const prob_t* probs, int64_t cols, int64_t ld_probs, ValueAt value_at, int64_t dim,
+                              float* acc) {
+  for (int64_t d = 0; d < dim; d += kChunk) {
+    const int64_t n = std::min(kChunk, dim - d);
+    fVec lo[kRows], hi[kRows];
+    for (int r = 0; r < kRows; ++r) load_chunk(acc + r * dim + d, n, lo[r], hi[r]);
+    for (int64_t c = 0; c < cols; ++c) {
+      fVec v_lo, v_hi;
+      load_chunk(value_at(c) + d, n, v_lo, v_hi);
+      for (int r = 0; r < kRows; ++r) {
+        const fVec p(static_cast<float>(probs[r * ld_probs + c]));
+        lo[r] = at::vec::fmadd(p, v_lo, lo[r]);
+        hi[r] = at::vec::fmadd(p, v_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float* a = acc + r * dim + d;
+      if (n >= kChunk) {
+        lo[r].store(a);
+        hi[r].store(a + fVec::size());
+      } else {
+        lo[r].store(a, std::min<int64_t>(n, fVec::size()));
+        if (n > fVec::size()) hi[r].store(a + fVec::size(), n - fVec::size());
+      }
+    }
   }
 }
 
@@ -549,9 +665,22 @@ inline bool row_is_finite(const value_t* x, int64_t dim) {
 // dtype; probs of any float type): every value row is read once for all the rows. A zero probability
 // is skipped when the pair is masked (whatever the value holds) or the value row is finite; a visible
 // key's non-finite value is added even at probability 0 (0 * inf = NaN, as SDPA's P.V computes).
+// With every pair visible (no masked pair in the tile: `all_visible`) the skip never applies (adding
+// 0 * v for a finite v changes no bit; a non-finite one must be added), so the register-blocked loop
+// runs, four rows at a time.
 template <typename prob_t, typename ValueAt>
 void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_probs, ValueAt value_at, int64_t dim,
-                    float* acc, const int64_t* row_pos, const int64_t* key_pos, bool causal) {
+                    float* acc, const int64_t* row_pos, const int64_t* key_pos, bool causal, bool all_visible = false) {
+  if (all_visible) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      visible_accumulate_block<4>(probs + r * ld_probs, cols, ld_probs, value_at, dim, acc + r * dim);
+    const int64_t rest = rows - r;
+    if (rest == 3) visible_accumulate_block<3>(probs + r * ld_probs, cols, ld_probs, value_at, dim, acc + r * dim);
+    if (rest == 2) visible_accumulate_block<2>(probs + r * ld_probs, cols, ld_probs, value_at, dim, acc + r * dim);
+    if (rest == 1) visible_accumulate_block<1>(probs + r * ld_probs, cols, ld_probs, value_at, dim, acc + r * dim);
+    return;
+  }
   for (int64_t c = 0; c < cols; ++c) {
     const auto* value = value_at(c);
     int finite = -1;  // unknown until a zero probability of a visible pair asks
@@ -950,6 +1079,7 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
     std::vector<float> scores(max_rows * kBlockK), far_scores(max_rows * kBlockK);
     std::vector<int64_t> row_pos(max_rows);
     std::vector<float> row_factor(max_rows);
+    std::vector<const scalar_t*> key_rows(kBlockK), value_rows(kBlockK);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t p = std::upper_bound(unit_begin.begin(), unit_begin.end(), unit) - unit_begin.begin() - 1;
       const Problem& pr = problems[p];
@@ -983,7 +1113,9 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
         const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, pr.k_len - j0);
         const bool band = tc.kind == TileKind::kBand;
         const int64_t* key_pos = pr.k_pos + j0;
-        auto key_at = [&](int64_t c) { return layout.key_row(pr.index, hkv, j0 + c); };
+        layout.tile_rows(pr.index, hkv, j0, cols, key_rows.data(), value_rows.data());
+        auto key_at = [&](int64_t c) { return key_rows[c]; };
+        auto value_at = [&](int64_t c) { return value_rows[c]; };
         if (tc.kind != TileKind::kFar) {
           load_key_rows<scalar_t>(key_at, cols, D, near_rot.rows(block), P, s.interleaved, scratch.data(),
                                   near_keys.data());
@@ -1005,9 +1137,8 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
                                s.window, s.causal, band, tc.needs_mask);
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, row_factor.data(), row_max, row_sum,
                                         acc, D);
-        row_accumulate(scores.data(), rows, cols, kBlockK,
-                       [&](int64_t c) { return layout.value_row(pr.index, hkv, j0 + c); }, D, acc, row_pos.data(),
-                       key_pos, s.causal);
+        row_accumulate(scores.data(), rows, cols, kBlockK, value_at, D, acc, row_pos.data(), key_pos, s.causal,
+                       !tc.needs_mask);
       }
     }
   });
