@@ -62,6 +62,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -512,6 +514,52 @@ struct KeyRotations {
   const float* rows(int64_t block) const { return slot[block] < 0 ? nullptr : &cs[slot[block] * kBlockK * 2 * pairs]; }
 };
 
+// The key cos/sin of the near side (positions as they are) or of Leaky ReRoPE's far side (at p/k), for the
+// flagged blocks, remembered from one call to the next: every layer of an engine step calls the op with the
+// same positions and tables (a dynamic method's tables change per step, not per layer), and computing
+// them again, a sincos per key and pair, was about a fifth of a Dynamic-YaRN decode call (every key near).
+// The entry is keyed on everything the rows depend on (the side, k, the flags, the pairs, each problem's
+// key positions and table bits), compared in full, so a hit returns the numbers a fresh computation
+// would; an entry is kept only up to kCachedRotationBytes (larger ones are computed every call).
+constexpr size_t kCachedRotationBytes = size_t{64} << 20;
+
+std::shared_ptr<const KeyRotations> key_rotations(const std::vector<uint8_t>& flagged,
+                                                  const std::vector<Problem>& problems, const ProblemOffsets& off,
+                                                  int64_t pairs, bool far, double leaky_inv) {
+  const auto compute = [&] {
+    if (!far)
+      return std::make_shared<const KeyRotations>(flagged, problems, off, pairs,
+                                                  [](int64_t p) { return static_cast<double>(p); });
+    return std::make_shared<const KeyRotations>(flagged, problems, off, pairs,
+                                                [&](int64_t p) { return rerope_far_key_position(p, leaky_inv); });
+  };
+  if (std::find(flagged.begin(), flagged.end(), uint8_t{1}) == flagged.end()) return compute();  // nothing to do
+  std::vector<int64_t> key{pairs, std::bit_cast<int64_t>(far ? leaky_inv : -1.0)};
+  key.insert(key.end(), flagged.begin(), flagged.end());
+  for (const Problem& pr : problems) {
+    key.push_back(pr.k_len);
+    key.insert(key.end(), pr.k_pos, pr.k_pos + pr.k_len);
+    for (int64_t i = 0; i < pairs; ++i) key.push_back(std::bit_cast<uint32_t>(pr.inv_freq[i]));
+  }
+  static std::mutex mutex;
+  static std::vector<int64_t> cached_key[2];
+  static std::shared_ptr<const KeyRotations> cached[2];
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (cached[far] && cached_key[far] == key) return cached[far];
+  }
+  auto rotations = compute();
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (rotations->cs.size() * sizeof(float) <= kCachedRotationBytes) {
+    cached_key[far] = std::move(key);
+    cached[far] = rotations;
+  } else {  // too big to keep: drop the older entry too, so its memory goes
+    cached_key[far].clear();
+    cached[far].reset();
+  }
+  return rotations;
+}
+
 // Key rows c = 0 .. cols-1 of a block (key_at(c) points at one, in the input dtype) as float rows
 // [cols x D]: rotated with a KeyRotations block's cos/sin rows (and rounded to scalar_t, as the rotated
 // operand) when `rot` is given, as stored otherwise.
@@ -865,9 +913,9 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
   });
 
   // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
-  const KeyRotations near_rot(needs_near, problems, off, P, [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky ? needs_far : std::vector<uint8_t>(total_kb, 0), problems, off, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, s.leaky_inv); });
+  const auto near_rot = key_rotations(needs_near, problems, off, P, false, 0.0);
+  const auto far_rot = key_rotations(leaky ? needs_far : std::vector<uint8_t>(total_kb, 0), problems, off, P, true,
+                                     s.leaky_inv);
   const bool packed = use_packed_gemm<scalar_t>(D);
   const bool values_in_place = !packed && layout.float_values_in_place();
   using lp_t = std::conditional_t<std::is_same_v<scalar_t, float>, at::BFloat16, scalar_t>;  // packed operands
@@ -909,8 +957,8 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
           at::native::cpublas::pack(D, kPackN, kPackN, kPackN, lp_dtype, lp_dtype, staging.data(), out + n0 * D);
         }
       };
-      if (needs_near[block]) write_panel(near_panels, near_packed, near_rot.rows(block));
-      if (needs_far[block]) write_panel(far_panels, far_packed, far_rot.rows(block));  // ReRoPE: raw keys
+      if (needs_near[block]) write_panel(near_panels, near_packed, near_rot->rows(block));
+      if (needs_far[block]) write_panel(far_panels, far_packed, far_rot->rows(block));  // ReRoPE: raw keys
       if (packed) {
         // The block's values [kBlockK x D] (zero past cols) in column blocks of up to kPackN dims.
         lp_t* out = v_packed.panel(block, h);
@@ -1058,9 +1106,8 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
       leaky_far_blocks[block] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
     }
   }
-  const KeyRotations near_rot(near_blocks, problems, off, P, [](int64_t p) { return static_cast<double>(p); });
-  const KeyRotations far_rot(leaky_far_blocks, problems, off, P,
-                             [&](int64_t p) { return rerope_far_key_position(p, s.leaky_inv); });
+  const auto near_rot = key_rotations(near_blocks, problems, off, P, false, 0.0);
+  const auto far_rot = key_rotations(leaky_far_blocks, problems, off, P, true, s.leaky_inv);
 
   // ---- units (problem, kv head, chunk of key blocks): about four per thread in all
   const int64_t wanted = std::max<int64_t>(4 * at::get_num_threads(), 1);
@@ -1117,7 +1164,7 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
         auto key_at = [&](int64_t c) { return key_rows[c]; };
         auto value_at = [&](int64_t c) { return value_rows[c]; };
         if (tc.kind != TileKind::kFar) {
-          load_key_rows<scalar_t>(key_at, cols, D, near_rot.rows(block), P, s.interleaved, scratch.data(),
+          load_key_rows<scalar_t>(key_at, cols, D, near_rot->rows(block), P, s.interleaved, scratch.data(),
                                   near_keys.data());
           row_scores(q_near.data(), rows, D, [&](int64_t c) { return &near_keys[c * D]; }, cols, scores.data(),
                      kBlockK);
@@ -1127,7 +1174,7 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
           if (!leaky) {  // ReRoPE's far keys are the stored keys: read in place
             row_scores(q_far.data(), rows, D, key_at, cols, far_dst, kBlockK);
           } else {
-            load_key_rows<scalar_t>(key_at, cols, D, far_rot.rows(block), P, s.interleaved, scratch.data(),
+            load_key_rows<scalar_t>(key_at, cols, D, far_rot->rows(block), P, s.interleaved, scratch.data(),
                                     far_keys.data());
             row_scores(q_far.data(), rows, D, [&](int64_t c) { return &far_keys[c * D]; }, cols, far_dst, kBlockK);
           }

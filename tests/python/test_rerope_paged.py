@@ -181,6 +181,35 @@ def test_requests_are_independent_of_their_batch():
         torch.testing.assert_close(lse[rows], alone[1], atol=1e-6, rtol=1e-6)
 
 
+def test_key_rotations_remembered_between_calls_follow_every_input_they_depend_on():
+    """The CPU op keeps the last call's key cos/sin (an engine step's layers share positions and tables): a
+    call that changes the tables, the lengths (positions), the window's side, or Leaky's k right after another
+    must still compute its own, as the reference does; the same call twice gives the same bits."""
+    requests = [(1, 300), (1, 200), (2, 140)]
+    inputs, dense = make_paged(requests, 4, 2, 32, 16, seed=11)
+    tables = {s: torch.stack([ops.dynamic_ntk_inv_freq(32, BASE, s, 64, seq) for _, seq in requests])
+              for s in (2.0, 4.0)}
+    calls = [(tables[2.0], 1 << 20, 0.0), (tables[2.0], 1 << 20, 0.0), (tables[4.0], 1 << 20, 0.0),
+             (tables[4.0], 50, 0.0), (tables[4.0], 50, 8.0), (tables[4.0], 50, 4.0), (tables[2.0], 1 << 20, 0.0)]
+    results = []
+    for inv_freq, window, leaky_k in calls:
+        out, lse = ops.rerope_attention_paged(*inputs, inv_freq, window, leaky_k=leaky_k)
+        ref_out, ref_lse = reference_paged(inputs[0], dense, requests, inv_freq, window, leaky_k=leaky_k)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-6)
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[-1])
+    # Shorter sequences over the same pages (other positions and flags), then the first call again.
+    q, key_cache, value_cache, block_table, seq_lens, starts = inputs
+    shorter = [(q_len, seq - 60) for q_len, seq in requests]
+    out, _ = ops.rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens - 60, starts,
+                                        tables[2.0], 1 << 20)
+    ref_out, _ = reference_paged(q, [(k[:, : seq], v[:, : seq]) for (k, v), (_, seq) in zip(dense, shorter)],
+                                 shorter, tables[2.0], 1 << 20)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    assert torch.equal(ops.rerope_attention_paged(*inputs, tables[2.0], 1 << 20)[0], results[0])
+
+
 def test_int64_metadata_and_float64_table_are_taken():
     inputs, _ = make_paged([(3, 20), (20, 20)], 2, 2, 8, 16, seed=2)
     q, key_cache, value_cache, block_table, seq_lens, starts = inputs
