@@ -6,8 +6,10 @@ dirs (``hf.patch`` + ``save_pretrained``), prompts of real text with a passkey (
 1. YaRN s=2 and Resonance-YaRN (issue 17), served at 12k through the plugin (``hf.patch`` records YaRN in
    the ``ropescale`` entry, so the plugin serves ropescale's table: vLLM's own YaRN takes float32 angles,
    and its logprobs here were 4.05e-4 off, twelve times float32's own error): the last 64 prompt logprobs
-   and the next token's top 20 within twice float32's own error on that model (its float32 forward against
-   float64), and the same next token;
+   and the next token's top 20 within twice the larger of float32's own error on that model (its float32
+   forward against float64) and vLLM's own (the same model with plain RoPE, written as linear s=1 so that
+   it is served with ropescale's table too: only the table differs from the YaRN runs), and the same next
+   token;
 2. ReRoPE w=2048 (issue 18), served at 16k through ropescale's pre-RoPE backend in 2048-token chunks: it
    finds the passkey that native RoPE, served by the same engine, loses; its prompt logprobs on the last
    quarter are within twice float32's own error of transformers + ropescale's.
@@ -131,7 +133,11 @@ def test_static_methods_served_at_12k_as_transformers_serves_them(tmp_path, smol
     model, tokenizer = smollm2
     ids, _ = passkey_ids(tokenizer, 12 * 1024)
     last = 64  # the last prompt positions, past the model's 8k
-    methods = {"yarn": scaling.YaRN(factor=2.0, original_max_position=ORIGINAL),
+    # "rope": plain RoPE recorded as linear s=1, so the plugin serves ropescale's table for it too: its distance
+    # from transformers is what vLLM's own float32 arithmetic (chunked prefill, its attention and matmuls) adds
+    # at 12k, the level the YaRN tables are judged against (only the table differs between the runs).
+    methods = {"rope": scaling.Linear(factor=1.0),
+               "yarn": scaling.YaRN(factor=2.0, original_max_position=ORIGINAL),
                "resonance_yarn": scaling.YaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True)}
     references, runs = {}, []
     for name, method in methods.items():
@@ -141,18 +147,20 @@ def test_static_methods_served_at_12k_as_transformers_serves_them(tmp_path, smol
         hf.unpatch(model)
         runs.append((name, tmp_path / name))
     served = serve(tmp_path, runs, ids, last, new_tokens=1)
-    level = own_error(references["yarn"])
     errors = {}
     for name in methods:  # every method measured and printed before any assertion
         want = references[name][torch.float32]
         errors[name] = error_against(served[name], want)
         print(f"SmolLM2 {name} at {len(ids)} tokens: vLLM vs transformers + ropescale {errors[name]:.3g} on the "
-              f"last {last} prompt logprobs and the next token's top 20; float32's own error {level:.3g}; "
-              f"{served[name]['seconds']:.0f} s in vLLM; next token {served[name]['tokens'][0]} vs "
-              f"{int(want[1].argmax())}")
+              f"last {last} prompt logprobs and the next token's top 20; {served[name]['seconds']:.0f} s in vLLM; "
+              f"next token {served[name]['tokens'][0]} vs {int(want[1].argmax())}")
+    # The level: float32's own error in transformers (float32 against float64) or vLLM's own (the plain RoPE
+    # run), whichever is larger. vLLM's own YaRN table (float32 angles) was 4.05e-4 off here.
+    level = max(own_error(references["yarn"]), errors["rope"])
+    print(f"float32's own error {own_error(references['yarn']):.3g}, vLLM's own (plain RoPE) {errors['rope']:.3g}")
     for name in methods:
         assert served[name]["tokens"][0] == int(references[name][torch.float32][1].argmax()), name
-    assert all(error <= 2 * level for error in errors.values()), f"{errors} against 2 x {level:.3g}"
+    assert all(errors[name] <= 2 * level for name in methods if name != "rope"), f"{errors} against 2 x {level:.3g}"
 
 
 def test_rerope_served_at_16k_finds_the_passkey_native_loses(tmp_path, smollm2):
