@@ -1,0 +1,111 @@
+"""One decode call of ``rerope_attention_paged`` (CPU) on an engine's shapes, against SDPA on the same data.
+
+    python benchmarks/bench_paged_decode.py                       # SmolLM2's shapes, 8 x 4k and 1 x 16k
+    python benchmarks/bench_paged_decode.py --requests 8 --length 16384 --threads 2
+
+What vLLM's decode step asks of the op at every layer: one query per request (``--requests`` of them,
+each ``--length`` tokens long), keys and values read through a paged cache (``--block-size`` slots per
+page, pages in shuffled order), GQA (``--q-heads`` over ``--kv-heads``), float32. Rows:
+
+  rerope        ReRoPE with window ``--window`` (one static table): the window's keys rotated, the others
+                read as stored;
+  dynamic_yarn  Dynamic-YaRN s=2 over an 8k original length: each request's own table, every key rotated;
+  sdpa          what a user would pick without ropescale: ``scaled_dot_product_attention`` over contiguous,
+                already-rotated keys and values ([R, H, L, D], ``enable_gqa``), no paging, no ReRoPE rule.
+
+Each row is the mean of ``--calls`` calls after 3 warm-up calls, with the same inputs every call (as the
+30 layers of one engine step: same positions and tables, so the op's remembered key cos/sin hit after the
+first call). "x sdpa" is the row's time over SDPA's (1.0: as fast). Timings on a shared CPU are noisy:
+compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ropescale import ops, scaling
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="bench_paged_decode.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 1], help="requests per call (default 8 1)")
+    parser.add_argument("--length", type=int, nargs="+", default=[4096, 16384],
+                        help="tokens per request, paired with --requests (default 4096 16384)")
+    parser.add_argument("--q-heads", type=int, default=9, help="query heads (default 9: SmolLM2-135M)")
+    parser.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    parser.add_argument("--block-size", type=int, default=128, help="slots per page (default 128: vLLM CPU)")
+    parser.add_argument("--window", type=int, default=2048, help="ReRoPE window (default 2048)")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per row (default 30)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if len(args.requests) != len(args.length):
+        parser.error("--requests and --length take the same number of values")
+    if min(args.requests + args.length) <= 0 or args.window <= 0 or args.calls <= 0:
+        parser.error("--requests, --length, --window and --calls must be > 0")
+    if args.q_heads % args.kv_heads:
+        parser.error("--q-heads must be a multiple of --kv-heads")
+    return args
+
+
+def timed(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def case_rows(requests: int, length: int, args) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, dim, block = args.q_heads, args.kv_heads, args.head_dim, args.block_size
+    pages = -(-length // block)
+    num_blocks = requests * pages + 1
+    key_cache = torch.randn(num_blocks, hkv, block, dim, generator=g)
+    value_cache = torch.randn(num_blocks, hkv, block, dim, generator=g)
+    block_table = (torch.randperm(num_blocks - 1, generator=g)[: requests * pages] + 1).int().view(requests, pages)
+    seq_lens = torch.full((requests,), length, dtype=torch.int32)
+    starts = torch.arange(requests + 1, dtype=torch.int32)
+    q = torch.randn(requests, hq, dim, generator=g)
+    static = scaling.Default().inv_freq(dim, 1e5)
+    dynamic = scaling.DynamicYaRN(factor=2.0, original_max_position=8192)
+    tables = torch.stack([dynamic.inv_freq(dim, 1e5, seq_len=length)] * requests).float()
+    factors = torch.full((requests,), float(dynamic.attention_factor_for(length)) ** 2)
+    no_window = 2**31 - 1
+    # SDPA's operands: the same keys and values, contiguous per request and head.
+    rows = block_table.long()
+    dense_k = key_cache[rows].permute(0, 2, 1, 3, 4).reshape(requests, hkv, pages * block, dim)[:, :, :length]
+    dense_v = value_cache[rows].permute(0, 2, 1, 3, 4).reshape(requests, hkv, pages * block, dim)[:, :, :length]
+    dense_k, dense_v, q4 = dense_k.contiguous(), dense_v.contiguous(), q[:, :, None]
+    return {
+        "rerope": timed(lambda: ops.rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, starts,
+                                                           static, args.window), args.calls),
+        "dynamic_yarn": timed(lambda: ops.rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens,
+                                                                 starts, tables, no_window, scale_factors=factors),
+                              args.calls),
+        "sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q4, dense_k, dense_v, enable_gqa=True),
+                      args.calls),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads; Hq {args.q_heads}, Hkv {args.kv_heads}, D {args.head_dim}, "
+          f"block {args.block_size}, float32, one query per request")
+    print(f"{'requests x length':>18} {'row':>13} {'ms/call':>9} {'x sdpa':>7}")
+    for requests, length in zip(args.requests, args.length):
+        rows = case_rows(requests, length, args)
+        for name, seconds in rows.items():
+            print(f"{f'{requests} x {length}':>18} {name:>13} {seconds * 1e3:9.3f} {seconds / rows['sdpa']:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
