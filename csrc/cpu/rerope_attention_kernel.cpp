@@ -601,6 +601,17 @@ inline void load_chunk(const T* src, int64_t n, fVec& lo, fVec& hi) {
   }
 }
 
+// load_chunk's inverse for float rows: lo and hi into dst[0, n).
+inline void store_chunk(const fVec& lo, const fVec& hi, int64_t n, float* dst) {
+  if (n >= kChunk) {
+    lo.store(dst);
+    hi.store(dst + fVec::size());
+  } else {
+    lo.store(dst, std::min<int64_t>(n, fVec::size()));
+    if (n > fVec::size()) hi.store(dst + fVec::size(), n - fVec::size());
+  }
+}
+
 // {sum of a's lanes, b's, c's, d's} into out[0, 4): on AVX2 three horizontal adds and one fold for the
 // four (1.25 instructions per dot product instead of a shuffle tree each).
 inline void lanes_sum4(const fVec& a, const fVec& b, const fVec& c, const fVec& d, float* out) {
@@ -687,16 +698,7 @@ void visible_accumulate_block(const prob_t* probs, int64_t cols, int64_t ld_prob
         hi[r] = at::vec::fmadd(p, v_hi, hi[r]);
       }
     }
-    for (int r = 0; r < kRows; ++r) {
-      float* a = acc + r * dim + d;
-      if (n >= kChunk) {
-        lo[r].store(a);
-        hi[r].store(a + fVec::size());
-      } else {
-        lo[r].store(a, std::min<int64_t>(n, fVec::size()));
-        if (n > fVec::size()) hi[r].store(a + fVec::size(), n - fVec::size());
-      }
-    }
+    for (int r = 0; r < kRows; ++r) store_chunk(lo[r], hi[r], n, acc + r * dim + d);
   }
 }
 
