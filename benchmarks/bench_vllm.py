@@ -238,7 +238,10 @@ def main(argv=None) -> int:
     measured = {}
     for name in args.rows:
         measured[name] = run_row(args, name, paths[ROWS[name].checkpoint])
-        print(f"{name}: {measured[name]['seconds']:.0f} s ({measured[name]['plugin']})", file=sys.stderr, flush=True)
+        figures = ", ".join(f"{r['prompt_tokens']}: prefill {r['prefill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s"
+                            for r in measured[name]["results"])  # a row's figures as soon as it ends
+        print(f"{name}: {measured[name]['seconds']:.0f} s ({measured[name]['plugin']}); {figures}", file=sys.stderr,
+              flush=True)
     if args.json:
         print(json.dumps({"rows": measured, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
         return 0
