@@ -51,6 +51,7 @@ _check_build()
 
 from . import _C, cache, ops, scaling  # noqa: E402,F401
 from . import reference  # noqa: E402  (ROPESCALE_KERNELS=reference: plain-PyTorch kernels registered over the native ones)
+from . import sharding  # noqa: E402,F401  (DTensor sharding rules, registered once torch.distributed.tensor is imported)
 
 
 def build_info() -> dict:
