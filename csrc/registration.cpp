@@ -146,22 +146,22 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
 }
 
 // The rotary ops check their arguments and pick the kernel of the operands' device themselves
-// (rotary.cpp), so the same functions serve both backends.
-static void register_rotary_impls(torch::Library& m) {
-  m.impl("apply_rotary", &ropescale::apply_rotary);
-  m.impl("apply_rotary_", &ropescale::apply_rotary_);
-  m.impl("apply_rotary_qk", &ropescale::apply_rotary_qk);
-  m.impl("apply_rotary_qk_", &ropescale::apply_rotary_qk_);
-  m.impl("apply_rotary_pos", &ropescale::apply_rotary_pos);
-  m.impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_);
-  m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk);
-  m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_);
+// (rotary.cpp), so the same functions serve both backends (CPU here, CUDA below).
+template <class Impl>
+static void register_rotary_impls(Impl&& impl) {
+  impl("apply_rotary", &ropescale::apply_rotary);
+  impl("apply_rotary_", &ropescale::apply_rotary_);
+  impl("apply_rotary_qk", &ropescale::apply_rotary_qk);
+  impl("apply_rotary_qk_", &ropescale::apply_rotary_qk_);
+  impl("apply_rotary_pos", &ropescale::apply_rotary_pos);
+  impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_);
+  impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk);
+  impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_);
 }
 
-TORCH_LIBRARY_IMPL(ropescale, CPU, m) { register_rotary_impls(m); }
-#ifdef ROPESCALE_WITH_CUDA
-TORCH_LIBRARY_IMPL(ropescale, CUDA, m) { register_rotary_impls(m); }
-#endif
+TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
+  register_rotary_impls([&](const char* name, auto kernel) { m.impl(name, kernel); });
+}
 
 TORCH_LIBRARY_IMPL(ropescale, Meta, m) {
   m.impl("apply_rotary", &ropescale::apply_rotary_meta);
@@ -211,13 +211,32 @@ TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&in_place_without_autograd>());
 }
 
-#ifdef ROPESCALE_WITH_CUDA
-TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
-  m.impl("rerope_attention", &ropescale::rerope_attention_cuda);
-  m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_cuda);
-  m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_cuda_);
+// A library built without CUDA kernels (a CUDA torch but no nvcc, or ROPESCALE_CUDA=OFF) still
+// registers the CUDA key of every op that has a CUDA kernel, with this one: a CUDA tensor gets an error
+// that says how to rebuild, instead of the dispatcher's "Could not run ... from the 'CUDA' backend".
+[[maybe_unused]] static void built_without_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  const std::string& name = op.schema().name();
+  TORCH_CHECK(false, name.substr(name.find("::") + 2),
+              ": this ropescale library was built without CUDA kernels (build_info()['cuda'] is False: no nvcc "
+              "was found when it was built, or ROPESCALE_CUDA=OFF), so it cannot run on CUDA tensors. Install "
+              "the CUDA toolkit matching torch.version.cuda, put nvcc on PATH (or set CUDA_HOME) and reinstall: "
+              "ROPESCALE_CUDA=ON pip install --no-build-isolation --force-reinstall --no-deps ropescale "
+              "(or `.` in a checkout)");
 }
+
+#ifdef ROPESCALE_WITH_CUDA
+#define ROPESCALE_CUDA_IMPL(name, kernel) m.impl(name, kernel)
+#else
+#define ROPESCALE_CUDA_IMPL(name, kernel) \
+  m.impl(name, torch::CppFunction::makeFromBoxedFunction<&built_without_cuda>())
 #endif
+TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
+  register_rotary_impls([&](const char* name, [[maybe_unused]] auto kernel) { ROPESCALE_CUDA_IMPL(name, kernel); });
+  ROPESCALE_CUDA_IMPL("rerope_attention", &ropescale::rerope_attention_cuda);
+  ROPESCALE_CUDA_IMPL("rerope_attention_paged", &ropescale::rerope_attention_paged_cuda);
+  ROPESCALE_CUDA_IMPL("rerope_cache_write_", &ropescale::rerope_cache_write_cuda_);
+}
+#undef ROPESCALE_CUDA_IMPL
 
 namespace ropescale {
 

@@ -87,6 +87,9 @@ step "system packages (Catch2, ccache, ninja, cmake)" "$LOG_DIR/apt.log" system_
 step "Python packages into $VENV (requirements-dev.txt)" "$LOG_DIR/pip.log" python_packages
 step "configure ($BUILD_DIR)" "$LOG_DIR/configure.log" configure
 grep -E '^-- ropescale:' "$LOG_DIR/configure.log" | sed 's/^-- /setup:   /' || true
+# CMake's warnings of ropescale (a CUDA torch without nvcc builds the CPU kernels only), in full.
+awk '/\*\*\* ropescale/ {on = 1} /^-- / {on = 0} on && NF {sub(/^ +/, ""); print "setup: WARNING " $0}' \
+  "$LOG_DIR/configure.log" >&2
 step "build the native library and the C++ tests" "$BUILD_DIR/build.log" cmake --build "$BUILD_DIR"
 if [ "$PTXAS_VERBOSE" = 1 ]; then
   # Registers and spills per CUDA kernel and arch (empty when nothing was recompiled).

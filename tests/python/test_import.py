@@ -78,3 +78,28 @@ def test_console_script_runs():
         pytest.fail(f"no `ropescale` command beside {sys.executable}: setup.sh / pip install should write it")
     result = subprocess.run([str(command), "--help"], capture_output=True, text=True, check=True)
     assert "usage: ropescale" in result.stdout and "table" in result.stdout
+
+
+# The ops with a CUDA kernel: the rotary ops and the ReRoPE attention ops (DESIGN.md, "Public surface").
+_CUDA_OPS = {name for name in ropescale.ops.__all__ if name.startswith("apply_rotary")} | {
+    "rerope_attention", "rerope_attention_paged", "rerope_cache_write_"}
+
+
+def test_every_gpu_op_has_a_cuda_kernel_in_every_build():
+    # A build without CUDA kernels still registers the CUDA key of these ops (with an error that says how
+    # to rebuild): a GPU user never meets the dispatcher's "Could not run ... from the 'CUDA' backend".
+    assert {"apply_rotary", "apply_rotary_qk_", "apply_rotary_pos_qk"} <= _CUDA_OPS
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("ropescale::")
+                  and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")}
+    assert registered == _CUDA_OPS
+
+
+@pytest.mark.skipif(ropescale.build_info()["cuda"], reason="this build has CUDA kernels: the CUDA key runs them")
+def test_a_build_without_cuda_kernels_says_how_to_rebuild_on_cuda_tensors():
+    # The CUDA kernel of a CPU-only build, reached through the dispatcher as a CUDA tensor would reach it.
+    x, cos = torch.randn(1, 1, 2, 4), torch.randn(2, 4)
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(RuntimeError, match=r"apply_rotary: this ropescale library was built without CUDA kernels"
+                                           r".*ROPESCALE_CUDA=ON pip install --no-build-isolation"):
+        torch.ops.ropescale.apply_rotary.default.redispatch(cuda, x, cos, cos)
