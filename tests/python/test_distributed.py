@@ -312,11 +312,11 @@ def check_tensor_parallel(mesh, rank):
                                   (None, {"attention": "rerope", "window": 6}, "rerope_attention"),
                                   (None, {"attention": "rerope", "window": 6, "leaky_k": 4.0}, "rerope_attention")):
             with torch.no_grad():
-                want = _tp_model(method, **patch)(x).logits
+                want = _tp_model(method, **patch)(x, use_cache=False).logits
                 seen.clear()
                 # cos/sin and positions are the model's plain tensors: replicated
                 with implicit_replication():
-                    got = _tp_model(method, mesh, **patch)(x).logits
+                    got = _tp_model(method, mesh, **patch)(x, use_cache=False).logits
             assert seen and all(s == (op, (Shard(1),)) for s in seen), seen
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
