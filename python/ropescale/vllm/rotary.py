@@ -25,6 +25,9 @@ from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # 
 _stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
 _layers: dict[tuple, RotaryEmbedding] = {}
 _warned: set[str] = set()
+# Why the plugin refused to go active in this process (vllm/__init__.py, missing_kernels): ropescale's
+# checkpoints are then refused with it at model build; None when active.
+_refusal: dict[str, str | None] = {"reason": None}
 
 
 def _rotate(module, positions, query, key, in_place: bool):
@@ -103,6 +106,8 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
     rope_type = params.get("rope_type", "default")
     ours = rope_type in _ropescale_types() or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    if ours and _refusal["reason"] is not None:
+        raise RuntimeError(_refusal["reason"])
     if not ours:
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")
@@ -140,11 +145,13 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
 get_rope.__wrapped__ = _stock_get_rope  # type: ignore[attr-defined]
 
 
-def install() -> None:
+def install(refusal: str | None = None) -> None:
     """Put :func:`get_rope` where model modules import it from (idempotent), and ropescale's rope types
-    into transformers (vLLM validates configs with transformers)."""
+    into transformers (vLLM validates configs with transformers). With ``refusal``, the layers of a checkpoint
+    ropescale wrote raise it instead of being served (the plugin refused to go active)."""
     from .. import hf  # noqa: F401  (registers the rope types)
 
+    _refusal["reason"] = refusal
     _rope_package.get_rope = get_rope
 
 
