@@ -488,8 +488,9 @@ _RotaryFn, _RotaryQkFn, _RotaryPosFn, _RotaryPosQkFn = (_rotation_function(op) f
 # ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu).
 
 from .rerope import rerope_attention_composite  # noqa: E402  (plain-PyTorch, differentiable twin)
+from .rerope_train import rerope_attention_train  # noqa: E402  (the training path: fused kernels, no L x L)
 
-__all__ += ["rerope_attention", "rerope_attention_composite"]
+__all__ += ["rerope_attention", "rerope_attention_composite", "rerope_attention_train"]
 
 
 def rerope_attention(
@@ -526,8 +527,8 @@ def rerope_attention(
     non-finite, never zeros. One op serves prefill (``Lq = Lk``) and decoding against a
     :class:`ropescale.cache.PreRopeCache` (``Lq = 1``).
 
-    The fused kernels have no backward pass: train through :func:`rerope_attention_composite`,
-    which computes the same result differentiably from two PyTorch SDPA calls.
+    The fused kernels have no backward pass: train through :func:`rerope_attention_train` (same
+    arguments, same result, differentiable, at the memory of PyTorch's fused attention kernels).
     """
     return _ops.rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
@@ -538,7 +539,8 @@ def rerope_attention(
 def _rerope_attention_backward(ctx, grad_out, grad_lse):
     raise RuntimeError(
         "rerope_attention: the fused kernels have no backward pass; train through "
-        "ropescale.ops.rerope_attention_composite (same arguments, same result, differentiable)"
+        "ropescale.ops.rerope_attention_train (same arguments, same result, differentiable, no L x L tensor) "
+        "or its oracle ropescale.ops.rerope_attention_composite"
     )
 
 

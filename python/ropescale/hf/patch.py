@@ -415,10 +415,10 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
     pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
     if pad is not None and bool(pad.any()):
         key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
-    # The fused op has no backward: when gradients are wanted (fine-tuning with Leaky ReRoPE), the
-    # differentiable composite path computes the same attention.
+    # The fused op has no backward: when gradients are wanted (fine-tuning), the training path computes
+    # the same attention differentiably from PyTorch's fused attention kernels (no L x L tensor).
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    attention = ops.rerope_attention_composite if wants_grad else ops.rerope_attention
+    attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
 
     def attend(q, k, v, q_pos, k_pos, seq_len):
         inv_freq, factor = state.table(seq_len, q.device)
