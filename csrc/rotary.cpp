@@ -74,11 +74,17 @@ void check_rotary_dim(const char* op, const c10::SymInt& rotary_dim, const c10::
               " is larger than head_dim = ", head_dim);
 }
 
-// cos/sin: [seq, width] or [batch or 1, seq, width], the operands' dtype and device, unit last
-// stride. Full width: rotary_dim = width (transformers' rotate-half layout, one entry per feature);
-// half width: rotary_dim = 2 * width (one entry per pair). A full-width table with interleaved
-// pairs is refused: its layout is ambiguous (GPT-J/Cohere write c0 c0 c1 c1, transformers' Llama
-// c0 c1 .. c0 c1, and the wrong one rotates silently wrong); one entry per pair says it exactly.
+// cos/sin: [seq, width] or [batch or 1, seq, width], the operands' device, unit last stride, both
+// of the operands' dtype or both float32 (whatever the operands' dtype: the tables autocast and
+// FlashInfer/vLLM-style callers hand over with fp16/bf16 q and k; the kernels compute in fp32, fp64
+// for double operands, and round once to the operands' dtype, which the outputs have). Tables of
+// another dtype are refused rather than converted: a half table with float32 operands would round
+// the rotation to the table's precision, and a float64 table with float32 operands would be read as
+// its float32 rounding (the math is fp32); both are a cast the caller should see.
+// Full width: rotary_dim = width (transformers' rotate-half layout, one entry per feature); half
+// width: rotary_dim = 2 * width (one entry per pair). A full-width table with interleaved pairs is
+// refused: its layout is ambiguous (GPT-J/Cohere write c0 c0 c1 c1, transformers' Llama c0 c1 ..
+// c0 c1, and the wrong one rotates silently wrong); one entry per pair says it exactly.
 void check_tables(const char* op, const at::Tensor& x, const at::Tensor* k, const at::Tensor& cos,
                   const at::Tensor& sin, bool interleaved, bool half_width, const char* const names[2]) {
   check_same_device(op, x, names[0], "cos", cos);
@@ -87,9 +93,10 @@ void check_tables(const char* op, const at::Tensor& x, const at::Tensor* k, cons
               ": cos must be [seq, rotary_dim] or [batch, seq, rotary_dim], got shape ", cos.sym_sizes());
   TORCH_CHECK(sin.sym_sizes() == cos.sym_sizes(), op, ": sin and cos must have the same shape, got ",
               sin.sym_sizes(), " and ", cos.sym_sizes());
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), op,
-              ": cos and sin must have the dtype of ", names[0], " (", x.scalar_type(), "), got ", cos.scalar_type(),
-              " and ", sin.scalar_type());
+  const at::ScalarType table_dtype = cos.scalar_type();
+  TORCH_CHECK(sin.scalar_type() == table_dtype && (table_dtype == x.scalar_type() || table_dtype == at::kFloat), op,
+              ": cos and sin must both be float32 or both have the dtype of ", names[0], " (", x.scalar_type(),
+              "), got ", cos.scalar_type(), " and ", sin.scalar_type());
   TORCH_CHECK((cos.sym_stride(-1) == 1 || cos.sym_size(-1) <= 1) && (sin.sym_stride(-1) == 1 || sin.sym_size(-1) <= 1),
               op, ": cos and sin must have a unit stride along their last dimension, got strides ", cos.sym_strides(),
               " and ", sin.sym_strides());

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <type_traits>
 
 #include "ropescale/rotary.h"
 
@@ -17,7 +18,7 @@ struct RotaryArgs {
   int num_operands = 1;
   int64_t seq_len = 0, head_dim = 0, rotary_dim = 0, table_batch = 1;
   rotary::TableKind table = rotary::TableKind::kFullWidth;
-  at::Tensor cos, sin;       // [table_batch, seq, width] (2-D tables are viewed as 3-D)
+  at::Tensor cos, sin;       // [table_batch, seq, width] (2-D tables are viewed as 3-D); in[0]'s dtype or float32
   at::Tensor positions;      // [table_batch, seq], int32 or int64
   at::Tensor inv_freq;       // [rotary_dim / 2], float32, contiguous
   double scale = 1.0;
@@ -25,10 +26,11 @@ struct RotaryArgs {
 };
 
 // Kernel parameters with element type T: the backend's own type of the same layout as the
-// tensors' dtype (float, double, c10::Half / __half, c10::BFloat16 / __nv_bfloat16).
-template <class T>
-rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
-  rotary::Params<T> p;
+// tensors' dtype (float, double, c10::Half / __half, c10::BFloat16 / __nv_bfloat16); Table the
+// same for the cos/sin tables (T, or float).
+template <class T, class Table = T>
+rotary::Params<T, Table> make_rotary_params(const RotaryArgs& a) {
+  rotary::Params<T, Table> p;
   p.num_operands = a.num_operands;
   for (int o = 0; o < a.num_operands; ++o) {
     const at::Tensor& in = a.in[o];
@@ -58,8 +60,9 @@ rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
     p.inv_freq = a.inv_freq.const_data_ptr<float>();
     p.scale = a.scale;
   } else {
-    p.cos = static_cast<const T*>(a.cos.const_data_ptr());
-    p.sin = static_cast<const T*>(a.sin.const_data_ptr());
+    TORCH_INTERNAL_ASSERT(a.cos.element_size() == sizeof(Table) && a.sin.element_size() == sizeof(Table));
+    p.cos = static_cast<const Table*>(a.cos.const_data_ptr());
+    p.sin = static_cast<const Table*>(a.sin.const_data_ptr());
     p.cos_stride_batch = a.cos.stride(0);
     p.cos_stride_seq = a.cos.stride(1);
     p.sin_stride_batch = a.sin.stride(0);
@@ -69,6 +72,27 @@ rotary::Params<T> make_rotary_params(const RotaryArgs& a) {
   p.conjugate = a.conjugate;
   p.copy_tail = !a.in_place && a.rotary_dim < a.head_dim;
   return p;
+}
+
+// Whether the cos/sin tables are float32 while the operands are not (half, bfloat16, double
+// operands with float32 tables, as autocast produces them): the kernels then take Params<T, float>.
+inline bool float32_tables(const RotaryArgs& a) {
+  return a.table != rotary::TableKind::kPositions && a.cos.scalar_type() == at::kFloat &&
+         a.in[0].scalar_type() != at::kFloat;
+}
+
+// Calls f(params) with the kernel parameters of the arguments for element type T (the dtype
+// dispatch's own type): Params<T, float> for float32 tables with other operands, else Params<T>.
+// The one place both backends choose the table type.
+template <class T, class F>
+void with_rotary_params(const RotaryArgs& a, F&& f) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (float32_tables(a)) {
+      f(make_rotary_params<T, float>(a));
+      return;
+    }
+  }
+  f(make_rotary_params<T>(a));
 }
 
 // The kernels, per backend. Arguments are already checked; the work is not empty.

@@ -2,8 +2,9 @@
 // AVX512, as ATen's own kernels are; CMakeLists.txt) and picked at run time by cpu/rotary.cpp.
 // Work is split over tiles of tokens (and, when there are few tokens, over groups of rows too, so
 // decode still uses every core). A task first computes the cos/sin of every pair of its tokens once
-// (include/ropescale/rotary.h: the same pair math as the CUDA kernel, fp32 for half types), then
-// rotates every row (head, batch row) of q and k that shares them with at::vec vectors.
+// (include/ropescale/rotary.h: the same pair math as the CUDA kernel, fp32 for half types; tables
+// of the operands' dtype or float32 read into that compute type), then rotates every row (head,
+// batch row) of q and k that shares them with at::vec vectors.
 //
 // Everything here but the entry point has internal linkage, so no function compiled with AVX
 // instructions can stand in for another translation unit's copy at link time.
@@ -151,8 +152,8 @@ void position_coeffs_row(double position, const float* inv_freq, int64_t half, f
   }
 }
 
-template <class T, bool kInterleaved>
-void rotary_cpu_kernel(const Params<T>& p) {
+template <bool kInterleaved, class T, class Table>
+void rotary_cpu_kernel(const Params<T, Table>& p) {
   using Acc = at::opmath_type<T>;
   const int64_t half = p.half();
   const int64_t tokens = p.tokens();
@@ -164,7 +165,7 @@ void rotary_cpu_kernel(const Params<T>& p) {
   const int64_t tasks = tiles * groups;
   const int64_t elements = tokens * rows * p.head_dim;
   const int64_t grain = elements < kMinParallelElements ? tasks : 1;
-  const auto to_acc = [](T v) { return static_cast<Acc>(v); };
+  const auto to_acc = [](Table v) { return static_cast<Acc>(v); };
 
   // Positions with float math: the vectorised coefficients.
   constexpr bool kFloatAcc = std::is_same_v<Acc, float>;
@@ -225,11 +226,12 @@ void cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_o
 
 void rotary_kernel(const RotaryArgs& args) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.in[0].scalar_type(), "rotary_cpu", [&] {
-    const Params<scalar_t> p = make_rotary_params<scalar_t>(args);
-    if (p.interleaved)
-      rotary_cpu_kernel<scalar_t, true>(p);
-    else
-      rotary_cpu_kernel<scalar_t, false>(p);
+    with_rotary_params<scalar_t>(args, [](const auto& p) {
+      if (p.interleaved)
+        rotary_cpu_kernel<true>(p);
+      else
+        rotary_cpu_kernel<false>(p);
+    });
   });
 }
 

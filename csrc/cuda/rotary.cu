@@ -1,6 +1,7 @@
 // ATen glue of the rotary CUDA kernel (include/ropescale/rotary_kernels.cuh): arguments were
 // checked at the op boundary (rotary.cpp); here only the device guard, the current stream, the
-// dtype dispatch and the launch check. Device attributes are asked once per device (device_info.h).
+// dtype dispatch (the operands', then the tables': theirs or float32, rotary_args.h) and the launch
+// check. Device attributes are asked once per device (device_info.h).
 // c10/cuda only: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers, which a
 // compiler-only CUDA toolkit does not have.
 #include <ATen/Dispatch.h>
@@ -30,7 +31,7 @@ void rotary_cuda(const RotaryArgs& args) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.in[0].scalar_type(), "rotary_cuda", [&] {
     using T = typename CudaElement<scalar_t>::type;
-    rotary::launch_rotary(make_rotary_params<T>(args), min_blocks, stream);
+    with_rotary_params<T>(args, [&](const auto& p) { rotary::launch_rotary(p, min_blocks, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

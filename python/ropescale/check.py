@@ -88,7 +88,8 @@ def _rotary_rows(device, label: str) -> list[Row]:
     """Every rotary op, float32/float16/bfloat16, on q [2, 8, 37, 88] (transformers' transposed layout)
     and k [2, 2, 37, 88] (GQA): 80 of 88 features rotated (40 pairs: vector bodies and remainders),
     full-width tables (per batch row) and half-width ones (one row for the batch), interleaved pairs
-    (with half-width tables, the layout they take), conjugate, int32 and int64 positions to 2^20."""
+    (with half-width tables, the layout they take), conjugate, int32 and int64 positions to 2^20; for
+    float16/bfloat16, also float32 tables (autocast's), judged against PyTorch's promoted float32 math."""
     import torch
 
     from . import ops
@@ -160,6 +161,12 @@ def _rotary_rows(device, label: str) -> list[Row]:
                                               q, k),
              (q, k), (positions, 1.1), False, False),
         ]
+        if dtype != torch.float32:
+            # what autocast hands over: float32 tables (entries the dtype cannot hold), half q and k
+            cos32 = (torch.rand(batch, seq, rotary_dim, generator=gen) * 2 - 1).to(device)
+            sin32 = (torch.rand(batch, seq, rotary_dim, generator=gen) * 2 - 1).to(device)
+            cases.append(("apply_rotary_qk (float32 tables)", lambda: list(ops.apply_rotary_qk(q, k, cos32, sin32)),
+                          (q, k), (cos32, sin32), False, False))
         for op, call, operands, tables, interleaved, conjugate in cases:
             shape = " ".join("x".join(map(str, t.shape)) for t in operands)
             try:
@@ -177,6 +184,8 @@ def _rotary_rows(device, label: str) -> list[Row]:
             for x, y in zip(operands, outputs):
                 ref, _ = expected(x, *ref_tables, interleaved, conjugate)
                 plain = eager(x, *plain_tables, interleaved, conjugate)
+                if "float32 tables" in op:  # PyTorch promotes to float32, then the dtype
+                    plain = eager(x.float(), *plain_tables, interleaved, conjugate).to(dtype)
                 error = max(error, _max_error(y, ref))
                 plain_error = max(plain_error, _max_error(plain, ref))
             allowed = ERROR_FACTOR * plain_error + _ROTARY_FLOOR[str(dtype)[6:]]

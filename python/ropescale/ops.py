@@ -226,6 +226,12 @@ def _(dim, base, short_factor, long_factor, original_max_position, seq_len, *, d
 # half types. ``conjugate=True`` applies the transposed map (the inverse rotation), which is also
 # the backward pass.
 #
+# Table dtype: cos/sin either in the operands' dtype or in float32 whatever the operands' dtype
+# (fp16/bf16 q and k with the float32 tables autocast leaves them, as FlashInfer's and vLLM's kernels
+# take them; float64 operands too). The kernels read the tables as they are, rotate in fp32 (fp64 for
+# float64 operands) and round once to the operands' dtype, which the outputs and gradients have. Any
+# other mix (a half table with float32 operands, float64 tables with float32 ones) is refused.
+#
 # Table layouts: a full-width table (transformers' ``[.., seq, rotary_dim]``) is in the rotate-half
 # layout, one entry per feature; a half-width one (``half_width=True``, ``[.., seq, rotary_dim/2]``)
 # has one entry per pair. ``interleaved=True`` takes half-width tables only: a full-width table is
@@ -261,7 +267,9 @@ def apply_rotary(
     vLLM). ``interleaved=True`` (GPT-J pairs) needs ``half_width=True``: pass ``cos[..., ::2].contiguous()``
     of a GPT-J/Cohere table (``c0 c0 c1 c1``) or ``cos[..., :rotary_dim // 2]`` of a transformers Llama one;
     a full-width table is refused there, its layout being ambiguous. rotary_dim is read off the
-    table; features past it are copied. Differentiable in ``x``; cos and sin are constants."""
+    table; features past it are copied. cos and sin are both of x's dtype or both float32 (the
+    rotation is then done in fp32 and rounded once to x's dtype: autocast's fp32 tables with half q/k);
+    the output has x's dtype. Differentiable in ``x``; cos and sin are constants."""
     if _under_torch_func():
         return _RotaryFn.apply(x, cos, sin, interleaved, half_width, conjugate)
     return _ops.apply_rotary(x, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
@@ -292,7 +300,8 @@ def apply_rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary` on q and k in one pass, cos/sin read once per token: transformers'
     ``apply_rotary_pos_emb(q, k, cos, sin)``. q and k share seq length, head_dim and dtype; their head
-    counts (GQA) and, with a table of batch 1, their batch sizes may differ."""
+    counts (GQA) and, with a table of batch 1, their batch sizes may differ. cos/sin of q's dtype or
+    float32, as for :func:`apply_rotary`; the outputs have q's dtype."""
     if _under_torch_func():
         return _RotaryQkFn.apply(q, k, cos, sin, interleaved, half_width, conjugate)
     return _ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)

@@ -83,3 +83,26 @@ TEST_CASE("position coefficients rotate by the angle and scale by the attention 
   CHECK(ya == Approx(1.5 * std::cos(angle)).margin(1e-13));
   CHECK(yb == Approx(1.5 * std::sin(angle)).margin(1e-13));
 }
+
+TEST_CASE("pair coefficients read a float table as it is, for operands of another type", "[rotary]") {
+  // Float tables with double operands (Params<double, float>): the pair's own entries of the float
+  // table (a and b of a full-width row), converted exactly, transposed for the conjugate.
+  const float cos_row[4] = {0.1f, -0.7f, 0.3f, 0.9f};  // full width, rotary_dim 4: pairs (0, 2), (1, 3)
+  const float sin_row[4] = {0.2f, 0.5f, -0.6f, 0.8f};
+  rotary::Params<double, float> p;
+  p.rotary_dim = p.head_dim = 4;
+  p.seq_len = 1;
+  p.table = rotary::TableKind::kFullWidth;
+  p.cos = cos_row;
+  p.sin = sin_row;
+  const auto to_acc = [](float v) { return static_cast<double>(v); };
+  const auto c = rotary::pair_coeffs<double>(p, 0, 0, 1, to_acc);
+  CHECK(c.cos_a == static_cast<double>(cos_row[1]));
+  CHECK(c.sin_a == static_cast<double>(sin_row[1]));
+  CHECK(c.cos_b == static_cast<double>(cos_row[3]));
+  CHECK(c.sin_b == static_cast<double>(sin_row[3]));
+  p.conjugate = true;
+  const auto t = rotary::pair_coeffs<double>(p, 0, 0, 1, to_acc);
+  CHECK(t.sin_a == -static_cast<double>(sin_row[3]));
+  CHECK(t.sin_b == -static_cast<double>(sin_row[1]));
+}

@@ -48,12 +48,19 @@ void instantiate_all(ReropeParams p, KeyTile* tiles, cudaStream_t stream) {
 
 namespace ropescale::rotary {
 
+// Operands' own tables, and float tables with the other operand types (csrc/cuda/rotary.cu takes
+// both: rotary_args.h's with_rotary_params).
 void instantiate_all(const Params<float>& f, const Params<__half>& h, const Params<__nv_bfloat16>& b,
-                     cudaStream_t stream) {
+                     const Params<double>& d, const Params<__half, float>& hf, const Params<__nv_bfloat16, float>& bf,
+                     const Params<double, float>& df, cudaStream_t stream) {
 #ifndef ROPESCALE_PLANTED_SPILL
   launch_rotary(f, 1, stream);
   launch_rotary(h, 1, stream);
   launch_rotary(b, 1, stream);
+  launch_rotary(d, 1, stream);
+  launch_rotary(hf, 1, stream);
+  launch_rotary(bf, 1, stream);
+  launch_rotary(df, 1, stream);
 #endif
 }
 

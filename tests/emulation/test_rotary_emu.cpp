@@ -3,16 +3,21 @@
 // definition (DESIGN.md "Rotation"): y = x * cos + rotate(x) * sin on the first rotary_dim
 // features, the rest copied (or untouched in place). Small odd shapes, every dtype, both layouts,
 // every table kind, q alone and q+k with different head (and batch) counts, strided and
-// misaligned rows (the one-pair-per-thread path), and grids split over rows (few tokens).
+// misaligned rows (the one-pair-per-thread path), and grids split over rows (few tokens); tables of
+// the operands' type and float tables with half, bfloat16 and double operands. Every output is
+// the float64 value of the given entries rounded ONCE to the operands' type, within what fp32 (fp64)
+// arithmetic adds: a kernel that rounded a float table to the operands' type first fails.
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include "ropescale/rotary_kernels.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,13 +47,28 @@ T from_double(double v) {
     return static_cast<T>(v);
 }
 
-// Relative rounding of one output element, plus what fp32 math costs.
+// Half a unit in the last place of `value` in T (the error of rounding an exact value once).
 template <class T>
-double tolerance(double magnitude) {
-  if constexpr (std::is_same_v<T, __half>) return magnitude * std::ldexp(1.0, -11) + 1e-6;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return magnitude * std::ldexp(1.0, -8) + 1e-6;
-  if constexpr (std::is_same_v<T, float>) return magnitude * 1e-6 + 1e-6;
-  return magnitude * 1e-14;
+double half_ulp(double value) {
+  if constexpr (std::is_same_v<T, double>) {
+    return 0.0;  // the math is double itself: all of the error is in `arithmetic` below
+  } else {
+    constexpr int kMantissa = std::is_same_v<T, __half> ? 10 : (std::is_same_v<T, __nv_bfloat16> ? 7 : 23);
+    constexpr int kMinExponent = std::is_same_v<T, __half> ? -14 : -126;  // below it: subnormal spacing
+    const double magnitude = std::fabs(value);
+    const int exponent = magnitude > 0.0 ? std::max(std::ilogb(magnitude), kMinExponent) : kMinExponent;
+    return std::ldexp(1.0, exponent - kMantissa - 1);
+  }
+}
+
+// What one output element may differ from the exact value of the given entries: its rounding to T
+// once, plus what the compute type's arithmetic costs on `terms`: fp32 for every type but double.
+// `terms` is the sum of the absolute products |x_a cos| + |x_b sin| for tables; with positions, whose
+// fp32 sin/cos of the reduced angle are off by a few float ulps of the scale, scale * (|x_a| + |x_b|).
+template <class T>
+double tolerance(double expected, double terms, bool positions) {
+  const double arithmetic = std::is_same_v<T, double> ? std::ldexp(1.0, -50) : std::ldexp(1.0, positions ? -21 : -22);
+  return half_ulp<T>(expected) + arithmetic * terms + 1e-300;
 }
 
 // Element layouts of a [batch, heads, seq, head_dim] operand inside a larger buffer.
@@ -140,9 +160,10 @@ std::string describe(const Case& c) {
 
 // Runs one case through the emulated kernel; checks every output element against the reference,
 // that the tail is copied (or untouched in place), and that nothing outside the operands changed.
-template <class T>
+// Table: the element type of the cos/sin tables (T, or float).
+template <class T, class Table = T>
 void run_case(const Case& c, std::mt19937& rng) {
-  INFO(describe(c));
+  INFO(describe(c) << " float_tables=" << (!std::is_same_v<Table, T>));
   std::normal_distribution<double> normal;
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
   const int64_t batch_q = 2, heads_q = 3, heads_k = 2;
@@ -157,7 +178,7 @@ void run_case(const Case& c, std::mt19937& rng) {
   ref.width = c.table == TableKind::kFullWidth ? R : R / 2;
   ref.table_batch = table_batch;
   ref.seq = S;
-  std::vector<T> cos_table, sin_table;
+  std::vector<Table> cos_table, sin_table;
   std::vector<int32_t> positions32;
   std::vector<int64_t> positions64;
   if (c.table == TableKind::kPositions) {
@@ -171,8 +192,8 @@ void run_case(const Case& c, std::mt19937& rng) {
   } else {
     // Arbitrary tables (not cos/sin of anything): the kernel must apply exactly the entries given.
     for (int64_t i = 0; i < table_batch * S * ref.width; ++i) {
-      cos_table.push_back(from_double<T>(uniform(rng)));
-      sin_table.push_back(from_double<T>(uniform(rng)));
+      cos_table.push_back(from_double<Table>(uniform(rng)));
+      sin_table.push_back(from_double<Table>(uniform(rng)));
       ref.cos.push_back(to_double(cos_table.back()));
       ref.sin.push_back(to_double(sin_table.back()));
     }
@@ -189,7 +210,7 @@ void run_case(const Case& c, std::mt19937& rng) {
   }
   const std::vector<Buffer<T>> originals = inputs;
 
-  Params<T> p;
+  Params<T, Table> p;
   p.num_operands = num_operands;
   for (int o = 0; o < num_operands; ++o) {
     Buffer<T>& in = inputs[o];
@@ -229,28 +250,31 @@ void run_case(const Case& c, std::mt19937& rng) {
       for (int64_t h = 0; h < in.heads; ++h)
         for (int64_t s = 0; s < S; ++s) {
           const int64_t tb = table_batch == 1 ? 0 : b;
-          std::vector<double> x(R), expected(R);
+          std::vector<double> x(R), expected(R), terms(R);
           for (int64_t e = 0; e < R; ++e) x[e] = to_double(in.data[in.index(b, h, s, e)]);
           for (int64_t e = 0; e < R; ++e) {
             double cs, sn;
             ref.entry(tb, s, e, &cs, &sn);
+            const int64_t partner = c.interleaved ? (e ^ 1) : (e < R / 2 ? e + R / 2 : e - R / 2);
             if (!c.conjugate) {
               expected[e] = x[e] * cs + ref.rotated(x, e) * sn;
+              terms[e] = std::fabs(x[e] * cs) + std::fabs(ref.rotated(x, e) * sn);
             } else {
               // The transpose of the forward map M (y = M x): (M^T x)[e] = sum_f M[f][e] x[f]. Row f
               // of M has cos_f at f and sin_f at f's partner with rotate's sign.
-              const int64_t partner = c.interleaved ? (e ^ 1) : (e < R / 2 ? e + R / 2 : e - R / 2);
               double cp, sp;
               ref.entry(tb, s, partner, &cp, &sp);
               // rotate(x)[partner] = sign * x[e], sign = -1 when partner is the first of its pair.
               const bool partner_first = c.interleaved ? partner % 2 == 0 : partner < R / 2;
               expected[e] = x[e] * cs + (partner_first ? -sp : sp) * x[partner];
+              terms[e] = std::fabs(x[e] * cs) + std::fabs(sp * x[partner]);
             }
+            if (c.table == TableKind::kPositions) terms[e] = ref.scale * (std::fabs(x[e]) + std::fabs(x[partner]));
           }
           for (int64_t e = 0; e < R; ++e) {
             const double got = to_double(out.data[out.index(b, h, s, e)]);
             const double err = std::fabs(got - expected[e]);
-            const double tol = tolerance<T>(std::fabs(expected[e]) + 1.0);
+            const double tol = tolerance<T>(expected[e], terms[e], c.table == TableKind::kPositions);
             worst = std::max(worst, err / tol);
             if (err > tol) {
               FAIL_CHECK("operand " << o << " [" << b << "," << h << "," << s << "," << e << "]: got " << got
@@ -274,10 +298,13 @@ void run_case(const Case& c, std::mt19937& rng) {
   CHECK(worst <= 1.0);
 }
 
-template <class T>
+// Every table kind (only the two table kinds with float tables for other operands: the position
+// kind reads none), layout, stride and operand mix.
+template <class T, class Table = T>
 void run_grid(bool quick) {
   std::mt19937 rng(1234);
-  const std::vector<TableKind> tables = {TableKind::kFullWidth, TableKind::kHalfWidth, TableKind::kPositions};
+  std::vector<TableKind> tables = {TableKind::kFullWidth, TableKind::kHalfWidth};
+  if constexpr (std::is_same_v<Table, T>) tables.push_back(TableKind::kPositions);
   for (TableKind table : tables)
     for (bool interleaved : {false, true})
       for (Layout layout : {Layout::kContiguous, Layout::kTransposed, Layout::kPadded})
@@ -296,7 +323,7 @@ void run_grid(bool quick) {
           c.rotary_dim = layout == Layout::kPadded ? 8 : 16;
           c.head_dim = layout == Layout::kContiguous ? 16 : 24;
           c.min_blocks = c.seq == 1 ? 64 : 1;
-          run_case<T>(c, rng);
+          run_case<T, Table>(c, rng);
           if (quick) break;
         }
 }
@@ -312,6 +339,68 @@ TEST_CASE("rotary kernel, float64", "[rotary][double]") { run_grid<double>(false
 TEST_CASE("rotary kernel, float16 (fp32 math)", "[rotary][half]") { run_grid<__half>(false); }
 
 TEST_CASE("rotary kernel, bfloat16 (fp32 math)", "[rotary][bfloat16]") { run_grid<__nv_bfloat16>(false); }
+
+// Float tables with other operands (what autocast gives: fp32 cos/sin, fp16/bf16 q and k), read as
+// they are and rounded once with the result.
+TEST_CASE("rotary kernel, float16 operands with float32 tables", "[rotary][half][float_tables]") {
+  run_grid<__half, float>(false);
+}
+
+TEST_CASE("rotary kernel, bfloat16 operands with float32 tables", "[rotary][bfloat16][float_tables]") {
+  run_grid<__nv_bfloat16, float>(false);
+}
+
+TEST_CASE("rotary kernel, float64 operands with float32 tables", "[rotary][double][float_tables]") {
+  run_grid<double, float>(false);
+}
+
+// The bound above is tight enough to see the difference: tables rounded to bfloat16 before the
+// rotation (what a caller that casts fp32 tables to q's dtype gets) miss it on the same inputs.
+TEST_CASE("rotary kernel: a bfloat16 rounding of float32 tables is outside the rounded-once bound",
+          "[rotary][float_tables]") {
+  std::mt19937 rng(99);
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  const int64_t S = 64, D = 64, half = D / 2;
+  std::vector<float> cos_f(S * half), sin_f(S * half);
+  std::vector<__nv_bfloat16> cos_b(S * half), sin_b(S * half), x(S * D), out_f(S * D), out_b(S * D);
+  for (int64_t i = 0; i < S * half; ++i) {
+    cos_f[i] = static_cast<float>(uniform(rng));
+    sin_f[i] = static_cast<float>(uniform(rng));
+    cos_b[i] = __float2bfloat16_rn(cos_f[i]);
+    sin_b[i] = __float2bfloat16_rn(sin_f[i]);
+  }
+  for (auto& v : x) v = __float2bfloat16_rn(static_cast<float>(normal(rng)));
+  const auto params = [&](auto* cos, auto* sin, __nv_bfloat16* out) {
+    Params<__nv_bfloat16, std::remove_const_t<std::remove_pointer_t<decltype(cos)>>> p;
+    p.operands[0] = {x.data(), out, 1, 1, S * D, S * D, D, S * D, S * D, D};
+    p.seq_len = S;
+    p.head_dim = p.rotary_dim = D;
+    p.table = TableKind::kHalfWidth;
+    p.cos = cos;
+    p.sin = sin;
+    p.cos_stride_batch = p.sin_stride_batch = S * half;
+    p.cos_stride_seq = p.sin_stride_seq = half;
+    return p;
+  };
+  launch_rotary(params(cos_f.data(), sin_f.data(), out_f.data()), 1, nullptr);
+  launch_rotary(params(cos_b.data(), sin_b.data(), out_b.data()), 1, nullptr);
+  double worst_f = 0.0, worst_b = 0.0;  // in units of the bound
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = 0; i < half; ++i) {
+      const double c = cos_f[s * half + i], sn = sin_f[s * half + i];
+      const double xa = to_double(x[s * D + i]), xb = to_double(x[s * D + half + i]);
+      const double ya = xa * c - xb * sn, yb = xb * c + xa * sn;
+      const double ta = std::fabs(xa * c) + std::fabs(xb * sn), tb = std::fabs(xb * c) + std::fabs(xa * sn);
+      const auto ratio = [&](const std::vector<__nv_bfloat16>& out, int64_t e, double y, double t) {
+        return std::fabs(to_double(out[s * D + e]) - y) / tolerance<__nv_bfloat16>(y, t, false);
+      };
+      worst_f = std::max({worst_f, ratio(out_f, i, ya, ta), ratio(out_f, half + i, yb, tb)});
+      worst_b = std::max({worst_b, ratio(out_b, i, ya, ta), ratio(out_b, half + i, yb, tb)});
+    }
+  CHECK(worst_f <= 1.0);
+  CHECK(worst_b > 1.0);
+}
 
 TEST_CASE("rotary kernel: head_dim 40 leaves a partial vector per row; rotary_dim 2", "[rotary][edges]") {
   std::mt19937 rng(7);

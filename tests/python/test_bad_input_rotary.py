@@ -49,7 +49,19 @@ ROWS = [
     # dtypes
     row("int32 x", R.apply_rotary, x.int(), cos, sin, message="x must be float32, float16, bfloat16 or float64, got Int"),
     row("int32 x (positions)", R.apply_rotary_pos, x.int(), pos, inv, message="x must be float32, float16, bfloat16"),
-    row("table dtype", R.apply_rotary, x, cos.double(), sin.double(), message="cos and sin must have the dtype of x"),
+    # tables: both float32, or both the operands' dtype (float32 tables with any operands: autocast's)
+    row("float64 tables, float32 x", R.apply_rotary, x, cos.double(), sin.double(),
+        message=escape("apply_rotary: cos and sin must both be float32 or both have the dtype of x (Float), got Double and Double")),
+    row("bfloat16 tables, float32 q", R.apply_rotary_qk, q, k, cos.bfloat16(), sin.bfloat16(),
+        message=escape("apply_rotary_qk: cos and sin must both be float32 or both have the dtype of q (Float), got BFloat16 and BFloat16")),
+    row("float16 tables, float64 x", R.apply_rotary_, x.double(), cos.half(), sin.half(),
+        message=escape("apply_rotary_: cos and sin must both be float32 or both have the dtype of x (Double), got Half and Half")),
+    row("bfloat16 tables, float16 q", R.apply_rotary_qk_, q.half(), k.half(), cos.bfloat16(), sin.bfloat16(),
+        message=escape("cos and sin must both be float32 or both have the dtype of q (Half), got BFloat16 and BFloat16")),
+    row("float32 cos, bfloat16 sin", R.apply_rotary, x.bfloat16(), cos, sin.bfloat16(),
+        message=escape("cos and sin must both be float32 or both have the dtype of x (BFloat16), got Float and BFloat16")),
+    row("float64 cos, float32 sin, float64 x", R.apply_rotary, x.double(), cos.double(), sin,
+        message=escape("apply_rotary: cos and sin must both be float32 or both have the dtype of x (Double), got Double and Float")),
     row("q/k dtype", R.apply_rotary_qk, q, k.half(), cos, sin, message="q and k must have the same dtype"),
     row("float positions", R.apply_rotary_pos, x, pos.float(), inv, message="positions must be int32 or int64, got Float"),
     row("float64 inv_freq", R.apply_rotary_pos, x, pos, inv.double(), message="inv_freq must be float32, got Double"),
@@ -89,3 +101,35 @@ def test_int32_positions_are_always_in_range():
     """The bound is int32's own range: int32 positions, even the extremes, are accepted."""
     p = torch.tensor([0, 1, -1, 2**31 - 1, -(2**31) + 1], dtype=torch.int32)
     R.apply_rotary_pos(x, p, inv)
+
+
+# What the dtype rule accepts: float32 tables with float16, bfloat16 and float64 operands, every table
+# op, full- and half-width; the real op and its fake kernel agree on the output (the operands' dtype).
+_ACCEPTED = [
+    ("apply_rotary", lambda d, t: (x.to(d), *t), {}),
+    ("apply_rotary_", lambda d, t: (x.to(d), *t), {}),
+    ("apply_rotary_qk", lambda d, t: (q.to(d), k.to(d), *t), {}),
+    ("apply_rotary_qk_", lambda d, t: (q.to(d), k.to(d), *t), {}),
+    ("apply_rotary", lambda d, t: (x.to(d), half, half, True), {"half_width": True}),
+    ("apply_rotary_qk", lambda d, t: (q.to(d), k.to(d), half, half), {"half_width": True, "conjugate": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("case", range(len(_ACCEPTED)), ids=lambda i: _ACCEPTED[i][0])
+def test_float32_tables_are_accepted(dtype, case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    name, make_args, kwargs = _ACCEPTED[case]
+    op = getattr(R, name)
+    args = make_args(dtype, (cos, sin))
+    assert all(a.dtype == torch.float32 for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)
+    out = op(*args, **kwargs)
+    written = [a for a in args[:2] if isinstance(a, torch.Tensor) and a.dim() == 4] if name.endswith("_") else None
+    outs = written if out is None else (out if isinstance(out, (tuple, list)) else [out])
+    assert all(o.dtype == dtype for o in outs)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    if fake is not None:
+        for f, o in zip(fake if isinstance(fake, (tuple, list)) else [fake], outs):
+            assert f.dtype == o.dtype == dtype and f.shape == o.shape and f.stride() == o.stride()

@@ -92,6 +92,13 @@ def _cases():
         yield f"rerope_attention decode {dtype}", lambda: list(
             ops.rerope_attention(qa[:, :, -1:], ka, va, kp[:, -1:], kp, inv_freq, 16, 8.0, interleaved=True))
 
+        if dtype != torch.float32:  # float32 tables with half operands (autocast's), full and half width
+            cos32, sin32 = (torch.rand(2, 13, 32, generator=gen) * 2 - 1 for _ in range(2))
+            half32 = (cos32[:1, :, :16].contiguous(), sin32[:1, :, :16].contiguous())
+            yield f"apply_rotary_qk float32 tables {dtype}", lambda: list(ops.apply_rotary_qk(q, k, cos32, sin32))
+            yield f"apply_rotary_ float32 tables {dtype}", lambda: in_place(
+                lambda x: ops.apply_rotary_(x, *half32, True, half_width=True, conjugate=True), q)
+
 
 _ERRORS = """
 x, cos = torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8)

@@ -152,6 +152,134 @@ def test_matches_reference(dtype, interleaved, rotary_dim, seq, layout):
                     assert_matches_reference(y, ref, plain, dtype, label)
 
 
+# ---------------------------------------------------------------------------------------------
+# float32 tables with operands of another dtype (issue 26.1: autocast hands fp16/bf16 q and k with
+# the float32 cos/sin of float32 hidden states; FlashInfer and vLLM take float32 tables too). The
+# rotation is computed in fp32 (fp64 for float64 operands) from the float32 entries as they are and
+# rounded once to the operands' dtype. PyTorch's own result on the same inputs is the promoted one:
+# ``q * cos + rotate(q) * sin`` in float32, cast to q's dtype by what comes next (SDPA).
+
+MIXED_DTYPES = [torch.float16, torch.bfloat16, torch.float64]
+
+
+def promoted_rotary(x, cos, sin, interleaved=False, half_width=False, conjugate=False):
+    """What plain PyTorch computes for x with float32 tables: type promotion to float32 (float64 for
+    float64 x), then x's dtype."""
+    compute = torch.promote_types(x.dtype, cos.dtype)
+    return reference_rotary(x, cos, sin, interleaved, half_width, conjugate, dtype=compute).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", MIXED_DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [16, 10], ids=["full_rotary", "partial_rotary"])
+@pytest.mark.parametrize("seq", [1, 17, 257])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_float32_tables_match_reference(dtype, interleaved, rotary_dim, seq, layout):
+    gen = torch.Generator().manual_seed(seq * 7 + rotary_dim)
+    head_dim = 16
+    # q alone; GQA q/k with per-batch tables; q/k with a shared 2-D table and different batch sizes.
+    for heads_q, heads_k, batch_q, batch_k, table_batch in [(3, None, 2, None, 2), (4, 2, 2, 2, 2), (3, 3, 2, 1, None)]:
+        q = make_operand(batch_q, heads_q, seq, head_dim, dtype, layout, generator=gen)
+        k = None if heads_k is None else make_operand(batch_k, heads_k, seq, head_dim, dtype, layout, generator=gen)
+        what = f"q{tuple(q.shape)} k{None if k is None else tuple(k.shape)}"
+        for half_width in (True,) if interleaved else (False, True):
+            width = rotary_dim // 2 if half_width else rotary_dim
+            shape = (seq, width) if table_batch is None else (table_batch, seq, width)
+            # Arbitrary float32 entries, most of them not representable in the operands' dtype.
+            cos = torch.rand(shape, generator=gen) * 2 - 1
+            sin = torch.rand(shape, generator=gen) * 2 - 1
+            for conjugate in (False, True):
+                kw = dict(half_width=half_width, conjugate=conjugate)
+                label = f"{what} float32 tables {tuple(cos.shape)} half_width={half_width} conjugate={conjugate}"
+                if k is None:
+                    got = (ops.apply_rotary(q, cos, sin, interleaved, **kw),)
+                else:
+                    got = ops.apply_rotary_qk(q, k, cos, sin, interleaved, **kw)
+                for x, y in zip((q, k), got):
+                    assert y.dtype == dtype and (layout == "sliced" or y.stride() == x.stride())
+                    ref = reference_rotary(x, cos, sin, interleaved, **kw)
+                    assert_matches_reference(y, ref, promoted_rotary(x, cos, sin, interleaved, **kw), dtype, label)
+                # In place: the same values, written into the operands.
+                copies = [t.clone() for t in (q, k) if t is not None]
+                if k is None:
+                    ops.apply_rotary_(copies[0], cos, sin, interleaved, **kw)
+                else:
+                    ops.apply_rotary_qk_(*copies, cos, sin, interleaved, **kw)
+                for copy, y in zip(copies, got):
+                    torch.testing.assert_close(copy, y, rtol=0, atol=0)
+
+
+def test_float32_tables_are_rounded_once():
+    """fp16/bf16 operands with float32 tables: as accurate as PyTorch's promoted float32 math rounded
+    to the dtype (the same rounding, once), and more accurate than the old workaround of casting the
+    tables to the operands' dtype first (two roundings more). Measured on a Llama-sized problem with
+    real cos/sin (YaRN table, positions to 8k, attention factor)."""
+    gen = torch.Generator().manual_seed(26)
+    inv_freq = ops.yarn_inv_freq(128, 5e5, 8.0, 1024)
+    positions = torch.randint(0, 8192, (2, 64), generator=gen)
+    angles = positions.double()[..., None] * inv_freq.double()
+    factor = ops.yarn_attention_factor(8.0)
+    cos, sin = (torch.cat((angles.cos(), angles.cos()), -1) * factor).float(), (torch.cat((angles.sin(), angles.sin()), -1) * factor).float()
+    errors = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randn(2, 64, 8, 128, generator=gen).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 64, 2, 128, generator=gen).to(dtype).transpose(1, 2)
+        got = ops.apply_rotary_qk(q, k, cos, sin)
+        back_q = ops.apply_rotary(got[0], cos, sin, conjugate=True)  # the backward's map, same tables
+        for x, y in zip((q, k), got):
+            ref = reference_rotary(x, cos, sin)
+            ours = (y.double() - ref).abs().max().item()
+            promoted = (promoted_rotary(x, cos, sin).double() - ref).abs().max().item()
+            cast = (reference_rotary(x, cos.to(dtype), sin.to(dtype), dtype=dtype).double() - ref).abs().max().item()
+            errors[dtype] = tuple(max(a, b) for a, b in zip(errors.get(dtype, (0.0,) * 3), (ours, promoted, cast)))
+            # the same single rounding (fp32 arithmetic may round a few products differently)
+            assert ours <= promoted + 1e-6 * ref.abs().max().item(), (dtype, ours, promoted)
+            assert ours < cast, (dtype, ours, cast)
+        ref_back = reference_rotary(got[0], cos, sin, conjugate=True)
+        assert_matches_reference(back_q, ref_back, promoted_rotary(got[0], cos, sin, conjugate=True), dtype, "conjugate")
+    print("\nmax abs error vs float64, float32 tables (ours, PyTorch promoted, tables cast to the dtype): " +
+          ", ".join(f"{str(d)[6:]} {a:.3g} {b:.3g} {c:.3g}" for d, (a, b, c) in errors.items()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved,half_width", [(False, False), (False, True), (True, True)],
+                         ids=["half_split-full_width", "half_split-half_width", "interleaved-half_width"])
+def test_backward_with_float32_tables(dtype, interleaved, half_width):
+    """Autograd with half q/k and float32 tables: gradients of q's dtype, equal to the transposed map
+    applied to the incoming gradient in float64, within PyTorch's own error."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 37, 4, 24, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 2, 37, 24, generator=gen).to(dtype).requires_grad_()
+    width = 8 if half_width else 16
+    cos, sin = torch.randn(1, 37, width, generator=gen), torch.randn(1, 37, width, generator=gen)
+    out_q, out_k = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=half_width)
+    grad_q, grad_k = torch.randn(out_q.shape, generator=gen).to(dtype), torch.randn(out_k.shape, generator=gen).to(dtype)
+    gq, gk = torch.autograd.grad((out_q, out_k), (q, k), (grad_q, grad_k))
+    kw = dict(half_width=half_width, conjugate=True)
+    for g, incoming in ((gq, grad_q), (gk, grad_k)):
+        assert g.dtype == dtype
+        ref = reference_rotary(incoming, cos, sin, interleaved, **kw)
+        assert_matches_reference(g, ref, promoted_rotary(incoming, cos, sin, interleaved, **kw), dtype, "grad")
+
+
+@pytest.mark.parametrize("interleaved,half_width", [(False, False), (False, True), (True, True)],
+                         ids=["half_split-full_width", "half_split-half_width", "interleaved-half_width"])
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_gradcheck_float64_operands_float32_tables(interleaved, half_width, conjugate):
+    """float64 operands accept float32 tables too (the fp64 kernel reads them exactly), so the mixed
+    tables' forward and backward are gradchecked."""
+    q, k, cos, sin = _grad_inputs(interleaved, half_width)
+    cos, sin = cos.float(), sin.float()
+    kw = dict(half_width=half_width, conjugate=conjugate)
+    assert torch.autograd.gradcheck(lambda x: ops.apply_rotary(x, cos, sin, interleaved, **kw), (q,))
+    assert torch.autograd.gradcheck(lambda a, b: ops.apply_rotary_qk(a, b, cos, sin, interleaved, **kw), (q, k))
+    assert torch.autograd.gradgradcheck(lambda a, b: ops.apply_rotary_qk(a, b, cos, sin, interleaved, **kw), (q, k))
+    # The float32 entries are used as they are: equal to float64 tables holding the same values.
+    exact = ops.apply_rotary_qk(q, k, cos.double(), sin.double(), interleaved, **kw)
+    for a, b in zip(ops.apply_rotary_qk(q, k, cos, sin, interleaved, **kw), exact):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
@@ -219,7 +347,8 @@ _VARIANT_SCRIPT = """
 import sys, torch, ropescale
 from ropescale import ops
 gen = torch.Generator().manual_seed(0)
-results = {"torch": torch.backends.cpu.get_cpu_capability(), "ropescale": ropescale._C.rotary_cpu_isa(), "cases": []}
+results = {"torch": torch.backends.cpu.get_cpu_capability(), "ropescale": ropescale._C.rotary_cpu_isa(), "cases": [],
+           "float32_tables": []}
 inv_freq = ops.default_inv_freq(80, 10000.0)
 for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     for interleaved in (False, True):
@@ -232,6 +361,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         out = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=interleaved)
         out_pos = ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 1.3, interleaved, conjugate=True)
         results["cases"].append((q, k, cos, sin, positions, interleaved, out, out_pos))
+        if dtype != torch.float32:  # float32 tables with the other operand types
+            cos32, sin32 = torch.rand(2, 9, width, generator=gen) * 2 - 1, torch.rand(2, 9, width, generator=gen) * 2 - 1
+            out = ops.apply_rotary_qk(q, k, cos32, sin32, interleaved, half_width=interleaved, conjugate=True)
+            results["float32_tables"].append((q, k, cos32, sin32, interleaved, out))
 torch.save(results, sys.argv[1])
 """
 
@@ -268,6 +401,13 @@ def test_every_cpu_instruction_set_variant(isa, tmp_path):
             ref = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True)
             plain = reference_rotary_pos(x, positions, inv_freq, 1.3, interleaved, conjugate=True, dtype=x.dtype)
             assert_matches_reference(y_pos, ref, plain, x.dtype, what + " positions")
+    assert len(results["float32_tables"]) == 6
+    for q, k, cos, sin, interleaved, out in results["float32_tables"]:
+        for x, y in zip((q, k), out):
+            kw = dict(half_width=interleaved, conjugate=True)
+            what = f"{results['ropescale']} {x.dtype} float32 tables interleaved={interleaved}"
+            ref = reference_rotary(x, cos, sin, interleaved, **kw)
+            assert_matches_reference(y, ref, promoted_rotary(x, cos, sin, interleaved, **kw), x.dtype, what)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,6 +585,18 @@ def _opcheck_samples(device="cpu"):
         yield "apply_rotary_pos_", (q.detach().clone(), positions[0].long(), inv_freq, 1.0, interleaved), {}
         yield "apply_rotary_pos_qk", (q, k, positions, inv_freq, 0.5, interleaved), {"conjugate": True}
         yield "apply_rotary_pos_qk_", (q.detach().clone(), k.detach().clone(), positions, inv_freq), {}
+        if dtype != torch.float32:  # float32 tables with half operands
+            table32 = tuple(t.float() for t in table)
+            yield "apply_rotary", (q, *table32, interleaved), table_kw
+            yield "apply_rotary_qk", (q, k, *table32, interleaved), {**table_kw, "conjugate": True}
+            yield "apply_rotary_", (q.detach().clone(), *table32, interleaved), table_kw
+            yield "apply_rotary_qk_", (q.detach().clone(), k.detach().clone(), *table32, interleaved), table_kw
+    # float64 operands with float32 tables, with gradients (the autograd registration's checks)
+    q = make_operand(2, 4, 7, 24, torch.float64, "transposed", device, gen).requires_grad_()
+    k = make_operand(1, 2, 7, 24, torch.float64, "contiguous", device, gen).requires_grad_()
+    cos, sin = torch.randn(1, 7, 8, generator=gen).to(device), torch.randn(1, 7, 8, generator=gen).to(device)
+    yield "apply_rotary", (q, cos, sin, True), {"half_width": True}
+    yield "apply_rotary_qk", (q, k, cos, sin), {"half_width": True, "conjugate": True}
 
 
 def test_opcheck_every_op():
@@ -505,7 +657,10 @@ def _bad_cases():
         x, torch.randn(2, 5, 16)[..., ::2], cos)
     yield "apply_rotary: x must be float32, float16, bfloat16 or float64, got Int", lambda: R.apply_rotary(
         x.int(), cos, cos)
-    yield r"cos and sin must have the dtype of x \(Float\), got Double", lambda: R.apply_rotary(x, cos.double(), cos.double())
+    yield r"cos and sin must both be float32 or both have the dtype of x \(Float\), got Double and Double", lambda: R.apply_rotary(
+        x, cos.double(), cos.double())
+    yield r"cos and sin must both be float32 or both have the dtype of x \(BFloat16\), got Float and BFloat16", lambda: R.apply_rotary(
+        x.bfloat16(), cos, cos.bfloat16())
     yield "apply_rotary_qk: q and k must have the same dtype", lambda: R.apply_rotary_qk(x, x.bfloat16(), cos, cos)
     yield "apply_rotary_qk: q and k must have the same sequence length", lambda: R.apply_rotary_qk(x, x[:, :, :4], cos, cos)
     yield "apply_rotary_qk: q and k must have the same head_dim", lambda: R.apply_rotary_qk(
@@ -580,6 +735,9 @@ def test_library_contains_the_cuda_kernels_when_the_build_asked_for_them():
         element_types = {b"f": "float", b"d": "double", b"6__half": "half", b"13__nv_bfloat16": "bfloat16"}
         for mangled, name in element_types.items():
             assert any(k.startswith(b"_ZN9ropescale6rotary13rotary_kernelI" + mangled) for k in kernels), name
+        # and the float32-table kernels of the other element types (rotary_kernel<T, float, ...>)
+        for mangled, name in list(element_types.items())[1:]:
+            assert any(k.startswith(b"_ZN9ropescale6rotary13rotary_kernelI" + mangled + b"f") for k in kernels), name
         assert b".nv_fatbin" in binary
         assert set(info["cuda_archs"].split(",")) >= {"80", "90"}
 
@@ -597,16 +755,19 @@ def test_cuda_matches_reference(dtype, interleaved, layout):
     for seq, head_dim, rotary_dim in [(1, 128, 128), (17, 64, 32), (257, 128, 128), (3, 40, 40), (33, 80, 64)]:
         q = make_operand(2, 8, seq, head_dim, dtype, layout, "cuda", gen)
         k = make_operand(2, 2, seq, head_dim, dtype, layout, "cuda", gen)
-        for half_width, conjugate in itertools.product((True,) if interleaved else (False, True), (False, True)):
+        # tables of the operands' dtype, and float32 ones (autocast's) for the other dtypes
+        for half_width, conjugate, table_dtype in itertools.product(
+                (True,) if interleaved else (False, True), (False, True), {dtype, torch.float32}):
             width = rotary_dim // 2 if half_width else rotary_dim
-            cos = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", dtype)
-            sin = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", dtype)
+            cos = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", table_dtype)
+            sin = (torch.rand(2, seq, width, generator=gen) * 2 - 1).to("cuda", table_dtype)
             kw = dict(half_width=half_width, conjugate=conjugate)
             got = ops.apply_rotary_qk(q, k, cos, sin, interleaved, **kw)
             for x, y in zip((q, k), got):
                 ref = reference_rotary(x.cpu(), cos.cpu(), sin.cpu(), interleaved, **kw)
-                plain = reference_rotary(x.cpu(), cos.cpu(), sin.cpu(), interleaved, **kw, dtype=dtype)
-                assert_matches_reference(y.cpu(), ref, plain, dtype, f"seq={seq} {kw}")
+                plain = (reference_rotary(x.cpu(), cos.cpu(), sin.cpu(), interleaved, **kw, dtype=dtype)
+                         if table_dtype == dtype else promoted_rotary(x.cpu(), cos.cpu(), sin.cpu(), interleaved, **kw))
+                assert_matches_reference(y.cpu(), ref, plain, dtype, f"seq={seq} {kw} tables {table_dtype}")
                 # The CPU kernel computes the same thing.
                 cpu = ops.apply_rotary(x.cpu(), cos.cpu(), sin.cpu(), interleaved, **kw)
                 assert_matches_reference(y.cpu(), ref, cpu, dtype, "vs CPU kernel")

@@ -25,16 +25,19 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def tiny_llama(vocab_size: int, max_position: int = 128, seed: int = 0, layers: int = 1):
+def tiny_llama(vocab_size: int, max_position: int = 128, seed: int = 0, layers: int = 1, **config_overrides):
+    """A tiny LlamaForCausalLM (eval mode) from its config; ``config_overrides`` replace any
+    LlamaConfig field (head counts, ``attn_implementation``, ...)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    fields = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager",
-        )
+        config = LlamaConfig(**{**fields, **config_overrides})
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 

@@ -11,6 +11,9 @@
 // With a full-width table (transformers' [.., seq, rotary_dim]) cos_a = cos[a], cos_b = cos[b]:
 // that is exactly x * cos + rotate_half(x) * sin, whatever the table holds. With a half-width table
 // ([.., seq, rotary_dim/2]) both read cos[i]; with positions, cos = scale * cos(p * inv_freq[i]).
+// Tables are of the operands' type T or of float (fp32 tables with fp16/bf16/fp64 operands, as
+// FlashInfer and vLLM take them and autocast produces them): Params' second parameter. Either way
+// the math is fp32 (fp64 for double operands) and the result is rounded once to T.
 #pragma once
 
 #include <cstdint>
@@ -39,8 +42,10 @@ struct Operand {
   int64_t out_stride_batch = 0, out_stride_head = 0, out_stride_seq = 0;
 };
 
-// Everything a kernel needs, for q alone or q and k together (one pass, one launch).
-template <class T>
+// Everything a kernel needs, for q alone or q and k together (one pass, one launch). `Table` is the
+// element type of the cos/sin tables: T itself, or float for T = half, bfloat16 or double (the op
+// boundary accepts nothing else). The position kind reads no table and uses Table = T.
+template <class T, class Table = T>
 struct Params {
   Operand<T> operands[2];
   int num_operands = 1;
@@ -51,9 +56,9 @@ struct Params {
   int64_t table_batch = 1;
 
   TableKind table = TableKind::kFullWidth;
-  // kFullWidth / kHalfWidth: tables of the operands' dtype, unit last-dim stride.
-  const T* cos = nullptr;
-  const T* sin = nullptr;
+  // kFullWidth / kHalfWidth: tables of type Table (T or float), unit last-dim stride.
+  const Table* cos = nullptr;
+  const Table* sin = nullptr;
   int64_t cos_stride_batch = 0, cos_stride_seq = 0, sin_stride_batch = 0, sin_stride_seq = 0;
   // kPositions: int32 or int64 positions, float32 inv_freq (contiguous), scale on cos and sin.
   const void* positions = nullptr;
@@ -76,14 +81,14 @@ struct Params {
 };
 
 // Rows (batch row, head) of operand `o` that share one token's table.
-template <class T>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t operand_rows_per_token(const Params<T>& p, int o) {
+template <class T, class Table>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t operand_rows_per_token(const Params<T, Table>& p, int o) {
   const Operand<T>& x = p.operands[o];
   return (p.table_batch == 1 ? x.batch : 1) * x.heads;
 }
 
-template <class T>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t rows_per_token(const Params<T>& p) {
+template <class T, class Table>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t rows_per_token(const Params<T, Table>& p) {
   int64_t rows = 0;
   for (int o = 0; o < p.num_operands; ++o) rows += operand_rows_per_token(p, o);
   return rows;
@@ -98,8 +103,8 @@ struct Row {
 
 // Row indices use 32-bit arithmetic (a 64-bit division is a long subroutine on GPUs): the op
 // boundary guarantees fewer than 2^31 tokens and rows per token.
-template <class T>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE Row<T> locate_row(const Params<T>& p, int64_t table_row, int64_t seq,
+template <class T, class Table>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE Row<T> locate_row(const Params<T, Table>& p, int64_t table_row, int64_t seq,
                                                          uint32_t row) {
   int o = 0;
   const uint32_t first_rows = static_cast<uint32_t>(operand_rows_per_token(p, 0));
@@ -163,35 +168,38 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> position_coeffs(double po
 }
 
 // Position of a token (int32 or int64 positions, any strides).
-template <class T>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double token_position(const Params<T>& p, int64_t table_row, int64_t seq) {
+template <class T, class Table>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double token_position(const Params<T, Table>& p, int64_t table_row,
+                                                             int64_t seq) {
   const int64_t offset = table_row * p.positions_stride_batch + seq * p.positions_stride_seq;
   return p.positions_int64 ? static_cast<double>(static_cast<const int64_t*>(p.positions)[offset])
                            : static_cast<double>(static_cast<const int32_t*>(p.positions)[offset]);
 }
 
 // Coefficients of pair i of a token from a table of kind kTable, conjugated when asked. `to_acc`
-// converts a table entry of type T to Acc (the conversion differs between the host types and
-// CUDA's __half/__nv_bfloat16). The kind is a template parameter so that a kernel carries only
-// its own table's code and, for the symmetric kinds, two values per pair instead of four.
-template <TableKind kTable, class Acc, class T, class ToAcc>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T>& p, int64_t table_row,
+// converts a table entry of type Table to a type that widens exactly to Acc (the conversion
+// differs between the host types and CUDA's __half/__nv_bfloat16; a float entry goes to a double
+// Acc exactly). The kind is a template parameter so that a kernel carries only its own table's
+// code and, for the symmetric kinds, two values per pair instead of four.
+template <TableKind kTable, class Acc, class T, class Table, class ToAcc>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T, Table>& p, int64_t table_row,
                                                                    int64_t seq, int64_t i, ToAcc to_acc) {
   PairCoeffs<Acc> c;
   if constexpr (kTable == TableKind::kPositions) {
     c = position_coeffs<Acc>(token_position(p, table_row, seq), p.inv_freq[i], static_cast<Acc>(p.scale));
   } else {
     const PairIndex e = table_entries(kTable, p.interleaved, p.half(), i);
-    const T* cos_row = p.cos + table_row * p.cos_stride_batch + seq * p.cos_stride_seq;
-    const T* sin_row = p.sin + table_row * p.sin_stride_batch + seq * p.sin_stride_seq;
-    c = {to_acc(cos_row[e.a]), to_acc(sin_row[e.a]), to_acc(cos_row[e.b]), to_acc(sin_row[e.b])};
+    const Table* cos_row = p.cos + table_row * p.cos_stride_batch + seq * p.cos_stride_seq;
+    const Table* sin_row = p.sin + table_row * p.sin_stride_batch + seq * p.sin_stride_seq;
+    c = {static_cast<Acc>(to_acc(cos_row[e.a])), static_cast<Acc>(to_acc(sin_row[e.a])),
+         static_cast<Acc>(to_acc(cos_row[e.b])), static_cast<Acc>(to_acc(sin_row[e.b]))};
   }
   return p.conjugate ? conjugated(c) : c;
 }
 
 // The same, for the table kind the parameters name.
-template <class Acc, class T, class ToAcc>
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T>& p, int64_t table_row,
+template <class Acc, class T, class Table, class ToAcc>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<T, Table>& p, int64_t table_row,
                                                                    int64_t seq, int64_t i, ToAcc to_acc) {
   switch (p.table) {
     case TableKind::kFullWidth:

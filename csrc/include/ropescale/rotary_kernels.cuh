@@ -3,9 +3,9 @@
 // for the SIMT emulation that runs it on the CPU in CI (tests/emulation/test_rotary_emu.cpp).
 //
 // Shape of the work, in the manner of FlashInfer's pos_enc.cuh: a thread owns kPairs consecutive
-// pairs of one token, computes (or loads) their cos/sin once in fp32 (fp64 for double), then walks
-// every row that shares the token (each head, and each batch row when the table is shared) of q
-// and of k, with 16-byte loads and stores. threadIdx.x runs along the pairs of a row,
+// pairs of one token, computes their cos/sin once in fp32 (fp64 for double), or loads them from a
+// table of the operands' type or of float, then walks every row that shares the token (each head,
+// and each batch row when the table is shared) of q and of k, with 16-byte loads and stores. threadIdx.x runs along the pairs of a row,
 // threadIdx.y over tokens, blockIdx.x over groups of tokens, and blockIdx.y splits the rows of a
 // token between blocks when there are too few tokens to fill the GPU (decode).
 #pragma once
@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "ropescale/rotary.h"
 
@@ -123,8 +124,9 @@ __device__ __forceinline__ void rotate_chunk(const T* in, T* out, int64_t half, 
   }
 }
 
-template <class T, int kPairs, bool kInterleaved, TableKind kTable>
-__global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T> p) {
+// Table: the element type of cos/sin (T, or float for the other types); ignored by kPositions.
+template <class T, class Table, int kPairs, bool kInterleaved, TableKind kTable>
+__global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T, Table> p) {
   using Acc = typename Element<T>::Acc;
   // 32-bit index arithmetic: tokens and rows stay below 2^31 (checked at the op boundary).
   const uint32_t token = blockIdx.x * blockDim.y + threadIdx.y;
@@ -139,7 +141,8 @@ __global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T> p
     const int64_t first = chunk * kPairs;
     PairCoeffs<Acc> coeffs[kPairs];  // once per token, reused for every row below
     ROPESCALE_UNROLL
-    for (int j = 0; j < kPairs; ++j) coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, ToAcc<T>{});
+    for (int j = 0; j < kPairs; ++j)
+      coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, ToAcc<Table>{});
     for (uint32_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const Row<T> r = locate_row(p, table_row, seq, row);
       rotate_chunk<T, kPairs, kInterleaved>(r.in, r.out, half, first, coeffs);
@@ -171,8 +174,8 @@ inline bool rows_aligned(const Operand<T>& x, int64_t seq_len, int64_t elements)
 
 // Whether the 16-byte path applies: whole chunks in both halves (and in the copied tail), and
 // aligned rows in every operand. Otherwise the kernel runs one pair per thread.
-template <class T>
-inline bool can_vectorize(const Params<T>& p) {
+template <class T, class Table>
+inline bool can_vectorize(const Params<T, Table>& p) {
   const int64_t n = vector_pairs<T>();
   if (p.half() % n != 0) return false;
   if (p.copy_tail && (p.head_dim - p.rotary_dim) % n != 0) return false;
@@ -187,8 +190,8 @@ struct LaunchShape {
   int pairs_per_thread;
 };
 
-template <class T>
-inline LaunchShape launch_shape(const Params<T>& p, int64_t min_blocks) {
+template <class T, class Table>
+inline LaunchShape launch_shape(const Params<T, Table>& p, int64_t min_blocks) {
   const int pairs = can_vectorize(p) ? vector_pairs<T>() : 1;
   const int64_t chunks = p.half() / pairs;
   const int64_t block_x = std::min<int64_t>(chunks, kBlockThreads);
@@ -202,43 +205,48 @@ inline LaunchShape launch_shape(const Params<T>& p, int64_t min_blocks) {
           dim3(static_cast<unsigned>(block_x), static_cast<unsigned>(block_y)), pairs};
 }
 
-template <class T, int kPairs, bool kInterleaved>
-inline void launch_for_table(const Params<T>& p, const LaunchShape& s, cudaStream_t stream) {
+// The position kind reads no table: it is built with Table = T only, and Params with another table
+// type never name it (the op boundary gives positions Params<T>).
+template <class T, class Table, int kPairs, bool kInterleaved>
+inline void launch_for_table(const Params<T, Table>& p, const LaunchShape& s, cudaStream_t stream) {
   switch (p.table) {
     case TableKind::kFullWidth:
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kFullWidth>), s.grid, s.block, 0,
-                              stream, p);
+      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, Table, kPairs, kInterleaved, TableKind::kFullWidth>), s.grid, s.block,
+                              0, stream, p);
       break;
     case TableKind::kHalfWidth:
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kHalfWidth>), s.grid, s.block, 0,
-                              stream, p);
+      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, Table, kPairs, kInterleaved, TableKind::kHalfWidth>), s.grid, s.block,
+                              0, stream, p);
       break;
     case TableKind::kPositions:
-      ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, kPairs, kInterleaved, TableKind::kPositions>), s.grid, s.block, 0,
-                              stream, p);
+      if constexpr (std::is_same_v<Table, T>)
+        ROPESCALE_LAUNCH_KERNEL((rotary_kernel<T, T, kPairs, kInterleaved, TableKind::kPositions>), s.grid, s.block, 0,
+                                stream, p);
       break;
   }
 }
 
-template <class T, int kPairs>
-inline void launch_for_layout(const Params<T>& p, const LaunchShape& s, cudaStream_t stream) {
+template <class T, class Table, int kPairs>
+inline void launch_for_layout(const Params<T, Table>& p, const LaunchShape& s, cudaStream_t stream) {
   if (p.interleaved)
-    launch_for_table<T, kPairs, true>(p, s, stream);
+    launch_for_table<T, Table, kPairs, true>(p, s, stream);
   else
-    launch_for_table<T, kPairs, false>(p, s, stream);
+    launch_for_table<T, Table, kPairs, false>(p, s, stream);
 }
 
 // Launches the rotation described by `p` on `stream`. `min_blocks` is how many blocks fill the
 // device (SM count x resident blocks per SM). Nothing is launched for empty work. The caller
 // checks for launch errors.
-template <class T>
-inline void launch_rotary(const Params<T>& p, int64_t min_blocks, cudaStream_t stream) {
+// Params<T, float> (float tables with half, bfloat16 or double operands) serve the table kinds only.
+template <class T, class Table>
+inline void launch_rotary(const Params<T, Table>& p, int64_t min_blocks, cudaStream_t stream) {
+  static_assert(std::is_same_v<Table, T> || std::is_same_v<Table, float>, "tables are of the operands' type or float");
   if (p.tokens() == 0 || rows_per_token(p) == 0 || p.rotary_dim == 0) return;
   const LaunchShape shape = launch_shape(p, min_blocks);
   if (shape.pairs_per_thread == vector_pairs<T>())
-    launch_for_layout<T, vector_pairs<T>()>(p, shape, stream);
+    launch_for_layout<T, Table, vector_pairs<T>()>(p, shape, stream);
   else
-    launch_for_layout<T, 1>(p, shape, stream);
+    launch_for_layout<T, Table, 1>(p, shape, stream);
 }
 
 }  // namespace rotary
