@@ -246,7 +246,7 @@ ENGINE = textwrap.dedent("""
         for engine in job["engines"]:
             start = time.perf_counter()
             try:
-                llm = LLM(model=engine["path"], dtype="float32", skip_tokenizer_init=True, seed=0,
+                llm = LLM(model=engine["path"], dtype=engine.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
                           max_model_len=job["max_model_len"], **engine["options"])
             except Exception as err:  # noqa: BLE001 (the error is the result)
                 print("RESULT " + json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
@@ -371,3 +371,39 @@ def test_tensor_parallel_engine(tmp_path):
     assert isinstance(results[0], list), results[0] if results else log[-6000:]
     assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") == 2, log[-3000:]  # one line per rank
     assert_same(results[0][0], reference(path, long), "ReRoPE, TP=2")
+
+
+@pytest.mark.cuda
+def test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cuda_graphs(tmp_path):
+    """What a GPU user runs first (issue 26): ``--attention-backend CUSTOM`` with CUDA graphs on (vLLM's
+    default compiled mode: full graphs for decode batches, which the CUDA builder declares, piecewise for
+    the rest), a ReRoPE checkpoint with chunked prefill and the prefix cache, and a Dynamic-YaRN one with
+    each request's table at its own length: the same tokens and prompt logprobs as transformers + ropescale.
+    float32 on the GPU (the SIMT kernels; TF32 stays off in vLLM), so within 1e-4 of the CPU reference."""
+    import importlib.metadata
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not any(e.name == "ropescale" for e in importlib.metadata.entry_points(group="vllm.general_plugins")):
+        pytest.skip("ropescale is not pip-installed here (an in-place build): vLLM's processes find the plugin "
+                    "through its vllm.general_plugins entry point")
+    paths = {}
+    for name in ("rerope", "dynamic_yarn"):
+        paths[name] = tmp_path / name
+        patched(name).save_pretrained(paths[name])
+    long, mixed = random_prompts(LONG, 1), random_prompts(MIXED[:8], 2)
+    graphs = dict(attention_backend="CUSTOM", enforce_eager=False, gpu_memory_utilization=0.3,
+                  compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    engines = [
+        {"path": str(paths["rerope"]), "options": dict(graphs, max_num_seqs=8, max_num_batched_tokens=48),
+         "batches": [long, mixed]},
+        {"path": str(paths["dynamic_yarn"]),
+         "options": dict(graphs, max_num_seqs=8, max_num_batched_tokens=4096, enable_prefix_caching=False),
+         "batches": [long, mixed]},
+    ]
+    results, log = serve(tmp_path, engines)
+    assert all(isinstance(r, list) and len(r) == 2 for r in results), log[-6000:]
+    assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") >= len(engines), log[-3000:]
+    for name, (served_long, served_mixed) in zip(paths, results):
+        assert_same(served_long, reference(paths[name], long), f"{name} on CUDA, CUSTOM backend, graphs", atol=1e-4)
+        assert_same(served_mixed, reference(paths[name], mixed), f"{name} on CUDA, 8 mixed requests", atol=1e-4)
