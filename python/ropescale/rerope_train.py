@@ -158,12 +158,17 @@ def training_layout(q_positions: torch.Tensor, k_positions: torch.Tensor, causal
     row; then query i sees key j exactly when the key is not padding and ``j <= i + Lk - Lq``, at
     distance ``i + Lk - Lq - j``. That is what a training forward hands over (``position_ids``
     counting up, with or without left or right padding; padding queries at -1 too). One host sync."""
+    return _layout(q_positions, k_positions, causal)[0]
+
+
+def _layout(q_positions, k_positions, causal, tensors=()):
+    """(:func:`training_layout`, whether every element of ``tensors`` is finite), in one host sync."""
     if not causal:
-        return None
+        return None, None
     batch, q_len = q_positions.shape
     k_len = k_positions.shape[1]
     if batch == 0 or q_len == 0 or q_len > k_len:
-        return None
+        return None, None
     qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
     key_row = torch.arange(k_len, device=kp.device)
     query_row = torch.arange(q_len, device=qp.device) + (k_len - q_len)
@@ -174,8 +179,9 @@ def training_layout(q_positions: torch.Tensor, k_positions: torch.Tensor, causal
     ok_k = (~real | (kp - key_row == base)).all()
     first_real = torch.where(real, key_row, k_len).amin(-1, keepdim=True)
     ok_q = torch.where(qp >= 0, ~any_real | (qp == base + query_row), first_real > query_row).all()
-    ok, padded = torch.stack((ok_q & ok_k, (~real).any())).tolist()
-    return bool(padded) if ok else None
+    finite = [torch.isfinite(t).all().to(kp.device) for t in tensors]
+    ok, padded, *finite = torch.stack((ok_q & ok_k, (~real).any(), *finite)).tolist()
+    return (bool(padded) if ok else None), all(finite)
 
 
 _warned: set[str] = set()
@@ -240,6 +246,7 @@ class _Plan:
     padded: bool  # padding keys: an extra head-dim column carries -inf
     kernel: _Kernel
     dtype: torch.dtype
+    finite: bool = False  # q, k, v hold no NaN / inf: no finite stand-ins, no non-finite rule
 
     def __post_init__(self):
         self.shift = self.length - self.q_len
@@ -348,8 +355,9 @@ class _Plan:
             if self.far:
                 bad["q"][:, self.first_far :] |= ~torch.isfinite(qf[:, self.first_far + shift - W :, :, :D]).all(-1)
                 bad["k"][:, : self.far_len] |= ~torch.isfinite(kf[..., :D]).all(-1)
-        for t in buffers.values():  # finite stand-ins (the rule puts NaN back), then the padding column
-            torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+        if not self.finite:
+            for t in buffers.values():  # finite stand-ins (the rule puts NaN back), then the padding column
+                torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         if self.padded:
             key_column = torch.where(k_positions < 0, float("-inf"), 0.0).to(self.dtype)[:, :, None]
             qn[..., D] = 1
@@ -400,20 +408,21 @@ class _Plan:
             target[:, self.window : self.length] += y
 
     def coverage(self, k_positions):
-        """``{part: [B, Lp, 1] bool}``: rows that have a non-padding key in that partial."""
-        L, C, W = self.length, self.chunk, self.window
-        device = k_positions.device
-        count = torch.nn.functional.pad((k_positions >= 0).to(torch.int64).cumsum(-1), (1, 0))  # [B, L + 1]
-        i = torch.arange(L, device=device)
-        start = (i // C) * C
-        has = {"diag": count[:, i + 1] - count[:, start] > 0}
-        if "off" in self.parts:
-            inside = (i >= C) & (i - start <= C - 2)
-            has["off"] = inside & (count[:, start] - count[:, (i - C + 1).clamp_min(0)] > 0)
-        if self.far:
-            has["far"] = (i >= W) & (count[:, (i - W + 1).clamp_min(0)] > 0)
-        pad = self.padded_len - L
-        return {part: torch.nn.functional.pad(h, (0, pad))[:, :, None] for part, h in has.items()}
+        """``{part: [B, Lp, 1] bool}``: rows that have a non-padding key in that partial (from running
+        counts of non-padding keys: ``count[:, j]`` keys before row j)."""
+        B, L, Lp, C, W = self.batch, self.length, self.padded_len, self.chunk, self.window
+        count = torch.nn.functional.pad((k_positions >= 0).to(torch.int64).cumsum(-1), (1, Lp - L))  # [B, Lp + 1]
+        count[:, L + 1 :] = count[:, L : L + 1]
+        start = count[:, :Lp:C].repeat_interleave(C, dim=1)  # keys before each row's chunk
+        has = {"diag": count[:, 1:] - start > 0}
+        if "off" in self.parts:  # keys i - C + 1 .. start - 1, for rows at offsets 0..C-2 of chunks 1..
+            back = torch.nn.functional.pad(count[:, : Lp - C + 1], (C - 1, 0))
+            offset = torch.arange(Lp, device=k_positions.device) % C
+            inside = (offset <= C - 2) & (torch.arange(Lp, device=k_positions.device) >= C)
+            has["off"] = inside & (start - back > 0)
+        if self.far:  # keys 0 .. i - W, for rows i >= W
+            has["far"] = torch.nn.functional.pad(count[:, 1 : Lp - W + 1], (W, 0)) > 0
+        return {part: (h & (torch.arange(Lp, device=h.device) < L))[:, :, None] for part, h in has.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +446,7 @@ def _forward(ctx, plan: _Plan, q, k, v, q_positions, k_positions, inv_freq):
     B, L, Lp, D, Hq, shift = plan.batch, plan.length, plan.padded_len, plan.head_dim, plan.q_heads, plan.shift
     qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
     leaky = plan.leaky_tables(qp, kp, inv_freq, q.device) if plan.far and plan.leaky_k else ()
-    ops, bad = plan.operands(q, k, v, qp, kp, inv_freq, leaky, with_bad=True)
+    ops, bad = plan.operands(q, k, v, qp, kp, inv_freq, leaky, with_bad=not plan.finite)
     has = plan.coverage(kp)
     lses, outs, states = {}, {}, {}
     for part in plan.parts:
@@ -453,24 +462,30 @@ def _forward(ctx, plan: _Plan, q, k, v, q_positions, k_positions, inv_freq):
         rows[part] = torch.where(has[part], r, float("-inf")) if plan.padded else r
     lse = torch.logsumexp(torch.stack([rows[p] for p in plan.parts]), dim=0)  # [B, Lp, Hq]; -inf: no key
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    acc = torch.zeros(B, Lp, Hq, D, dtype=plan.compute, device=q.device)
+    acc = None  # [B, Lp, Hq, D]: the diagonal chunks cover every row, the other parts add theirs
     for part in plan.parts:
         weight = torch.exp(rows[part] - safe)[..., None]  # 0 where the part has no key for the row
         out_p = outs.pop(part)[..., :D]
         if plan.padded:  # a row whose keys in this part are all padding: the kernels disagree on it
             out_p = torch.where(_part_view(plan, part, has[part][..., None]), out_p, 0.0)
-        plan.add_rows(part, acc, _part_view(plan, part, weight) * out_p)
+        contribution = _part_view(plan, part, weight) * out_p
+        if acc is None:
+            acc = contribution.reshape(B, Lp, Hq, D)
+        else:
+            plan.add_rows(part, acc, contribution)
+        del contribution
     out = acc[:, shift:L].to(q.dtype).transpose(1, 2)
     lse = lse[:, shift:L].to(_lse_dtype(q)).transpose(1, 2)
     del acc
-    # Non-finite rule: a row with a non-finite operand (its query, or a visible key) is poisoned.
-    key_row = torch.arange(L, device=q.device)[None, :, None]
-    first_bad = torch.where(bad["k"] & (kp >= 0)[..., None], key_row, L).amin(dim=1)  # [B, Hkv]
-    first_bad = first_bad.repeat_interleave(plan.group, dim=1)  # [B, Hq]
-    reach = torch.arange(plan.q_len, device=q.device) + shift
-    poison = bad["q"].transpose(1, 2) | (first_bad[:, :, None] <= reach)
-    row_stat = torch.where(poison, float("nan"), lse)
-    final_out, final_lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, True)
+    final_out, final_lse = out, lse  # rows without a visible key: 0 and -inf already
+    if not plan.finite:  # the non-finite rule: a row with a non-finite query or visible key is poisoned
+        key_row = torch.arange(L, device=q.device)[None, :, None]
+        first_bad = torch.where(bad["k"] & (kp >= 0)[..., None], key_row, L).amin(dim=1)  # [B, Hkv]
+        first_bad = first_bad.repeat_interleave(plan.group, dim=1)  # [B, Hq]
+        reach = torch.arange(plan.q_len, device=q.device) + shift
+        poison = bad["q"].transpose(1, 2) | (first_bad[:, :, None] <= reach)
+        row_stat = torch.where(poison, float("nan"), lse)
+        final_out, final_lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, True)
     ctx.save_for_backward(q, k, v, qp, kp, inv_freq, out, lse, *leaky)
     ctx.plan, ctx.states, ctx.plan_device = plan, states, q.device.type
     ctx.set_materialize_grads(False)
@@ -513,16 +528,31 @@ def _backward(ctx, grad_out, grad_lse):
     lse_rows[:, shift:L] = torch.where(torch.isfinite(lse), lse, 0.0).transpose(1, 2)
     calls = []  # (dO rows, O rows, values: v, or column 0 of ones for the lse gradient)
     if grad_out is not None:
-        d_rows = q.new_zeros(B, Lp, Hq, Dp)
+        d_rows = plan._buffer(Lp, Hq, shift, L, q.device)
         d_rows[:, shift:L, :, :D] = torch.where(seen[..., None], grad_out.transpose(1, 2), 0.0)
-        o_rows = q.new_zeros(B, Lp, Hq, Dp)
+        o_rows = plan._buffer(Lp, Hq, shift, L, q.device)
         o_rows[:, shift:L, :, :D] = out.transpose(1, 2)
         calls.append((d_rows, o_rows, False))
     if grad_lse is not None:
         d_rows = q.new_zeros(B, Lp, Hq, Dp)
         d_rows[:, shift:L, :, 0] = torch.where(seen, grad_lse.transpose(1, 2), 0.0)
         calls.append((d_rows, q.new_zeros(B, Lp, Hq, Dp), True))
-    grads = {name: torch.zeros(t.shape, dtype=plan.compute, device=q.device) for name, t in ops.items()}
+    grads = {}
+
+    def add(name, part, y, keys=False):
+        """Accumulate a partial's rows ``y`` into ``grads[name]`` (the diagonal chunks and the far
+        operands' own rows start their buffer)."""
+        if name not in grads:
+            if part == "diag":
+                grads[name] = y.reshape(B, Lp, *y.shape[2:]).to(plan.compute)
+                return
+            if part == "far" and name != "v":
+                grads[name] = y.to(plan.compute)
+                return
+            grads[name] = torch.zeros(ops[name].shape, dtype=plan.compute, device=q.device)
+        plan.add_rows(part, grads[name] if name != "v" or part != "far" else grads[name][:, : plan.far_len], y,
+                      keys=keys)
+
     for part in plan.parts:
         pq, pk, pv = plan.partial_operands(part, ops)
         lse_p = _part_view(plan, part, lse_rows).transpose(1, 2)
@@ -538,11 +568,10 @@ def _backward(ctx, grad_out, grad_lse):
                 dk_p = dk_p.unflatten(1, (plan.kv_heads, plan.group)).sum(2)
                 dv_p = dv_p.unflatten(1, (plan.kv_heads, plan.group)).sum(2)
             far = part == "far"
-            plan.add_rows(part, grads["qf" if far else "qn"], dq_p.transpose(1, 2))
-            plan.add_rows(part, grads["kf" if far else "kn"], dk_p.transpose(1, 2), keys=True)
+            add("qf" if far else "qn", part, dq_p.transpose(1, 2))
+            add("kf" if far else "kn", part, dk_p.transpose(1, 2), keys=True)
             if not ones:
-                target = grads["v"][:, : plan.far_len] if far else grads["v"]
-                plan.add_rows(part, target, dv_p.transpose(1, 2), keys=True)
+                add("v", part, dv_p.transpose(1, 2), keys=True)
     del ops
     dq = grads["qn"][:, shift:L, :, :D]
     dk = grads["kn"][:, :L, :, :D]
@@ -562,8 +591,9 @@ def _backward(ctx, grad_out, grad_lse):
     factor = plan.logn(qp)
     if factor is not None:
         dq *= factor
-    dv = grads["v"][:, :L, :, :D]
-    return tuple(g.to(t.dtype, copy=True).transpose(1, 2) for g, t in ((dq, q), (dk, k), (dv, v)))
+    dv = grads["v"][:, :L, :, :D] if "v" in grads else None  # None: only lse had a gradient
+    return tuple(None if g is None else g.to(t.dtype, copy=True).transpose(1, 2)
+                 for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +621,7 @@ def rerope_attention_train(
     )
     composite_args = (q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
                       interleaved)
-    padded = training_layout(q_positions, k_positions, causal)
+    padded, finite = _layout(q_positions, k_positions, causal, (q, k, v))
     if padded is None:
         if q.requires_grad or k.requires_grad or v.requires_grad:
             _warn_once("not the training layout (causal, positions counting up, padding keys negative)")
@@ -605,5 +635,6 @@ def rerope_attention_train(
         batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2], length=k.shape[2],
         head_dim=head_dim, window=int(window), leaky_k=float(leaky_k),
         scale=1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale),
-        logn_length=int(logn_length), interleaved=bool(interleaved), padded=padded, kernel=kernel, dtype=q.dtype)
+        logn_length=int(logn_length), interleaved=bool(interleaved), padded=padded, kernel=kernel, dtype=q.dtype,
+        finite=finite)
     return _ReropeTrain.apply(q, k, v, q_positions, k_positions, inv_freq, plan)
