@@ -70,9 +70,12 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
   p.paged_requests = reinterpret_cast<rerope_cuda::PagedRequest*>(requests.data_ptr<int>());
   p.paged_task_offsets = offsets.data_ptr<int>();
   p.paged_tasks = reinterpret_cast<rerope_cuda::PagedTask*>(task_list.data_ptr<int>());
-  // The block table's page checks, one flag per chunk of a request's row (rerope_paged_prepare_kernel).
-  at::Tensor page_flags = at::empty({a.requests * rerope_cuda::rerope_paged_page_chunks(p.max_blocks)},
-                                    options.dtype(at::kInt));
+  // The block table's page checks, one flag per chunk of a request's row (rerope_paged_prepare_kernel,
+  // one block per flag and up to 1024 more for the turn rates: the grid's x).
+  const int64_t page_chunks = a.requests * rerope_cuda::rerope_paged_page_chunks(p.max_blocks);
+  TORCH_CHECK(page_chunks + 1024 <= std::numeric_limits<int>::max(), kPagedOp, ": block table too large for one launch (",
+              a.requests, " x ", a.max_blocks, " pages)");
+  at::Tensor page_flags = at::empty({page_chunks}, options.dtype(at::kInt));
   p.paged_page_flags = page_flags.data_ptr<int>();
   // Splits from the SM count and the task bound; each request sizes its own on the device.
   const int splits = rerope_cuda::rerope_paged_splits<Shape>(p, multiprocessors);

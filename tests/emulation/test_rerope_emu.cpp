@@ -1142,7 +1142,7 @@ TEST_CASE("paged tensor-core prefill: keys rotated in the kernel give the pre-ro
 // pre-pass budget (max(4 T, 65536) keys by default), rotating its key tiles in the kernel: 64 queries
 // at the end of a 100,000-key sequence (Leaky ReRoPE: every tile rotates, near at p and far at p/k;
 // angles up to position 99,999), against the float64 reference within twice the SDPA-way error. One
-// head (one block of 1,563 key tiles): ~9 minutes on a loaded 2-core machine, its own ctest case.
+// head (one block of 1,563 key tiles): ~5 minutes on a loaded 2-core machine, its own ctest case.
 TEST_CASE("paged tensor-core prefill: 64 queries against 100k keys stay on the tensor cores",
           "[rerope][paged][tensor_core][long]") {
   const PagedCase c{{{64, 100000}}, 1, 1, 64, 64, 16, 2048, 16.0, 0, false, false};
