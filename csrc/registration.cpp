@@ -93,6 +93,17 @@ TORCH_LIBRARY(ropescale, m) {
       "rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
       "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False) -> (Tensor out, Tensor lse)");
+  // The same over the caller's CUDA scratch (uint8, rerope_paged_workspace_bytes), reserved once by an engine
+  // (an overload: a mutated argument; the default overload stays functional, with its autograd refusal).
+  m.def(
+      "rerope_attention_paged.workspace(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, Tensor(a!) workspace) "
+      "-> (Tensor out, Tensor lse)");
+  // Bytes of rerope_attention_paged's workspace for up to `tokens` query rows per call (0 where CUDA needs
+  // none: fp32, head dims off the tensor cores), with room to pre-rotate `max_keys` keys (-1: the default).
+  m.def("rerope_paged_workspace_bytes(int tokens, int kv_heads, int head_dim, ScalarType dtype, int max_keys=-1) "
+        "-> int");
   // Stores raw key/value rows [T, Hkv, D] into the pages at slot_mapping (negative slots skipped), in place.
   m.def("rerope_cache_write_(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
         "Tensor slot_mapping) -> ()");
@@ -109,7 +120,7 @@ TORCH_LIBRARY(ropescale, m) {
         "bool allow_float64=False) -> ()");
   m.def("_check_rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-        "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False) -> ()");
+        "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False, Tensor? workspace=None) -> ()");
   m.def("_check_rerope_cache_write(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, "
         "Tensor slot_mapping) -> ()");
 }
@@ -127,6 +138,7 @@ TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);
   m.impl("longrope_attention_factor", &ropescale::longrope_attention_factor);
   m.impl("base_lower_bound", &ropescale::base_lower_bound);
+  m.impl("rerope_paged_workspace_bytes", &ropescale::rerope_paged_workspace_bytes);
   // Metadata (and CPU data) only: one kernel for every device, Meta and fake tensors included.
   m.impl("_check_rotary", &ropescale::check_rotary);
   m.impl("_check_rotary_pos", &ropescale::check_rotary_pos);
@@ -142,6 +154,7 @@ TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
   m.impl("feature_gap", &ropescale::feature_gap);
   m.impl("rerope_attention", &ropescale::rerope_attention_cpu);
   m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_cpu);
+  m.impl("rerope_attention_paged.workspace", &ropescale::rerope_attention_paged_workspace_cpu);
   m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_cpu_);
 }
 
@@ -174,6 +187,7 @@ TORCH_LIBRARY_IMPL(ropescale, Meta, m) {
   m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_meta_);
   m.impl("rerope_attention", &ropescale::rerope_attention_meta);
   m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_meta);
+  m.impl("rerope_attention_paged.workspace", &ropescale::rerope_attention_paged_workspace_meta);
   m.impl("rerope_cache_write_", &ropescale::rerope_cache_write_meta_);
   m.impl("resonance_inv_freq", &ropescale::resonance_inv_freq_meta);
   m.impl("similarity_decay", &ropescale::similarity_decay_meta);
@@ -234,6 +248,7 @@ TORCH_LIBRARY_IMPL(ropescale, CUDA, m) {
   register_rotary_impls([&](const char* name, [[maybe_unused]] auto kernel) { ROPESCALE_CUDA_IMPL(name, kernel); });
   ROPESCALE_CUDA_IMPL("rerope_attention", &ropescale::rerope_attention_cuda);
   ROPESCALE_CUDA_IMPL("rerope_attention_paged", &ropescale::rerope_attention_paged_cuda);
+  ROPESCALE_CUDA_IMPL("rerope_attention_paged.workspace", &ropescale::rerope_attention_paged_workspace_cuda);
   ROPESCALE_CUDA_IMPL("rerope_cache_write_", &ropescale::rerope_cache_write_cuda_);
 }
 #undef ROPESCALE_CUDA_IMPL

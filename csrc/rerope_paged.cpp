@@ -11,8 +11,10 @@
 #include <cmath>
 #include <limits>
 
+#include "ops.h"
 #include "position_limits.h"
 #include "rerope_attention.h"
+#include "ropescale/rerope_paged_plan.h"
 
 namespace ropescale {
 
@@ -58,13 +60,39 @@ void check_cache_meta(const char* op, const at::Tensor& key_cache, const at::Ten
   }
 }
 
+// The bytes a `workspace` must hold for a call of `tokens` query rows: what the CUDA tensor-core prefill
+// needs whatever its budget (the queries' sin/cos, rerope_paged_workspace_layout with no pre-rotated key)
+// where the dtype and head dim are the tensor cores', else 0. From the sizes alone, so that every
+// backend (CPU, CUDA, Meta) refuses the same workspaces.
+c10::SymInt required_workspace_bytes(at::ScalarType dtype, const c10::SymInt& tokens, const c10::SymInt& head_dim) {
+  const auto d = head_dim.maybe_as_int();
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || !d || !rerope_cuda::rerope_paged_tc_head_dim(*d)) return 0;
+  constexpr int64_t align = rerope_cuda::kPagedWorkspaceAlign;
+  const c10::SymInt q_bytes = tokens * (*d / 2) * 16;
+  return align + (q_bytes + (align - 1)) / align * align;  // rerope_paged_workspace_layout(tokens, ..., 0).bytes
+}
+
 }  // namespace
+
+int64_t rerope_paged_workspace_bytes(int64_t tokens, int64_t kv_heads, int64_t head_dim, at::ScalarType dtype,
+                                     int64_t max_keys) {
+  TORCH_CHECK(tokens >= 0, "rerope_paged_workspace_bytes: tokens must be >= 0, got ", tokens);
+  TORCH_CHECK(kv_heads >= 1, "rerope_paged_workspace_bytes: kv_heads must be >= 1, got ", kv_heads);
+  TORCH_CHECK(head_dim >= 2 && head_dim % 2 == 0 && head_dim <= kReropeMaxHeadDim,
+              "rerope_paged_workspace_bytes: head_dim must be even and in [2, ", kReropeMaxHeadDim, "], got ", head_dim);
+  TORCH_CHECK(max_keys >= -1, "rerope_paged_workspace_bytes: max_keys must be >= 0 (or -1 for the default), got ",
+              max_keys);
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || !rerope_cuda::rerope_paged_tc_head_dim(head_dim)) return 0;
+  const int64_t keys = max_keys < 0 ? rerope_cuda::rerope_paged_default_key_budget(tokens)
+                                    : (max_keys < (int64_t{1} << 30) ? max_keys : (int64_t{1} << 30));
+  return rerope_cuda::rerope_paged_workspace_layout(tokens, kv_heads, head_dim, 2, keys).bytes;
+}
 
 void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                              double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
-                             int64_t logn_length, bool allow_float64) {
+                             int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace) {
   TORCH_CHECK(q.dim() == 3, kOp, ": q must be 3-D [T, Hq, D], got shape ", q.sym_sizes());
   // Devices first: a tensor on another device (meta among CPU tensors) must never reach a kernel.
   check_cache_meta(kOp, key_cache, value_cache, q, "q");
@@ -73,6 +101,7 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
   check_device(kOp, query_start_loc, "query_start_loc", q, "q");
   check_device(kOp, inv_freq, "inv_freq", q, "q");
   if (scale_factors) check_device(kOp, *scale_factors, "scale_factors", q, "q");
+  if (workspace) check_device(kOp, *workspace, "workspace", q, "q");
 
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
@@ -126,6 +155,17 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
               ": logn_length must be 0 (off) or >= 2 (the training length), got ", logn_length);
   TORCH_CHECK(scale == -1.0 || (std::isfinite(scale) && scale > 0.0 && scale <= std::numeric_limits<float>::max()),
               kOp, ": scale must be finite and > 0 (or -1, None in Python, for 1/sqrt(D)), got ", scale);
+  if (workspace) {
+    TORCH_CHECK(workspace->scalar_type() == at::kByte && workspace->dim() == 1, kOp,
+                ": workspace must be a 1-D uint8 tensor (rerope_paged_workspace_bytes bytes), got shape ",
+                workspace->sym_sizes(), " of ", workspace->scalar_type());
+    TORCH_CHECK(workspace->sym_size(0) == 1 || workspace->sym_stride(0) == 1, kOp,
+                ": workspace must be contiguous, got stride ", workspace->sym_stride(0));
+    const c10::SymInt required = required_workspace_bytes(dtype, q.sym_size(0), head_dim);
+    TORCH_CHECK(workspace->sym_size(0) >= required, kOp, ": workspace has ", workspace->sym_size(0),
+                " bytes, a call with T = ", q.sym_size(0), " query rows needs at least ", required,
+                " (rerope_paged_workspace_bytes(tokens, kv_heads, head_dim, dtype) for the most tokens a call has)");
+  }
 }
 
 // int32 metadata for the kernels; an int64 value outside int32 would wrap into a wrong (and possibly
@@ -182,9 +222,9 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                         const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                         const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-                                        bool interleaved) {
+                                        bool interleaved, const std::optional<at::Tensor>& workspace) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
-                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false);
+                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace);
   ReropePagedArgs a;
   a.tokens = q.size(0);
   a.q_heads = q.size(1);
@@ -205,6 +245,7 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
   a.query_start_loc = to_int32(query_start_loc, "query_start_loc");
   a.inv_freq = (inv_freq.dim() == 1 ? inv_freq.unsqueeze(0) : inv_freq).to(at::kFloat).contiguous();
   if (scale_factors) a.scale_factors = scale_factors->to(at::kFloat).contiguous();
+  a.workspace = workspace;
   a.window = window;
   a.leaky_inv = leaky_k == 0.0 ? 0.0 : 1.0 / leaky_k;
   a.logn_length = logn_length;
@@ -252,7 +293,19 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
     bool interleaved) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
-                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false);
+                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, std::nullopt);
+  at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  at::Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1)}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_meta(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved, const at::Tensor& workspace) {
+  check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
+                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace);
   at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   at::Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1)}, q.options().dtype(at::kFloat));
   return {out, lse};
@@ -267,9 +320,10 @@ void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_
                                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                                      const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                                      double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
-                                     int64_t logn_length, bool allow_float64) {
+                                     int64_t logn_length, bool allow_float64,
+                                     const std::optional<at::Tensor>& workspace) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
-                          leaky_k, scale, scale_factors, logn_length, allow_float64);
+                          leaky_k, scale, scale_factors, logn_length, allow_float64, workspace);
   if (!q.device().is_cpu()) return;
   // The value checks read the normalised metadata; the float64 oracle's q passes as float32 here.
   ReropePagedArgs a;

@@ -19,6 +19,7 @@ struct ReropePagedArgs {
   at::Tensor query_start_loc;               // int32 [R + 1], contiguous
   at::Tensor inv_freq;                      // float32 [R or 1, rotary_pairs], contiguous
   std::optional<at::Tensor> scale_factors;  // float32 [R], contiguous; none = 1
+  std::optional<at::Tensor> workspace;      // uint8 [bytes] (CUDA scratch; rerope_paged_workspace_bytes), or none
   int64_t tokens = 0, requests = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_pairs = 0;
   int64_t num_blocks = 0, block_size = 0, max_blocks = 0;
   bool per_request_inv_freq = false;  // inv_freq has one row per request
@@ -29,14 +30,14 @@ struct ReropePagedArgs {
   bool interleaved = false;
 };
 
-// Metadata checks of rerope_attention_paged (devices, dtypes, shapes, head counts, D, the scalars),
-// shared by the CPU, CUDA and Meta kernels; symbolic sizes are fine. Messages name the op and the
-// argument.
+// Metadata checks of rerope_attention_paged (devices, dtypes, shapes, head counts, D, the scalars, the
+// workspace's device, dtype and size), shared by the CPU, CUDA and Meta kernels; symbolic sizes are fine.
+// Messages name the op and the argument.
 void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                              double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
-                             int64_t logn_length, bool allow_float64);
+                             int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace);
 
 // The data checks (CPU tensors only; on CUDA they would cost a host sync per call, so there they are
 // the caller's contract and the kernel guards its reads): query_start_loc[0] == 0, non-decreasing,
@@ -51,7 +52,7 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                         const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                         const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-                                        bool interleaved);
+                                        bool interleaved, const std::optional<at::Tensor>& workspace);
 
 // rerope_cache_write_'s checks (metadata; slot range on CPU): key/value [T, Hkv, D] matching the
 // cache's heads and D, slot_mapping integer [T], slots < num_blocks * block_size.
@@ -65,6 +66,11 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
     bool interleaved);
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_meta(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved, const at::Tensor& workspace);
 void rerope_cache_write_meta_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
 
@@ -75,6 +81,7 @@ void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_
                                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                                      const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                                      double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
-                                     int64_t logn_length, bool allow_float64);
+                                     int64_t logn_length, bool allow_float64,
+                                     const std::optional<at::Tensor>& workspace);
 
 }  // namespace ropescale

@@ -87,13 +87,25 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cpu(
     bool interleaved) {
   const ReropePagedArgs args = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
                                                        query_start_loc, inv_freq, window, leaky_k, scale,
-                                                       scale_factors, logn_length, interleaved);
+                                                       scale_factors, logn_length, interleaved, std::nullopt);
   TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention_paged: the CPU kernel got tensors on ", args.q.device());
   at::Tensor out = at::empty({args.tokens, args.q_heads, args.head_dim}, args.q.options());
   at::Tensor lse = at::empty({args.tokens, args.q_heads}, args.q.options().dtype(at::kFloat));
   // Every row belongs to a request with q_len <= seq_len, so every row sees key 0: no empty rows.
   if (out.numel() > 0) rerope_variant().paged_kernel(args, out, lse);
   return {out, lse};
+}
+
+// The CPU kernel needs no workspace: an engine's reservation is checked as on CUDA, then left alone.
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cpu(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved, const at::Tensor& workspace) {
+  check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
+                          leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace);
+  return rerope_attention_paged_cpu(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
+                                    window, leaky_k, scale, scale_factors, logn_length, interleaved);
 }
 
 void rerope_cache_write_cpu_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,

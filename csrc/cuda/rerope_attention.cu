@@ -170,6 +170,10 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
   p.window = a.window, p.logn_length = a.logn_length;
   p.leaky_inv = a.leaky_inv, p.inv_log_train = a.inv_log_train;
   p.scale = a.scale, p.causal = a.causal, p.interleaved = a.interleaved;
+  // The keys' turn rates (turn_angles.h), written by each launch's first kernel: no FP64 per key.
+  at::Tensor key_rates = at::empty({a.rotary_pairs * static_cast<int64_t>(sizeof(KeyRate) / sizeof(int64_t))},
+                                   a.q.options().dtype(at::kLong));
+  p.key_rates = reinterpret_cast<KeyRate*>(key_rates.data_ptr<int64_t>());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_SWITCH(a.q.scalar_type(), "rerope_attention_cuda",

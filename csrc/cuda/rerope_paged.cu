@@ -11,12 +11,17 @@
 // a request whose pages fall outside [0, num_blocks), whose seq_len is past its block-table row, or
 // whose q_len is past its seq_len gets NaN rows, and nothing outside the cache is read.
 //
-// What runs where: fp16/bf16 at head dims 64/80/96/128 on sm_80+ (a value cache whose rows are 16-byte
-// aligned): the rows of requests with more than 4 queries (prefill, chunked prefill) run on the tensor
-// cores, over keys (both sides) a pre-pass rotates through the block table into a workspace of at most
-// rerope_paged_tc_key_budget keys (requests past it, in order, stay on SIMT); every other row (decode
-// rows, fp32, other head dims) runs the SIMT body with keys rotated in shared memory tile by tile. One
-// schedule kernel decides both, on the device.
+// What runs where: fp16/bf16 at head dims 64/80/96/128 on sm_80+ (caches whose rows are 16-byte
+// aligned), in a launch whose sizes allow a request of more than 4 rows (T >= R + 4,
+// rerope_paged_tc_possible): the rows of requests with more than 4 queries (prefill, chunked prefill)
+// run on the tensor cores at any length, over keys (both sides) a pre-pass rotates through the block
+// table into the workspace while they fit its budget, and past it rotating their key tiles from the
+// pages inside the kernel; every other row (decode rows, fp32, other head dims) runs the SIMT body with
+// keys rotated in shared memory tile by tile, its key splits sized on the device from each request's
+// length. One schedule kernel decides both, on the device. Nothing is allocated for the tensor cores
+// when no tensor-core row can exist (a decode step); the workspace is the caller's when it passes one
+// (`workspace`, rerope_paged_workspace_bytes: an engine reserves it once, inside what it profiles),
+// else the op's own (rerope_paged_tc_key_budget keys).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -33,6 +38,7 @@
 #include "rerope_paged.h"
 #include "ropescale/rerope_attention.cuh"
 #include "ropescale/rerope_attention_tc.cuh"
+#include "ropescale/rerope_paged_plan.h"
 
 namespace ropescale {
 namespace {
@@ -64,6 +70,14 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
   p.paged_requests = reinterpret_cast<rerope_cuda::PagedRequest*>(requests.data_ptr<int>());
   p.paged_task_offsets = offsets.data_ptr<int>();
   p.paged_tasks = reinterpret_cast<rerope_cuda::PagedTask*>(task_list.data_ptr<int>());
+  // The block table's page checks, one flag per chunk of a request's row (rerope_paged_prepare_kernel,
+  // one block per flag and up to 1024 more for the turn rates: the grid's x).
+  const int64_t page_chunks = a.requests * rerope_cuda::rerope_paged_page_chunks(p.max_blocks);
+  TORCH_CHECK(page_chunks + 1024 <= std::numeric_limits<int>::max(), kPagedOp, ": block table too large for one launch (",
+              a.requests, " x ", a.max_blocks, " pages)");
+  at::Tensor page_flags = at::empty({page_chunks}, options.dtype(at::kInt));
+  p.paged_page_flags = page_flags.data_ptr<int>();
+  // Splits from the SM count and the task bound; each request sizes its own on the device.
   const int splits = rerope_cuda::rerope_paged_splits<Shape>(p, multiprocessors);
   at::Tensor partial_out, partial_lse;
   if (splits > 1) {
@@ -75,38 +89,72 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
   rerope_cuda::launch_rerope_paged<T, Shape>(p, splits, stream, ThrowOnLaunchError<kPagedOp>{});
 }
 
+// `base` rounded up to the workspace's alignment (rerope_paged_workspace_layout counts the slack).
+unsigned char* aligned_base(void* base) {
+  const auto address = reinterpret_cast<uintptr_t>(base);
+  const auto align = static_cast<uintptr_t>(rerope_cuda::kPagedWorkspaceAlign);
+  return reinterpret_cast<unsigned char*>((address + align - 1) / align * align);
+}
+
 template <typename T>
 void launch(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream) {
   const CudaDeviceInfo device = cuda_device_info(a.q.get_device());
   const auto smem_optin = static_cast<std::size_t>(device.shared_memory_per_block_optin);
+  const auto options = a.q.options();
+  // The keys' turn rates (one row per request with per-request tables): written by the launch's first
+  // kernel, read by every kernel that rotates keys.
+  at::Tensor key_rates = at::empty({(a.per_request_inv_freq ? a.requests : 1) * a.rotary_pairs *
+                                    static_cast<int64_t>(sizeof(KeyRate) / sizeof(int64_t))},
+                                   options.dtype(at::kLong));
+  p.key_rates = reinterpret_cast<KeyRate*>(key_rates.data_ptr<int64_t>());
   // The tensor-core prefill: fp16/bf16, its head dims, sm_80+ (mma.sync, ldmatrix, cp.async), its shared
-  // memory, and a value cache whose rows cp.async can read (the values are read in place).
-  // Its workspaces: the schedule's choice (key offsets, task list), the rotated keys, the queries' sin/cos.
+  // memory, caches whose rows cp.async can read (values, and keys rotated in the kernel, are read in
+  // place), and sizes that allow a tensor-core row at all (nothing is allocated for a decode step).
+  // Its workspaces: the schedule's choice (key offsets, task list), the queries' sin/cos and the
+  // pre-rotated keys (the caller's `workspace`, or the op's own).
   const int head_dim = static_cast<int>(a.head_dim);
   bool tensor_cores = false;
-  at::Tensor tc_key_offsets, tc_tasks, k_near, k_far, q_rotation;
+  at::Tensor tc_key_offsets, tc_tasks, own_workspace;
   if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
     tensor_cores = rerope_cuda::rerope_tc_head_dim(head_dim) && device.major >= 8 &&
-                   rerope_cuda::rerope_tc_smem_bytes(head_dim) <= smem_optin && a.q_heads <= 65535 &&
-                   rerope_cuda::rerope_paged_tc_aligned(p, sizeof(T));
+                   rerope_cuda::rerope_paged_tc_smem_bytes(head_dim) <= smem_optin && a.q_heads <= 65535 &&
+                   rerope_cuda::rerope_paged_tc_aligned(p, sizeof(T)) &&
+                   rerope_cuda::rerope_paged_tc_possible(a.tokens, a.requests);
   }
   if (tensor_cores) {
-    const auto options = a.q.options();
-    p.paged_tc_key_budget = rerope_cuda::rerope_paged_tc_key_budget(a.tokens, a.requests, a.max_blocks * a.block_size);
+    const int64_t capacity = a.max_blocks * a.block_size;
+    const auto element_bytes = static_cast<int64_t>(sizeof(T));
+    rerope_cuda::PagedTcWorkspace layout;
+    unsigned char* base = nullptr;
+    if (a.workspace) {  // the engine's reservation: as many pre-rotated keys as it holds beyond the queries' part
+      layout = rerope_cuda::rerope_paged_workspace_within(a.workspace->numel(), a.tokens, a.kv_heads, a.head_dim,
+                                                          element_bytes);
+      TORCH_CHECK(layout.keys >= 0, kPagedOp, ": workspace has ", a.workspace->numel(), " bytes, this call needs ",
+                  layout.bytes);  // (the shared check refuses it first)
+      base = aligned_base(a.workspace->data_ptr());
+    } else {
+      layout = rerope_cuda::rerope_paged_workspace_layout(
+          a.tokens, a.kv_heads, a.head_dim, element_bytes,
+          rerope_cuda::rerope_paged_tc_key_budget(a.tokens, a.requests, capacity));
+      own_workspace = at::empty({layout.bytes}, options.dtype(at::kByte));
+      base = aligned_base(own_workspace.data_ptr());
+    }
+    const int64_t most = a.requests * capacity;
+    p.paged_tc = true;
+    p.paged_tc_key_budget = layout.keys < most ? layout.keys : most;
     const int64_t tc_task_count = rerope_cuda::rerope_paged_max_tc_tasks(a.tokens, a.requests);
+    TORCH_CHECK(tc_task_count <= std::numeric_limits<int>::max(), kPagedOp, ": too many query rows for one launch");
     tc_key_offsets = at::empty({a.requests + 1}, options.dtype(at::kInt));
     tc_tasks = at::empty({tc_task_count * 4}, options.dtype(at::kInt));
-    k_near = at::empty({p.paged_tc_key_budget, a.kv_heads, a.head_dim}, options);
-    k_far = at::empty_like(k_near);  // Leaky: keys at p/k; ReRoPE: the raw keys
-    q_rotation = at::empty({a.tokens * a.rotary_pairs * 4}, options.dtype(at::kFloat));
     p.paged_tc_key_offsets = tc_key_offsets.data_ptr<int>();
     p.paged_tc_tasks = reinterpret_cast<rerope_cuda::PagedTask*>(tc_tasks.data_ptr<int>());
     p.num_paged_tc_tasks = static_cast<int>(tc_task_count);
-    p.k_near = k_near.data_ptr();
-    p.k_far = k_far.data_ptr();
-    p.q_rotation = q_rotation.data_ptr<float>();
+    p.q_rotation = reinterpret_cast<float*>(base + layout.q_rotation);
+    p.k_near = p.paged_tc_key_budget > 0 ? base + layout.k_near : nullptr;
+    p.k_far = p.paged_tc_key_budget > 0 ? base + layout.k_far : nullptr;  // Leaky: keys at p/k; ReRoPE: the raw keys
   }
-  // The schedule and the SIMT rows (with the split combine), in the tile shape the device allows ...
+  // The key rates, the schedule and the SIMT rows (with the split combine), in the tile shape the device
+  // allows ...
   const std::size_t missing = rerope_cuda::with_simt_shape(head_dim, smem_optin, [&]<class Shape>() {
     launch_paged<T, Shape>(a, p, stream, device.multiprocessors);
   });
@@ -129,14 +177,16 @@ void launch(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved) {
+    bool interleaved, const std::optional<at::Tensor>& workspace) {
   const ReropePagedArgs a = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
                                                     query_start_loc, inv_freq, window, leaky_k, scale, scale_factors,
-                                                    logn_length, interleaved);
+                                                    logn_length, interleaved, workspace);
   TORCH_CHECK(a.q.is_cuda(), kPagedOp, ": the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out = at::empty({a.tokens, a.q_heads, a.head_dim}, a.q.options());
@@ -181,6 +231,26 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
                        if constexpr (!std::is_same_v<T, double>) launch<T>(a, p, stream);
                      }));
   return {out, lse};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved) {
+  return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
+                         scale, scale_factors, logn_length, interleaved, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cuda(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
+    double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
+    bool interleaved, const at::Tensor& workspace) {
+  return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
+                         scale, scale_factors, logn_length, interleaved, workspace);
 }
 
 void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,

@@ -561,8 +561,8 @@ torch.library.register_autograd("ropescale::rerope_attention", _rerope_attention
 
 from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite  # noqa: E402,F401  (plain-PyTorch twins)
 
-__all__ += ["rerope_attention_paged", "rerope_cache_write_", "rerope_attention_paged_composite",
-            "rerope_cache_write_composite"]
+__all__ += ["rerope_attention_paged", "rerope_paged_workspace_bytes", "rerope_cache_write_",
+            "rerope_attention_paged_composite", "rerope_cache_write_composite"]
 
 
 def rerope_attention_paged(
@@ -579,6 +579,7 @@ def rerope_attention_paged(
     scale_factors: torch.Tensor | None = None,
     logn_length: int = 0,
     interleaved: bool = False,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReRoPE attention of packed requests over a paged cache of raw keys (vLLM's layout and metadata).
 
@@ -592,11 +593,30 @@ def rerope_attention_paged(
     On CPU tensors the metadata values are checked (pages inside the cache, ``q_len <= seq_len <=``
     the pages' capacity, ``query_start_loc`` from 0 to T, non-decreasing): an error names the request.
     On CUDA they are the caller's contract. No backward pass (an inference op).
+
+    ``workspace``: scratch for the CUDA tensor-core prefill, a 1-D uint8 tensor on q's device of
+    :func:`rerope_paged_workspace_bytes` bytes for the most query rows a call will have: an engine
+    allocates it once (where its memory profiling sees it) and passes it to every call; its contents are
+    overwritten. Without it the op allocates its own, and only when a tensor-core row can exist (never on
+    a decode step). Ignored on CPU (still checked). With a workspace the op is the overload
+    ``rerope_attention_paged.workspace`` (the workspace is a mutated argument), which has no autograd.
     """
-    return _ops.rerope_attention_paged(
-        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
-        -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved,
-    )
+    args = (q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
+            -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved)
+    if workspace is None:
+        return _ops.rerope_attention_paged(*args)
+    return _ops.rerope_attention_paged.workspace(*args, workspace=workspace)
+
+
+def rerope_paged_workspace_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                 max_keys: int | None = None) -> int:
+    """Bytes of :func:`rerope_attention_paged`'s ``workspace`` for calls of up to ``tokens`` query rows (an
+    engine's largest batch, e.g. vLLM's ``max_num_batched_tokens``), ``kv_heads`` k/v heads of ``head_dim``
+    in ``dtype``: the queries' sin/cos of the CUDA tensor-core prefill, plus room to pre-rotate ``max_keys``
+    keys per call (None: ``max(4 * tokens, 65536)``, the op's own default; 0: none, every tensor-core request
+    rotates its key tiles in the kernel, slower for Leaky ReRoPE and the dynamic methods but on the tensor
+    cores at any length). 0 where CUDA needs no workspace (float32, head dims other than 64/80/96/128)."""
+    return _ops.rerope_paged_workspace_bytes(tokens, kv_heads, head_dim, dtype, -1 if max_keys is None else max_keys)
 
 
 def rerope_cache_write_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -51,7 +51,7 @@ KERNELS = _requested()
 _ROTARY_TABLE_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
 _ROTARY_POSITION_OPS = ("apply_rotary_pos", "apply_rotary_pos_", "apply_rotary_pos_qk", "apply_rotary_pos_qk_")
 ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention", "rerope_attention_paged",
-                                                          "rerope_cache_write_")
+                                                          "rerope_attention_paged.workspace", "rerope_cache_write_")
 
 _R = torch.ops.ropescale
 
@@ -235,10 +235,19 @@ def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
+def rerope_attention_paged_workspace(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
+                                     window, leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0,
+                                     interleaved=False, *, workspace):
+    return rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
+                                  leaky_k, scale, scale_factors, logn_length, interleaved, workspace=workspace)
+
+
 def rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
-                           leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0, interleaved=False):
+                           leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0, interleaved=False,
+                           workspace=None):
     _R._check_rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
-                                     window, leaky_k, scale, scale_factors, logn_length, allow_float64=False)
+                                     window, leaky_k, scale, scale_factors, logn_length, allow_float64=False,
+                                     workspace=workspace)
     # float32 math for half types, as the native kernels accumulate (see rerope_attention above).
     out, lse = rerope_attention_paged_composite(
         q.float(), key_cache.float(), value_cache.float(), block_table, seq_lens, query_start_loc, inv_freq.float(),
@@ -267,7 +276,7 @@ def _register() -> None:
             if torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", key):
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point here
                     warnings.simplefilter("ignore")
-                    _library.impl(name, globals()[name], key)
+                    _library.impl(name, globals()[name.replace(".", "_")], key)
 
 
 if KERNELS == "reference":

@@ -295,7 +295,7 @@ def _int64_list(t: torch.Tensor) -> list[int]:
 
 def rerope_attention_paged_composite(
     q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
-    scale_factors=None, logn_length=0, interleaved=False,
+    scale_factors=None, logn_length=0, interleaved=False, workspace=None,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
     lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages.
@@ -303,7 +303,7 @@ def rerope_attention_paged_composite(
     refuses and never indexes outside the cache."""
     torch.ops.ropescale._check_rerope_attention_paged(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
-        _schema_scale(scale), scale_factors, logn_length, allow_float64=True)
+        _schema_scale(scale), scale_factors, logn_length, allow_float64=True, workspace=workspace)
     total, q_heads, head_dim = q.shape
     block_size = key_cache.shape[2]
     starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)

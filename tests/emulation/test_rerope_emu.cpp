@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -50,6 +51,8 @@ struct Problem {
   std::vector<float> q, k, v, inv_freq;  // contiguous [B, H, L, D]
   std::vector<int64_t> q_pos, k_pos;
   double scale_factor = 1.0;  // multiplies the softmax scale 1/sqrt(D) (the paged op's scale_factors)
+  // The launch's key turn rates (a workspace the launchers fill; garbage until then).
+  mutable std::vector<ropescale::KeyRate> key_rates{};
 };
 
 Problem make_problem(const Case& c, unsigned seed) {
@@ -167,6 +170,8 @@ ReropeParams make_params(const Case& c, const Problem& pr) {
   p.q_positions = pr.q_pos.data();
   p.k_positions = pr.k_pos.data();
   p.inv_freq = pr.inv_freq.data();
+  pr.key_rates.assign(static_cast<size_t>(c.rotary_dim / 2), ropescale::KeyRate{0x5a5a5a5a5a5a5a5aull, 7ull});
+  p.key_rates = pr.key_rates.data();
   p.batch = c.batch, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = c.q_len, p.k_len = c.k_len;
   p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
   p.window = c.window, p.logn_length = c.logn_length;
@@ -716,6 +721,7 @@ struct PagedCase {
   double leaky_k;
   int64_t logn_length;
   bool interleaved, per_request_tables;  // inv_freq row and scale factor per request
+  int table_pages = 0;                   // block-table width at least (max_model_len / block_size)
   std::string name() const {
     std::string s = "requests";
     for (auto [q_len, seq_len] : requests) s += " " + std::to_string(q_len) + "/" + std::to_string(seq_len);
@@ -757,6 +763,7 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
     pages_total += pages;
     run.max_blocks = std::max(run.max_blocks, pages + 1);
   }
+  run.max_blocks = std::max(run.max_blocks, c.table_pages);
   run.tokens = run.qsl.back();
   run.num_blocks = pages_total + 3;  // spare pages: NaN, never read
   std::vector<int> pool(run.num_blocks);
@@ -823,18 +830,34 @@ void launch_paged_tc(const ReropeParams& p) {
   }
 }
 
+// What a paged launch decided, per request (the schedule kernel's PagedRequest): the path
+// (kPagedSimt, kPagedTcPreRotated, kPagedTcRotating) and the SIMT key-split length.
+struct PagedDecisions {
+  std::vector<int> tensor_core, keys_per_split;
+};
+// Tensor-core budgets for launch_paged / run_paged: no tensor-core launch at all (fp32, or a launch the
+// glue keeps on SIMT), or rerope_paged.cu's default budget; any other value >= 0 is the budget itself.
+constexpr int64_t kNoTensorCores = -2, kDefaultBudget = -1;
+
 // Runs the paged launch (schedule, SIMT attention, combine) with the tile shape the emulated device
-// allows, then, with a tensor-core key budget (fp16/bf16), the tensor-core prefill of the requests the
-// schedule gave it, as rerope_paged.cu does. Returns each request's tensor_core flag.
+// allows, then, with the tensor cores on (fp16/bf16, tc_key_budget >= 0), the tensor-core prefill of the
+// requests the schedule gave it (pre-rotated keys within the budget, keys rotated in the kernel past it),
+// as rerope_paged.cu does.
 template <typename T>
-std::vector<int> launch_paged(ReropeParams p, int splits, int64_t tc_key_budget = 0) {
+PagedDecisions launch_paged(ReropeParams p, int splits, int64_t tc_key_budget = kNoTensorCores) {
   using namespace ropescale::rerope_cuda;
-  std::vector<int> tensor_core;
+  PagedDecisions decisions;
+  const bool tensor_cores = tc_key_budget >= 0 && !std::is_same_v<T, float>;
   const std::size_t missing = with_simt_shape(
       p.head_dim, static_cast<std::size_t>(ropescale_emu::shared_memory_per_block_optin()), [&]<class Shape>() {
         // Workspaces start as garbage: whatever the kernels read before writing shows.
-        std::vector<PagedRequest> requests(p.requests, PagedRequest{-5, -5, -5, -5, -5});
+        std::vector<PagedRequest> requests(p.requests, PagedRequest{-5, -5, -5, -5, -5, -5});
+        std::vector<ropescale::KeyRate> key_rates(
+            static_cast<size_t>(rerope_key_rate_rows(p)) * p.rotary_pairs, ropescale::KeyRate{0x5a5a5a5a5a5a5a5aull, 7ull});
+        p.key_rates = key_rates.data();
         std::vector<int> offsets(p.requests + 1, -5);
+        std::vector<int> page_flags(static_cast<size_t>(p.requests) * rerope_paged_page_chunks(p.max_blocks), -5);
+        p.paged_page_flags = page_flags.data();
         p.num_paged_tasks = static_cast<int>(
             rerope_paged_max_tasks(p.q_len, p.requests, p.q_heads / p.kv_heads, Shape::kRows));
         std::vector<PagedTask> tasks(p.num_paged_tasks, PagedTask{-5, -5, -5, -5});
@@ -848,25 +871,29 @@ std::vector<int> launch_paged(ReropeParams p, int splits, int64_t tc_key_budget 
         // The tensor-core workspaces (NaN / garbage, like the others).
         std::vector<int> tc_key_offsets(p.requests + 1, -5);
         std::vector<PagedTask> tc_tasks(rerope_paged_max_tc_tasks(p.q_len, p.requests), PagedTask{-5, -5, -5, -5});
-        const size_t rotated = static_cast<size_t>(tc_key_budget) * p.kv_heads * p.head_dim;
+        const size_t rotated = tensor_cores ? static_cast<size_t>(tc_key_budget) * p.kv_heads * p.head_dim : 0;
         std::vector<T> k_near(rotated, from_float_host<T>(NAN)), k_far(rotated, from_float_host<T>(NAN));
         std::vector<float> q_rotation(static_cast<size_t>(p.q_len) * p.rotary_pairs * 4, NAN);
-        if (tc_key_budget > 0) {
+        if (tensor_cores) {
+          p.paged_tc = true;
           p.paged_tc_key_budget = tc_key_budget;
           p.paged_tc_key_offsets = tc_key_offsets.data();
           p.paged_tc_tasks = tc_tasks.data();
           p.num_paged_tc_tasks = static_cast<int>(tc_tasks.size());
-          p.k_near = k_near.data();
-          p.k_far = k_far.data();  // Leaky: keys at p/k; ReRoPE: the raw keys
+          p.k_near = rotated > 0 ? k_near.data() : nullptr;
+          p.k_far = rotated > 0 ? k_far.data() : nullptr;  // Leaky: keys at p/k; ReRoPE: the raw keys
           p.q_rotation = q_rotation.data();
         }
         launch_rerope_paged<T, Shape>(p, splits, nullptr);
         if constexpr (!std::is_same_v<T, float>)
-          if (tc_key_budget > 0) launch_paged_tc<T>(p);
-        for (const PagedRequest& r : requests) tensor_core.push_back(r.tensor_core);
+          if (tensor_cores) launch_paged_tc<T>(p);
+        for (const PagedRequest& r : requests) {
+          decisions.tensor_core.push_back(r.tensor_core);
+          decisions.keys_per_split.push_back(r.keys_per_split);
+        }
       });
   REQUIRE(missing == 0);
-  return tensor_core;
+  return decisions;
 }
 
 // The caches in T, guarded (a PROT_NONE page right after the key cache, right before the value cache).
@@ -929,13 +956,23 @@ void unpack_request(const PagedRun<T>& run, int r, const std::vector<T>& out, co
     }
 }
 
+// The packed output of a paged launch, and what its schedule decided.
+template <typename T>
+struct PagedResult {
+  std::vector<T> out;
+  std::vector<float> lse;
+  PagedDecisions decisions;
+};
+
 // The paged launch against each request's dense float64 reference: fp32 within 2e-5, fp16/bf16 within
 // twice the SDPA-way error. `poison` spoils request `poisoned`'s metadata: its rows must be NaN, the
-// others unaffected. With a tensor-core key budget (-1: rerope_paged.cu's), `tensor_core` is the
-// path each request must have taken (1: the tensor cores).
+// others unaffected. With the tensor cores on (a budget >= 0, or kDefaultBudget: rerope_paged.cu's),
+// `tensor_core`, when given, is the path each request must have taken (kPagedSimt 0, kPagedTcPreRotated
+// 1, kPagedTcRotating 2).
 template <typename T>
-void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Poison::kNone, int poisoned = -1,
-               int64_t tc_key_budget = 0, const std::vector<int>& tensor_core = {}) {
+PagedResult<T> run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Poison::kNone,
+                         int poisoned = -1, int64_t tc_key_budget = kNoTensorCores,
+                         const std::vector<int>& tensor_core = {}) {
   std::vector<float> key_slots, value_slots;
   PagedRun<T> run = make_paged<T>(c, seed, key_slots, value_slots);
   if (poison != Poison::kNone) {
@@ -953,14 +990,14 @@ void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Po
   const size_t rows = static_cast<size_t>(run.tokens) * c.q_heads;
   std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
   std::vector<float> lse(rows, -7.0f);
-  if (tc_key_budget < 0)
+  if (tc_key_budget == kDefaultBudget)
     tc_key_budget = ropescale::rerope_cuda::rerope_paged_tc_key_budget(
         run.tokens, static_cast<int64_t>(c.requests.size()), static_cast<int64_t>(run.max_blocks) * c.block_size);
-  const std::vector<int> took_tc =
+  const PagedDecisions decisions =
       launch_paged<T>(paged_params(run, caches, out.data(), lse.data()), splits, tc_key_budget);
-  if (tc_key_budget > 0) {
-    INFO(c.name() << ": which requests took the tensor cores");
-    CHECK(took_tc == tensor_core);
+  if (!tensor_core.empty()) {
+    INFO(c.name() << ": which requests took the tensor cores (1: pre-rotated keys, 2: keys rotated in the kernel)");
+    CHECK(decisions.tensor_core == tensor_core);
   }
 
   for (int r = 0; r < static_cast<int>(c.requests.size()); ++r) {
@@ -991,6 +1028,7 @@ void run_paged(const PagedCase& c, unsigned seed, int splits, Poison poison = Po
       }
     }
   }
+  return {std::move(out), std::move(lse), decisions};
 }
 
 // Decode rows (1 query), chunked-prefill rows (a chunk at the end of a longer sequence), full-prefill
@@ -1034,6 +1072,13 @@ TEST_CASE("paged kernel: a request whose metadata points outside the cache gets 
                          Spoil{Poison::kNegativePage, 2, 1}, Spoil{Poison::kSeqPastTable, 0, 3},
                          Spoil{Poison::kQueriesPastSeq, 2, 1}})
     run_paged<float>(c, seed++, s.splits, s.poison, s.request);
+  // A block-table row of more than one chunk of the prepare kernel's page checks (1,100 pages of one
+  // key): the bad page in the second chunk, the first one, or none.
+  const PagedCase long_row{{{1, 1100}, {2, 30}}, 2, 1, 8, 8, 1, 16, 0.0, 0, false, false};
+  REQUIRE(ropescale::rerope_cuda::rerope_paged_page_chunks(1101) == 2);
+  run_paged<float>(long_row, seed++, 2, Poison::kPagePastCache, 0);
+  run_paged<float>(long_row, seed++, 1, Poison::kNegativePage, 0);
+  run_paged<float>(long_row, seed++, 3);
 }
 
 // The tensor-core prefill of paged requests (fp16 / bf16 at its head dims): requests of more than 4
@@ -1046,14 +1091,80 @@ const std::vector<std::pair<int, int>> kTensorCoreRequests = {{1, 70}, {70, 70},
 TEST_CASE("paged kernel: prefill requests on the tensor cores, decode rows on SIMT, within twice the SDPA-way error",
           "[rerope][paged][tensor_core]") {
   // fp16: block size 16, GQA 2, ReRoPE, per-request tables and scale factors, key splits on the SIMT rows.
-  run_paged<__half>({kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true}, 900, 2, Poison::kNone, -1, -1,
-                    {0, 1, 0, 1, 0, 1});
+  run_paged<__half>({kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true}, 900, 2, Poison::kNone, -1,
+                    kDefaultBudget, {0, 1, 0, 1, 0, 1});
   // bf16: block size 1, GQA 4, Leaky + log-n, partial interleaved rotary, D 80.
   run_paged<__nv_bfloat16>({kTensorCoreRequests, 4, 1, 80, 48, 1, 30, 8.0, 50, true, true}, 901, 1, Poison::kNone, -1,
-                           -1, {0, 1, 0, 1, 0, 1});
-  // A budget of 130 keys: the first two prefill requests (70 + 45 keys) fit, the last (130) runs on SIMT.
+                           kDefaultBudget, {0, 1, 0, 1, 0, 1});
+  // A budget of 130 keys: the first two prefill requests (70 + 45 keys) are pre-rotated; the last (130
+  // keys) stays on the tensor cores, rotating its key tiles in the kernel.
   run_paged<__half>({kTensorCoreRequests, 2, 2, 96, 96, 7, 9, 16.0, 0, false, false}, 902, 1, Poison::kNone, -1, 130,
-                    {0, 1, 0, 1, 0, 0});
+                    {0, 1, 0, 1, 0, 2});
+}
+
+// The requests past the budget rotate their key tiles in the kernel from the pages, with the same turn
+// rates and the same rounding as the pre-pass: the same rows, bit for bit, as when their keys are
+// pre-rotated (and both within the SDPA-way rule of the float64 reference).
+TEST_CASE("paged tensor-core prefill: keys rotated in the kernel give the pre-rotated keys' result bit for bit",
+          "[rerope][paged][tensor_core]") {
+  const std::vector<PagedCase> cases = {
+      // ReRoPE (far tiles read the raw keys, near and band tiles rotate), fp16, per-request tables.
+      {kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true},
+      // Leaky + log-n (every tile rotates: far tiles at p/k), partial interleaved rotary, D 80, block size 1.
+      {kTensorCoreRequests, 4, 1, 80, 48, 1, 30, 8.0, 50, true, true},
+      // D 128, Leaky with a window inside the first tile, odd block size.
+      {{{70, 70}, {2, 9}, {33, 160}}, 2, 2, 128, 128, 7, 5, 4.0, 0, false, false},
+  };
+  unsigned seed = 920;
+  for (const PagedCase& c : cases) {
+    std::vector<int> pre_rotated, rotating;
+    for (auto [q_len, seq_len] : c.requests) {
+      pre_rotated.push_back(q_len > 4 ? 1 : 0);
+      rotating.push_back(q_len > 4 ? 2 : 0);
+    }
+    INFO(c.name());
+    if (c.dim == 80) {
+      const auto a = run_paged<__nv_bfloat16>(c, seed, 1, Poison::kNone, -1, kDefaultBudget, pre_rotated);
+      const auto b = run_paged<__nv_bfloat16>(c, seed, 1, Poison::kNone, -1, 0, rotating);
+      CHECK(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(a.out[0])) == 0);
+      CHECK(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0);
+    } else {
+      const auto a = run_paged<__half>(c, seed, 2, Poison::kNone, -1, kDefaultBudget, pre_rotated);
+      const auto b = run_paged<__half>(c, seed, 2, Poison::kNone, -1, 0, rotating);
+      CHECK(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(a.out[0])) == 0);
+      CHECK(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0);
+    }
+    ++seed;
+  }
+}
+
+// Issue 26's cliff: a chunk of queries against a long context stays on the tensor cores past the
+// pre-pass budget (max(4 T, 65536) keys by default), rotating its key tiles in the kernel: 64 queries
+// at the end of a 100,000-key sequence (Leaky ReRoPE: every tile rotates, near at p and far at p/k;
+// angles up to position 99,999), against the float64 reference within twice the SDPA-way error. One
+// head (one block of 1,563 key tiles): ~5 minutes on a loaded 2-core machine, its own ctest case.
+TEST_CASE("paged tensor-core prefill: 64 queries against 100k keys stay on the tensor cores",
+          "[rerope][paged][tensor_core][long]") {
+  const PagedCase c{{{64, 100000}}, 1, 1, 64, 64, 16, 2048, 16.0, 0, false, false};
+  REQUIRE(ropescale::rerope_cuda::rerope_paged_tc_key_budget(64, 1, 100000 + 16) < 100000);
+  run_paged<__half>(c, 990, 1, Poison::kNone, -1, kDefaultBudget, {2});
+}
+
+// Decode splits follow each request's own length, not the block table's width: a 4k request and a
+// 100-key one, each decoding one query, with block tables sized for 128k keys (max_model_len) and the
+// split count of 132 SMs (rerope_paged_split_count). The 4k request spreads over 32 splits of 4 tiles
+// (the block table's width would have given splits of 32 tiles: 4 of them live); the short one takes
+// one split, the others exit.
+TEST_CASE("paged kernel: decode splits follow the lengths, not the block table's width", "[rerope][paged][splits]") {
+  using namespace ropescale::rerope_cuda;
+  const int block_size = 16, table_pages = 131072 / block_size;
+  const PagedCase c{{{1, 4096}, {1, 100}}, 4, 2, 32, 32, block_size, 512, 0.0, 0, false, false, table_pages};
+  const int splits = rerope_paged_split_count(2, 2, 4, 2, TileShape<64>::kRows, int64_t{table_pages} * block_size, 132);
+  REQUIRE(splits == 66);  // 2 waves of 132 SMs over 2 requests x 2 kv heads
+  const auto result = run_paged<float>(c, 995, splits);
+  CHECK(result.decisions.keys_per_split == std::vector<int>{128, 128});
+  CHECK(rerope_paged_live_splits(4096, splits) == 32);
+  CHECK(rerope_paged_live_splits(100, splits) == 1);
 }
 
 TEST_CASE("paged tensor-core prefill: a spoiled request gets NaN rows, nothing read outside",
@@ -1061,8 +1172,10 @@ TEST_CASE("paged tensor-core prefill: a spoiled request gets NaN rows, nothing r
   // Guarded caches as above; the spoiled request would have taken the tensor cores, the prefill
   // requests after it still do (their rotated keys' offsets skip it).
   const PagedCase c{{{1, 40}, {9, 30}, {20, 20}, {0, 6}, {12, 50}}, 4, 2, 64, 64, 5, 8, 0.0, 0, false, false};
-  run_paged<__half>(c, 950, 1, Poison::kPagePastCache, 2, -1, {0, 1, 0, 0, 1});
-  run_paged<__nv_bfloat16>(c, 951, 2, Poison::kNegativePage, 1, -1, {0, 0, 1, 0, 1});
+  run_paged<__half>(c, 950, 1, Poison::kPagePastCache, 2, kDefaultBudget, {0, 1, 0, 0, 1});
+  run_paged<__nv_bfloat16>(c, 951, 2, Poison::kNegativePage, 1, kDefaultBudget, {0, 0, 1, 0, 1});
+  // The same with every tensor-core request rotating its keys in the kernel (budget 0).
+  run_paged<__half>(c, 952, 1, Poison::kPagePastCache, 4, 0, {0, 2, 2, 0, 0});
 }
 
 TEST_CASE("cache write kernel: raw keys and values at their slots, negative and past-the-cache slots skipped",
@@ -1111,5 +1224,14 @@ TEST_CASE("race check: one small paged launch with splits, blocks shuffled", "[t
 TEST_CASE("race check: one small paged launch with tensor-core rows, blocks shuffled", "[tsan][paged]") {
   const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 7);
   const PagedCase c{{{1, 40}, {9, 70}}, 2, 1, 64, 64, 16, 5, 16.0, 0, false, true};
-  run_paged<__nv_bfloat16>(c, 801, 2, Poison::kNone, -1, -1, {0, 1});
+  run_paged<__nv_bfloat16>(c, 801, 2, Poison::kNone, -1, kDefaultBudget, {0, 1});
+}
+
+TEST_CASE("race check: one small paged launch rotating key tiles in the tensor-core kernel, blocks shuffled",
+          "[tsan][paged]") {
+  const ropescale_emu::ScopedBlockOrder shuffled(ropescale_emu::BlockOrder::kShuffled, 9);
+  // Leaky: near, band and far tiles all rotate in shared memory; a second request pre-rotated in the
+  // same launch (budget 80: the first request's 70 keys).
+  const PagedCase c{{{9, 70}, {1, 40}, {20, 130}}, 2, 1, 64, 64, 16, 40, 8.0, 0, false, true};
+  run_paged<__nv_bfloat16>(c, 802, 2, Poison::kNone, -1, 80, {1, 0, 2});
 }

@@ -10,8 +10,10 @@
   frequency tables computed on the CPU and moved to the GPU) and ReRoPE attention (fused and
   composite);
 * the paged op (rerope_attention_paged, rerope_cache_write_) against its float64 oracle: decode rows
-  on the SIMT kernel, fp16/bf16 prefill rows on the tensor cores (and the SIMT fallback for a value
-  cache whose rows are not 16-byte aligned), bad metadata as NaN rows.
+  on the SIMT kernel, fp16/bf16 prefill rows on the tensor cores (and the SIMT fallback for caches
+  whose rows are not 16-byte aligned), bad metadata as NaN rows; past the pre-rotation budget (70k
+  keys), with reserved workspaces of every size (bit for bit the same rows), decode steps without
+  tensor-core allocations, short requests with a 128k block table.
 
 The reference and the SDPA-relative tolerance come from test_rerope_attention.py.
 """
@@ -400,6 +402,107 @@ def test_rerope_attention_paged_cuda_bad_metadata_gives_nan_rows_and_reads_nothi
     rows[int(qsl[bad]): int(qsl[bad + 1])] = True
     assert torch.isnan(out.cpu()[rows]).all() and torch.isnan(lse.cpu()[rows]).all()
     torch.testing.assert_close(out.cpu()[~rows].double(), ref_out[~rows], atol=2e-5, rtol=2e-5)
+
+
+# Issue 26's cliffs. A chunk of queries against more keys than the op's own pre-rotation budget
+# (max(4 T, 65536) keys) stays on the tensor cores, rotating its key tiles in the kernel (the emulated
+# tests assert the path); a reserved workspace of any size gives the same rows bit for bit (the keys
+# rotated in the kernel and by the pre-pass are the same bits); decode steps allocate nothing for the
+# tensor cores; a short request with a block table sized for a long max_model_len splits its keys over
+# the grid (same results).
+
+
+def make_long_paged(requests, q_heads, kv_heads, dim, block_size, dtype, seed=0, table_pages=0):
+    """make_paged for long sequences, vectorised: each request's keys and values written page by page in
+    one indexing step; block-table rows at least `table_pages` wide (max_model_len / block_size)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-seq_len // block_size) for _, seq_len in requests]
+    num_blocks = sum(pages) + 3
+    max_blocks = max(max(pages) + 1, table_pages)
+    order = torch.randperm(num_blocks, generator=g)
+    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    block_table = torch.full((len(requests), max_blocks), num_blocks + 1000, dtype=torch.int32)
+    used = 0
+    for r, (_, seq_len) in enumerate(requests):
+        mine = order[used: used + pages[r]]
+        used += pages[r]
+        block_table[r, : pages[r]] = mine.to(torch.int32)
+        for cache in (key_cache, value_cache):
+            rows = torch.randn(pages[r] * block_size, kv_heads, dim, generator=g)
+            rows[seq_len:] = float("nan")  # the slots past the sequence: never read
+            cache[mine] = rows.view(pages[r], block_size, kv_heads, dim).transpose(1, 2)
+    starts = torch.tensor([0] + [q_len for q_len, _ in requests]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(starts[-1]), q_heads, dim, generator=g)
+    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
+    return [q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_table, seq_lens, starts]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("leaky_k,window", [(0.0, 512), (16.0, 2048), (0.0, 1 << 20)],
+                         ids=["rerope", "leaky", "rope"])
+def test_rerope_attention_paged_cuda_long_context_stays_exact_past_the_budget(dtype, leaky_k, window):
+    """128 queries at the end of 70,000 keys (past the op's own budget of 65,536) beside decode rows, against
+    the float64 oracle within twice the composite's error in that dtype; then the same call with reserved
+    workspaces of every budget (none: every tensor-core request rotates in the kernel; enough for all)."""
+    requests = [(1, 3000), (128, 70_000), (1, 17)]
+    args = make_long_paged(requests, 4, 2, 128, 16, dtype, seed=11)
+    inv_freq = ops.default_inv_freq(128, BASE)
+    kw = dict(leaky_k=leaky_k)
+    ref_out, ref_lse = rerope_attention_paged_composite(args[0].double(), args[1].double(), args[2].double(),
+                                                        *args[3:], inv_freq, window, **kw)
+    dev = paged_on(DEVICE, args + [inv_freq])
+    out, lse = ops.rerope_attention_paged(*dev, window, **kw)
+    low_out, low_lse = rerope_attention_paged_composite(*dev, window, **kw)
+    got_out, got_lse = out.cpu().double(), lse.cpu().double()
+    assert torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()  # no NaN slot was read
+    err_out, err_lse = (got_out - ref_out).abs().max().item(), (got_lse - ref_lse.double()).abs().max().item()
+    low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
+    low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
+    assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
+    assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+    T = args[0].shape[0]
+    for max_keys in (0, 1000, 70_000):  # in-kernel; in-kernel (70k keys past 1000); pre-rotated
+        workspace = torch.empty(ops.rerope_paged_workspace_bytes(T, 2, 128, dtype, max_keys=max_keys),
+                                dtype=torch.uint8, device=DEVICE)
+        again = ops.rerope_attention_paged(*dev, window, workspace=workspace, **kw)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), max_keys
+
+
+def test_rerope_attention_paged_cuda_decode_steps_allocate_nothing_for_the_tensor_cores():
+    """A decode step (one row per request) at Hkv 8, D 128, bf16 used to allocate two 128 MiB key
+    workspaces; its peak now stays within the splits' partials and the small task lists."""
+    requests = [(1, 4096)] * 8
+    args = paged_on(DEVICE, make_long_paged(requests, 32, 8, 128, 16, torch.bfloat16, seed=12) +
+                    [ops.default_inv_freq(128, BASE)])
+    ops.rerope_attention_paged(*args, 512)  # warm up (the caching allocator, the opt-ins)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    ops.rerope_attention_paged(*args, 512)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 16 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rerope_attention_paged_cuda_short_requests_with_a_long_block_table(dtype):
+    """Block tables sized for a 128k max_model_len, requests of 4k and 100 keys decoding: each request
+    spreads its keys over the splits by its own length (the emulated test checks the split lengths)."""
+    requests = [(1, 4096), (1, 100), (2, 2000)]
+    args = make_long_paged(requests, 8, 2, 64, 16, dtype, seed=13, table_pages=131072 // 16)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    ref_out, ref_lse = rerope_attention_paged_composite(args[0].double(), args[1].double(), args[2].double(),
+                                                        *args[3:], inv_freq, 256)
+    dev = paged_on(DEVICE, args + [inv_freq])
+    out, lse = ops.rerope_attention_paged(*dev, 256)
+    err_out = (out.cpu().double() - ref_out).abs().max().item()
+    err_lse = (lse.cpu().double() - ref_lse.double()).abs().max().item()
+    if dtype == torch.float32:
+        assert err_out <= 2e-5 and err_lse <= 2e-5 * (1 + ref_lse.abs().max().item())
+    else:
+        low_out, low_lse = rerope_attention_paged_composite(*dev, 256)
+        assert err_out <= 2 * (low_out.cpu().double() - ref_out).abs().max().item() + 1e-6
+        assert err_lse <= 2 * (low_lse.cpu().double() - ref_lse.double()).abs().max().item() + 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -303,6 +303,86 @@ def test_opcheck_attention(sample):
     opcheck(torch.ops.ropescale.rerope_attention_paged.default, args, kwargs)
 
 
+def test_opcheck_attention_with_a_workspace():
+    inputs, _ = make_paged([(1, 9), (6, 6), (3, 20)], 4, 2, 64, 4, seed=2)
+    q, key_cache, value_cache = (t.bfloat16() for t in inputs[:3])
+    workspace = torch.zeros(ops.rerope_paged_workspace_bytes(q.shape[0], 2, 64, torch.bfloat16, max_keys=40),
+                            dtype=torch.uint8)
+    opcheck(torch.ops.ropescale.rerope_attention_paged.workspace,
+            (q, key_cache, value_cache) + inputs[3:] + (ops.default_inv_freq(64, BASE), 3), {"workspace": workspace})
+
+
+# ---------------------------------------------------------------------------------------------
+# The workspace: CUDA scratch an engine reserves once (rerope_paged_workspace_bytes); checked the same
+# way on every backend, ignored by the CPU kernel.
+
+
+def test_workspace_bytes_follow_the_layout():
+    """256 bytes of alignment slack, the queries' sin/cos (T x D/2 x 16 bytes, 256-aligned), two sides of
+    max_keys pre-rotated keys (Hkv x D x 2 bytes each, 256-aligned); 0 where CUDA takes no tensor cores."""
+    T, kv_heads, dim = 8192, 8, 128
+    queries = 256 + T * dim // 2 * 16
+    assert ops.rerope_paged_workspace_bytes(T, kv_heads, dim, torch.bfloat16, max_keys=0) == queries
+    assert ops.rerope_paged_workspace_bytes(T, kv_heads, dim, torch.float16, max_keys=1000) == \
+        queries + 2 * 1000 * kv_heads * dim * 2
+    # The default budget: max(4 T, 65536) keys (what the op allocates for itself without a workspace).
+    for tokens in (100, T, 32768):
+        assert ops.rerope_paged_workspace_bytes(tokens, kv_heads, dim, torch.bfloat16) == \
+            ops.rerope_paged_workspace_bytes(tokens, kv_heads, dim, torch.bfloat16, max_keys=max(4 * tokens, 65536))
+    assert ops.rerope_paged_workspace_bytes(T, kv_heads, dim, torch.float32) == 0
+    assert ops.rerope_paged_workspace_bytes(T, kv_heads, 256, torch.bfloat16) == 0
+    assert ops.rerope_paged_workspace_bytes(T, kv_heads, 48, torch.float16) == 0
+    with pytest.raises(RuntimeError, match="rerope_paged_workspace_bytes: max_keys must be >= 0"):
+        ops.rerope_paged_workspace_bytes(T, kv_heads, dim, torch.bfloat16, max_keys=-5)
+    with pytest.raises(RuntimeError, match="rerope_paged_workspace_bytes: head_dim must be even"):
+        ops.rerope_paged_workspace_bytes(T, kv_heads, 7, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_workspace_changes_nothing_on_cpu(dtype):
+    requests = [(1, 30), (9, 40), (5, 5)]
+    inputs, _ = make_paged(requests, 4, 2, 64, 16, dtype=dtype, seed=6)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    want = ops.rerope_attention_paged(*inputs, inv_freq, 7, leaky_k=8.0)
+    workspace = torch.full((ops.rerope_paged_workspace_bytes(15, 2, 64, dtype) + 13,), 7, dtype=torch.uint8)
+    got = ops.rerope_attention_paged(*inputs, inv_freq, 7, leaky_k=8.0, workspace=workspace)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    composite = rerope_attention_paged_composite(*inputs, inv_freq, 7, leaky_k=8.0, workspace=workspace)
+    torch.testing.assert_close(composite[0], want[0], atol=2e-2 if dtype != torch.float32 else 2e-5, rtol=0)
+
+
+def test_a_bad_workspace_is_refused_by_every_path():
+    """Wrong dtype, shape, device, layout, or fewer bytes than this call's T needs (fp16/bf16 at the tensor
+    cores' head dims): the op (CPU), its Meta kernel (FakeTensorMode) and the composite refuse alike."""
+    inputs, _ = make_paged([(1, 30), (9, 40)], 4, 2, 64, 16, dtype=torch.bfloat16, seed=7)
+    inv_freq = ops.default_inv_freq(64, BASE)
+    T = inputs[0].shape[0]
+    need = ops.rerope_paged_workspace_bytes(T, 2, 64, torch.bfloat16, max_keys=0)
+    cases = [
+        (torch.zeros(need, dtype=torch.int32), "workspace must be a 1-D uint8 tensor"),
+        (torch.zeros(2, need, dtype=torch.uint8), "workspace must be a 1-D uint8 tensor"),
+        (torch.zeros(2 * need, dtype=torch.uint8)[::2], "workspace must be contiguous"),
+        (torch.zeros(need, dtype=torch.uint8, device="meta"), "workspace must be on cpu like q"),
+        (torch.zeros(need - 1, dtype=torch.uint8),
+         f"workspace has {need - 1} bytes, a call with T = {T} query rows needs at least {need}"),
+    ]
+    for workspace, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.rerope_attention_paged(*inputs, inv_freq, 7, workspace=workspace)
+        with pytest.raises(RuntimeError, match=message):
+            rerope_attention_paged_composite(*inputs, inv_freq, 7, workspace=workspace)
+        if workspace.device.type != "meta":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            with FakeTensorMode() as mode:
+                fake = [mode.from_tensor(t) for t in inputs + (inv_freq, workspace)]
+                with pytest.raises(RuntimeError, match=message):
+                    torch.ops.ropescale.rerope_attention_paged.workspace(*fake[:7], 7, workspace=fake[7])
+    # Exactly enough: taken. float32 (no tensor cores on CUDA) needs none: an empty workspace is taken.
+    ops.rerope_attention_paged(*inputs, inv_freq, 7, workspace=torch.zeros(need, dtype=torch.uint8))
+    f32 = [t.float() if t.is_floating_point() else t for t in inputs]
+    ops.rerope_attention_paged(*f32, inv_freq, 7, workspace=torch.zeros(0, dtype=torch.uint8))
+
+
 def test_opcheck_cache_write():
     key_cache, value_cache = torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4, 8)
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)

@@ -48,7 +48,9 @@
 
 #include "ropescale/portable.h"
 #include "ropescale/rerope_math.h"
+#include "ropescale/rerope_paged_plan.h"
 #include "ropescale/rotary_math.h"
+#include "ropescale/turn_angles.h"
 
 namespace ropescale::rerope_cuda {
 
@@ -80,11 +82,15 @@ __device__ __forceinline__ float round_like<float>(float x) { return x; }
 // One request of a paged launch, as the schedule kernel validated it: its query rows
 // [q_begin, q_begin + q_len) of the packed T, its keys 0 .. seq_len - 1, whether its metadata
 // would make the kernel read outside the cache or q (then its rows are NaN; see
-// rerope_paged_schedule_kernel), and whether its rows run on the tensor-core prefill
-// (rerope_attention_tc.cuh) rather than on the SIMT body.
+// rerope_paged_schedule_kernel), where its rows run (tensor_core: kPagedSimt, kPagedTcPreRotated or
+// kPagedTcRotating), and, on the SIMT body, the keys of each of its key splits (a multiple of
+// kBlockK: its own length over the launch's splits, rerope_paged_keys_per_split).
 struct PagedRequest {
-  int q_begin, q_len, seq_len, poisoned, tensor_core;
+  int q_begin, q_len, seq_len, poisoned, tensor_core, keys_per_split;
 };
+// PagedRequest::tensor_core: the SIMT body; the tensor-core prefill over keys the pre-pass rotated into
+// the workspace; the tensor-core prefill rotating its key tiles from the pages in shared memory.
+constexpr int kPagedSimt = 0, kPagedTcPreRotated = 1, kPagedTcRotating = 2;
 // One block's share of a paged launch: rows block (query_block, head_block) of request `request`
 // (-1: past the launch's work, the block exits). Tensor-core tasks: (request, query block of 64).
 struct PagedTask {
@@ -102,6 +108,10 @@ struct ReropeParams {
   const int64_t* q_positions = nullptr;  // [B, Lq], contiguous
   const int64_t* k_positions = nullptr;  // [B, Lk], contiguous
   const float* inv_freq = nullptr;       // [rotary_pairs]
+  // The keys' turn rates (turn_angles.h), [rows, rotary_pairs] with rows = requests when inv_freq_stride
+  // != 0 (paged: a table per request), else 1: written by rerope_key_rates_kernel at the start of every
+  // launch that rotates keys, so that no key angle needs FP64.
+  KeyRate* key_rates = nullptr;
   void* k_near = nullptr;  // prefill: keys rotated at p, [B, Hkv, Lk, D] (float; T for the tensor-core prefill)
   void* k_far = nullptr;   // prefill, Leaky: keys rotated at p/k, the same layout and type
   float* q_rotation = nullptr;  // tensor-core prefill: [B, Lq, rotary_pairs] x (sin, cos near; sin, cos far)
@@ -126,12 +136,19 @@ struct ReropeParams {
   int64_t inv_freq_stride = 0;           // rotary_pairs when inv_freq has a row per request, else 0
   int requests = 0, num_blocks = 0, block_size = 0, max_blocks = 0;
   PagedRequest* paged_requests = nullptr;  // workspace [requests], written by the schedule kernel
+  // Workspace [requests, paged_page_chunks]: 1 where a chunk of kPagedValidatePages entries of a request's
+  // block-table row names a page outside the cache (rerope_paged_prepare_kernel), read by the schedule.
+  int* paged_page_flags = nullptr;
+  int paged_page_chunks = 0;
   PagedTask* paged_tasks = nullptr;        // workspace [num_paged_tasks], written by the schedule kernel
   int* paged_task_offsets = nullptr;              // workspace [requests + 1]
   int num_paged_tasks = 0;                        // the grid's upper bound of (request, row block) tasks
-  // The tensor-core prefill of paged requests (fp16/bf16; rerope_attention_tc.cuh): requests with more
-  // than kPagedDecodeMaxQueries rows, in order while their keys fit the budget, run there.
-  int64_t paged_tc_key_budget = 0;     // keys the pre-pass may rotate (0: every row on the SIMT body)
+  // The tensor-core prefill of paged requests (fp16/bf16; rerope_attention_tc.cuh): with paged_tc, every
+  // valid request with more than kPagedDecodeMaxQueries rows runs there; those whose keys, in order, fit
+  // the pre-pass budget over keys it rotated into k_near / k_far, the others rotating their key tiles
+  // from the pages inside the kernel (no workspace, any length).
+  bool paged_tc = false;               // the tensor-core rows exist (else every row on the SIMT body)
+  int64_t paged_tc_key_budget = 0;     // keys the pre-pass may rotate (0: every tensor-core row rotates in-kernel)
   int* paged_tc_key_offsets = nullptr;  // workspace [requests + 1]: request r's rotated keys start at row offset[r]
   PagedTask* paged_tc_tasks = nullptr;  // workspace [num_paged_tc_tasks]: (request, query block of 64)
   int num_paged_tc_tasks = 0;           // the tensor-core grid's upper bound of tasks
@@ -282,6 +299,8 @@ struct DenseProblem {
     return (static_cast<int64_t>(task.problem) * p.q_heads + head) * p.q_len + query;
   }
   __device__ const float* inv_freq() const { return p.inv_freq; }
+  __device__ const KeyRate* key_rates() const { return p.key_rates; }
+  __device__ int keys_per_split() const { return p.keys_per_split; }
   __device__ float scale() const { return p.scale; }
   __device__ int64_t k_base() const { return task.problem * p.k_stride_b + task.kv_head * p.k_stride_h; }
   __device__ int64_t v_base() const { return task.problem * p.v_stride_b + task.kv_head * p.v_stride_h; }
@@ -295,7 +314,7 @@ struct DenseProblem {
 struct PagedProblem {
   const ReropeParams& p;
   BlockTask task;
-  int q_begin = 0;
+  int q_begin = 0, split_keys = 0;
 
   __device__ PagedProblem(const ReropeParams& params, int rows_per_block) : p(params) {
     const PagedTask t = p.paged_tasks[blockIdx.x];
@@ -313,6 +332,7 @@ struct PagedProblem {
     task.k_len = request.seq_len;
     task.poisoned = request.poisoned != 0;
     q_begin = request.q_begin;
+    split_keys = request.keys_per_split;
     rerope_rows_plan(task.q_len, p.q_heads / p.kv_heads, rows_per_block, &task.queries_per_block,
                      &task.heads_per_block);
   }
@@ -326,6 +346,9 @@ struct PagedProblem {
     return static_cast<int64_t>(q_begin + query) * p.q_heads + head;
   }
   __device__ const float* inv_freq() const { return p.inv_freq + task.problem * p.inv_freq_stride; }
+  __device__ const KeyRate* key_rates() const { return p.key_rates + task.problem * p.inv_freq_stride; }
+  // The request's own split length (its keys over the launch's splits): the splits past its keys are empty.
+  __device__ int keys_per_split() const { return split_keys; }
   __device__ float scale() const { return p.scale_factors ? p.scale * p.scale_factors[task.problem] : p.scale; }
   __device__ int64_t k_base() const { return task.kv_head * p.k_stride_h; }
   __device__ int64_t v_base() const { return task.kv_head * p.v_stride_h; }
@@ -573,7 +596,7 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   const int padded_dim = (p.head_dim + 3) / 4 * 4;
   const bool leaky = p.leaky_inv != 0.0;
-  const float* const inv_freq = problem.inv_freq();
+  const KeyRate* const key_rates = problem.key_rates();
 
   map_block_rows<Shape>(p, problem, rows);
   __syncthreads();
@@ -592,9 +615,10 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     store_rows<T, Shape>(p, problem, rows, st);
     return;
   }
-  const int key_begin = problem.task.split * p.keys_per_split;
+  const int keys_per_split = problem.keys_per_split();
+  const int key_begin = problem.task.split * keys_per_split;
   const int key_end =
-      key_begin + p.keys_per_split < problem.task.k_len ? key_begin + p.keys_per_split : problem.task.k_len;
+      key_begin + keys_per_split < problem.task.k_len ? key_begin + keys_per_split : problem.task.k_len;
   // Bounds of the block's query positions, computed by every thread (no shuffles, no barrier).
   PositionRange query_range;
   for (int r = 0; r < Shape::kRows; ++r)
@@ -627,8 +651,9 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
 
     // One side of the key tile into `dst` (zeros past the keys and past D). Prefill: the
     // pre-rotated keys (far side: p.k_far for Leaky, the raw keys for ReRoPE). Decode: the raw keys,
-    // then, per rotation pair, rotated in place (near at p, Leaky far at p/k; ReRoPE's far side is
-    // the raw key); one thread reads and writes each pair. Ends before the barrier that publishes it.
+    // then, per rotation pair, rotated in place (near at p, Leaky far at p/k, from the pair's turn rates:
+    // no FP64 per key; ReRoPE's far side is the raw key); one thread reads and writes each pair. Ends
+    // before the barrier that publishes it.
     const auto stage_keys = [&](bool far_side, float* dst) {
       if constexpr (kKeysPreRotated) {
         if (!far_side || leaky)
@@ -648,10 +673,10 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
           float* row = dst + j * Shape::kKStride;
           const int64_t pos = j < keys_in_tile ? tile_positions[parity][j] : 0;
+          const KeyRate rate = key_rates[pair];
           float sin_v, cos_v, a, c;
-          rotary_sincos(far_side ? rerope_far_key_position(pos, p.leaky_inv) : static_cast<double>(pos),
-                        inv_freq[pair], &sin_v, &cos_v);
-          rotate_pair(row[first], row[second], cos_v, sin_v, &a, &c);
+          position_sincos(pos, far_side ? rate.far : rate.near, &sin_v, &cos_v);
+          rotate_key_pair_fma(row[first], row[second], cos_v, sin_v, &a, &c);
           row[first] = round_like<T>(a);
           row[second] = round_like<T>(c);
         }
@@ -696,13 +721,14 @@ __global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_decod
   rerope_attention_block<T, Shape, false, DenseProblem>(p);
 }
 
-// One rotation pair of one key (position `pos`, table `inv_freq`) for every kv head, from one sin/cos:
-// the near side at p into p.k_near and, where p.k_far is set, the far side into p.k_far (Leaky: at
-// p/k; plain ReRoPE: the raw key, for the paged tensor-core prefill), rounded like T, as Out; a pair
-// past the rotary ones copies two un-rotated dims. The head's source row is src_row(h), its
-// destination row offset dst_row(h).
+// One rotation pair of one key (position `pos`, the table's turn rates `rates`) for every kv head, from
+// one sin/cos: the near side at p into p.k_near and, where p.k_far is set, the far side into p.k_far
+// (Leaky: at p/k; plain ReRoPE: the raw key, for the paged tensor-core prefill), rounded like T, as Out;
+// a pair past the rotary ones copies two un-rotated dims. The head's source row is src_row(h), its
+// destination row offset dst_row(h). The angles come from turn rates (turn_angles.h), the same
+// arithmetic as the key tiles the SIMT body and the paged tensor-core prefill rotate themselves.
 template <typename T, typename Out, class SrcRow, class DstRow>
-__device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const float* inv_freq, int64_t pos, int pair,
+__device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const KeyRate* rates, int64_t pos, int pair,
                                                 SrcRow&& src_row, DstRow&& dst_row) {
   Out* const k_near = static_cast<Out*>(p.k_near);
   Out* const k_far = static_cast<Out*>(p.k_far);
@@ -712,20 +738,29 @@ __device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const flo
   float near_sin = 0.0f, near_cos = 1.0f, far_sin = 0.0f, far_cos = 1.0f;
   if (rotated) {
     rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
-    rotary_sincos(static_cast<double>(pos), inv_freq[pair], &near_sin, &near_cos);
-    if (k_far && leaky) rotary_sincos(rerope_far_key_position(pos, p.leaky_inv), inv_freq[pair], &far_sin, &far_cos);
+    const KeyRate rate = rates[pair];
+    const int sides = k_far && leaky ? 2 : 1;
+#pragma unroll 1
+    for (int side = 0; side < sides; ++side) {  // one copy of the sin/cos code (two spill 4 bytes on sm_90)
+      float sin_v, cos_v;
+      position_sincos(pos, side == 0 ? rate.near : rate.far, &sin_v, &cos_v);
+      if (side == 0)
+        near_sin = sin_v, near_cos = cos_v;
+      else
+        far_sin = sin_v, far_cos = cos_v;
+    }
   }
   for (int h = 0; h < p.kv_heads; ++h) {
     const T* src = src_row(h);
     const float x1 = to_float(src[first]), x2 = to_float(src[second]);
     const int64_t dst = dst_row(h);
     float a, c;  // rounded like T (a no-op for fp32; for Out = T, the one rounding to T)
-    rotate_pair(x1, x2, near_cos, near_sin, &a, &c);
+    rotate_key_pair_fma(x1, x2, near_cos, near_sin, &a, &c);
     k_near[dst + first] = from_float<Out>(round_like<T>(a));
     k_near[dst + second] = from_float<Out>(round_like<T>(c));
     if (k_far) {
       if (leaky)
-        rotate_pair(x1, x2, far_cos, far_sin, &a, &c);
+        rotate_key_pair_fma(x1, x2, far_cos, far_sin, &a, &c);
       else
         a = x1, c = x2;
       k_far[dst + first] = from_float<Out>(round_like<T>(a));
@@ -748,7 +783,7 @@ __global__ void __launch_bounds__(256) rerope_rotate_keys_kernel(const ReropePar
     const int j = static_cast<int>((idx / half_dim) % p.k_len);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(half_dim) * p.k_len));
     const T* src = k + b * p.k_stride_b + j * p.k_stride_l;
-    rotate_key_pair<T, Out>(p, p.inv_freq, p.k_positions[static_cast<int64_t>(b) * p.k_len + j], pair,
+    rotate_key_pair<T, Out>(p, p.key_rates, p.k_positions[static_cast<int64_t>(b) * p.k_len + j], pair,
                             [&](int h) { return src + h * p.k_stride_h; },
                             [&](int h) {
                               return ((static_cast<int64_t>(b) * p.kv_heads + h) * p.k_len + j) * p.head_dim;
@@ -789,6 +824,22 @@ __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const Rerop
   if (lane == 0) p.lse[row] = seen ? max_lse + logf(total) : -INFINITY;
 }
 
+// The turn rates (turn_angles.h) of every rotation pair of the launch's table(s) into p.key_rates:
+// row r's pair i at r * inv_freq_stride + i, with one row per request when inv_freq_stride != 0 (a paged
+// launch with a table per request), else one row. FP64 once per (table, pair) here, so that the kernels
+// that rotate keys need none per key. One thread per (row, pair). (A template only so that the header may
+// be included by several translation units of one program.)
+template <int kThreadsPerBlock>
+__global__ void __launch_bounds__(kThreadsPerBlock) rerope_key_rates_kernel(const ReropeParams p, int rows) {
+  const int64_t total = static_cast<int64_t>(rows) * p.rotary_pairs;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / p.rotary_pairs;
+    const int pair = static_cast<int>(idx % p.rotary_pairs);
+    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.leaky_inv);
+  }
+}
+
 // ---- host launchers -------------------------------------------------------------------------
 
 // A launcher calls check(status, what) after every launch and after every shared-memory opt-in, with
@@ -797,6 +848,22 @@ __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const Rerop
 struct IgnoreLaunchStatus {
   void operator()(int, const char*) const {}
 };
+
+// Rows of p.key_rates a launch needs (KeyRate [rows, rotary_pairs], allocated by the caller): one per
+// request for a paged launch with a table per request, else one.
+inline int64_t rerope_key_rate_rows(const ReropeParams& p) { return p.inv_freq_stride != 0 ? p.requests : 1; }
+
+// The first kernel of every launch that rotates keys: p.key_rates from p.inv_freq.
+template <class Check>
+inline void launch_rerope_key_rates(const ReropeParams& p, cudaStream_t stream, Check&& check) {
+  const int64_t rows = rerope_key_rate_rows(p);
+  const int64_t items = rows * p.rotary_pairs;
+  if (items == 0) return;
+  const int64_t blocks = (items + 255) / 256 < 1024 ? (items + 255) / 256 : 1024;
+  ROPESCALE_LAUNCH_KERNEL(rerope_key_rates_kernel<256>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, p,
+                          static_cast<int>(rows));
+  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the key turn-rates kernel");
+}
 
 // Calls f.template operator()<Shape>() with the SIMT tile shape for `head_dim` on a device whose
 // blocks may opt in to `smem_per_block_optin` bytes of shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin,
@@ -827,9 +894,11 @@ inline int64_t rerope_decode_grid_y(const ReropeParams& p) {
 }
 
 // Prefill plan: one block per (Shape::kRows queries of one head); keys rotated once by the pre-pass
-// into p.k_near (and p.k_far for Leaky), which the caller allocates: float [B, Hkv, Lk, D] each.
+// into p.k_near (and p.k_far for Leaky), which the caller allocates: float [B, Hkv, Lk, D] each, and
+// p.key_rates: KeyRate [rotary_pairs].
 template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_prefill(ReropeParams p, cudaStream_t stream, Check&& check = {}) {
+  launch_rerope_key_rates(p, stream, check);
   const int64_t rotate_items = static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2);
   const int64_t rotate_blocks = (rotate_items + 255) / 256 < 65535 ? (rotate_items + 255) / 256 : 65535;
   if (rotate_items > 0) {
@@ -864,9 +933,11 @@ inline int rerope_decode_splits(const ReropeParams& p, int multiprocessors) {
 }
 
 // Decode plan: the query rows of every head of a GQA group share a block (and each rotated key
-// tile); keys split `num_splits` ways, merged by rerope_combine_kernel when num_splits > 1.
+// tile); keys split `num_splits` ways, merged by rerope_combine_kernel when num_splits > 1. The caller
+// allocates p.key_rates: KeyRate [rotary_pairs].
 template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
+  launch_rerope_key_rates(p, stream, check);
   const int group = p.q_heads / p.kv_heads;
   rerope_rows_plan(p.q_len, group, Shape::kRows, &p.queries_per_block, &p.heads_per_block);
   const int tiles = (p.k_len + kBlockK - 1) / kBlockK;
@@ -902,42 +973,15 @@ inline void launch_rerope_decode(ReropeParams p, int num_splits, cudaStream_t st
 // at seq_len - q_len + i), rotation table and softmax scale; splits > 1 are merged by
 // rerope_combine_kernel, as for dense decode. For fp16/bf16 at the tensor-core head dims, the other
 // requests (prefill, chunked prefill) run on the tensor-core prefill (rerope_attention_tc.cuh,
-// launch_rerope_paged_tc, after this launch) over keys its pre-pass rotates through the block table,
-// as long as their keys fit the pre-pass's workspace (ReropeParams::paged_tc_key_budget); the rest
-// stay here.
+// launch_rerope_paged_tc, after this launch), at any length: over keys its pre-pass rotates through the
+// block table into a workspace while their keys fit its budget (ReropeParams::paged_tc_key_budget), the
+// rest rotating their key tiles from the pages inside the kernel.
 
 constexpr int kScheduleThreads = 256;
 constexpr int kScheduleWarps = kScheduleThreads / 32;
-// A request with up to this many query rows is a decode request: the SIMT split-K body (memory-bound;
-// the CPU kernel's decode plan takes the same requests).
-constexpr int kPagedDecodeMaxQueries = 4;
-// Query rows per block of the tensor-core prefill (tc::kBlockM).
-constexpr int kPagedTcQueries = 64;
-
-// Upper bound of the tasks of a launch over `tokens` rows of `requests` requests: a request of q_len
-// rows has at most 2 * q_len * group / rows + 1 row blocks (rerope_rows_plan: for q_len >= rows,
-// ceil(q_len / rows) * group <= 2 q_len group / rows; below, ceil(group / floor(rows / q_len)) with
-// floor(x) >= x / 2), so the sum is at most 2 * tokens * group / rows + requests.
-inline int64_t rerope_paged_max_tasks(int64_t tokens, int64_t requests, int group, int rows) {
-  return (2 * tokens * group + rows - 1) / rows + requests;
-}
-// Upper bound of the tensor-core tasks (request, 64 queries): sum of ceil(q_len / 64) over requests of
-// more than kPagedDecodeMaxQueries rows, at most (tokens + 63 * min(requests, tokens / 5)) / 64.
-inline int64_t rerope_paged_max_tc_tasks(int64_t tokens, int64_t requests) {
-  const int64_t prefill = tokens / (kPagedDecodeMaxQueries + 1) < requests ? tokens / (kPagedDecodeMaxQueries + 1)
-                                                                            : requests;
-  return (tokens + (kPagedTcQueries - 1) * prefill + kPagedTcQueries - 1) / kPagedTcQueries;
-}
-// Keys the tensor-core pre-pass may rotate in one launch (its workspace: this many rows of Hkv x D, in
-// T, for each side): max(4 T, 65536), and never more than the block table can name.
-// The prefill requests take the tensor-core path in order while their keys fit; the rest run on the
-// SIMT body (same results, slower). A bound from the sizes alone: the sum of seq_lens is on the device.
-inline int64_t rerope_paged_tc_key_budget(int64_t tokens, int64_t requests, int64_t capacity) {
-  const int64_t want = 4 * tokens > 65536 ? 4 * tokens : 65536;
-  const int64_t most = requests * capacity;
-  const int64_t budget = want < most ? want : most;
-  return budget < (int64_t{1} << 30) ? budget : (int64_t{1} << 30);
-}
+// The sizing rules (kPagedDecodeMaxQueries, the key splits, the task bounds, the tensor-core budget and
+// workspace) are in rerope_paged_plan.h, free of kernels for the host glue and the Catch2 tests.
+static_assert(kPagedTileKeys == kBlockK, "the SIMT key tile of the paged split rule");
 
 // Exclusive scan over the requests of count(r) by one block of kScheduleThreads: store(r, offset) for
 // each, returns the total. `warp_totals`: kScheduleWarps int64 of shared memory.
@@ -967,21 +1011,70 @@ __device__ int64_t schedule_scan(int requests, long long* warp_totals, Count&& c
   return carry;
 }
 
+// Block-table entries one block of the prepare kernel checks, and the chunks of a row of max_blocks.
+constexpr int kPagedValidateThreads = 256;
+constexpr int kPagedValidatePages = 4 * kPagedValidateThreads;
+inline int rerope_paged_page_chunks(int max_blocks) {
+  return (max_blocks + kPagedValidatePages - 1) / kPagedValidatePages;
+}
+
+// The first kernel of a paged launch, two jobs over one grid (one launch less per layer):
+//  * blocks [0, requests * paged_page_chunks): block (r, c) checks chunk c of request r's block-table row,
+//    the entries of the pages its keys occupy (ceil(seq_len / block_size), clamped to the row), against
+//    [0, num_blocks), and stores 1 in paged_page_flags[r * chunks + c] when one is outside, else 0. Spread
+//    over the GPU, the check of the whole table costs one read of it at memory bandwidth, where the single
+//    schedule block reading it entry by entry took ~1 ms at 256 requests x 8k pages, at every layer.
+//  * the other `rate_blocks` blocks: the keys' turn rates, as rerope_key_rates_kernel.
+template <int kThreadsPerBlock>
+__global__ void __launch_bounds__(kThreadsPerBlock) rerope_paged_prepare_kernel(const ReropeParams p, int rate_blocks) {
+  static_assert(kThreadsPerBlock == kPagedValidateThreads, "4 entries per thread");
+  const int64_t validate_blocks = static_cast<int64_t>(p.requests) * p.paged_page_chunks;
+  const int64_t block = blockIdx.x;
+  if (block < validate_blocks) {  // uniform over the block
+    const int r = static_cast<int>(block / p.paged_page_chunks), chunk = static_cast<int>(block % p.paged_page_chunks);
+    const int seq_len = p.seq_lens[r];
+    const int64_t pages_all = seq_len > 0 ? (static_cast<int64_t>(seq_len) + p.block_size - 1) / p.block_size : 0;
+    const int pages = static_cast<int>(pages_all < p.max_blocks ? pages_all : p.max_blocks);
+    const int first = chunk * kPagedValidatePages;
+    const int last = pages < first + kPagedValidatePages ? pages : first + kPagedValidatePages;
+    const int* table = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
+    bool outside = false;
+    for (int i = first + static_cast<int>(threadIdx.x); i < last; i += kThreadsPerBlock)
+      outside |= table[i] < 0 || table[i] >= p.num_blocks;
+    const int any = __syncthreads_or(outside ? 1 : 0);
+    if (threadIdx.x == 0) p.paged_page_flags[block] = any != 0 ? 1 : 0;
+    return;
+  }
+  const int64_t rows = p.inv_freq_stride != 0 ? p.requests : 1;
+  const int64_t total = rows * p.rotary_pairs;
+  for (int64_t idx = (block - validate_blocks) * kThreadsPerBlock + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(rate_blocks) * kThreadsPerBlock) {
+    const int64_t row = idx / p.rotary_pairs;
+    const int pair = static_cast<int>(idx % p.rotary_pairs);
+    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.leaky_inv);
+  }
+}
+
 // The schedule of a paged launch: one block, before the attention kernels.
 //  1. Each request (a warp each) is validated against what the kernels will read: its query rows inside
 //     [0, T), 0 <= q_len <= seq_len <= max_blocks * block_size, and the page of every key slot
-//     (block_table[r, 0 .. ceil(seq_len / block_size))) inside [0, num_blocks). A request that fails
+//     (block_table[r, 0 .. ceil(seq_len / block_size))) inside [0, num_blocks), which the prepare kernel
+//     checked over the whole GPU (this block reads its per-chunk flags). A request that fails
 //     is poisoned: its rows (clamped to [0, T)) become NaN (on the SIMT body) and none of its keys is
 //     read. This is the CUDA side of the op's value checks, which the CPU kernel makes with an error (a
 //     check here would cost a host sync per call). Rows that no request covers (query_start_loc not
 //     covering [0, T)) are left unwritten, and so are the tasks past the bounds when bad metadata
 //     overlaps requests.
-//  2. With a tensor-core budget: the valid requests of more than kPagedDecodeMaxQueries rows whose
-//     keys, summed in request order, fit the budget take the tensor-core prefill; their rotated keys'
-//     offsets are scanned (paged_tc_key_offsets), their (request, query block) tasks written, heaviest
-//     block first (paged_tc_tasks, -1 past the last).
+//     Each request's SIMT key-split length follows its own seq_len (rerope_paged_keys_per_split).
+//  2. With paged_tc: every valid request of more than kPagedDecodeMaxQueries rows takes the tensor-core
+//     prefill: those whose keys, summed in request order over these requests, fit paged_tc_key_budget
+//     over keys the pre-pass rotates (kPagedTcPreRotated; their offsets scanned into
+//     paged_tc_key_offsets), the others rotating their key tiles from the pages in the kernel
+//     (kPagedTcRotating: any length, no workspace); their (request, query block) tasks are written,
+//     heaviest block first (paged_tc_tasks, -1 past the last).
 //  3. The SIMT row blocks of the other requests (rerope_rows_plan) are counted and scanned into offsets,
 //     and the SIMT task list is written: entry e is (request, query block, head block), -1 past the last.
+// The per-request tensor_core field is also what the tests read to assert the path each request took.
 template <int kRows>
 __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel(const ReropeParams p) {
   ROPESCALE_DYNAMIC_SMEM(long long, warp_totals);  // [kScheduleWarps]
@@ -994,30 +1087,38 @@ __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel
                     q_end - q_begin > seq_len;
     if (!poisoned) {  // warp-uniform
       const int pages = static_cast<int>((static_cast<int64_t>(seq_len) + p.block_size - 1) / p.block_size);
-      const int* table = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
+      const int chunks = (pages + kPagedValidatePages - 1) / kPagedValidatePages;
+      const int* flags = p.paged_page_flags + static_cast<int64_t>(r) * p.paged_page_chunks;
       bool outside = false;
-      for (int i = lane; i < pages; i += 32) outside |= table[i] < 0 || table[i] >= p.num_blocks;
+      for (int c = lane; c < chunks; c += 32) outside |= flags[c] != 0;
       poisoned = __any_sync(kFullMask, outside);
     }
     if (lane == 0) {
       const int lo = q_begin < 0 ? 0 : (q_begin > tokens ? tokens : q_begin);
       const int hi = q_end < lo ? lo : (q_end > tokens ? tokens : q_end);
-      p.paged_requests[r] = PagedRequest{lo, hi - lo, seq_len, poisoned ? 1 : 0, 0};
+      const int keys_per_split = poisoned ? 0 : rerope_paged_keys_per_split(seq_len, p.num_splits);
+      p.paged_requests[r] = PagedRequest{lo, hi - lo, seq_len, poisoned ? 1 : 0, kPagedSimt, keys_per_split};
     }
   }
   __syncthreads();
-  if (p.paged_tc_key_budget > 0) {
-    // The candidates' keys in request order: a candidate fits while the running sum is within budget.
-    const auto candidate_keys = [&](int r) {
+  if (p.paged_tc) {
+    // The candidates' keys in request order: a candidate's keys are pre-rotated while the running sum is
+    // within budget; past it, the kernel rotates them itself.
+    const auto candidate = [&](int r) {
       const PagedRequest& q = p.paged_requests[r];
-      return !q.poisoned && q.q_len > kPagedDecodeMaxQueries ? q.seq_len : 0;
+      return !q.poisoned && q.q_len > kPagedDecodeMaxQueries;
     };
-    schedule_scan(p.requests, warp_totals, candidate_keys, [&](int r, long long before) {
-      const int keys = candidate_keys(r);
-      p.paged_requests[r].tensor_core = keys > 0 && before + keys <= p.paged_tc_key_budget ? 1 : 0;
-    });
+    schedule_scan(p.requests, warp_totals, [&](int r) { return candidate(r) ? p.paged_requests[r].seq_len : 0; },
+                  [&](int r, long long before) {
+                    if (!candidate(r)) return;
+                    p.paged_requests[r].tensor_core =
+                        before + p.paged_requests[r].seq_len <= p.paged_tc_key_budget ? kPagedTcPreRotated
+                                                                                       : kPagedTcRotating;
+                  });
     __syncthreads();
-    const auto tc_keys = [&](int r) { return p.paged_requests[r].tensor_core ? p.paged_requests[r].seq_len : 0; };
+    const auto tc_keys = [&](int r) {
+      return p.paged_requests[r].tensor_core == kPagedTcPreRotated ? p.paged_requests[r].seq_len : 0;
+    };
     const int64_t keys_total = schedule_scan(p.requests, warp_totals, tc_keys, [&](int r, long long before) {
       p.paged_tc_key_offsets[r] = static_cast<int>(before);
     });
@@ -1025,7 +1126,7 @@ __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel
     // Each request writes its own tasks (its last query block first: it sees the most keys).
     const auto tc_blocks = [&](int r) {
       const PagedRequest& q = p.paged_requests[r];
-      return q.tensor_core ? (q.q_len + kPagedTcQueries - 1) / kPagedTcQueries : 0;
+      return q.tensor_core != kPagedSimt ? (q.q_len + kPagedTcQueries - 1) / kPagedTcQueries : 0;
     };
     const int64_t tc_total = schedule_scan(p.requests, warp_totals, tc_blocks, [&](int r, long long before) {
       const int blocks = tc_blocks(r);
@@ -1040,7 +1141,7 @@ __global__ void __launch_bounds__(kScheduleThreads) rerope_paged_schedule_kernel
       schedule_scan(p.requests, warp_totals,
                     [&](int r) {
                       const PagedRequest& q = p.paged_requests[r];
-                      return q.tensor_core ? int64_t{0} : rerope_rows_plan_blocks(q.q_len, group, kRows);
+                      return q.tensor_core != kPagedSimt ? int64_t{0} : rerope_rows_plan_blocks(q.q_len, group, kRows);
                     },
                     [&](int r, long long before) {
                       p.paged_task_offsets[r] =
@@ -1074,41 +1175,42 @@ __global__ void __launch_bounds__(kThreads, Shape::kMinBlocksPerSm) rerope_paged
   rerope_attention_block<T, Shape, false, PagedProblem>(p);
 }
 
-// Key splits of a paged launch: ~2 waves of blocks on `multiprocessors` SMs for the live tasks (at
-// least one per request, or per 32 rows of a GQA group), at least 4 key tiles per split of the block
-// table's capacity (the longest a sequence may be; the splits past a shorter one store empty rows).
+// Key splits of a paged launch (rerope_paged_split_count with this tile shape's rows per block).
 template <class Shape>
 inline int rerope_paged_splits(const ReropeParams& p, int multiprocessors) {
-  const int group = p.q_heads / p.kv_heads;
-  const int64_t row_blocks = (static_cast<int64_t>(p.q_len) * group + Shape::kRows - 1) / Shape::kRows;
-  const int64_t blocks = static_cast<int64_t>(p.kv_heads) * (row_blocks > p.requests ? row_blocks : p.requests);
-  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  const int64_t max_splits = (capacity + 4 * kBlockK - 1) / (4 * kBlockK);
-  int64_t splits = blocks > 0 ? (2 * static_cast<int64_t>(multiprocessors) + blocks - 1) / blocks : 1;
-  splits = splits < max_splits ? splits : max_splits;
-  splits = splits < 65535 ? splits : 65535;
-  return splits < 1 ? 1 : static_cast<int>(splits);
+  return rerope_paged_split_count(p.q_len, p.requests, p.q_heads, p.kv_heads, Shape::kRows,
+                                  static_cast<int64_t>(p.max_blocks) * p.block_size, multiprocessors);
 }
 
 // The paged launch. The caller sets the paged fields of p (q_len = T, batch = 1, the cache strides,
-// the metadata pointers) and allocates the workspaces: p.paged_requests [requests],
-// p.paged_task_offsets [requests + 1], p.paged_tasks [rerope_paged_max_tasks(T, requests, group,
-// Shape::kRows)] (p.num_paged_tasks), and, when num_splits > 1, p.partial_out float [num_splits, T,
-// Hq, D] and p.partial_lse [num_splits, T, Hq]. `num_splits` is a request: the launch may use fewer.
+// the metadata pointers; paged_tc and the tensor-core fields when launch_rerope_paged_tc follows) and
+// allocates the workspaces: p.key_rates [rerope_key_rate_rows(p), rotary_pairs], p.paged_page_flags
+// [requests, rerope_paged_page_chunks(max_blocks)], p.paged_requests [requests], p.paged_task_offsets
+// [requests + 1], p.paged_tasks [rerope_paged_max_tasks(T, requests,
+// group, Shape::kRows)] (p.num_paged_tasks), and, when num_splits > 1, p.partial_out float [num_splits, T,
+// Hq, D] and p.partial_lse [num_splits, T, Hq] (num_splits in [1, 65535]: rerope_paged_splits).
 template <typename T, class Shape, class Check = IgnoreLaunchStatus>
 inline void launch_rerope_paged(ReropeParams p, int num_splits, cudaStream_t stream, Check&& check = {}) {
   p.batch = 1;
   p.causal = true;
+  p.num_splits = num_splits < 1 ? 1 : (num_splits > 65535 ? 65535 : num_splits);
+  p.keys_per_split = 0;  // per request (PagedRequest::keys_per_split)
+  p.paged_page_chunks = rerope_paged_page_chunks(p.max_blocks);
+  const int64_t rate_items = rerope_key_rate_rows(p) * p.rotary_pairs;
+  const int64_t rate_blocks = (rate_items + kPagedValidateThreads - 1) / kPagedValidateThreads < 1024
+                                  ? (rate_items + kPagedValidateThreads - 1) / kPagedValidateThreads
+                                  : 1024;
+  const int64_t prepare_blocks = static_cast<int64_t>(p.requests) * p.paged_page_chunks + rate_blocks;
+  if (prepare_blocks > 0) {
+    ROPESCALE_LAUNCH_KERNEL(rerope_paged_prepare_kernel<kPagedValidateThreads>,
+                            dim3(static_cast<unsigned>(prepare_blocks)), dim3(kPagedValidateThreads), 0, stream, p,
+                            static_cast<int>(rate_blocks));
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged prepare kernel (page checks, key turn rates)");
+  }
   ROPESCALE_LAUNCH_KERNEL(rerope_paged_schedule_kernel<Shape::kRows>, dim3(1), dim3(kScheduleThreads),
                           kScheduleWarps * sizeof(long long), stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged schedule kernel");
   if (p.num_paged_tasks == 0) return;
-  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  const int64_t tiles = (capacity + kBlockK - 1) / kBlockK;
-  const int64_t tiles_per_split = (tiles + num_splits - 1) / num_splits;
-  p.keys_per_split = static_cast<int>(tiles_per_split * kBlockK);
-  p.num_splits = p.keys_per_split > 0 ? static_cast<int>((capacity + p.keys_per_split - 1) / p.keys_per_split) : 1;
-  if (p.num_splits < 1) p.num_splits = 1;
   const dim3 grid(static_cast<unsigned>(p.num_paged_tasks), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(p.kv_heads));
   static device::SmemOptIn opt_in;  // once per device

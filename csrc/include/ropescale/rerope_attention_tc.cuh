@@ -6,9 +6,11 @@
 // One body (rerope_prefill_tc_block) over two problems, as the SIMT kernels: TcDenseProblem (a batch
 // row of rerope_attention; keys pre-rotated by rerope_rotate_keys_kernel, key-tile bounds from
 // rerope_key_tiles_kernel) and TcPagedProblem (a prefill request of rerope_attention_paged, chosen by
-// rerope_paged_schedule_kernel: keys rotated through the block table by rerope_paged_rotate_keys_kernel
-// into a packed workspace, ReRoPE's far side and the values read in place from the pages, tile bounds
-// from the slot indices, its own table and softmax scale).
+// rerope_paged_schedule_kernel: tile bounds from the slot indices, its own table and softmax scale, the
+// values read in place from the pages, and its keys either rotated through the block table by
+// rerope_paged_rotate_keys_kernel into a packed workspace while they fit its budget, or, past it, read
+// raw from the pages like the values and rotated tile by tile in shared memory by the body itself, so
+// that no length leaves the tensor cores).
 //
 // The FlashAttention-2 structure, with ReRoPE's tile classification:
 //   * one CTA of 4 warps per (64 queries, q head); warp w owns query rows 16w..16w+15 of the block
@@ -102,8 +104,11 @@ struct Shape {
   static constexpr int kQElems = kBlockM * kRowStride;
   static constexpr int kKElems = kBlockN * kRowStride;
   static constexpr std::size_t kSmemBytes = (2 * kQElems + 2 * kKElems) * 2;
+  // The paged kernel also keeps its request's key turn rates (KeyRate per rotation pair) after the tiles,
+  // for the key tiles it rotates itself.
+  static constexpr std::size_t kPagedSmemBytes = kSmemBytes + kHeadDim / 2 * sizeof(KeyRate);
   // Static + dynamic shared memory must fit an A100 block (163 KiB); nothing static here.
-  static_assert(kSmemBytes <= 166912, "shared memory above the sm_80 per-block maximum");
+  static_assert(kPagedSmemBytes <= 166912, "shared memory above the sm_80 per-block maximum");
   // Resident blocks per SM asked of ptxas through __launch_bounds__: 2 (8 warps), which leaves 255
   // registers per thread. The shared memory would allow 3 blocks up to D 96 on an A100 (164 KiB per
   // SM), but at 168 registers ptxas spills at D 80 and 96 (sm_90) and has 2 to spare at D 64.
@@ -225,6 +230,33 @@ __device__ void store_query_rows(const ReropeParams& p, const Problem& problem, 
     q_near[o2] = from_float<T>(near2);
     q_far[o1] = from_float<T>(far1);
     q_far[o2] = from_float<T>(far2);
+  }
+}
+
+// Rotates in place one side of the key tile `k_tile`, which holds the raw keys j0 .. j0 + rows - 1 (the
+// rows past them are zeros and are left so): every rotation pair at its key's position, from the turn
+// rates `rates` (shared memory; near side: rate.near, at p; Leaky far side: rate.far, at p/k), rounded to
+// T. Bit for bit what the pre-pass (rotate_key_pair) writes into the workspace. One thread per (row,
+// pair), stepping by kThreads items without a division per item.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void rotate_key_tile(const ReropeParams& p, T* k_tile, const KeyRate* rates, int j0,
+                                                int rows, bool far_side) {
+  const int pairs = p.rotary_pairs;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int row_step = kThreads / pairs, pair_step = kThreads % pairs;
+  int row = tid / pairs, pair = tid % pairs;
+  while (row < rows) {
+    int first, second;
+    rotary_pair_dims(pair, pairs, p.interleaved, &first, &second);
+    float sin_v, cos_v, a, c;
+    position_sincos(j0 + row, far_side ? rates[pair].far : rates[pair].near, &sin_v, &cos_v);
+    T* const key = k_tile + row * Shape<kHeadDim>::kRowStride;
+    rotate_key_pair_fma(to_float(key[first]), to_float(key[second]), cos_v, sin_v, &a, &c);
+    key[first] = from_float<T>(a);
+    key[second] = from_float<T>(c);
+    row += row_step;
+    pair += pair_step;
+    if (pair >= pairs) pair -= pairs, ++row;
   }
 }
 
@@ -422,6 +454,7 @@ __global__ void __launch_bounds__(kThreads) rerope_key_tiles_kernel(const Rerope
 // key-tile bounds of rerope_key_tiles_kernel.
 template <typename T>
 struct TcDenseProblem {
+  static constexpr bool kRotatesKeys = false;  // keys pre-rotated by rerope_rotate_keys_kernel
   const ReropeParams& p;
   const KeyTile* tiles;  // this batch row's
   int b, head, query_block, q_len, k_len;
@@ -451,6 +484,7 @@ struct TcDenseProblem {
   __device__ int64_t rotation_row(int query) const { return static_cast<int64_t>(b) * q_len + query; }
   __device__ int64_t out_row(int query) const { return (static_cast<int64_t>(b) * p.q_heads + head) * q_len + query; }
   __device__ float scale() const { return p.scale; }
+  __device__ const KeyRate* key_rates() const { return p.key_rates; }
   __device__ tc::KeyRows<T> near_keys(int kv_head) const {
     return {static_cast<const T*>(p.k_near) + (static_cast<int64_t>(b) * p.kv_heads + kv_head) * k_len * p.head_dim,
             p.head_dim};
@@ -468,23 +502,21 @@ struct TcDenseProblem {
 };
 
 // Grid: x = the schedule kernel's tensor-core tasks (request, query block), y = q heads. The request's
-// keys 0 .. seq_len - 1 (slot j at position j, no padding), its queries at seq_len - q_len + i; p.k_near
-// and p.k_far hold its keys' two sides (rerope_paged_rotate_keys_kernel; ReRoPE's far side is the raw
-// key) from row p.paged_tc_key_offsets[r] on (T [rows, Hkv, D]); the values are read in place, through
-// the block table. (Reading ReRoPE's far side from the pages as well spills registers at D 128 on sm_80:
-// the key loads come when the scores and the accumulators are live.)
-template <typename T>
+// keys 0 .. seq_len - 1 (slot j at position j, no padding), its queries at seq_len - q_len + i; the
+// values are read in place, through the block table. Its keys, by the request's path:
+//   kRotate false (kPagedTcPreRotated): p.k_near and p.k_far hold their two sides (rerope_paged_rotate_keys_
+//     kernel; ReRoPE's far side is the raw key) from row p.paged_tc_key_offsets[r] on (T [rows, Hkv, D]);
+//   kRotate true (kPagedTcRotating): the raw keys, read through the block table like the values; the
+//     body rotates each key tile it loads in shared memory (rotate_key_tile) from the request's turn rates,
+//     the near side at p and Leaky's far side at p/k (ReRoPE's far side is the raw key), bit for bit the
+//     pre-pass's keys: no workspace, so any length stays on the tensor cores.
+template <typename T, bool kRotate>
 struct TcPagedProblem {
+  static constexpr bool kRotatesKeys = kRotate;
   const ReropeParams& p;
   int request = 0, head = 0, query_block = 0, q_len = 0, k_len = 0, q_begin = 0, key_offset = 0;
-  bool active = true;
 
-  __device__ TcPagedProblem(const ReropeParams& params, const KeyTile*) : p(params) {
-    const PagedTask t = p.paged_tc_tasks[blockIdx.x];
-    if (t.request < 0) {
-      active = false;
-      return;
-    }
+  __device__ TcPagedProblem(const ReropeParams& params, const PagedTask& t) : p(params) {
     const PagedRequest r = p.paged_requests[t.request];
     request = t.request;
     head = static_cast<int>(blockIdx.y);
@@ -492,7 +524,7 @@ struct TcPagedProblem {
     q_len = r.q_len;
     k_len = r.seq_len;
     q_begin = r.q_begin;
-    key_offset = p.paged_tc_key_offsets[t.request];
+    if constexpr (!kRotate) key_offset = p.paged_tc_key_offsets[t.request];
   }
   __device__ int64_t query_position(int query) const { return static_cast<int64_t>(k_len) - q_len + query; }
   __device__ int64_t key_position(int key) const { return key < k_len ? key : -1; }
@@ -512,13 +544,19 @@ struct TcPagedProblem {
   __device__ int64_t rotation_row(int query) const { return q_begin + query; }
   __device__ int64_t out_row(int query) const { return static_cast<int64_t>(q_begin + query) * p.q_heads + head; }
   __device__ float scale() const { return p.scale_factors ? p.scale * p.scale_factors[request] : p.scale; }
+  __device__ const KeyRate* key_rates() const { return p.key_rates + request * p.inv_freq_stride; }
   __device__ tc::KeyRows<T> near_keys(int kv_head) const {
+    if constexpr (kRotate) return cache_keys(kv_head);
     return {static_cast<const T*>(p.k_near) + (static_cast<int64_t>(key_offset) * p.kv_heads + kv_head) * p.head_dim,
             static_cast<int64_t>(p.kv_heads) * p.head_dim};
   }
   __device__ tc::KeyRows<T> far_keys(int kv_head) const {
+    if constexpr (kRotate) return cache_keys(kv_head);
     return {static_cast<const T*>(p.k_far) + (static_cast<int64_t>(key_offset) * p.kv_heads + kv_head) * p.head_dim,
             static_cast<int64_t>(p.kv_heads) * p.head_dim};
+  }
+  __device__ tc::KeyRows<T> cache_keys(int kv_head) const {
+    return {static_cast<const T*>(p.k) + kv_head * p.k_stride_h, p.k_stride_l, table(), p.block_size, p.k_stride_b};
   }
   __device__ tc::KeyRows<T> values(int kv_head) const {
     return {static_cast<const T*>(p.v) + kv_head * p.v_stride_h, p.v_stride_l, table(), p.block_size, p.v_stride_b};
@@ -537,6 +575,8 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   T* const q_far_s = q_near_s + S::kQElems;
   T* const k_s = q_far_s + S::kQElems;  // near-side or far-side keys of the current tile
   T* const v_s = k_s + S::kKElems;
+  KeyRate* const rates_s = reinterpret_cast<KeyRate*>(v_s + S::kKElems);  // kRotatesKeys: the request's turn rates
+  [[maybe_unused]] const bool leaky = p.leaky_inv != 0.0;
 
   const int head = problem.head;
   const int kv_head = head / (p.q_heads / p.kv_heads);
@@ -566,6 +606,10 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   warp_q = warp_reduce_range(warp_q);
 
   store_query_rows<T, kHeadDim>(p, problem, q0, q_near_s, q_far_s);
+  if constexpr (Problem::kRotatesKeys) {  // visible after the first tile's barrier, as the query rows
+    const KeyRate* const rates = problem.key_rates();
+    for (int pair = tid; pair < p.rotary_pairs; pair += kThreads) rates_s[pair] = rates[pair];
+  }
 
   // The keys of one side of a tile into the K tile (rows past k_len zero-filled), as one cp.async group.
   // (Where the rows lie is worked out at each load, from the problem: kept live across the loop, the
@@ -603,6 +647,14 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
                                      block_tile.needs_mask ? problem.padding_positions(j0) : nullptr);
     device::cp_async_commit();
 
+    // Keys rotated here (kRotatesKeys): the tile's near side at p, or a far tile's Leaky far side at p/k
+    // (ReRoPE's far side is the raw key), while V loads; the barrier publishes them to every warp.
+    if constexpr (Problem::kRotatesKeys) {
+      if (block_kind != TileKind::kFar || leaky) {  // uniform over the block
+        rotate_key_tile<T, kHeadDim>(p, k_s, rates_s, j0, rows, block_kind == TileKind::kFar);
+        __syncthreads();
+      }
+    }
     // This warp's class of the tile (its 16 queries): what it computes.
     const TileClass mine = rerope_classify_tile(warp_q, problem.key_tile(tile), p.window, p.causal);
     float s[kBlockN / 8][4];
@@ -620,6 +672,12 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
       load_keys(tile, true);
       device::cp_async_wait<0>();
       __syncthreads();
+      if constexpr (Problem::kRotatesKeys) {
+        if (leaky) {  // the far side at p/k
+          rotate_key_tile<T, kHeadDim>(p, k_s, rates_s, j0, rows, true);
+          __syncthreads();
+        }
+      }
       if (mine.kind == TileKind::kFar) warp_scores<T, kHeadDim>(q_far_s, k_s, s);
       // Band warps: the distance rule picks one side per element (near: distance < w).
       if (mine.kind == TileKind::kBand)
@@ -727,12 +785,17 @@ __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm
 
 // rerope_attention_paged's prefill rows: the same body over the requests the schedule kernel gave the
 // tensor cores (TcPagedProblem).
+// One kernel for both paths of a request (kPagedTcPreRotated, kPagedTcRotating): a block-uniform branch,
+// so that one launch serves every tensor-core row whatever the budget left to each.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, tc::Shape<kHeadDim>::kMinBlocksPerSm)
     rerope_paged_tc_kernel(const ReropeParams p) {
-  const TcPagedProblem<T> problem(p, nullptr);
-  if (!problem.active) return;  // past the tasks: uniform over the block, before any barrier
-  rerope_prefill_tc_block<T, kHeadDim>(p, problem);
+  const PagedTask task = p.paged_tc_tasks[blockIdx.x];
+  if (task.request < 0) return;  // past the tasks: uniform over the block, before any barrier
+  if (p.paged_requests[task.request].tensor_core == kPagedTcRotating)
+    rerope_prefill_tc_block<T, kHeadDim>(p, TcPagedProblem<T, true>(p, task));
+  else
+    rerope_prefill_tc_block<T, kHeadDim>(p, TcPagedProblem<T, false>(p, task));
 }
 
 // Paged pre-pass: the keys of the tensor-core requests, read through the block table (pages the
@@ -758,7 +821,7 @@ __global__ void __launch_bounds__(256) rerope_paged_rotate_keys_kernel(const Rer
     const int key = row - offsets[r];
     const int64_t page = p.block_table[static_cast<int64_t>(r) * p.max_blocks + key / p.block_size];
     const T* src = static_cast<const T*>(p.k) + page * p.k_stride_b + (key % p.block_size) * p.k_stride_l;
-    rotate_key_pair<T, T>(p, p.inv_freq + r * p.inv_freq_stride, key, pair,
+    rotate_key_pair<T, T>(p, p.key_rates + r * p.inv_freq_stride, key, pair,
                           [&](int h) { return src + h * p.k_stride_h; },
                           [&](int h) { return (static_cast<int64_t>(row) * p.kv_heads + h) * p.head_dim; });
   }
@@ -800,16 +863,27 @@ inline std::size_t rerope_tc_smem_bytes(int head_dim) {
   }
 }
 
+// Shared memory of the paged tensor-core prefill per block: the same, plus its request's turn rates.
+inline std::size_t rerope_paged_tc_smem_bytes(int head_dim) {
+  switch (head_dim) {
+    case 64: return tc::Shape<64>::kPagedSmemBytes;
+    case 80: return tc::Shape<80>::kPagedSmemBytes;
+    case 96: return tc::Shape<96>::kPagedSmemBytes;
+    default: return tc::Shape<128>::kPagedSmemBytes;
+  }
+}
+
 // Workspace of the tensor-core prefill, allocated by the caller:
 //   p.k_near: T [B, Hkv, Lk, D]; p.k_far: the same, Leaky only; tiles: KeyTile [B, ceil(Lk / 64)];
-//   p.q_rotation: float [B, Lq, rotary_pairs, 4] (rerope_tc_query_rotation_floats).
+//   p.q_rotation: float [B, Lq, rotary_pairs, 4] (rerope_tc_query_rotation_floats); p.key_rates:
+//   KeyRate [rotary_pairs].
 inline int rerope_tc_key_tiles(int k_len) { return (k_len + tc::kBlockN - 1) / tc::kBlockN; }
 inline int64_t rerope_tc_query_rotation_floats(const ReropeParams& p) {
   return static_cast<int64_t>(p.batch) * p.q_len * p.rotary_pairs * 4;
 }
 
-// Launches the four kernels: keys rotated to T, the queries' sin/cos, the key-tile bounds, the
-// prefill. `check(status, what)` runs after every launch (and after the shared-memory opt-in) with
+// Launches the five kernels: the keys' turn rates, keys rotated to T, the queries' sin/cos, the key-tile
+// bounds, the prefill. `check(status, what)` runs after every launch (and after the shared-memory opt-in) with
 // the CUDA status (0 = ok); it must not return on an error, so that no kernel reads the output of a
 // failed one.
 template <typename T, int kHeadDim, class Check>
@@ -818,6 +892,7 @@ inline void launch_rerope_prefill_tc(ReropeParams p, KeyTile* tiles, cudaStream_
   const auto blocks_of_256 = [](int64_t items) {
     return dim3(static_cast<unsigned>((items + 255) / 256 < 65535 ? (items + 255) / 256 : 65535));
   };
+  launch_rerope_key_rates(p, stream, check);
   ROPESCALE_LAUNCH_KERNEL((rerope_rotate_keys_kernel<T, T>),
                           blocks_of_256(static_cast<int64_t>(p.batch) * p.k_len * (p.head_dim / 2)), dim3(256), 0,
                           stream, p);
@@ -842,43 +917,49 @@ inline void launch_rerope_prefill_tc(ReropeParams p, KeyTile* tiles, cudaStream_
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the tensor-core prefill kernel");
 }
 
-// Whether the value cache's rows suit the tensor-core prefill's 16-byte cp.async (the values are read
-// in place): base address and every stride (elements) multiples of 16 bytes.
+// Whether the caches' rows suit the tensor-core prefill's 16-byte cp.async (the values, and the keys
+// of the requests that rotate their key tiles in the kernel, are read in place): base addresses and every
+// stride (elements) multiples of 16 bytes.
 inline bool rerope_paged_tc_aligned(const ReropeParams& p, std::size_t element_bytes) {
   const int64_t per_chunk = static_cast<int64_t>(16 / element_bytes);
   return reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_stride_b % per_chunk == 0 &&
-         p.v_stride_h % per_chunk == 0 && p.v_stride_l % per_chunk == 0;
+         p.v_stride_h % per_chunk == 0 && p.v_stride_l % per_chunk == 0 && reinterpret_cast<uintptr_t>(p.k) % 16 == 0 &&
+         p.k_stride_b % per_chunk == 0 && p.k_stride_h % per_chunk == 0 && p.k_stride_l % per_chunk == 0;
 }
 
 // The tensor-core rows of a paged launch: after launch_rerope_paged (and its split combine, which
-// leaves these rows to this launch), whose schedule kernel, run with p.paged_tc_key_budget > 0, chose
-// the requests and wrote p.paged_tc_key_offsets and p.paged_tc_tasks (p.num_paged_tc_tasks of them,
-// rerope_paged_max_tc_tasks). Workspaces, allocated by the caller: p.k_near and p.k_far, T
-// [paged_tc_key_budget, Hkv, D] each; p.q_rotation float [T, rotary_pairs, 4]. The value cache must pass
+// leaves these rows to this launch), whose schedule kernel, run with p.paged_tc, chose the requests (and,
+// within p.paged_tc_key_budget, those whose keys the pre-pass rotates) and wrote p.paged_tc_key_offsets
+// and p.paged_tc_tasks (p.num_paged_tc_tasks of them, rerope_paged_max_tc_tasks), and whose first kernel
+// wrote p.key_rates. Workspaces, allocated by the caller: p.q_rotation float [T, rotary_pairs, 4]; with a
+// budget, p.k_near and p.k_far, T [paged_tc_key_budget, Hkv, D] each (rerope_paged_workspace_layout).
+// The value cache (and the key cache, read in place by the requests past the budget) must pass
 // rerope_paged_tc_aligned; q_heads <= 65535.
 template <typename T, int kHeadDim, class Check>
 inline void launch_rerope_paged_tc(ReropeParams p, cudaStream_t stream, Check&& check) {
   using S = tc::Shape<kHeadDim>;
   p.batch = 1;
   p.causal = true;
-  if (p.num_paged_tc_tasks == 0 || p.paged_tc_key_budget == 0) return;
-  // Grid-stride over the rows in use (known on the device only): up to 1024 blocks of 256, so that a
-  // launch without tensor-core rows (a decode step) costs little.
-  const int64_t rotate_items = p.paged_tc_key_budget * (p.head_dim / 2);
-  const int64_t rotate_blocks = (rotate_items + 255) / 256 < 1024 ? (rotate_items + 255) / 256 : 1024;
-  ROPESCALE_LAUNCH_KERNEL(rerope_paged_rotate_keys_kernel<T>, dim3(static_cast<unsigned>(rotate_blocks)), dim3(256), 0,
-                          stream, p);
-  check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged rotate-keys kernel");
+  if (!p.paged_tc || p.num_paged_tc_tasks == 0) return;
+  if (p.paged_tc_key_budget > 0) {
+    // Grid-stride over the rows in use (known on the device only): up to 1024 blocks of 256, so that a
+    // launch whose tensor-core rows all rotate in the kernel (or that has none) costs little.
+    const int64_t rotate_items = p.paged_tc_key_budget * (p.head_dim / 2);
+    const int64_t rotate_blocks = (rotate_items + 255) / 256 < 1024 ? (rotate_items + 255) / 256 : 1024;
+    ROPESCALE_LAUNCH_KERNEL(rerope_paged_rotate_keys_kernel<T>, dim3(static_cast<unsigned>(rotate_blocks)), dim3(256),
+                            0, stream, p);
+    check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged rotate-keys kernel");
+  }
   if (p.rotary_pairs > 0) {
     ROPESCALE_LAUNCH_KERNEL(rerope_paged_query_rotation_kernel<tc::kBlockM>,
                             dim3(static_cast<unsigned>(p.num_paged_tc_tasks)), dim3(256), 0, stream, p);
     check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged query-rotation kernel");
   }
   static device::SmemOptIn opt_in;  // once per device
-  check(opt_in.ensure((rerope_paged_tc_kernel<T, kHeadDim>), S::kSmemBytes),
+  check(opt_in.ensure((rerope_paged_tc_kernel<T, kHeadDim>), S::kPagedSmemBytes),
         "the shared-memory opt-in of the paged tensor-core prefill");
   const dim3 grid(static_cast<unsigned>(p.num_paged_tc_tasks), static_cast<unsigned>(p.q_heads));
-  ROPESCALE_LAUNCH_KERNEL((rerope_paged_tc_kernel<T, kHeadDim>), grid, dim3(kThreads), S::kSmemBytes, stream, p);
+  ROPESCALE_LAUNCH_KERNEL((rerope_paged_tc_kernel<T, kHeadDim>), grid, dim3(kThreads), S::kPagedSmemBytes, stream, p);
   check(ROPESCALE_LAST_LAUNCH_ERROR(), "the paged tensor-core prefill kernel");
 }
 
