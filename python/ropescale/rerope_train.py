@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 
 import torch
@@ -621,6 +622,10 @@ def rerope_attention_train(
     )
     composite_args = (q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
                       interleaved)
+    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported here: it is heavy
+    if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in (q, k, v)):
+        _warn_once("DTensor activations (this path has no sharding rule)")
+        return rerope_attention_composite(*composite_args)
     padded, finite = _layout(q_positions, k_positions, causal, (q, k, v))
     if padded is None:
         if q.requires_grad or k.requires_grad or v.requires_grad:
