@@ -523,16 +523,16 @@ def test_yarn_gradients_equal_native():
 
 @pytest.mark.parametrize("leaky_k", [0.0, 16.0])
 def test_rerope_training_gradients_equal_naive_reference(monkeypatch, leaky_k):
-    """A patched ReRoPE model trains (the fused op has no backward; the patch takes the composite
-    path when gradients are wanted): its gradients equal those of the same model whose attention is
-    Su's plain-PyTorch two-matrix form."""
+    """A patched ReRoPE model trains (the fused op has no backward; the patch takes the training path,
+    ``ops.rerope_attention_train``, when gradients are wanted): its gradients equal those of the same
+    model whose attention is Su's plain-PyTorch two-matrix form."""
     from ropescale import rerope
 
     x = ids(length=24)
     grads = []
-    for attention in ("composite", "naive"):
+    for attention in ("train", "naive"):
         if attention == "naive":
-            monkeypatch.setattr(ops, "rerope_attention_composite", rerope.rerope_attention_naive)
+            monkeypatch.setattr(ops, "rerope_attention_train", rerope.rerope_attention_naive)
         model = hf.patch(tiny("llama"), None, attention="rerope", window=8, leaky_k=leaky_k).train()
         model(x, labels=x).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})

