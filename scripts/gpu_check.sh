@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The one command for a lent GPU machine (offline, any torch >= 2.11, Python 3.12 there, nvcc):
-# builds ropescale in place for the local GPU's arch only, runs `ropescale check` (every op on every
-# device against float64; its failure is recorded, the rest still runs), the CUDA tests (which include
-# the tensor-core prefill tests and the CPU-vs-CUDA parity tests) and the rotary and ReRoPE
-# benchmarks, and writes one markdown report (device, torch, figures, failures) to
-# OUT_DIR/gpu_report.md. Ends within 8 minutes: each step's time limit is cut to what is left of
-# GPU_CHECK_SECONDS (default 470), and a step with no time left is recorded as not run.
+# builds ropescale in place for the local GPU's arch only, then runs its PARTS and writes one markdown
+# report (device, torch, figures, failures) to OUT_DIR/gpu_report.md:
+#   core       `ropescale check` (every op on every device against float64; its failure is recorded, the
+#              rest still runs), the CUDA tests (tensor-core prefill, paged attention, CPU-vs-CUDA
+#              parity) and the rotary and ReRoPE benchmarks;
+#   first-day  what a GPU user does first (issue 26): one autocast bf16/fp16 fine-tuning step of every
+#              patch kind, a ReRoPE training step at 4k-16k with its peak memory against plain SDPA, vLLM
+#              serving ReRoPE and Dynamic-YaRN checkpoints with --attention-backend CUSTOM and CUDA graphs
+#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context.
+# Each call ends within 8 minutes: each step's time limit is cut to what is left of GPU_CHECK_SECONDS
+# (default 470), and a step with no time left is recorded as not run. Both parts do not fit one call
+# of the device tool (10 minutes): run them as two calls on the same warm machine, where the second
+# reuses the build (build-gpu/ is kept):
 #
-#   scripts/gpu_check.sh OUT_DIR
-#   PYTHON=python3 JOBS=16 scripts/gpu_check.sh OUT_DIR
+#   GPU_CHECK_PARTS=core scripts/gpu_check.sh OUT_DIR
+#   GPU_CHECK_PARTS=first-day scripts/gpu_check.sh OUT_DIR
+#   PYTHON=python3 JOBS=16 scripts/gpu_check.sh OUT_DIR      # both parts (default), as time allows
 #
 # Without a GPU it builds the CPU library, says "no GPU" on stdout and in the report, and
 # exits 0: so it can be tried on any machine. Python packages missing on the GPU machine (no network)
@@ -17,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 OUT=$1
@@ -30,9 +38,15 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 JOBS=${JOBS:-$(nproc)}
 BUDGET=${GPU_CHECK_SECONDS:-470}
+PARTS=" ${GPU_CHECK_PARTS:-core first-day} "
+for part in $PARTS; do
+  case $part in core | first-day) ;; *) echo "gpu_check: unknown part '$part' (core, first-day)" >&2; exit 2 ;; esac
+done
+part() { [[ $PARTS == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/$BUILD/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 failures=()
 started=$SECONDS
+VLLM_ENGINE_TEST=tests/python/test_vllm_paged.py::test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cuda_graphs
 
 section() { printf '\n## %s\n\n' "$1" >>"$REPORT"; }
 fenced() { { echo '```'; cat "$1"; echo '```'; } >>"$REPORT"; }
@@ -106,7 +120,7 @@ ARCH=$("$PYTHON" -c "import torch; print('%d%d' % torch.cuda.get_device_capabili
 {
   echo "# ropescale GPU check"
   echo
-  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) CPU cores"
+  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) CPU cores, parts:$PARTS"
   echo
   cat "$OUT/device.md"
 } >"$REPORT"
@@ -133,7 +147,7 @@ fi
 
 # `ropescale check` first: every op on every device present against float64, one table. Its failure is
 # recorded and the steps after it still run.
-if [ "$build_ok" = 1 ]; then
+if [ "$build_ok" = 1 ] && part core; then
   run "ropescale check" 90 "$OUT/check.log" "$PYTHON" -m ropescale check
   section "ropescale check"
   fenced "$OUT/check.log"
@@ -153,11 +167,13 @@ if [ "$build_ok" = 1 ] && [ -z "$ARCH" ]; then
   exit 0
 fi
 
-if [ "$build_ok" = 1 ]; then
-  # (test_cuda_kernels.py includes rerope_attention_paged / rerope_cache_write_ against the float64 oracle.)
+if [ "$build_ok" = 1 ] && part core; then
+  # (test_cuda_kernels.py includes rerope_attention_paged / rerope_cache_write_ against the float64 oracle;
+  # the training steps and the vLLM engines are the first-day part's.)
   run "pytest -m cuda (CUDA tests: tensor-core prefill, masking, paged attention, CPU-vs-CUDA parity)" 200 \
     "$OUT/pytest_cuda.log" \
-    "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE
+    "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE \
+    --ignore=tests/python/test_training.py --deselect "$VLLM_ENGINE_TEST"
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
     # bench_rerope.py's CUDA mode includes paged16 (rerope_attention_paged, one request in pages of 16
@@ -169,10 +185,34 @@ if [ "$build_ok" = 1 ]; then
   fi
 fi
 
+if [ "$build_ok" = 1 ] && part first-day; then
+  # One autocast step (bf16, fp16; eager and gradient checkpointing; torch.compile for one kind per path)
+  # of every patch kind on the GPU, judged against the stock model's own autocast error.
+  run "autocast fine-tuning step, every patch kind (CUDA)" 120 "$OUT/training.log" \
+    "$PYTHON" -m pytest tests/python/test_training.py -m cuda -q -p no:cacheprovider -rfE
+  # ReRoPE training (ops.rerope_attention_train: PyTorch's fused kernels, no L x L tensor) against the
+  # unpatched SDPA model, peak memory and time; the old composite path at 4k for comparison.
+  run "bench_rerope_train (GPU): ReRoPE training step, peak memory" 120 "$OUT/bench_rerope_train.log" \
+    "$PYTHON" benchmarks/bench_rerope_train.py --device cuda --autocast bf16 --lengths 4096 8192 16384 \
+    --composite-max 4096
+  if "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
+    run "vLLM on CUDA: CUSTOM backend, CUDA graphs, ReRoPE and Dynamic-YaRN against transformers" 240 \
+      "$OUT/vllm_cuda.log" "$PYTHON" -m pytest "$VLLM_ENGINE_TEST" -m cuda -q -p no:cacheprovider -rfEs
+  else
+    # No network on the lent machines, and vLLM's CUDA wheel is far larger than what travels with a call.
+    echo "vLLM is not installed on this machine: the CUSTOM-backend engine test did not run" >"$OUT/vllm_cuda.log"
+    echo "- vLLM on CUDA: not run (vLLM not installed)" >>"$OUT/steps.md"
+  fi
+  run "bench_chunked_prefill (GPU): 2048-token chunks at 32k and 96k context" 90 "$OUT/bench_chunked_prefill.log" \
+    "$PYTHON" benchmarks/bench_chunked_prefill.py --device cuda
+fi
+
 section "Tests"
-[ -f "$OUT/pytest_cuda.log" ] && fenced <(tail -n 40 "$OUT/pytest_cuda.log")
+for t in pytest_cuda training vllm_cuda; do
+  [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
+done
 section "Benchmarks"
-for b in bench_rotary bench_rerope; do
+for b in bench_rotary bench_rerope bench_rerope_train bench_chunked_prefill; do
   [ -f "$OUT/$b.log" ] && { echo "### $b"; echo; fenced "$OUT/$b.log"; echo; } >>"$REPORT"
 done
 section "Steps"
