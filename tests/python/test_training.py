@@ -8,8 +8,9 @@ fp16: no error, a finite gradient on every parameter, and loss and gradients as 
 model's float32 step as an UNPATCHED stock model's autocast step is to its own float32 step (the
 project's rule: low precision is judged relative to PyTorch's own error on the same inputs).
 
-The step runs in a MODE (``MODES``: eager today); torch.compile, gradient checkpointing and the
-like are one more entry there, with nothing else to change."""
+The step runs in a MODE (``MODES``): eager, transformers' gradient checkpointing (every kind), and
+torch.compile (one kind per attention path: ``_COMPILED_KINDS``); the stock model's deviation is
+measured in the same mode."""
 
 from __future__ import annotations
 
@@ -99,9 +100,31 @@ def test_the_kinds_cover_every_method_and_path():
 # ---------------------------------------------------------------------------------------------
 # Modes: how the step runs the model. Each takes the model and returns what to call.
 
+def _checkpointed(model: torch.nn.Module) -> Callable:
+    # transformers' own switch (what Trainer's gradient_checkpointing=True calls): every decoder layer's
+    # forward, the patched attention included, runs again during backward.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _compiled(model: torch.nn.Module) -> Callable:
+    # torch.compile as a fine-tuning script calls it (fullgraph=False: a length-dependent table breaks the
+    # graph, see hf.patch). aot_eager traces forward and backward through dynamo and AOTAutograd, where
+    # custom ops and autograd functions break; inductor's code generation adds nothing ropescale owns and
+    # costs ~10x the time on this 2-core CI.
+    torch._dynamo.reset()
+    return torch.compile(model, backend="aot_eager")
+
+
 MODES: dict[str, Callable[[torch.nn.Module], Callable]] = {
     "eager": lambda model: model,
+    "checkpointing": _checkpointed,
+    "compile": _compiled,
 }
+# torch.compile per kind and dtype costs seconds; the kinds it runs for: one per attention path (static
+# fused rotation, pre-RoPE, ReRoPE), with Resonance on the static one. The kinds share their code path with
+# the others of their path: only the table differs.
+_COMPILED_KINDS = {"resonance_yarn", "dynamic_yarn", "leaky_rerope"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,11 +193,29 @@ def _stock_deviation(mode: str, device: str, dtype: torch.dtype) -> Deviation:
     return _STOCK[key]
 
 
+def _kind_modes():
+    """(kind, mode, dtype): every kind in eager and checkpointing mode under both dtypes; the compiled kinds
+    compiled under bf16 autocast (slow: each compile costs 15-35 s on CI's 2 cores; the fp16 graph is the same
+    trace with another dtype)."""
+    for kind in PATCH_KINDS:
+        for mode in sorted(MODES):
+            if mode == "compile" and kind.id not in _COMPILED_KINDS:
+                continue
+            for dtype in DTYPES:
+                if mode == "compile" and dtype != torch.bfloat16:
+                    continue
+                yield pytest.param(kind, mode, dtype, marks=[pytest.mark.slow] if mode == "compile" else [],
+                                   id=f"{kind.id}-{mode}-{str(dtype).split('.')[-1]}")
+
+
+def test_every_compiled_kind_exists():
+    assert _COMPILED_KINDS <= {k.id for k in PATCH_KINDS}
+    assert {k.path for k in PATCH_KINDS if k.id in _COMPILED_KINDS} == {"static", "pre_rope", "rerope"}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", PATCH_KINDS, ids=lambda k: k.id)
-def test_autocast_training_step(kind, dtype, mode, device):
+@pytest.mark.parametrize("kind, mode, dtype", _kind_modes())
+def test_autocast_training_step(kind, mode, dtype, device):
     model = _model(device, kind)
     mixed = _step(model, mode, device, dtype)  # before the fix: "cos and sin must have the dtype of q"
     full = _step(model, mode, device, None)
