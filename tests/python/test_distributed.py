@@ -4,9 +4,10 @@ differentiable rotations), in-place ops refuse a layout they cannot keep, a ReRo
 Llama under tensor parallelism (DTensor q/k/v) gives the single-process logits, and one FSDP2 training step
 of every patch kind equals the single-process step.
 
-One pair of forked processes runs every check (a fork inherits the imported torch, transformers and
-ropescale: no start-up cost); each check's outcome per rank comes back in a file, and each test below reads
-its own. Checks run in the same order on both ranks, so a failing one fails alike on both.
+One pair of spawned processes runs every check (spawned, not forked: a fork of a pytest process in which an
+earlier test ran autograd cannot run autograd itself, "Unable to handle autograd's threading in combination
+with fork-based multiprocessing"); each check's outcome per rank comes back in a file, and each test below
+reads its own. Checks run in the same order on both ranks, so a failing one fails alike on both.
 """
 
 from __future__ import annotations
@@ -392,11 +393,11 @@ def _rank(rank, init_file, out_dir, names):
 
 
 def _run(tmp_path, names, timeout=300):
-    """Runs the named checks on two forked ranks; {check: [rank 0's outcome, rank 1's]}."""
+    """Runs the named checks on two spawned ranks; {check: [rank 0's outcome, rank 1's]}."""
     import torch.multiprocessing as mp
 
     context = mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path), names), nprocs=WORLD,
-                                 join=False, start_method="fork")
+                                 join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
