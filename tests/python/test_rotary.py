@@ -725,8 +725,9 @@ def test_library_contains_the_cuda_kernels_when_the_build_asked_for_them():
         assert not info["cuda"]
     for name in ALL_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", "CPU")
-        has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", "CUDA")
-        assert has_cuda == info["cuda"], name
+        # Every build registers the CUDA key: the kernels, or (built without them) an error saying how to
+        # rebuild (test_import.py checks it); which one is build_info()["cuda"] and the binary below.
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ropescale::{name}", "CUDA"), name
     if info["cuda"]:
         # The kernels themselves: each instantiation registers its device symbol by name with the
         # CUDA runtime, and the device code sits in the .nv_fatbin section.
