@@ -38,6 +38,7 @@ Old checkpoints (ropescale's former ``ntk``, transformers' ``dynamic``) still re
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -198,6 +199,30 @@ def attention_entry(attention: str, window: int | None, leaky_k: float, logn_len
     return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k), "logn_length": int(logn_length)}
 
 
+def check_attention(attention: Any, window: Any, leaky_k: Any, logn_length: Any) -> None:
+    """The attention side, checked in one place for every path that takes it: ``hf.patch``'s arguments, and a
+    checkpoint's entry as ``hf.patch``, transformers' model build and the vLLM plugin (at engine start) read it.
+    The values ReRoPE's op accepts: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2.
+    Raises ValueError; each caller prefixes its own name."""
+    if attention not in ("sdpa", "rerope"):
+        raise ValueError(f"attention must be 'sdpa' or 'rerope', got {attention!r}")
+    if attention != "rerope":
+        if window is not None or leaky_k or logn_length:
+            raise ValueError("window, leaky_k and logn_length apply to attention='rerope' only")
+        return
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"attention='rerope' needs window, an integer > 0, got {window!r}")
+    leaky_k = 0.0 if leaky_k is None else leaky_k
+    if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
+            or (leaky_k != 0 and leaky_k < 1)):
+        raise ValueError(f"leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
+    logn_length = 0 if logn_length is None else logn_length
+    if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
+            or logn_length < 0 or logn_length == 1):
+        raise ValueError(f"logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
+                         f"length; log-n divides by its log), got {logn_length!r}")
+
+
 def checked_entry(entry: Any, rope_type: str, rerope: bool) -> dict[str, Any] | None:
     """The ``ropescale`` entry, checked (None when there is none)."""
     if entry is None:
@@ -212,6 +237,9 @@ def checked_entry(entry: Any, rope_type: str, rerope: bool) -> dict[str, Any] | 
         raise ValueError(
             f"config.{CONFIG_KEY} must be a dict with keys {ATTENTION_KEYS} (attention 'sdpa' or 'rerope') and "
             f"optionally {METHOD_KEY!r} (a rope_parameters dict), got {entry!r}")
+    if "attention" in entry:
+        check_attention(entry["attention"], entry.get("window"), entry.get("leaky_k", 0.0),
+                        entry.get("logn_length", 0))
     return dict(entry)
 
 

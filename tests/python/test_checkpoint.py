@@ -290,6 +290,56 @@ def test_bad_recorded_attention_gets_a_clear_error():
     assert not hf.is_patched(model)
 
 
+# Hand-edited entries of a saved ReRoPE checkpoint (issue 27: the vLLM plugin checked only their keys, so
+# `window: 0` started an engine whose first request killed it), each with the message hf.patch gives.
+BAD_ENTRIES = [
+    ({"window": 0}, "attention='rerope' needs window, an integer > 0, got 0"),
+    ({"window": -4}, "attention='rerope' needs window, an integer > 0, got -4"),
+    ({"window": 2.5}, "attention='rerope' needs window, an integer > 0, got 2.5"),
+    ({"window": "16"}, "attention='rerope' needs window, an integer > 0, got '16'"),
+    ({"window": None}, "attention='rerope' needs window, an integer > 0, got None"),
+    ({"leaky_k": 0.5}, "leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got 0.5"),
+    ({"leaky_k": float("nan")}, "leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got nan"),
+    ({"leaky_k": "2"}, "leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got '2'"),
+    ({"logn_length": 1}, "logn_length must be 0 (no log-n scaling) or an integer >= 2"),
+    ({"logn_length": 64.0}, "logn_length must be 0 (no log-n scaling) or an integer >= 2"),
+    ({"attention": "sdpa"}, "window, leaky_k and logn_length apply to attention='rerope' only"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_ENTRIES, ids=[str(e) for e, _ in BAD_ENTRIES])
+def test_every_path_refuses_a_bad_entry_with_hf_patchs_message(tmp_path, edit, message):
+    from ropescale import config as config_lib
+
+    path = tmp_path / "rerope"
+    hf.patch(model_for("llama"), attention="rerope", window=4, leaky_k=2.0, logn_length=16).save_pretrained(path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["ropescale"].update(edit)
+    config_file.write_text(json.dumps(config))
+    pattern = __import__("re").escape(message)
+    # transformers' model build (plain from_pretrained with ropescale's rope types registered)
+    with pytest.raises(ValueError, match="^ropescale: " + pattern):
+        AutoModelForCausalLM.from_pretrained(path)
+    # hf.patch on a model built without the entry's check, then given the edited entry
+    model = model_for("llama")
+    model.config.rope_parameters = dict(config["rope_parameters"])
+    model.config.ropescale = config["ropescale"]
+    with pytest.raises(ValueError, match="^patch: " + pattern):
+        hf.patch(model)
+    assert not hf.is_patched(model)
+    # what the vLLM plugin's get_rope reads at model build, before the engine takes a request
+    with pytest.raises(ValueError, match="^" + pattern):
+        config_lib.read(config["rope_parameters"], config["max_position_embeddings"], config["ropescale"], 16)
+    # and hf.patch's own arguments, the same values
+    arguments = {"attention": "rerope", "window": 4, "leaky_k": 2.0, "logn_length": 16, **edit}
+    if arguments["attention"] == "sdpa":
+        arguments.pop("attention")
+    with pytest.raises(ValueError, match="^patch: " + pattern):
+        hf.patch(model_for("llama"), attention=arguments.get("attention", "sdpa"), window=arguments["window"],
+                 leaky_k=arguments["leaky_k"], logn_length=arguments["logn_length"])
+
+
 # ---------------------------------------------------------------------------------------------
 # ropescale extend
 

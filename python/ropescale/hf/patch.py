@@ -31,8 +31,6 @@ Patching a model twice raises an error; ``unpatch`` first to change the method.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import types
 from typing import Any, Mapping
 
@@ -186,25 +184,12 @@ def patch(
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
-    """The attention side of a patch, checked before the model is touched (the values ReRoPE's op
-    accepts: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2)."""
-    if attention not in ("sdpa", "rerope"):
-        raise ValueError(f"patch: attention must be 'sdpa' or 'rerope', got {attention!r}")
-    if attention != "rerope":
-        if window is not None or leaky_k or logn_length:
-            raise ValueError("patch: window, leaky_k and logn_length apply to attention='rerope' only")
-        return
-    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"patch: attention='rerope' needs window, an integer > 0, got {window!r}")
-    leaky_k = 0.0 if leaky_k is None else leaky_k
-    if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
-            or (leaky_k != 0 and leaky_k < 1)):
-        raise ValueError(f"patch: leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
-    logn_length = 0 if logn_length is None else logn_length
-    if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
-            or logn_length < 0 or logn_length == 1):
-        raise ValueError(f"patch: logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
-                         f"length; log-n divides by its log), got {logn_length!r}")
+    """The attention side of a patch, checked before the model is touched (``config.check_attention``: the
+    same check, and message, as a checkpoint's entry gets at load and at vLLM engine start)."""
+    try:
+        config_lib.check_attention(attention, window, leaky_k, logn_length)
+    except ValueError as err:
+        raise ValueError(f"patch: {err}") from None
 
 
 def _check_rerope_implementation(config) -> None:

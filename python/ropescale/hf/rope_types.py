@@ -60,6 +60,11 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
     config.standardize_rope_params()
     params = config.rope_parameters[layer_type] if layer_type is not None else config.rope_parameters
     table, rerope = table_parameters(params)
+    if seq_len is None:  # model build: the entry's values refused here too (as hf.patch and the vLLM plugin do)
+        try:
+            config_lib.checked_entry(getattr(config, config_lib.CONFIG_KEY, None), params["rope_type"], rerope)
+        except ValueError as err:
+            raise ValueError(f"ropescale: {err}") from None
     if rerope and seq_len is None:
         warnings.warn(
             f"ropescale: rope_type {params['rope_type']!r} marks a checkpoint trained with ReRoPE attention "
