@@ -49,6 +49,10 @@ CHECKPOINTS = {
     "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=ORIGINAL), {}),
     "dynamic_ntk": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL), {}),
     "resonance_dynamic": (scaling.DynamicNTK(factor=2.0, original_max_position=ORIGINAL, resonance=True), {}),
+    # distinct short and long factors: each request's table at its own length, as the dynamic methods
+    "longrope": (scaling.LongRoPE(short_factor=tuple(1.0 + 0.02 * i for i in range(HEAD // 2)),
+                                  long_factor=tuple(1.0 + 0.25 * i for i in range(HEAD // 2)),
+                                  original_max_position=ORIGINAL, factor=4.0), {}),
 }
 
 
@@ -116,16 +120,70 @@ def test_context_parallelism_is_refused(monkeypatch):
             model_get_rope(monkeypatch, config, vllm_config)
 
 
-def test_dynamic_methods_warn_about_prefix_caching(monkeypatch):
-    attention.register_backends()
-    warnings = []
-    monkeypatch.setattr(attention.logger, "warning", lambda *args: warnings.append(args[0] % args[1:]))
-    monkeypatch.setattr(attention, "_warned", set())
-    model_get_rope(monkeypatch, patched("rerope").config)  # ReRoPE with a static table: exact with it
-    assert warnings == []
-    attention._plan.clear()  # another model
-    model_get_rope(monkeypatch, patched("dynamic_yarn").config)
-    assert len(warnings) == 1 and "enable_prefix_caching=False" in warnings[0], warnings
+def test_rows_take_the_table_of_the_whole_prompt_then_their_own_length():
+    # (request, rows, seq_len, table_len) per segment; requests: (seq_len, query rows, prompt length)
+    steps = [
+        ([(48, 48, 300)], [(0, 48, 48, 300)]),  # the first chunk of a 300-token prompt: the whole prompt's table
+        ([(300, 12, 300)], [(0, 12, 300, 300)]),  # its last chunk
+        ([(301, 1, 300), (40, 40, 40)], [(0, 1, 301, 301), (1, 40, 40, 40)]),  # a decode row beside a prompt
+        # a recompute after preemption (prompt 100, 4 generated tokens in one chunk): prompt rows, then each
+        # generated row at its own length, as their decode steps computed them
+        ([(104, 104, 100)], [(0, 100, 100, 100), (0, 1, 101, 101), (0, 1, 102, 102), (0, 1, 103, 103),
+                             (0, 1, 104, 104)]),
+        ([(96, 6, 92)], [(0, 2, 92, 92), (0, 1, 93, 93), (0, 1, 94, 94), (0, 1, 95, 95), (0, 1, 96, 96)]),
+        ([(80, 3, 70)], [(0, 1, 78, 78), (0, 1, 79, 79), (0, 1, 80, 80)]),  # speculative rows past the prompt
+        ([(0, 0, 0)], [(0, 0, 0, 1)]),  # a padded request
+    ]
+    for requests, want in steps:
+        seq_lens, query_lens, prompt_lens = map(list, zip(*requests))
+        assert attention.cut_segments(seq_lens, query_lens, prompt_lens) == want, requests
+    # without prompt lengths (a vLLM whose runner gives none): each request at its current length
+    assert attention.cut_segments([48, 301], [48, 1]) == [(0, 48, 48, 48), (1, 1, 301, 301)]
+
+
+def vllm_config_of(model):
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
+
+
+def test_block_hashes_carry_the_prompts_table_for_length_dependent_methods(monkeypatch):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    assert attention.install_block_hash_key() and attention.install_block_hash_key()  # idempotent
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    hasher = kv_cache_utils.get_request_block_hasher(16, hash_fn)
+    monkeypatch.setattr(attention, "_engine", {})
+
+    def hashes(model, prompt):
+        attention._engine.clear()
+        attention._engine["config"] = vllm_config_of(model) if model is not None else None
+        return Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher).block_hashes
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 256, (200,), generator=g).tolist()
+    dynamic, rerope = patched("dynamic_yarn"), patched("rerope")
+    stock = hashes(None, tokens[:48])
+    # ReRoPE's table is static: the stock hashes. Prompts within the original length (64) share the native table,
+    # so their common blocks share hashes; past it, each length's scale is in every block's hash.
+    assert hashes(rerope, tokens[:48]) == stock
+    assert hashes(dynamic, tokens[:48])[:3] == hashes(dynamic, tokens[:64])[:3] != stock
+    long_120, long_121 = hashes(dynamic, tokens[:120]), hashes(dynamic, tokens[:121])
+    assert all(a != b for a, b in zip(long_120, long_121)) and len(long_120) == 7
+    assert hashes(dynamic, tokens[:120]) == long_120
+    assert attention.prompt_table_tag(10, vllm_config_of(dynamic)) == attention.prompt_table_tag(
+        64, vllm_config_of(dynamic)) != attention.prompt_table_tag(65, vllm_config_of(dynamic))
+    assert attention.prompt_table_tag(500, vllm_config_of(rerope)) is None
+
+
+def test_cuda_builder_declares_graphs_per_plan():
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    support = attention.PreRopeMetadataBuilder.get_cudagraph_support
+    assert support(vllm_config_of(patched("rerope")), None) == AttentionCGSupport.UNIFORM_BATCH
+    assert support(vllm_config_of(patched("dynamic_yarn")), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def test_unsupported_layer_options_are_refused():
@@ -177,8 +235,9 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     block_size, blocks = 32, 12
     kv_cache = torch.full((blocks, 1, block_size, 2 * HEAD), float("nan"))  # unwritten slots: never read
     g = torch.Generator().manual_seed(0)
-    seq_lens, q_lens = [150, 41], [30, 1]
-    pages = [[7, 2, 9, 0, 11], [4, 8]]
+    # a chunk of a 200-token prompt; a decode row; a recompute that crosses its prompt's end (84 of 90)
+    seq_lens, q_lens, prompt_lens = [150, 41, 90], [30, 1, 12], [200, 20, 84]
+    pages = [[7, 2, 9, 0, 11], [4, 8], [1, 3, 5]]
     keys = [torch.randn(n, 1, HEAD, generator=g) for n in seq_lens]
     values = [torch.randn(n, 1, HEAD, generator=g) for n in seq_lens]
     slots = [torch.tensor([pages[r][j // block_size] * block_size + j % block_size for j in range(n)])
@@ -191,25 +250,32 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     new_slots = torch.cat([slots[r][n - q_lens[r]:] for r, n in enumerate(seq_lens)] + [torch.tensor([-1])])
     layer.write(new_k, new_v, kv_cache, new_slots)
     queries = torch.randn(sum(q_lens) + 2, 2, HEAD, generator=g)  # 2 padded rows past num_actual_tokens
-    block_table = torch.zeros(3, 8, dtype=torch.int32)  # one more row than requests, as vLLM's buffers
+    block_table = torch.zeros(4, 8, dtype=torch.int32)  # one more row than requests, as vLLM's buffers
     for r, p in enumerate(pages):
         block_table[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    starts = [0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)]
+    tables = attention.TableCache(plan).step(seq_lens, q_lens, prompt_lens)
+    assert (tables.segments is not None) == plan.length_dependent  # the recompute is cut into segments
     metadata = types.SimpleNamespace(
         num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens), sum(q_lens)], dtype=torch.int32),
-        block_table=block_table, rope_tables=attention.TableCache(plan).step(seq_lens))
+        query_start_loc=torch.tensor(starts + [sum(q_lens)], dtype=torch.int32),
+        block_table=block_table, rope_tables=tables)
     output = torch.zeros_like(queries)
     layer.attend(queries, kv_cache, metadata, output)
     state = model._ropescale_patch
-    begin = 0
+    # Each row on its own, as transformers + hf.patch compute it: a prompt row under the whole prompt's table,
+    # a later row under its own length's, over the keys up to it.
     for r, n in enumerate(seq_lens):
-        table, factor = state.table(n if plan.length_dependent else None, torch.device("cpu"))
-        k_pos = torch.arange(n)
-        want = reference_attention(plan, queries[begin: begin + q_lens[r]], keys[r], values[r], k_pos[n - q_lens[r]:],
-                                   k_pos, HEAD ** -0.5, table, factor)
-        torch.testing.assert_close(output[begin: begin + q_lens[r]], want, atol=2e-6, rtol=0)
-        begin += q_lens[r]
-    assert torch.equal(output[begin:], torch.zeros(2, 2, HEAD))  # padded rows untouched
+        for i in range(q_lens[r]):
+            position = n - q_lens[r] + i
+            length = max(prompt_lens[r], position + 1)
+            table, factor = state.table(length if plan.length_dependent else None, torch.device("cpu"))
+            k_pos = torch.arange(position + 1)
+            row = starts[r] + i
+            want = reference_attention(plan, queries[row: row + 1], keys[r][: position + 1],
+                                       values[r][: position + 1], k_pos[-1:], k_pos, HEAD ** -0.5, table, factor)
+            torch.testing.assert_close(output[row: row + 1], want, atol=2e-6, rtol=0, msg=f"request {r}, row {i}")
+    assert torch.equal(output[sum(q_lens):], torch.zeros(2, 2, HEAD))  # padded rows untouched
 
 
 def test_cpu_impl_routes_only_pre_rope_models_to_ropescale(monkeypatch):
@@ -235,34 +301,56 @@ def test_cpu_impl_routes_only_pre_rope_models_to_ropescale(monkeypatch):
 ENGINE = textwrap.dedent("""
     # Serves tiny checkpoints with vLLM, one engine per entry of job["engines"] (one process, engines in turn);
     # each engine runs its batches (one llm.generate call each) and prints one JSON line per batch.
-    import json, sys, time
+    import json, os, sys, time
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    def count_preemptions():
+        # vLLM's scheduler, when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        stock, count = Scheduler._preempt_request, [0]
+
+        def preempt(self, *args, **kwargs):
+            count[0] += 1
+            return stock(self, *args, **kwargs)
+
+        Scheduler._preempt_request = preempt
+        return count
+
     def main():
         job = json.loads(sys.argv[1])
+        preemptions = count_preemptions()
         params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], prompt_logprobs=0, logprobs=0,
                                 ignore_eos=True, detokenize=False)
         for engine in job["engines"]:
-            start = time.perf_counter()
+            start, preemptions[0] = time.perf_counter(), 0
+            os.environ.update(engine.get("env", {}))
             try:
                 llm = LLM(model=engine["path"], dtype=engine.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
-                          max_model_len=job["max_model_len"], **engine["options"])
+                          max_model_len=job["max_model_len"], disable_log_stats=False, **engine["options"])
             except Exception as err:  # noqa: BLE001 (the error is the result)
                 print("RESULT " + json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
                 continue
             started = time.perf_counter()
+            if engine.get("bad_entry"):
+                print("RESULT " + json.dumps({"error": "the engine started"}), flush=True)
+                continue
             for batch in engine["batches"]:
                 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
                 result = []
                 for out in outs:
                     logprobs = [None if d is None else d[t].logprob
                                 for d, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
-                    result.append({"tokens": list(out.outputs[0].token_ids), "prompt_logprobs": logprobs})
+                    result.append({"tokens": list(out.outputs[0].token_ids), "prompt_logprobs": logprobs,
+                                   "cached": out.num_cached_tokens})
                 print("RESULT " + json.dumps(result), flush=True)
+            print(f"PREEMPTIONS {preemptions[0]}", flush=True)
             print(f"TIMING {engine['path']}: start {started - start:.1f} s, runs {time.perf_counter() - started:.1f} s",
                   flush=True)
             del llm
+            for name in engine.get("env", {}):
+                os.environ.pop(name)
 
     if __name__ == "__main__":
         main()
@@ -316,61 +404,95 @@ MIXED = [8, 240, 17, 130, 64, 65, 200, 33, 96, 150, 12, 180, 71, 110, 48, 221]  
 
 
 @pytest.mark.slow
-def test_engines_serve_pre_rope_checkpoints_as_transformers_does(tmp_path):
+def test_engines_serve_every_request_as_it_is_served_alone(tmp_path):
+    """Issue 27: every pre-RoPE method under load (16 concurrent requests of mixed lengths, each prompt past the
+    48-token budget chunked and batched with others, vLLM's prefix cache on), each request equal to transformers +
+    hf.patch running it alone (one forward over the prompt, one per generated token); prompts that share a
+    150-token prefix, twice (the second time from the prefix cache where the prompt's table is the same); a KV
+    cache too small for the batch (preemption, then recompute); an invalid entry refused at engine start."""
+    names = ("rerope", "leaky_logn", "dynamic_yarn", "dynamic_ntk", "longrope")
     paths = {}
-    for name in ("rerope", "leaky_logn", "dynamic_yarn"):
+    for name in names:
         paths[name] = tmp_path / name
         patched(name).save_pretrained(paths[name])
-    long, mixed = random_prompts(LONG, 1), random_prompts(MIXED, 2)
+    bad = tmp_path / "bad_window"
+    patched("rerope").save_pretrained(bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["ropescale"]["window"] = 0
+    (bad / "config.json").write_text(json.dumps(config))
+    batches = {"long": random_prompts(LONG, 1), "mixed": random_prompts(MIXED, 2)}
     prefix = random_prompts([150], 3)[0]
-    shared = [prefix + tail for tail in random_prompts([5, 40, 1, 70], 4)]  # one hits 150 cached tokens + 1
-    engines = [
-        # ReRoPE with a token budget of 48 < the prompt: chunk boundaries every 48 tokens, each one inside the
-        # window of the queries after it; vLLM's prefix cache on (its default). Batches: the long prompts;
-        # 16 mixed-length requests together, then each alone; prompts sharing a 150-token prefix, twice.
-        {"path": str(paths["rerope"]), "options": dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=48),
-         "batches": [long, mixed, *[[p] for p in mixed], shared, shared]},
-        # Compiled mode (vLLM traces the model, the pass-through rotary included; attention stays an opaque op).
-        {"path": str(paths["leaky_logn"]), "options": dict(enforce_eager=False, max_num_seqs=4), "batches": [long]},
-        # Dynamic-YaRN: each request's table at its own length; no chunking, no prefix cache (both would
-        # rotate a prompt's chunks under earlier scales, which transformers' one-pass prefill does not).
-        {"path": str(paths["dynamic_yarn"]),
-         "options": dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=4096, enable_prefix_caching=False),
-         "batches": [long, mixed, *[[p] for p in mixed]]},
+    batches["shared"] = [prefix + tail for tail in random_prompts([5, 40, 1, 70], 4)]  # one hits 150 + 1 tokens
+    # each crosses a 32-token page during its 8 generated tokens: with 10 pages for 1,000 prompt tokens, vLLM
+    # preempts running requests and later recomputes their prompt and generated tokens in one prefill
+    batches.update({f"alone{i}": [prompt] for i, prompt in enumerate(batches["mixed"])})
+    batches["crossing"] = random_prompts([28, 29, 30, 60, 61, 62, 92, 93, 124, 125, 126, 156], 5)
+    load = dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=48)  # chunks every 48 tokens
+    runs = [  # (checkpoint, engine options, batches)
+        ("rerope", load, ("long", "mixed", "shared", "shared")),
+        # compiled mode (vLLM traces the model, the pass-through rotary included; attention stays an opaque op)
+        ("leaky_logn", dict(enforce_eager=False, max_num_seqs=4), ("long",)),
+        ("dynamic_yarn", load, ("long", "mixed", "shared", "shared")),
+        ("dynamic_ntk", load, ("mixed", "shared")),
+        ("longrope", load, ("mixed", "shared", *(f"alone{i}" for i in range(len(MIXED))))),
+        # 10 pages of 32 tokens (the engine core in this process, so that the test counts vLLM's preemptions)
+        ("dynamic_yarn", dict(load, num_gpu_blocks_override=10, block_size=32), ("crossing",)),
     ]
+    engines = [{"path": str(paths[name]), "options": options, "batches": [batches[b] for b in names_]}
+               for name, options, names_ in runs]
+    engines[-1]["env"] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    engines.append({"path": str(bad), "options": load, "batches": [batches["long"]], "bad_entry": True})
     results, log = serve(tmp_path, engines)
-    assert all(isinstance(r, list) and len(r) == len(e["batches"]) for r, e in zip(results, engines)), log[-6000:]
-    print("\n".join(line for line in log.splitlines() if line.startswith("TIMING")))
-    assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") >= len(engines), log[-3000:]
-    rerope, leaky_logn, dynamic = results
-
-    assert_same(rerope[0], reference(paths["rerope"], long), "ReRoPE, chunked prefill (48-token budget)")
-    solo = [run[0] for run in rerope[2: 2 + len(mixed)]]
-    assert_same(rerope[1], solo, "ReRoPE: 16 concurrent requests vs each alone", atol=2e-6)
-    assert_same(solo, reference(paths["rerope"], mixed), "ReRoPE, mixed lengths")
-    shared_ref = reference(paths["rerope"], shared)
-    assert_same(rerope[-2], shared_ref, "ReRoPE, shared prefixes")
-    assert_same(rerope[-1], shared_ref, "ReRoPE, shared prefixes from vLLM's prefix cache")
-    assert_same(leaky_logn[0], reference(paths["leaky_logn"], long), "Leaky ReRoPE with log-n, compiled mode")
-    assert_same(dynamic[0], reference(paths["dynamic_yarn"], long), "Dynamic-YaRN")
-    solo = [run[0] for run in dynamic[2:]]
-    assert_same(dynamic[1], solo, "Dynamic-YaRN: 16 concurrent requests vs each alone", atol=2e-6)
-    assert_same(solo, reference(paths["dynamic_yarn"], mixed), "Dynamic-YaRN, mixed lengths")
+    print("\n".join(line for line in log.splitlines() if line.startswith(("TIMING", "PREEMPTIONS"))))
+    assert all(isinstance(r, list) and len(r) == len(e["batches"]) for r, e in zip(results, engines[:-1])), \
+        log[-6000:]
+    assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") >= len(runs), log[-3000:]
+    expected = {}
+    for (name, _, batch_names), served in zip(runs, results):
+        for k, (run, batch) in enumerate(zip(served, batch_names)):
+            if batch.startswith("alone"):
+                continue
+            if (name, batch) not in expected:
+                expected[name, batch] = reference(paths[name], batches[batch])
+            want = expected[name, batch]
+            if name == "longrope" and batch == "mixed":
+                # KNOWN DIFFERENCE (not batching's): hf.patch runs LongRoPE with transformers' rotated-key cache (a
+                # prompt within L keeps its short-factor keys when decoding passes L), the plugin pre-RoPE (every
+                # key re-rotated with the long factors there): a request crossing L while decoding differs from
+                # transformers. Those are held to vLLM serving them alone; the others to transformers.
+                crossing = [i for i, n in enumerate(MIXED) if n <= ORIGINAL < n + NEW_TOKENS - 1]
+                assert crossing == [MIXED.index(ORIGINAL)]
+                alone = [r[0] for r in served[2:]]
+                assert_same(run, alone, "longrope under load vs each request alone")
+                want = [alone[i] if i in crossing else w for i, w in enumerate(want)]
+            assert_same(run, want, f"{name}, batch {k} ({batch})")
+    # the second `shared` batch came from the prefix cache (the same prompts, so the same tables; the first
+    # batch's prompts share 150 tokens but, past the original length, not their tables)
+    for i in (0, 2):
+        assert sum(r["cached"] for r in results[i][3]) >= 4 * 128, (runs[i][0], [r["cached"] for r in results[i][3]])
+    assert [r["cached"] for r in results[2][2]] == [0] * 4, "Dynamic-YaRN reused pages of another prompt's scale"
+    preemptions = [int(line.split()[1]) for line in log.splitlines() if line.startswith("PREEMPTIONS ")]
+    assert preemptions[len(runs) - 1] > 0, preemptions  # the small cache did preempt
+    # an invalid entry: refused at engine start (the model build), with hf.patch's message
+    assert isinstance(results[-1], dict) and "engine started" not in results[-1]["error"], results[-1]
+    assert "attention='rerope' needs window, an integer > 0, got 0" in log, log[-3000:]
 
 
 @pytest.mark.slow
 def test_tensor_parallel_engine(tmp_path):
-    path = tmp_path / "rerope"
-    patched("rerope").save_pretrained(path)
-    long = random_prompts(LONG, 1)
-    engines = [{"path": str(path), "options": dict(enforce_eager=True, max_num_seqs=4, tensor_parallel_size=2),
-                "batches": [long]}]
+    """TP=2: Dynamic-YaRN under load (16 concurrent requests, chunked every 48 tokens) equal to each request alone."""
+    path = tmp_path / "dynamic_yarn"
+    patched("dynamic_yarn").save_pretrained(path)
+    mixed = random_prompts(MIXED, 2)
+    engines = [{"path": str(path), "options": dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=48,
+                                                   tensor_parallel_size=2),
+                "batches": [mixed]}]
     # vLLM's CPU workers each bind their threads to a NUMA node unless told which cores to use; a machine
     # with one node (CI's 2 cores) refuses TP=2 ("Not enough allowed NUMA nodes"): one core per rank.
     results, log = serve(tmp_path, engines, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert isinstance(results[0], list), results[0] if results else log[-6000:]
     assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") == 2, log[-3000:]  # one line per rank
-    assert_same(results[0][0], reference(path, long), "ReRoPE, TP=2")
+    assert_same(results[0][0], reference(path, mixed), "Dynamic-YaRN under load, TP=2")
 
 
 @pytest.mark.cuda

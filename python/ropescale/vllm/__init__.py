@@ -129,6 +129,9 @@ def register() -> None:
 
     rotary.install()
     attention.register_backends()
+    if not attention.install_block_hash_key():
+        logger.warning("ropescale: this vLLM has no hook for the block hash: a dynamic method's pages may be reused "
+                       "from the prefix cache across prompts of different scale; pass --no-enable-prefix-caching")
     rotation = rotary.install_rotation() if os.environ.get("ROPESCALE_VLLM_ROTATION", "0").strip() == "1" else False
     _state["active"] = True
     logger.info("ropescale %s: vLLM %s plugin active (ropescale rope types served%s)", ropescale_version, version,

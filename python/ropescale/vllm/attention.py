@@ -24,13 +24,14 @@ what a page holds: per (block, head), ``block_size`` raw keys then ``block_size`
 ``kv_cache.view(num_blocks, Hkv, 2*block_size, D)`` splits into the op's ``key_cache`` / ``value_cache``
 ``[num_blocks, Hkv, block_size, D]``.
 
-What stays inexact by construction for dynamic methods (as with ``hf.PreRopeCache``): each key's ROTATION is
-exact at every step, but values and deeper layers' keys were computed under the scale of an earlier length;
-a chunked prefill rotates each chunk with the table of its own length (a single-pass prefill uses the prompt's);
-a prefix-cache hit reuses pages computed under another request's scale (hence the warning below); under
-asynchronous speculative decoding a decode row's table is the one at its length if every draft was accepted
-(vLLM's host-side upper bound). ReRoPE with a static table has none of this: chunked prefill and prefix caching
-are exact.
+A length-dependent method (the dynamic ones, a LongRoPE with distinct factors) computes every row as
+``hf.patch`` does in transformers, however vLLM schedules the request (:func:`cut_segments`): each prompt row
+under the table of the whole prompt (one forward over the prompt), each later row under the table of its own
+length (one forward per generated token; the keys' rotation is redone at every step, values and deeper layers'
+keys stay as computed). So a request served beside others, with its prompt chunked by the token budget or
+recomputed after a preemption, equals the request served alone; and vLLM's prefix cache reuses a page only for
+a prompt computed under the same table (:func:`install_block_hash_key`). Under asynchronous speculative decoding
+a decode row's length is vLLM's host-side upper bound (the length if every draft is accepted).
 """
 
 from __future__ import annotations
@@ -179,20 +180,13 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
     check_backend(vllm_config, what)
     plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
     _record(plan, vllm_config)
+    if plan.length_dependent:
+        install_prompt_lengths()
     if "active" not in _warned:
         _warned.add("active")
         logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
                     "attention backend (window %s, leaky_k %s, logn_length %s)", what,
                     "none" if plan.window == NO_WINDOW else plan.window, plan.leaky_k, plan.logn_length)
-    cache = getattr(vllm_config, "cache_config", None)
-    if plan.method.dynamic and getattr(cache, "enable_prefix_caching", False) and "prefix" not in _warned:
-        _warned.add("prefix")
-        logger.warning(
-            "ropescale: %s with vLLM's prefix caching: a cache hit reuses values and deeper layers' keys "
-            "computed under the scale of ANOTHER request's length (the rotation of every key stays exact). "
-            "Generation is inexact by construction anyway (as with hf.PreRopeCache), but a hit makes a request's "
-            "output depend on what ran before it: pass enable_prefix_caching=False "
-            "(--no-enable-prefix-caching) for outputs that equal a solo run", what)
     return PreRopeRotary(head_size, rotary_dim, max_position, is_neox_style, plan)
 
 
@@ -201,15 +195,51 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
 
 
 @dataclasses.dataclass(frozen=True)
+class Segments:
+    """A step's requests cut where their rows need different tables (see :func:`cut_segments`), as the op takes
+    them: segment i is rows ``query_start_loc[i]:query_start_loc[i+1]``, the last rows of a sequence of
+    ``seq_lens[i]`` keys, over the pages of request ``request[i]`` (an index into vLLM's block table)."""
+
+    request: torch.Tensor  # int64 [S]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTables:
     """What ``rerope_attention_paged`` takes for one step's requests: ``inv_freq`` ``[P]`` (a static table)
-    or ``[R, P]`` (request r's table at its own length), ``scale_factors`` ``[R]`` (request r's attention
-    factor squared; None for a static table) and ``scale_factor``, a static table's attention factor squared
-    (1 when per request)."""
+    or ``[S, P]`` (segment s's table), ``scale_factors`` ``[S]`` (segment s's attention factor squared; None
+    for a static table) and ``scale_factor``, a static table's attention factor squared (1 when per segment).
+    ``segments`` is None when every request is one segment (vLLM's own lengths and block table then serve)."""
 
     inv_freq: torch.Tensor
     scale_factors: torch.Tensor | None
     scale_factor: float
+    segments: Segments | None = None
+
+
+def cut_segments(seq_lens: list[int], query_lens: list[int] | None = None,
+             prompt_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
+    """``(request, rows, seq_len, table_len)`` per segment: the length whose table each query row takes, as
+    one transformers forward over the prompt and then one per generated token compute it (``hf.patch``), however
+    vLLM chunks, batches or recomputes the request. A row at position ``p`` of a request whose prompt has ``P``
+    tokens takes the table at ``max(P, p + 1)``: every prompt row the whole prompt's (a chunk of a long prompt
+    scheduled beside other requests is not computed under a smaller scale), every later row its own length's
+    (a decode step; several such rows in one step, after a preemption's recompute or as speculative tokens, are
+    one segment each). Without prompt lengths (``prompt_lens`` None) each request takes its current length's."""
+    out = []
+    for request, seq_len in enumerate(seq_lens):
+        rows = query_lens[request] if query_lens is not None else 1
+        prompt = prompt_lens[request] if prompt_lens is not None else None
+        if rows <= 0 or prompt is None:
+            out.append((request, max(rows, 0), seq_len, max(seq_len, 1)))
+            continue
+        first = seq_len - rows
+        prompt_end = min(seq_len, prompt)
+        if first < prompt_end:
+            out.append((request, prompt_end - first, prompt_end, prompt))
+        out.extend((request, 1, position + 1, position + 1) for position in range(max(first, prompt), seq_len))
+    return out
 
 
 class TableCache:
@@ -251,29 +281,43 @@ class TableCache:
             self._by_length.popitem(last=False)
         return inv_freq, factor
 
-    def step(self, seq_lens: list[int]) -> StepTables:
+    def step(self, seq_lens: list[int], query_lens: list[int] | None = None,
+             prompt_lens: list[int] | None = None) -> StepTables:
         """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens, host
-        integers; a padded request's 0 gets any valid table: it has no query)."""
-        key = tuple(seq_lens) if self.plan.length_dependent else None
+        integers) with ``query_lens`` rows each and prompts of ``prompt_lens`` tokens (:func:`cut_segments`; a
+        padded request's 0 rows get any valid table)."""
+        if not self.plan.length_dependent:
+            if self._last is None:
+                inv_freq, factor = self.table(None)
+                self._last = (None, StepTables(inv_freq.to(self.device), None, factor * factor))
+            return self._last[1]
+        cut = cut_segments(seq_lens, query_lens, prompt_lens)
+        split = len(cut) != len(seq_lens)
+        key = tuple(cut) if split else tuple(seg[3] for seg in cut)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        if not self.plan.length_dependent:
-            inv_freq, factor = self.table(None)
-            tables = StepTables(inv_freq.to(self.device), None, factor * factor)
-        else:
-            count = len(seq_lens)
-            rows = [self.table(max(int(n), 1)) for n in seq_lens]
-            if self._inv_freq is None or self._inv_freq.shape[0] < count:
-                self._allocate(max(count, 1))
-            inv_freq, factors = self._inv_freq[:count], self._factors[:count]
-            if rows:
-                host_freq = torch.stack([r[0] for r in rows])
-                host_factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32)
-                if self.device.type != "cpu":  # asynchronous copies need page-locked sources
-                    host_freq, host_factors = host_freq.pin_memory(), host_factors.pin_memory()
-                inv_freq.copy_(host_freq, non_blocking=True)
-                factors.copy_(host_factors, non_blocking=True)
-            tables = StepTables(inv_freq, factors, 1.0)
+        count = len(cut)
+        rows = [self.table(seg[3]) for seg in cut]
+        if self._inv_freq is None or self._inv_freq.shape[0] < count:
+            self._allocate(max(count, 1))
+        inv_freq, factors = self._inv_freq[:count], self._factors[:count]
+        if rows:
+            host_freq = torch.stack([r[0] for r in rows])
+            host_factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32)
+            if self.device.type != "cpu":  # asynchronous copies need page-locked sources
+                host_freq, host_factors = host_freq.pin_memory(), host_factors.pin_memory()
+            inv_freq.copy_(host_freq, non_blocking=True)
+            factors.copy_(host_factors, non_blocking=True)
+        pieces = None
+        if split:  # fresh tensors: only mixed steps split, and vLLM captures graphs for single-token decode only
+            starts = [0]
+            for seg in cut:
+                starts.append(starts[-1] + seg[1])
+            pieces = Segments(
+                torch.tensor([seg[0] for seg in cut], dtype=torch.int64).to(self.device, non_blocking=True),
+                torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True),
+                torch.tensor([seg[2] for seg in cut], dtype=torch.int32).to(self.device, non_blocking=True))
+        tables = StepTables(inv_freq, factors, 1.0, pieces)
         self._last = (key, tables)
         return tables
 
@@ -314,7 +358,60 @@ class _StepTablesOwner:
         cache = self._table_cache
         if cache is None or cache.plan != plan:
             cache = self._table_cache = TableCache(plan, self._table_device, self._table_rows)
-        return cache.step(host_seq_lens(common) if plan.length_dependent else [])
+        if not plan.length_dependent:
+            return cache.step([])
+        seq_lens = host_seq_lens(common)
+        starts = common.query_start_loc_cpu[: len(seq_lens) + 1].tolist()
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        return cache.step(seq_lens, query_lens, step_prompt_lens(len(seq_lens)))
+
+
+# Each request's prompt length in this step's batch order, recorded by the model runner's hook
+# (install_prompt_lengths) while it builds the step's attention metadata: vLLM's CommonAttentionMetadata does not
+# carry it, and a chunk of a prompt needs the table of the whole prompt.
+_prompt_lens: dict[str, object] = {}
+
+
+def install_prompt_lengths() -> bool:
+    """Wrap vLLM's ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) so that the metadata
+    builders of this step can read each request's prompt length (``input_batch.num_prompt_tokens``). Idempotent;
+    False where this vLLM has no such method (the builders then fall back to each request's current length)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    stock = getattr(GPUModelRunner, "_build_attention_metadata", None)
+    if stock is None:
+        return False
+    if getattr(stock, "_ropescale", False):
+        return True
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        batch = getattr(self, "input_batch", None)
+        _prompt_lens["tensor"] = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            _prompt_lens["tensor"] = None
+
+    _build_attention_metadata._ropescale = True  # type: ignore[attr-defined]
+    _build_attention_metadata.__wrapped__ = stock  # type: ignore[attr-defined]
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    return True
+
+
+def step_prompt_lens(count: int) -> list[int] | None:
+    """The prompt lengths of this step's first ``count`` requests, or None (with a warning, once) when the model
+    runner did not record them."""
+    tensor = _prompt_lens.get("tensor")
+    if tensor is not None and tensor.shape[0] >= count:
+        return tensor[:count].tolist()
+    if "prompt_lens" not in _warned:
+        _warned.add("prompt_lens")
+        logger.warning("ropescale: this vLLM's model runner did not give the step's prompt lengths: a dynamic "
+                       "method's prompt chunks take the table of their own length, not the whole prompt's (a long "
+                       "prompt split by the token budget then differs from its one-pass run)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,29 +491,42 @@ class PreRopeLayer:
         key_cache, value_cache = split_pages(kv_cache)
         n = metadata.num_actual_tokens
         requests = metadata.seq_lens.shape[0]
+        block_table, seq_lens = metadata.block_table[:requests], metadata.seq_lens
+        query_start_loc = metadata.query_start_loc[: requests + 1]
+        if tables.segments is not None:  # requests cut where their rows take different tables (cut_segments)
+            block_table = block_table.index_select(0, tables.segments.request)
+            seq_lens, query_start_loc = tables.segments.seq_lens, tables.segments.query_start_loc
         out, _lse = ops.rerope_attention_paged(
-            query[:n], key_cache, value_cache, metadata.block_table[:requests], metadata.seq_lens,
-            metadata.query_start_loc[: requests + 1], tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
+            query[:n], key_cache, value_cache, block_table, seq_lens,
+            query_start_loc, tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
             scale=self.scale * tables.scale_factor, scale_factors=tables.scale_factors,
             logn_length=plan.logn_length, interleaved=plan.interleaved, workspace=self.workspace)
         output[:n].copy_(out)
         return output
 
 
+def served_plan(vllm_config) -> PreRopePlan | None:
+    """The pre-RoPE plan of the model ``vllm_config`` serves (its config, read as get_rope reads it), or None for
+    a model that is not pre-RoPE."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        return None
+    try:
+        parsed = config_lib.read(params, getattr(hf_config, "max_position_embeddings", None),
+                                 getattr(hf_config, config_lib.CONFIG_KEY, None))
+        if not needs_pre_rope(parsed):
+            return None
+        return PreRopePlan.of(parsed, config_lib.rotary_dim_of(hf_config, params), True)
+    except (ValueError, TypeError, AttributeError):
+        return None  # not ropescale's to judge: get_rope reports it
+
+
 def _serving_pre_rope() -> bool:
-    """Whether the model this process builds is a pre-RoPE one (its config, read as get_rope reads it)."""
+    """Whether the model this process builds is a pre-RoPE one."""
     from vllm.config import get_current_vllm_config_or_none
 
-    vllm_config = get_current_vllm_config_or_none()
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    if hf_config is None or getattr(hf_config, "rope_parameters", None) is None:
-        return False
-    try:
-        return needs_pre_rope(config_lib.read(hf_config.rope_parameters, getattr(hf_config, "max_position_embeddings",
-                                                                                  None),
-                                              getattr(hf_config, config_lib.CONFIG_KEY, None)))
-    except ValueError:
-        return False  # not ropescale's to judge: get_rope reports it
+    return served_plan(get_current_vllm_config_or_none()) is not None
 
 
 def _impl_options(args, kwargs) -> dict:
@@ -526,6 +636,15 @@ class PreRopeMetadataBuilder(_StepTablesOwner, AttentionMetadataBuilder[PreRopeM
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # A length-dependent method cuts a request with several rows past its prompt (speculative tokens) into one
+        # segment per row, fresh tensors each step: full graphs for single-token decode batches only.
+        plan = served_plan(vllm_config)
+        if plan is not None and plan.length_dependent:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
+
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_tables(vllm_config, device)
@@ -591,6 +710,78 @@ class PreRopeAttentionBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls):
         return (KVCacheLayout.LBHNC,)  # [blocks, heads, slots, 2*D] per layer: what split_pages reads
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix caching: the prompt's table in the block hash (engine core process)
+
+
+# The engine's config (recorded when the engine core sizes its KV cache, before any request), the plan it
+# serves and a tag per prompt length.
+_engine: dict[str, object] = {}
+
+
+def install_block_hash_key() -> bool:
+    """Make vLLM's block hashes of a length-dependent pre-RoPE model carry the table of the request's prompt
+    (:func:`prompt_table_tag`, on the first block: hashes chain, so every block of the request carries it): the
+    pages of a prompt hold values and deeper layers' keys computed under the table of the whole prompt
+    (:func:`cut_segments`), so a page is reused only by a prompt whose table is the same, where the result equals a
+    cold run. Other models' hashes are unchanged. Idempotent; False where this vLLM lacks either hook."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return False
+    stock_keys = getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)
+    stock_init = getattr(EngineCore, "_initialize_kv_caches", None)
+    if stock_keys is None or stock_init is None:
+        return False
+    if not getattr(stock_keys, "_ropescale", False):
+        def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+            keys, next_mm_idx = stock_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+            if start_token_idx == 0:
+                tag = prompt_table_tag(request.num_prompt_tokens)
+                if tag is not None:
+                    keys = (*(keys or ()), ("ropescale_table", tag))
+            return keys, next_mm_idx
+
+        generate_block_hash_extra_keys._ropescale = True  # type: ignore[attr-defined]
+        kv_cache_utils.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+    if not getattr(stock_init, "_ropescale", False):
+        def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
+            _engine.clear()
+            _engine["config"] = vllm_config
+            return stock_init(self, vllm_config, *args, **kwargs)
+
+        _initialize_kv_caches._ropescale = True  # type: ignore[attr-defined]
+        EngineCore._initialize_kv_caches = _initialize_kv_caches
+    return True
+
+
+def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
+    """A digest of the table (and attention factor) a prompt of ``prompt_len`` tokens is computed under, for the
+    model of ``vllm_config`` (default: the engine's); None when that model's table does not depend on the length."""
+    config = vllm_config if vllm_config is not None else _engine.get("config")
+    if config is None:
+        return None
+    if _engine.get("plan_of") is not config:
+        _engine.update(plan_of=config, plan=served_plan(config), tags=OrderedDict())
+    plan: PreRopePlan | None = _engine["plan"]  # type: ignore[assignment]
+    if plan is None or not plan.length_dependent:
+        return None
+    tags: OrderedDict = _engine["tags"]  # type: ignore[assignment]
+    tag = tags.get(prompt_len)
+    if tag is None:
+        import hashlib
+
+        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=max(int(prompt_len), 1))
+        factor = float(plan.method.attention_factor_for(max(int(prompt_len), 1)))
+        digest = hashlib.sha256(inv_freq.to(torch.float32).contiguous().numpy().tobytes())
+        digest.update(repr(factor).encode())
+        tag = tags[prompt_len] = digest.hexdigest()[:32]
+        if len(tags) > 65536:
+            tags.popitem(last=False)
+    return tag
 
 
 def register_backends() -> None:
