@@ -642,7 +642,8 @@ def test_readme_server_command_serves_an_extended_checkpoint_past_its_original_l
     import urllib.request
 
     command = readme_server_command()
-    assert command[:4] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"] and len(command) == 5, command
+    assert command[:4] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"], command
+    assert len(command) == 5, command  # nothing else is needed
     src, dst = tmp_path / "src", tmp_path / "llama-dyarn"
     tiny_llama().save_pretrained(src)
     byte_tokenizer().save_pretrained(src)
