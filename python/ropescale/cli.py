@@ -682,20 +682,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 
 def _add_extend_command(sub) -> None:
-    ex = _sub(sub, "extend", "copy a local model directory with a scaling method written into its config",
+    paragraphs = (
               "Write DST: a copy of the transformers model directory SRC (weights hard-linked, or copied where "
               "a link cannot be made; tokenizer and other files copied) whose config.json carries the method "
               "as rope_parameters, with max_position_embeddings set as transformers and vLLM expect: ready "
               "for fine-tuning (ropescale.hf.patch(model) re-applies it) or for an engine that reads "
               "rope_parameters. Types transformers lacks (dynamic_ntk, dynamic_yarn, resonance_*, rerope*) load "
-              "after `import ropescale.hf`.\n\n"
+              "after `import ropescale.hf`.",
               "Two lengths, not to be confused. A static table (linear, ntk, yarn, llama3, longrope) is set for "
               "one length, s x L: --factor s sets it, and vLLM serves the checkpoint up to it (max_model_len). "
               "A pre-RoPE checkpoint (dynamic_yarn, dynamic_ntk, or ReRoPE attention with --window) has no such "
-              "length: its table follows each request's own length, native up to L. --max-length N is then the "
-              "length it may be served to (written as model_max_length: vLLM's max_model_len without "
-              "VLLM_ALLOW_LONG_MAX_MODEL_LEN); without it, vLLM serves it up to L (dynamic_ntk: s x L). "
-              "dynamic_yarn takes no --factor: its --floor F applies at EVERY length.",
+              "length: a dynamic table follows each request's own length (native up to L), ReRoPE clips "
+              "distances at its window. --max-length N is then the length it may be served to (written as "
+              "model_max_length: vLLM's max_model_len, no VLLM_ALLOW_LONG_MAX_MODEL_LEN); without it, vLLM "
+              "serves it up to the length it records: L, or s x L where the table has a factor s. "
+              "dynamic_yarn takes no --factor: its --floor F applies at EVERY length.")
+    ex = _sub(sub, "extend", "copy a local model directory with a scaling method written into its config",
+              "\n\n".join(textwrap.fill(p, 108) for p in paragraphs),
               ["ropescale extend ./llama ./llama-yarn --method yarn --factor 4",
                "ropescale extend ./llama ./llama-ryarn --method yarn --factor 4 --resonance "
                "--original-max-position 8192",
@@ -716,7 +719,7 @@ def _add_extend_command(sub) -> None:
                    "longer: that is --max-length")
     g.add_argument("--max-length", type=_positive_int, default=None, metavar="N",
                    help="pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window): the length it may be served to, "
-                        "vLLM's max_model_len (default: L; dynamic_ntk: s x L). The table keeps L")
+                        "vLLM's max_model_len (default: the length it records, L or s x L). The table keeps L")
     g.add_argument("--original-max-position", type=_positive_int, default=None,
                    help="pre-training context L (default: SRC's original_max_position_embeddings, else its "
                         "max_position_embeddings)")
