@@ -514,6 +514,24 @@ def test_extend_served_length_of_rerope_and_dynamic_ntk(tmp_path, capsys):
     assert "--max-length is for pre-RoPE checkpoints" in err and "--factor s sets the length" in err
 
 
+def test_a_served_length_set_after_hf_patch_is_saved_and_kept(tmp_path):
+    # README's Python route: hf.patch, then model_max_length from served_length_value, then save_pretrained.
+    from ropescale import config as config_lib
+
+    model = hf.patch(model_for("llama"), scaling.DynamicNTK(factor=3.0, original_max_position=64))
+    model.config.model_max_length = config_lib.served_length_value(1000, model.config.rope_parameters)
+    model.save_pretrained(tmp_path / "saved")
+    hf.unpatch(model)
+    assert not hasattr(model.config, "model_max_length")  # unpatch gives the config before the patch back
+    reloaded, _ = load(tmp_path / "saved")
+    config = reloaded.config
+    assert config_lib.vllm_max_model_len(config.rope_parameters, config.max_position_embeddings,
+                                         config.model_max_length) == 1000
+    before = config.to_json_string()
+    hf.patch(reloaded)
+    assert reloaded.config.to_json_string() == before
+
+
 def test_extend_refuses_dst_inside_src_and_names_the_dequantising_step_of_a_gguf(tmp_path, capsys, monkeypatch):
     src, model = source_model(tmp_path)
     err = usage_error(capsys, "extend", src, src / "sub" / "dst", "--method", "yarn", "--factor", 4)

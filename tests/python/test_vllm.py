@@ -14,6 +14,8 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
    static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
    mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
    stock vLLM's refusals and the longrope export;
+4. README's server command, as written, serving a checkpoint `ropescale extend --max-length` wrote past its
+   original length (the served length vLLM derives is checked in section 1, with vLLM's own ModelConfig);
 (SmolLM2 served at 12k and 16k: test_vllm_real.py, opt-in.)
 """
 
