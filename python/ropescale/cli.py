@@ -29,10 +29,18 @@ from typing import Any, Callable
 
 from . import scaling
 
-# Method names accepted by --method: transformers' rope types plus ropescale's resonance ones.
-# LongRoPE is not offered: its per-pair factor lists come from a search, not from a command line
-# (ropescale.scaling.LongRoPE from Python).
-METHOD_CHOICES = sorted(m for m in scaling.METHODS if m != "longrope") + ["resonance", "resonance_yarn"]
+# Method names accepted by --method: transformers' rope types plus ropescale's resonance ones, and
+# dynamic_ntk (the name ropescale writes Dynamic NTK under; transformers calls it dynamic). LongRoPE's
+# per-pair factor lists come from a search: only `extend` takes them (--longrope-factors FILE).
+METHOD_CHOICES = sorted([*(m for m in scaling.METHODS if m != "longrope"), "dynamic_ntk", "resonance",
+                         "resonance_yarn"])
+# What --factor means, said once for every command's help: a static table's s, Dynamic NTK's s, never a
+# floor (dynamic_yarn's floor is --floor).
+_FACTOR_HELP = ("scale factor s: the table of linear/ntk/yarn/llama3 is set for s x L; dynamic (dynamic_ntk) uses "
+                "s in its base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L; not for dynamic_yarn "
+                "(see --floor)")
+_FLOOR_HELP = ("dynamic_yarn only: the floor F of its scale s = max(F, len/L), applied at EVERY length (requests "
+               "shorter than F x L are then no longer native); default 1")
 # Integers the native ops take are int64; lengths beyond this are refused as arguments.
 _MAX_INT = 2**62
 # posgen builds the whole int64 table in memory (2^27 tokens: 1 GiB).
@@ -141,8 +149,9 @@ def _add_method(p: argparse.ArgumentParser, default: str, factor: float | None) 
     g = p.add_argument_group("method")
     g.add_argument("--method", default=default, choices=METHOD_CHOICES, help=f"scaling method (default {default})")
     g.add_argument("--factor", type=_factor, default=None,
-                   help=(f"scale factor s (default {factor:g}" if factor else "scale factor s (needed by the "
-                         "methods that scale; default") + "; dynamic_yarn: 1, its scale then follows --seq-len)")
+                   help=_FACTOR_HELP + (f" (default {factor:g})" if factor else " (needed by the methods that scale)"))
+    g.add_argument("--floor", type=_factor, default=None, metavar="F",
+                   help=_FLOOR_HELP + ": its scale then follows --seq-len")
     g.add_argument("--original-max-position", type=_positive_int, default=4096,
                    help="pre-training context L (default 4096)")
     g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
@@ -158,11 +167,29 @@ _YARN_NAMES = ("yarn", "resonance_yarn", "dynamic_yarn")
 
 
 def _method(args, name: str | None = None) -> scaling.RopeScaling:
-    """The scaling method the options describe (``name`` overrides ``--method``)."""
+    """The scaling method the options describe (``name`` overrides ``--method``: ``table --compare``)."""
+    main = name is None or name == args.method
     name = name or args.method
-    factor = args.factor
-    if factor is None and name != "dynamic_yarn":  # dynamic_yarn's own default (1) lets --seq-len set s
-        factor = getattr(args, "default_factor", None)
+    if name == "dynamic_ntk":
+        name = "dynamic"
+    floor = getattr(args, "floor", None)
+    if floor is not None and args.method != "dynamic_yarn":
+        raise UsageError(f"--floor is dynamic_yarn's (the floor of its scale s = max(F, length / L)); --method "
+                         f"{args.method} has none")
+    if name == "dynamic_yarn":
+        if args.factor is not None and main:
+            # issue 27: `--factor 8` read as "serve 8x longer" made every length run at s >= 8.
+            raise UsageError(
+                f"--method dynamic_yarn takes no --factor: its scale is s = max(F, length / L), so a factor would be "
+                f"the FLOOR F at every length (requests shorter than {args.factor:g} x L would no longer be native). "
+                + ("To serve it longer give --max-length N (the floor stays 1); for a floor, "
+                   if getattr(args, "func", None) is _cmd_extend else "For a floor, ")
+                + f"--floor {args.factor:g}")
+        factor = floor  # the method's own default (1) lets the length set s
+    else:
+        factor = args.factor
+        if factor is None:
+            factor = getattr(args, "default_factor", None)
     params: dict[str, Any] = {"rope_type": name}
     if factor is not None and name not in ("default", "resonance"):
         params["factor"] = factor
@@ -172,8 +199,16 @@ def _method(args, name: str | None = None) -> scaling.RopeScaling:
     if name == "llama3":
         params.update(low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=args.original_max_position)
+    if name == "longrope":
+        factors = _longrope_factors(args.longrope_factors)
+        params.update(short_factor=factors["short_factor"], long_factor=factors["long_factor"],
+                      original_max_position_embeddings=args.original_max_position)
+        params["factor"] = factor if factor is not None else factors.get("factor")
+        if params["factor"] is None:
+            raise UsageError("--method longrope needs --factor s, the length scale its long factors were searched for "
+                             "(it sets the attention factor, and the length s x L it is served to)")
     if factor is None and name in ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3"):
-        raise UsageError(f"--method {name} needs --factor")
+        raise UsageError(f"--method {args.method if main else name} needs --factor")
     try:
         # dynamic reads the original length as transformers does, from max_position_embeddings.
         method = scaling.from_hf(params, max_position_embeddings=args.original_max_position)
@@ -512,7 +547,7 @@ def _cmd_demo(args) -> int:
 # frequencies with ReRoPE attention; ``--window`` with any other method puts ReRoPE on top of it).
 EVAL_METHOD_CHOICES = METHOD_CHOICES + ["rerope"]
 # Methods whose factor, when --factor is not given, is the evaluated length over the trained length.
-_FACTOR_FROM_LENGTH = ("linear", "ntk", "dynamic", "yarn", "resonance_yarn", "llama3")
+_FACTOR_FROM_LENGTH = ("linear", "ntk", "dynamic", "dynamic_ntk", "yarn", "resonance_yarn", "llama3")
 
 
 def _check_eval_options(args) -> None:
@@ -639,38 +674,114 @@ def _cmd_eval_perplexity(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # extend
 
+# What --method accepts in `extend`: every method hf.patch writes (LongRoPE from a file of factors), and
+# rerope (SRC's own table with ReRoPE attention; --window with another method puts ReRoPE on top of it).
+EXTEND_METHOD_CHOICES = sorted([*METHOD_CHOICES, "longrope", "rerope"])
 # Files a model directory keeps its weights in: hard-linked into DST (copied where a link cannot be made).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 def _add_extend_command(sub) -> None:
-    ex = _sub(sub, "extend", "copy a local model directory with a scaling method written into its config",
+    paragraphs = (
               "Write DST: a copy of the transformers model directory SRC (weights hard-linked, or copied where "
               "a link cannot be made; tokenizer and other files copied) whose config.json carries the method "
               "as rope_parameters, with max_position_embeddings set as transformers and vLLM expect: ready "
               "for fine-tuning (ropescale.hf.patch(model) re-applies it) or for an engine that reads "
-              "rope_parameters. Types transformers lacks (ntk, dynamic_yarn, resonance_*) load after "
-              "`import ropescale.hf`.",
+              "rope_parameters. Types transformers lacks (dynamic_ntk, dynamic_yarn, resonance_*, rerope*) load "
+              "after `import ropescale.hf`.",
+              "Two lengths, not to be confused. A static table (linear, ntk, yarn, llama3, longrope) is set for "
+              "one length, s x L: --factor s sets it, and vLLM serves the checkpoint up to it (max_model_len). "
+              "A pre-RoPE checkpoint (dynamic_yarn, dynamic_ntk, or ReRoPE attention with --window) has no such "
+              "length: a dynamic table follows each request's own length (native up to L), ReRoPE clips "
+              "distances at its window. --max-length N is then the length it may be served to (written as "
+              "model_max_length: vLLM's max_model_len, no VLLM_ALLOW_LONG_MAX_MODEL_LEN); without it, vLLM "
+              "serves it up to the length it records: L, or s x L where the table has a factor s. "
+              "dynamic_yarn takes no --factor: its --floor F applies at EVERY length.")
+    ex = _sub(sub, "extend", "copy a local model directory with a scaling method written into its config",
+              "\n\n".join(textwrap.fill(p, 108) for p in paragraphs),
               ["ropescale extend ./llama ./llama-yarn --method yarn --factor 4",
                "ropescale extend ./llama ./llama-ryarn --method yarn --factor 4 --resonance "
                "--original-max-position 8192",
+               "ropescale extend ./llama ./llama-dyarn --method dynamic_yarn --max-length 32768   # native up to L",
+               "ropescale extend ./llama ./llama-rerope --method rerope --window 1024 --max-length 32768",
+               "ropescale extend ./llama ./llama-leaky --method rerope --window 1024 --leaky-k 16 --logn "
+               "--max-length 32768",
+               "ropescale extend ./phi ./phi-lr --method longrope --longrope-factors factors.json --factor 32",
                "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config"])
     ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json)")
-    ex.add_argument("dst", metavar="DST", help="the new directory (must not exist)")
+    ex.add_argument("dst", metavar="DST", help="the new directory (must not exist, nor be inside SRC)")
     g = ex.add_argument_group("method")
-    g.add_argument("--method", required=True, choices=METHOD_CHOICES, help="scaling method")
-    g.add_argument("--factor", type=_factor, default=None, help="scale factor s")
+    g.add_argument("--method", required=True, choices=EXTEND_METHOD_CHOICES,
+                   help="scaling method, or rerope (SRC's own table with ReRoPE attention: needs --window)")
+    g.add_argument("--factor", type=_factor, default=None, help=_FACTOR_HELP + "; longrope: the s its long factors "
+                   "were searched for (attention factor, served to s x L)")
+    g.add_argument("--floor", type=_factor, default=None, metavar="F", help=_FLOOR_HELP + ". Not the way to serve "
+                   "longer: that is --max-length")
+    g.add_argument("--max-length", type=_positive_int, default=None, metavar="N",
+                   help="pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window): the length it may be served to, "
+                        "vLLM's max_model_len (default: the length it records, L or s x L). The table keeps L")
     g.add_argument("--original-max-position", type=_positive_int, default=None,
                    help="pre-training context L (default: SRC's original_max_position_embeddings, else its "
                         "max_position_embeddings)")
     g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")
     g.add_argument("--beta-slow", type=_positive_float, default=1.0, help="YaRN beta_slow (default 1)")
     g.add_argument("--resonance", action="store_true", help="round wavelengths to integers (Resonance RoPE)")
+    g.add_argument("--longrope-factors", metavar="FILE.json", default=None,
+                   help="longrope: a JSON object with short_factor and long_factor (one per rotary pair), at its top "
+                        "or under rope_parameters / rope_scaling (a LongRoPE model's config.json), optionally factor")
+    a = ex.add_argument_group("ReRoPE attention (on top of --method's table; --method rerope: SRC's own)")
+    a.add_argument("--window", type=_positive_int, default=None, metavar="W",
+                   help="ReRoPE: relative distances >= W count as W")
+    a.add_argument("--leaky-k", type=_leaky_k, default=None, metavar="K",
+                   help="Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)")
+    a.add_argument("--logn", action="store_true", help="log-n scaling: queries past L times log(n)/log(L)")
     ex.add_argument("--target", choices=("any", "vllm"), default="any",
                     help="vllm: write the table as a longrope (short == long factors) that stock vLLM serves "
                          "exactly with no plugin (static methods only)")
     ex.add_argument("--dry-run", action="store_true", help="print the new config.json and write nothing")
-    ex.set_defaults(func=_cmd_extend)
+    ex.set_defaults(func=_cmd_extend, seq_len=None)
+
+
+def _longrope_factors(path: str | None) -> dict:
+    """The ``short_factor``/``long_factor`` (and ``factor``, when there) of ``--longrope-factors FILE``."""
+    if path is None:
+        raise UsageError("--method longrope needs --longrope-factors FILE.json: its per-pair short and long factors "
+                         "(they come from LongRoPE's search)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--longrope-factors: cannot read {path}: {err.strerror}") from None
+    except ValueError as err:
+        raise UsageError(f"--longrope-factors: {path} is not JSON: {err}") from None
+    holders = [data] + [data.get(k) for k in ("rope_parameters", "rope_scaling")] if isinstance(data, dict) else []
+    for holder in holders:
+        if isinstance(holder, dict) and "short_factor" in holder and "long_factor" in holder:
+            return holder
+    raise UsageError(f"--longrope-factors: {path} has no short_factor and long_factor (at its top, or under "
+                     "rope_parameters or rope_scaling)")
+
+
+def _dequantise_hint(gguf: Path, dst: Path) -> str:
+    out = dst.with_name(dst.name + "-src")
+    return (f"{gguf} is a GGUF file (quantised weights, no config.json): extend copies a transformers model "
+            f"directory. Dequantise it into one first (needs the gguf package): python -c \"from ropescale import "
+            f"realmodel; realmodel.save_dequantised('{gguf}', '{out}')\", then ropescale extend {out} {dst} ...")
+
+
+def _check_extend_paths(src, dst) -> None:
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        raise UsageError(_dequantise_hint(src, dst))
+    if not (src / "config.json").is_file():
+        ggufs = sorted(src.glob("*.gguf")) if src.is_dir() else []
+        if ggufs:
+            raise UsageError(_dequantise_hint(ggufs[0], dst))
+        raise UsageError(f"{src} is not a transformers model directory (no config.json)")
+    if dst.exists():
+        raise UsageError(f"{dst} already exists: extend writes a new directory and never overwrites")
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise UsageError(f"{dst} is inside {src}: extend writes a new directory beside SRC, never in it (a later copy "
+                         "of SRC would take DST's weights along)")
 
 
 def _cmd_extend(args) -> int:
@@ -678,12 +789,10 @@ def _cmd_extend(args) -> int:
     from pathlib import Path
 
     src, dst = Path(args.src), Path(args.dst)
-    if not (src / "config.json").is_file():
-        raise UsageError(f"{src} is not a transformers model directory (no config.json)")
-    if dst.exists():
-        raise UsageError(f"{dst} already exists: extend writes a new directory and never overwrites")
+    _check_extend_paths(src, dst)
     from transformers import AutoConfig
 
+    from . import config as config_lib
     from .hf import checkpoint
 
     try:
@@ -696,12 +805,44 @@ def _cmd_extend(args) -> int:
                          "(or one set per layer type, which extend does not write)")
     args.original_max_position = (args.original_max_position or params.get("original_max_position_embeddings")
                                   or config.max_position_embeddings)
-    method = _method(args)
+    if args.method == "rerope":
+        if args.window is None:
+            raise UsageError("--method rerope needs --window W: relative distances below W stay exact, longer ones "
+                             "count as W (a quarter of the trained length is a good start)")
+        given = [o for o, v in (("--factor", args.factor), ("--floor", args.floor), ("--resonance", args.resonance),
+                                ("--longrope-factors", args.longrope_factors)) if v]
+        if given:
+            raise UsageError(f"--method rerope keeps SRC's own table: {', '.join(given)} belong to a table method "
+                             "(ReRoPE over one: --method M --window W)")
+        method = None
+    else:
+        if args.longrope_factors is not None and args.method != "longrope":
+            raise UsageError("--longrope-factors belongs to --method longrope")
+        method = _method(args)
+    if args.window is None and (args.leaky_k or args.logn):
+        raise UsageError("--leaky-k and --logn belong to ReRoPE: add --window W (e.g. --method rerope --window W)")
+    rerope = args.window is not None
+    if rerope and args.target == "vllm":
+        raise UsageError("--target vllm writes a table stock vLLM serves with no plugin; ReRoPE attention needs "
+                         "ropescale's plugin: leave --target out")
+    if isinstance(method, scaling.LongRoPE) and len(method.short_factor) != config_lib.rotary_dim_of(config) // 2:
+        raise UsageError(f"--longrope-factors: {len(method.short_factor)} factors per list, but SRC's rotary dim "
+                         f"{config_lib.rotary_dim_of(config)} has {config_lib.rotary_dim_of(config) // 2} pairs")
+    if args.max_length is not None and not rerope and not method.dynamic:
+        raise UsageError(f"--max-length is for pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window), whose table "
+                         f"follows each request's length; --method {args.method} is a static table, set for s x L: "
+                         "--factor s sets the length it is served to")
     replaced = params.get("rope_type", "default")
+    attention = dict(attention="rerope", window=args.window, leaky_k=args.leaky_k or 0.0,
+                     logn_length=args.original_max_position if args.logn else 0) if rerope else {}
     try:
-        checkpoint.record(config, method, target=args.target)
+        checkpoint.record(config, method, **attention, target=args.target, max_length=args.max_length)
     except ValueError as err:
-        raise UsageError(f"--target {args.target}: {err}") from None
+        raise UsageError(f"--target {args.target}: {err}" if args.target != "any" else str(err)) from None
+    try:  # what every engine adapter will read back (hf.patch, the vLLM plugin)
+        written = config_lib.read_config(config)
+    except ValueError as err:
+        raise UsageError(f"--method {args.method}: {err}") from None
     text = config.to_json_string(use_diff=True)
     if args.dry_run:
         print(text, end="")
@@ -726,9 +867,16 @@ def _cmd_extend(args) -> int:
             copied.append(f.name)
     (dst / "config.json").write_text(text)
     new = config.rope_parameters
+    served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
+    max_model_len = config_lib.vllm_max_model_len(new, config.max_position_embeddings, served)
     print(f"wrote {dst}: rope_type {new['rope_type']}"
           + (f" (was {replaced})" if replaced not in ("default", new["rope_type"]) else "")
-          + f", max_position_embeddings {config.max_position_embeddings}")
+          + f", max_position_embeddings {config.max_position_embeddings}"
+          + (f", model_max_length {served}" if served is not None else "")
+          + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")
+    if written.length_free and served is None:
+        print(f"  pre-RoPE: its table follows each request's length; to serve it past {max_model_len} tokens, write "
+              "it with --max-length N")
     print(f"  hard-linked {len(linked)} weight file(s), copied {len(copied)} file(s)"
           + (f", skipped directories: {', '.join(skipped)}" if skipped else ""))
     return 0
@@ -881,8 +1029,9 @@ def build_parser() -> argparse.ArgumentParser:
         "runs as trained, and past its trained length L (max_position_embeddings) it meets positions it never saw.\n"
         "  --method linear|ntk|yarn|...  changes the RoPE frequencies. linear (position interpolation) divides every\n"
         "      frequency by s; ntk raises the base; yarn interpolates only the slow pairs and sharpens attention\n"
-        "      slightly; dynamic_yarn picks s = length / L as the text grows (nothing to choose); resonance* rounds\n"
-        "      wavelengths to integers. --factor s defaults to the evaluated length / L.\n"
+        "      slightly; dynamic_yarn picks s = length / L as the text grows (nothing to choose; --floor F keeps\n"
+        "      s >= F at every length); resonance* rounds wavelengths to integers. --factor s defaults to the\n"
+        "      evaluated length / L.\n"
         "  --method rerope --window W    keeps the model's frequencies and changes attention (ReRoPE): distances\n"
         "      below W stay exact, longer ones count as W, so no query ever sees a distance it was not trained on.\n"
         "      W = L/4 keeps most of the exact local context; W must stay below L. --leaky-k K lets far distances\n"
@@ -916,7 +1065,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--method", choices=EVAL_METHOD_CHOICES, default=None,
                        help="frequency method, or rerope (the model's own frequencies, ReRoPE attention)")
         g.add_argument("--factor", type=_factor, default=None,
-                       help="scale factor s (default: the evaluated length / the trained length, at least 1)")
+                       help=_FACTOR_HELP + " (default: the evaluated length / the trained length, at least 1)")
+        g.add_argument("--floor", type=_factor, default=None, metavar="F", help=_FLOOR_HELP)
         g.add_argument("--original-max-position", type=_positive_int, default=None,
                        help="the trained length L (default: the model's max_position_embeddings)")
         g.add_argument("--beta-fast", type=_positive_float, default=32.0, help="YaRN beta_fast (default 32)")

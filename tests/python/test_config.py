@@ -181,3 +181,36 @@ def test_extend_target_vllm_writes_the_longrope_export(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["extend", str(tmp_path / "src"), str(tmp_path / "d2"), "--method", "dynamic_yarn", "--target", "vllm"])
     assert "--target vllm: write_longrope: DynamicYaRN is dynamic" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The served length of a pre-RoPE checkpoint (issue 27): model_max_length, apart from the table
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "dynamic_yarn", "factor": 1.0}, {"rope_type": "rerope"}, {"rope_type": "rerope_yarn", "factor": 4.0},
+    {"rope_type": "dynamic_ntk", "factor": 3.0}, {"rope_type": "dynamic_ntk", "factor": 2.7},
+    {"rope_type": "resonance_dynamic", "factor": 1.1}, {"rope_type": "yarn", "factor": 4.0},
+], ids=lambda p: f"{p['rope_type']}x{p.get('factor', 1)}")
+@pytest.mark.parametrize("length", [1000, 4096, 32768, 131071])
+def test_the_served_length_is_what_vllm_derives(params, length):
+    value = config.served_length_value(length, params)
+    assert isinstance(value, int) or not float(value).is_integer()
+    # vLLM's own arithmetic (vllm/config/model.py): the config's length, times factor unless yarn/llama3/longrope,
+    # truncated to an integer.
+    factor = 1.0 if params["rope_type"] == "yarn" else params.get("factor", 1.0)
+    assert int(value * factor) == length == config.vllm_max_model_len(params, 64, value)
+    assert config.vllm_max_model_len(params, 64) == int(64 * factor)  # without it: max_position_embeddings
+
+
+def test_only_a_length_free_checkpoint_takes_a_served_length():
+    assert config.read({"rope_type": "dynamic_yarn", "original_max_position_embeddings": L}, L).length_free
+    assert config.read({"rope_type": "dynamic_ntk", "factor": 2.0}, L).length_free
+    assert config.read({"rope_type": "rerope_yarn", "factor": 4.0, "original_max_position_embeddings": L}, L,
+                       {"attention": "rerope", "window": 4}).length_free
+    # a LongRoPE with distinct factors is served per length by the plugin, but stock vLLM serves it with a table
+    # that ends at max_position_embeddings: not length-free
+    for params in ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L},
+                   {"rope_type": "longrope", "short_factor": list(LONG), "long_factor": [2 * f for f in LONG],
+                    "factor": 4.0, "original_max_position_embeddings": L}):
+        assert not config.read(params, 4 * L, {"method": dict(params)}).length_free

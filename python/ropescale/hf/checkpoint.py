@@ -5,7 +5,9 @@ gives for the method (the format is described there): ``rope_parameters`` for st
 (NTK-aware as ``default`` with the scaled ``rope_theta``, Dynamic NTK as ``dynamic_ntk``, ropescale's
 registered types where transformers has none), ``max_position_embeddings`` so that transformers and
 vLLM derive the length the method was set for, and the ``ropescale`` entry (the ReRoPE attention side,
-the NTK-aware method). ``rope_theta`` and ``partial_rotary_factor`` are kept.
+the NTK-aware method). ``rope_theta`` and ``partial_rotary_factor`` are kept. A pre-RoPE checkpoint
+(dynamic method, ReRoPE) may also carry the length it is served to, apart from its table, as
+``model_max_length`` (``record(..., max_length=N)``, ``ropescale extend --max-length N``).
 
 The ``rerope`` marker on the rope type (``rerope_yarn``, ...) exists so that a ReRoPE checkpoint cannot
 load as a plain-attention model without notice. ``hf.patch(model)`` with no arguments on a reloaded
@@ -21,7 +23,8 @@ from .. import config as config_lib, scaling
 from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, join_rope_type, table_parameters
 
 # Every config attribute a patch may write: unpatch puts back exactly what was there (or nothing).
-_RECORDED = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY)
+_RECORDED = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY,
+             config_lib.SERVED_LENGTH_KEY)
 _ABSENT = object()
 
 
@@ -54,12 +57,19 @@ def saved_attention(config) -> dict[str, Any] | None:
 
 
 def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", window: int | None = None,
-           leaky_k: float = 0.0, logn_length: int = 0, target: str = "any") -> None:
+           leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
     marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
-    vLLM serves exactly with no plugin (``ropescale.config.write_longrope``)."""
+    vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
+
+    ``max_length``: the length a pre-RoPE checkpoint (dynamic method, ReRoPE) may be served to, written as
+    ``model_max_length`` so that vLLM derives it as ``max_model_len`` (``ropescale.config``); the table keeps
+    the original length. Refused for a static table (set for its own length: ``factor x original``).
+    Without it, a new method drops a served length the config had (the method's own length holds), and
+    ``method=None`` keeps it while the checkpoint stays pre-RoPE."""
     old = dict(config.rope_parameters)
     rerope = attention == "rerope"
+    length, original = config.max_position_embeddings, None
     if method is None:
         params, _ = table_parameters(old)
         params["rope_type"] = join_rope_type(rerope, params["rope_type"])
@@ -77,15 +87,38 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
             written = config_lib.write(
                 method, base, rotary_dim, config.max_position_embeddings, attention=attention, window=window,
                 leaky_k=leaky_k, logn_length=logn_length, partial_rotary_factor=old.get("partial_rotary_factor"))
-        params, entry = written.rope_parameters, written.entry
-        config.max_position_embeddings = written.max_position_embeddings
+        params, entry, length = written.rope_parameters, written.entry, written.max_position_embeddings
         original = getattr(method, "original_max_position", None)
-        if "original_max_position_embeddings" in config.__dict__ and original is not None:
-            # Phi-3-style configs keep it outside rope_parameters, and transformers prefers that copy.
-            config.original_max_position_embeddings = int(original)
+    served = _served_length(config, params, entry, length, method is None, max_length)
+    config.max_position_embeddings = length
+    if "original_max_position_embeddings" in config.__dict__ and original is not None:
+        # Phi-3-style configs keep it outside rope_parameters, and transformers prefers that copy.
+        config.original_max_position_embeddings = int(original)
+    if served is None:
+        if config_lib.SERVED_LENGTH_KEY in config.__dict__:
+            delattr(config, config_lib.SERVED_LENGTH_KEY)
+    else:
+        setattr(config, config_lib.SERVED_LENGTH_KEY, served)
     config.rope_parameters = params
     if entry is None:
         if CONFIG_KEY in config.__dict__:
             delattr(config, CONFIG_KEY)
     else:
         setattr(config, CONFIG_KEY, entry)
+
+
+def _served_length(config, params, entry, length: int, keep: bool, max_length: int | None) -> int | float | None:
+    """The ``model_max_length`` to write with ``params``/``entry`` (None: none), see :func:`record`. Raises,
+    before anything is written, when ``max_length`` is asked of a static table."""
+    current = config.__dict__.get(config_lib.SERVED_LENGTH_KEY)
+    if max_length is None and not (keep and current is not None):
+        return None
+    length_free = config_lib.read(params, length, entry).length_free
+    if max_length is None:
+        return current if length_free else None
+    if not length_free:
+        raise ValueError(
+            f"max_length {max_length}: a served length apart from the table is for pre-RoPE checkpoints (dynamic "
+            f"methods, ReRoPE attention); rope_type {params.get('rope_type')!r} is a static table, set for "
+            f"{config_lib.vllm_max_model_len(params, length)} tokens (its factor sets the length)")
+    return config_lib.served_length_value(max_length, params)
