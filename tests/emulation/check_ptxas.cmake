@@ -1,7 +1,7 @@
 # ctest driver for ptxas_no_spills_sm80 / _sm90: compiles ptxas_spill_check.cu (every CUDA kernel instantiation
 # ropescale builds) with `nvcc -Xptxas -v` for each arch in ARCHS, writes the ptxas report to LOG and
 # fails when a kernel spills or when ptxas printed nothing to check (scripts/ptxas_summary.py).
-#   cmake -DNVCC=... -DPYTHON=... -DSOURCE=... -DINCLUDE=... -DSUMMARY=... -DLOG=... -DARCHS=80,90
+#   cmake [-DCCACHE=ccache] -DNVCC=... -DPYTHON=... -DSOURCE=... -DINCLUDE=... -DSUMMARY=... -DLOG=... -DARCHS=80,90
 #         [-DPLANTED_SPILL=ON] -P check_ptxas.cmake
 # PLANTED_SPILL compiles only a kernel that must spill (ROPESCALE_PLANTED_SPILL): the check must fail.
 string(REPLACE "," ";" _archs "${ARCHS}")
@@ -14,7 +14,7 @@ foreach(_arch IN LISTS _archs)
   list(APPEND _gencode "-gencode=arch=compute_${_arch},code=sm_${_arch}")
 endforeach()
 execute_process(
-  COMMAND ${NVCC} -std=c++20 --expt-relaxed-constexpr ${_gencode} -Xptxas -v ${_extra} -I ${INCLUDE} -c -x cu ${SOURCE}
+  COMMAND ${CCACHE} ${NVCC} -std=c++20 --expt-relaxed-constexpr ${_gencode} -Xptxas -v ${_extra} -I ${INCLUDE} -c -x cu ${SOURCE}
           -o ${LOG}.o
   OUTPUT_VARIABLE _out ERROR_VARIABLE _out RESULT_VARIABLE _rc)
 file(WRITE ${LOG} "${_out}")

@@ -35,12 +35,22 @@ def tiny_llama(seed=0):
 
 def assert_same(served, expected, what, atol=1e-5):
     """Per request: the same greedy tokens, and prompt logprobs within ``atol`` (float32 logits: 1e-5, plus
-    float32's relative rounding on large logprobs)."""
+    float32's relative rounding on large logprobs); the generated tokens' logprobs too where both sides have them
+    (``logprobs``). A served request without prompt logprobs (one that read vLLM's prefix cache, which vLLM skips
+    for requests asking for them) is held to its tokens and generated logprobs."""
     assert len(served) == len(expected), what
     for i, (got, want) in enumerate(zip(served, expected)):
         assert got["tokens"] == want["tokens"], f"{what}, request {i}"
-        assert got["prompt_logprobs"][0] is None
-        got_lp = torch.tensor(got["prompt_logprobs"][1:], dtype=torch.float64)
-        want_lp = torch.tensor(want["prompt_logprobs"][1:], dtype=torch.float64)
-        torch.testing.assert_close(got_lp, want_lp, atol=atol, rtol=1e-6,
-                                   msg=f"{what}, request {i}: max |diff| {(got_lp - want_lp).abs().max():.2e}")
+        pairs = []
+        if got["prompt_logprobs"] is not None:
+            assert got["prompt_logprobs"][0] is None
+            pairs.append(("prompt", got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]))
+        else:
+            assert "logprobs" in got and "logprobs" in want, f"{what}, request {i}: no logprobs to compare"
+        if "logprobs" in got and "logprobs" in want:
+            pairs.append(("generated", got["logprobs"], want["logprobs"]))
+        for name, got_lp, want_lp in pairs:
+            got_lp = torch.tensor(got_lp, dtype=torch.float64)
+            want_lp = torch.tensor(want_lp, dtype=torch.float64)
+            torch.testing.assert_close(got_lp, want_lp, atol=atol, rtol=1e-6, msg=(
+                f"{what}, request {i}, {name} logprobs: max |diff| {(got_lp - want_lp).abs().max():.2e}"))
