@@ -13,11 +13,11 @@ request's length. So the keys vLLM caches must be the un-rotated ones (docs/DESI
   layers of a pre-RoPE model with ``ops.rerope_cache_write_`` (raw K/V into the pages) and
   ``ops.rerope_attention_paged`` (prefill, chunked prefill and decode rows in one call); on CPU every other
   model's layers go to vLLM's own implementation unchanged;
-- the metadata builder computes, once per step, each request's table and attention factor at its own
-  length (what ``hf.patch``'s ``state.table(seq_len)`` gives transformers), cached by length: a step computes
+- the metadata builder computes, once per step, the table and attention factor each query row takes (what
+  ``hf.patch``'s ``state.table(seq_len)`` gives transformers: see below), cached by length: a step computes
   each distinct length once, every layer reuses it. Lengths are read from vLLM's host copy (no host sync), and
   every tensor the forward reads stays at one address across steps (the tables in the builder's own
-  buffers), so the CUDA backend declares full CUDA graphs for uniform (decode) batches.
+  buffers), so the CUDA backend declares full CUDA graphs for decode batches.
 
 The cache of a layer is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` (the KV spec's page). This backend owns
 what a page holds: per (block, head), ``block_size`` raw keys then ``block_size`` raw values, so
