@@ -178,6 +178,17 @@ def test_block_hashes_carry_the_prompts_table_for_length_dependent_methods(monke
     assert attention.prompt_table_tag(500, vllm_config_of(rerope)) is None
 
 
+def test_length_dependent_models_ask_vllm_for_its_v1_model_runner(monkeypatch):
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "_get_v2_model_runner_unsupported_features", lambda self: ["stock reason"])
+    assert attention.prefer_v1_model_runner() and attention.prefer_v1_model_runner()  # idempotent
+    unsupported = VllmConfig._get_v2_model_runner_unsupported_features
+    assert unsupported(vllm_config_of(patched("rerope"))) == ["stock reason"]  # a static table: V2 is fine
+    reasons = unsupported(vllm_config_of(patched("dynamic_yarn")))
+    assert reasons[0] == "stock reason" and "per-row tables of DynamicYaRN" in reasons[1], reasons
+
+
 def test_cuda_builder_declares_graphs_per_plan():
     from vllm.v1.attention.backend import AttentionCGSupport
 

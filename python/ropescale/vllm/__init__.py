@@ -129,6 +129,7 @@ def register() -> None:
 
     rotary.install()
     attention.register_backends()
+    attention.prefer_v1_model_runner()
     if not attention.install_block_hash_key():
         logger.warning("ropescale: this vLLM has no hook for the block hash: a dynamic method's pages may be reused "
                        "from the prefix cache across prompts of different scale; pass --no-enable-prefix-caching")

@@ -400,6 +400,34 @@ def install_prompt_lengths() -> bool:
     return True
 
 
+def prefer_v1_model_runner() -> bool:
+    """Make vLLM pick its V1 model runner for a length-dependent pre-RoPE model (``VllmConfig``'s list of what
+    the V2 runner does not support gets one more entry for it): the prompt lengths the per-row tables need come
+    from the V1 runner (:func:`install_prompt_lengths`). Other models are unaffected, and an explicit
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` still wins (the builders then warn and fall back). Idempotent."""
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return False
+    stock = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+    if stock is None:
+        return False
+    if getattr(stock, "_ropescale", False):
+        return True
+
+    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+        unsupported = stock(self)
+        plan = served_plan(self)
+        if plan is not None and plan.length_dependent:
+            unsupported.append(f"ropescale's per-row tables of {type(plan.method).__name__} (they need each "
+                               "step's prompt lengths, which ropescale reads from the V1 runner)")
+        return unsupported
+
+    _get_v2_model_runner_unsupported_features._ropescale = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+    return True
+
+
 def step_prompt_lens(count: int) -> list[int] | None:
     """The prompt lengths of this step's first ``count`` requests, or None (with a warning, once) when the model
     runner did not record them."""
