@@ -372,32 +372,43 @@ class _StepTablesOwner:
 _prompt_lens: dict[str, object] = {}
 
 
-def install_prompt_lengths() -> bool:
-    """Wrap vLLM's ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) so that the metadata
-    builders of this step can read each request's prompt length (``input_batch.num_prompt_tokens``). Idempotent;
-    False where this vLLM has no such method (the builders then fall back to each request's current length)."""
+def _wrap_vllm(module_name: str, owner_name: str | None, attribute: str, wrapper_of) -> bool:
+    """Replace ``attribute`` of vLLM's module ``module_name`` (or of its class ``owner_name``) with
+    ``wrapper_of(stock)``, once per process (a marked wrapper is left alone). False where this vLLM lacks it."""
+    import importlib
+
     try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        module = importlib.import_module(module_name)
     except ImportError:
         return False
-    stock = getattr(GPUModelRunner, "_build_attention_metadata", None)
+    owner = getattr(module, owner_name, None) if owner_name else module
+    stock = getattr(owner, attribute, None)
     if stock is None:
         return False
     if getattr(stock, "_ropescale", False):
         return True
-
-    def _build_attention_metadata(self, *args, **kwargs):
-        batch = getattr(self, "input_batch", None)
-        _prompt_lens["tensor"] = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
-        try:
-            return stock(self, *args, **kwargs)
-        finally:
-            _prompt_lens["tensor"] = None
-
-    _build_attention_metadata._ropescale = True  # type: ignore[attr-defined]
-    _build_attention_metadata.__wrapped__ = stock  # type: ignore[attr-defined]
-    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    wrapper = wrapper_of(stock)
+    wrapper._ropescale = True
+    wrapper.__wrapped__ = stock
+    setattr(owner, attribute, wrapper)
     return True
+
+
+def install_prompt_lengths() -> bool:
+    """Wrap vLLM's ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) so that the metadata
+    builders of this step can read each request's prompt length (``input_batch.num_prompt_tokens``). Idempotent;
+    False where this vLLM has no such method (the builders then fall back to each request's current length)."""
+    def wrapper_of(stock):
+        def _build_attention_metadata(self, *args, **kwargs):
+            batch = getattr(self, "input_batch", None)
+            _prompt_lens["tensor"] = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
+            try:
+                return stock(self, *args, **kwargs)
+            finally:
+                _prompt_lens["tensor"] = None
+        return _build_attention_metadata
+
+    return _wrap_vllm("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_build_attention_metadata", wrapper_of)
 
 
 def prefer_v1_model_runner() -> bool:
@@ -405,27 +416,17 @@ def prefer_v1_model_runner() -> bool:
     the V2 runner does not support gets one more entry for it): the prompt lengths the per-row tables need come
     from the V1 runner (:func:`install_prompt_lengths`). Other models are unaffected, and an explicit
     ``VLLM_USE_V2_MODEL_RUNNER=1`` still wins (the builders then warn and fall back). Idempotent."""
-    try:
-        from vllm.config import VllmConfig
-    except ImportError:
-        return False
-    stock = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
-    if stock is None:
-        return False
-    if getattr(stock, "_ropescale", False):
-        return True
+    def wrapper_of(stock):
+        def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+            unsupported = stock(self)
+            plan = served_plan(self)
+            if plan is not None and plan.length_dependent:
+                unsupported.append(f"ropescale's per-row tables of {type(plan.method).__name__} (they need each "
+                                   "step's prompt lengths, which ropescale reads from the V1 runner)")
+            return unsupported
+        return _get_v2_model_runner_unsupported_features
 
-    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
-        unsupported = stock(self)
-        plan = served_plan(self)
-        if plan is not None and plan.length_dependent:
-            unsupported.append(f"ropescale's per-row tables of {type(plan.method).__name__} (they need each "
-                               "step's prompt lengths, which ropescale reads from the V1 runner)")
-        return unsupported
-
-    _get_v2_model_runner_unsupported_features._ropescale = True  # type: ignore[attr-defined]
-    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
-    return True
+    return _wrap_vllm("vllm.config", "VllmConfig", "_get_v2_model_runner_unsupported_features", wrapper_of)
 
 
 def step_prompt_lens(count: int) -> list[int] | None:
@@ -755,35 +756,27 @@ def install_block_hash_key() -> bool:
     pages of a prompt hold values and deeper layers' keys computed under the table of the whole prompt
     (:func:`cut_segments`), so a page is reused only by a prompt whose table is the same, where the result equals a
     cold run. Other models' hashes are unchanged. Idempotent; False where this vLLM lacks either hook."""
-    try:
-        from vllm.v1.core import kv_cache_utils
-        from vllm.v1.engine.core import EngineCore
-    except ImportError:
-        return False
-    stock_keys = getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)
-    stock_init = getattr(EngineCore, "_initialize_kv_caches", None)
-    if stock_keys is None or stock_init is None:
-        return False
-    if not getattr(stock_keys, "_ropescale", False):
+    def keys_wrapper(stock):
         def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
-            keys, next_mm_idx = stock_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+            keys, next_mm_idx = stock(request, start_token_idx, end_token_idx, start_mm_idx)
             if start_token_idx == 0:
                 tag = prompt_table_tag(request.num_prompt_tokens)
                 if tag is not None:
                     keys = (*(keys or ()), ("ropescale_table", tag))
             return keys, next_mm_idx
+        return generate_block_hash_extra_keys
 
-        generate_block_hash_extra_keys._ropescale = True  # type: ignore[attr-defined]
-        kv_cache_utils.generate_block_hash_extra_keys = generate_block_hash_extra_keys
-    if not getattr(stock_init, "_ropescale", False):
+    def init_wrapper(stock):
         def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
             _engine.clear()
             _engine["config"] = vllm_config
-            return stock_init(self, vllm_config, *args, **kwargs)
+            return stock(self, vllm_config, *args, **kwargs)
+        return _initialize_kv_caches
 
-        _initialize_kv_caches._ropescale = True  # type: ignore[attr-defined]
-        EngineCore._initialize_kv_caches = _initialize_kv_caches
-    return True
+    # the hasher looks the function up in its module at each call; the engine core records its config before
+    # it sizes the KV cache (no request yet)
+    keys = _wrap_vllm("vllm.v1.core.kv_cache_utils", None, "generate_block_hash_extra_keys", keys_wrapper)
+    return keys and _wrap_vllm("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches", init_wrapper)
 
 
 def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
