@@ -310,6 +310,15 @@ def paged_on(device, args):
     return [None if t is None else t.to(device) for t in args]
 
 
+def assert_within_twice_the_composite(out, lse, low_out, low_lse, ref_out, ref_lse):
+    """The kernel's ``out``/``lse`` against the float64 reference within twice the error the composite makes
+    in the same dtype on the same inputs (+1e-6)."""
+    def err(got, ref):
+        return (got.cpu().double() - ref.double()).abs().max().item()
+    for name, got, low, ref in (("out", out, low_out, ref_out), ("lse", lse, low_lse, ref_lse)):
+        assert err(got, ref) <= 2 * err(low, ref) + 1e-6, (name, err(got, ref), err(low, ref))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size,dim,kv_heads,per_request", [(16, 64, 2, False), (5, 128, 1, True),
                                                                  (1, 96, 4, True)])
@@ -336,10 +345,7 @@ def test_rerope_attention_paged_cuda_matches_the_float64_oracle(dtype, block_siz
         else:
             low_out, low_lse = rerope_attention_paged_composite(*dev[:7], 33, leaky_k=leaky_k,
                                                                 logn_length=logn_length, scale_factors=dev[7])
-            low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
-            low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
-            assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
-            assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+            assert_within_twice_the_composite(out, lse, low_out, low_lse, ref_out, ref_lse)
 
 
 # Long-ish prefill rows beside decode rows: a full prefill of several 64-query blocks, a chunk of 300
@@ -368,13 +374,8 @@ def test_rerope_attention_paged_cuda_tensor_core_prefill_beside_decode_rows(dtyp
         dev[2] = torch.empty(dev[2].numel() + 1, dtype=dtype, device=DEVICE)[1:].view_as(dev[2]).copy_(dev[2])
     out, lse = ops.rerope_attention_paged(*dev[:7], 100, scale_factors=dev[7], **kw)
     low_out, low_lse = rerope_attention_paged_composite(*dev[:7], 100, scale_factors=dev[7], **kw)
-    out, lse = out.cpu().double(), lse.cpu().double()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # no NaN slot was read
-    err_out, err_lse = (out - ref_out).abs().max().item(), (lse - ref_lse.double()).abs().max().item()
-    low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
-    low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
-    assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
-    assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+    assert_within_twice_the_composite(out, lse, low_out, low_lse, ref_out, ref_lse)
 
 
 @pytest.mark.parametrize("spoil", ["page past the cache", "negative page", "seq_len past the table",
@@ -454,13 +455,8 @@ def test_rerope_attention_paged_cuda_long_context_stays_exact_past_the_budget(dt
     dev = paged_on(DEVICE, args + [inv_freq])
     out, lse = ops.rerope_attention_paged(*dev, window, **kw)
     low_out, low_lse = rerope_attention_paged_composite(*dev, window, **kw)
-    got_out, got_lse = out.cpu().double(), lse.cpu().double()
-    assert torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()  # no NaN slot was read
-    err_out, err_lse = (got_out - ref_out).abs().max().item(), (got_lse - ref_lse.double()).abs().max().item()
-    low_err_out = (low_out.cpu().double() - ref_out).abs().max().item()
-    low_err_lse = (low_lse.cpu().double() - ref_lse.double()).abs().max().item()
-    assert err_out <= 2 * low_err_out + 1e-6, (err_out, low_err_out)
-    assert err_lse <= 2 * low_err_lse + 1e-6, (err_lse, low_err_lse)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # no NaN slot was read
+    assert_within_twice_the_composite(out, lse, low_out, low_lse, ref_out, ref_lse)
     T = args[0].shape[0]
     for max_keys in (0, 1000, 70_000):  # in-kernel; in-kernel (70k keys past 1000); pre-rotated
         workspace = torch.empty(ops.rerope_paged_workspace_bytes(T, 2, 128, dtype, max_keys=max_keys),
