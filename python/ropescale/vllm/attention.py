@@ -786,17 +786,17 @@ def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
     if config is None:
         return None
     if _engine.get("plan_of") is not config:
-        _engine.update(plan_of=config, plan=served_plan(config), tags=OrderedDict())
-    plan: PreRopePlan | None = _engine["plan"]  # type: ignore[assignment]
-    if plan is None or not plan.length_dependent:
+        plan = served_plan(config)
+        _engine.update(plan_of=config, tables=TableCache(plan) if plan is not None else None, tags=OrderedDict())
+    tables: TableCache | None = _engine["tables"]  # type: ignore[assignment]
+    if tables is None or not tables.plan.length_dependent:
         return None
     tags: OrderedDict = _engine["tags"]  # type: ignore[assignment]
     tag = tags.get(prompt_len)
     if tag is None:
         import hashlib
 
-        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=max(int(prompt_len), 1))
-        factor = float(plan.method.attention_factor_for(max(int(prompt_len), 1)))
+        inv_freq, factor = tables.table(max(int(prompt_len), 1))  # the table the builder gives the prompt's rows
         digest = hashlib.sha256(inv_freq.to(torch.float32).contiguous().numpy().tobytes())
         digest.update(repr(factor).encode())
         tag = tags[prompt_len] = digest.hexdigest()[:32]
