@@ -55,8 +55,7 @@ from . import scaling
 
 __all__ = [
     "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
-    "write", "base_of", "split_rope_type", "join_rope_type", "table_parameters", "vllm_max_model_len",
-    "served_length_value",
+    "write", "base_of", "table_parameters", "vllm_max_model_len", "served_length_value",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
@@ -65,39 +64,13 @@ ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length")
 #: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
 METHOD_KEY = "method"
 
-REROPE_MARKER = "rerope"
-REROPE_PREFIX = REROPE_MARKER + "_"
-#: Dynamic NTK's written type (``scaling.DynamicNTK`` reads transformers' ``dynamic``).
-DYNAMIC_NTK_TYPE = "dynamic_ntk"
-# Types whose max_position_embeddings vLLM takes as the scaled length (it multiplies the others by factor).
-_SCALED_LENGTH_TYPES = ("yarn", "llama3", "longrope")
-# Stock types whose method hf.patch records in the entry (see _stock_table).
-_RECORDED_STOCK_TYPES = ("linear", "yarn", "llama3", "longrope")
-
-
-def split_rope_type(rope_type: str) -> tuple[bool, str]:
-    """``(rerope, table_type)``: ``"rerope_yarn"`` -> ``(True, "yarn")``, ``"yarn"`` -> ``(False, "yarn")``."""
-    if rope_type == REROPE_MARKER:
-        return True, "default"
-    if rope_type.startswith(REROPE_PREFIX):
-        return True, rope_type[len(REROPE_PREFIX):]
-    return False, rope_type
-
-
-def join_rope_type(rerope: bool, table_type: str) -> str:
-    """The inverse of :func:`split_rope_type`."""
-    if not rerope:
-        return table_type
-    return REROPE_MARKER if table_type == "default" else REROPE_PREFIX + table_type
-
-
 def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
     """``rope_parameters`` with the ReRoPE marker taken off the type, and whether it was there."""
     params = dict(rope_parameters or {})
-    rerope, table_type = split_rope_type(params.get("rope_type") or params.get("type") or "default")
-    params["rope_type"] = table_type
+    parsed = scaling.RopeType.parse(params.get("rope_type") or params.get("type") or "default")
+    params["rope_type"] = parsed.table
     params.pop("type", None)
-    return params, rerope
+    return params, parsed.rerope
 
 
 @dataclass(frozen=True)
@@ -117,9 +90,7 @@ class RopeConfig:
         """Whether each sequence takes the table of its own length: the dynamic methods, and a LongRoPE
         with distinct short and long factors that ropescale recorded (a third-party one, e.g. Phi-3, is
         left to the engine's own rule)."""
-        method = self.method
-        return method.dynamic or (self.recorded and isinstance(method, scaling.LongRoPE)
-                                  and tuple(method.short_factor) != tuple(method.long_factor))
+        return self.method.dynamic or (self.recorded and self.method.length_dependent)
 
     @property
     def length_free(self) -> bool:
@@ -138,33 +109,25 @@ class Written:
     entry: dict[str, Any] | None
 
 
-def _ntk_base(method: scaling.NTK, base: float, rotary_dim: int) -> float:
-    # The base ops.ntk_inv_freq raises to (csrc/frequencies.cpp): b * s^(d/(d-2)).
-    return float(base) * float(method.factor) ** (rotary_dim / (rotary_dim - 2))
+# (``RopeScaling.stock_parameters`` gives the method's rope_parameters for stock engines and, where they serve
+# its type with their own code, the method for the entry: it marks the checkpoint as ropescale's, so
+# ropescale.vllm serves it with ropescale's table (angles in double: vLLM's float32 angles are 5e-4 off at 12k)
+# and, for a LongRoPE with distinct short and long factors, each request with its own length's table, as
+# hf.patch does (stock vLLM takes the long factors at every length once max_model_len passes the original one).)
 
 
-def _stock_table(method: scaling.RopeScaling, base: float, rotary_dim: int) -> tuple[dict[str, Any], dict | None]:
-    """(``rope_parameters`` for stock engines, the method for the entry when they cannot name it)."""
-    if type(method) is scaling.NTK and not method.resonance:
-        return {"rope_type": "default", "rope_theta": _ntk_base(method, base, rotary_dim)}, method.to_hf(base=base)
-    params = method.to_hf(base=base)
-    if params["rope_type"] == "dynamic":
-        params["rope_type"] = DYNAMIC_NTK_TYPE
-    if params["rope_type"] in _RECORDED_STOCK_TYPES:
-        # A type stock engines also serve, by their own code: the entry marks the checkpoint as ropescale's,
-        # so ropescale.vllm serves it with ropescale's table (angles in double: vLLM's float32 angles are
-        # 5e-4 off at 12k) and, for a LongRoPE with distinct short and long factors, each request with its
-        # own length's table, as hf.patch does (stock vLLM takes the long factors at every length once
-        # max_model_len passes the original one, and logs so).
-        return params, dict(params)
-    return params, None
+def _stock_length_is_scaled(rope_type: Any) -> bool:
+    """Whether stock engines take a config's ``max_position_embeddings`` as the scaled length for this exact
+    rope type (vLLM multiplies every other type's by ``factor``, a prefixed one's too)."""
+    parsed = scaling.RopeType.parse(rope_type)
+    return parsed.is_stock and parsed.method.stock_length_is_scaled
 
 
 def _written_length(method: scaling.RopeScaling, rope_type: str, factor: float | None, current: int) -> int:
     original = int(getattr(method, "original_max_position", None) or current)
     # The length the method was set for: ceil of the product, minus float noise (1.5 * 4096 is 6144).
     scaled = int(math.ceil(round(max(1.0, float(getattr(method, "factor", None) or 1.0)) * original, 6)))
-    if rope_type in _SCALED_LENGTH_TYPES or factor is None:
+    if _stock_length_is_scaled(rope_type) or factor is None:
         return scaled
     return original  # vLLM multiplies it by the written factor, the method's own
 
@@ -178,7 +141,7 @@ def vllm_length_factor(rope_parameters: Mapping[str, Any] | None) -> float:
     """What vLLM multiplies a config's length by to derive ``max_model_len``: ``factor`` for every rope type
     but ``yarn``, ``llama3`` and ``longrope`` (whose ``max_position_embeddings`` is already the scaled length)."""
     params = rope_parameters or {}
-    if params.get("rope_type", params.get("type", "default")) in _SCALED_LENGTH_TYPES:
+    if _stock_length_is_scaled(params.get("rope_type", params.get("type", "default"))):
         return 1.0
     factor = params.get("factor")
     return 1.0 if factor is None else float(factor)
@@ -215,10 +178,10 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
           partial_rotary_factor: float | None = None) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
     (original) ``max_position_embeddings``, with the attention side given."""
-    params, entry_method = _stock_table(method, base, rotary_dim)
+    params, entry_method = method.stock_parameters(base, rotary_dim)
     if partial_rotary_factor is not None:
         params["partial_rotary_factor"] = partial_rotary_factor
-    params["rope_type"] = join_rope_type(attention == "rerope", params["rope_type"])
+    params["rope_type"] = scaling.RopeType.join(params["rope_type"], attention == "rerope")
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
     entry = attention_entry(attention, window, leaky_k, logn_length)
     if entry_method is not None:
@@ -235,8 +198,9 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
     if method.dynamic:
         raise ValueError(f"write_longrope: {type(method).__name__} is dynamic (its table changes with the length); "
                          "only a static table can be written as longrope")
-    if isinstance(method, scaling.LongRoPE) and method.short_factor != method.long_factor and not method.resonance:
-        raise ValueError("write_longrope: this LongRoPE has distinct short and long factors; write it as it is")
+    if method.length_dependent:
+        raise ValueError(f"write_longrope: this {type(method).__name__} has a table that differs between lengths "
+                         "(distinct short and long factors); write it as it is")
     default = scaling.Default().inv_freq(rotary_dim, base, dtype=torch.float64)
     factors = (default / method.inv_freq(rotary_dim, base, seq_len=None, dtype=torch.float64)).tolist()
     original = int(getattr(method, "original_max_position", None) or max_position_embeddings)
@@ -316,8 +280,7 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
     """The method a config asks for (``rope_parameters``, ``max_position_embeddings`` and the ``ropescale``
     entry, as a checkpoint stores them). ``rotary_dim`` is needed only to check an NTK-aware entry."""
     params, rerope = table_parameters(rope_parameters)
-    entry = checked_entry(entry, params["rope_type"] if not rerope else join_rope_type(True, params["rope_type"]),
-                          rerope)
+    entry = checked_entry(entry, scaling.RopeType.join(params["rope_type"], rerope), rerope)
     attention = dict(entry or {})
     method_params = attention.pop(METHOD_KEY, None)
     if method_params is not None:
@@ -325,15 +288,13 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
         base = float(method_params.pop("rope_theta", params.get("rope_theta", 10000.0)))
         method = scaling.from_hf(method_params, max_position_embeddings)
         if rotary_dim is not None:
-            expected, _ = _stock_table(method, base, rotary_dim)
+            expected, _ = method.stock_parameters(base, rotary_dim)
             if not _same_parameters(expected, {**params, "rope_theta": params.get("rope_theta", 10000.0)}):
                 raise ValueError(
                     f"config.{CONFIG_KEY}.{METHOD_KEY} ({dict(entry[METHOD_KEY])}) does not match rope_parameters "
                     f"({dict(rope_parameters or {})}), which should be {expected}: the config was edited by hand")
     else:
         base = float(params.pop("rope_theta", 10000.0))
-        if params["rope_type"] == DYNAMIC_NTK_TYPE:
-            params["rope_type"] = "dynamic"
         if params["rope_type"] == "longrope":  # vLLM's copies of the attention factor (write_longrope)
             for key in ("short_mscale", "long_mscale"):
                 value = params.pop(key, None)

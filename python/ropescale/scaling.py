@@ -1,14 +1,27 @@
-"""One small frozen dataclass per RoPE scaling method.
+"""The scaling methods, and the registry every other module asks about them.
 
-Each method turns ``(dim, base)`` into an ``inv_freq`` table through ropescale's C++ ops and knows
-its attention factor (the number transformers multiplies cos and sin by). ``resonance=True``
-rounds every wavelength of the method's table to an integer AFTER the method (Resonance RoPE,
-Algorithm 1; Resonance-YaRN rounds the YaRN table), and leaves the attention factor unchanged.
+One small frozen dataclass per method turns ``(dim, base)`` into an ``inv_freq`` table through
+ropescale's C++ ops and knows its attention factor (the number transformers multiplies cos and sin
+by). ``resonance=True`` rounds every wavelength of the method's table to an integer AFTER the method
+(Resonance RoPE, Algorithm 1; Resonance-YaRN rounds the YaRN table), and leaves the attention factor
+unchanged.
 
-``from_hf`` reads transformers 5.x ``rope_parameters`` (and the legacy ``rope_scaling`` dict);
-``to_hf`` writes one back. Resonance on top of a method is the rope type ``resonance_<type>``
-(``resonance`` alone for plain RoPE), except LongRoPE, whose per-pair factors can hold the rounded
-table exactly: ``to_hf`` writes Resonance-LongRoPE as a plain ``longrope`` with those factors.
+Each method declares everything about itself in one place, its class, and is registered with
+:func:`register` (``METHODS`` maps rope types to classes):
+
+- its rope type, the other names it is read under, the name it is written under;
+- its parameters (dataclass fields made with :func:`parameter`: the transformers key, whether a config
+  must carry it, where it comes from when absent, its ``ropescale`` command-line flag);
+- whether its table depends on the length (``dynamic``: the scale follows each sequence;
+  ``length_dependent``: the table differs at some length, which LongRoPE's also does);
+- what stock engines do with it (``stock``), which length they derive from its config
+  (``stock_length_is_scaled``), whether transformers has it natively, and vLLM's rotary class for it.
+
+:class:`RopeType` owns the naming scheme of rope types: ``resonance`` / ``resonance_<type>`` for
+Resonance on a method, ``rerope`` / ``rerope_<table type>`` for ReRoPE attention over a table, and each
+method's aliases. ``from_hf`` reads transformers 5.x ``rope_parameters`` (and the legacy ``rope_scaling``
+dict) through the registry; ``to_hf`` writes one back. Resonance on LongRoPE is written as a plain
+``longrope`` whose per-pair factors hold the rounded table exactly.
 """
 
 from __future__ import annotations
@@ -34,8 +47,12 @@ __all__ = [
     "DynamicYaRN",
     "Llama3",
     "LongRoPE",
+    "RopeType",
     "from_hf",
+    "register",
+    "parameter",
     "METHODS",
+    "HF_KEYS",
 ]
 
 
@@ -79,18 +96,211 @@ def _check_bool(obj, name: str) -> None:
         _fail(obj, name, "True or False")
 
 
+
+#: The keys ``from_hf`` reads for each rope type (besides ``rope_type``/``type``): (required, optional),
+#: filled by :func:`register` from the methods' parameters.
+HF_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+
+# ---------------------------------------------------------------------------------------------
+# Parameters and the registry
+
+#: Where a parameter comes from when a config does not carry it: the config's ``max_position_embeddings``.
+FROM_CONFIG_LENGTH = "max_position_embeddings"
+
+
+def parameter(default: Any = dataclasses.MISSING, *, hf: str | None = "", required: bool = False,
+              fallback: str | None = None, cli: str | None = None, help: str = "", factory=None):
+    """A method's field, with what the registry needs to know about it:
+
+    - ``hf``: its key in transformers' ``rope_parameters`` ("" = the field's own name; None: not a rope
+      parameter, e.g. Dynamic NTK's original length, which transformers reads from the config);
+    - ``required``: a config must carry it (``from_hf`` refuses one without it);
+    - ``fallback``: where its value comes from when the rope parameters omit it (:data:`FROM_CONFIG_LENGTH`);
+    - ``cli`` and ``help``: its flag in the ``ropescale`` command (None: no flag) and what it means."""
+    metadata = {"hf": hf, "required": required, "fallback": fallback, "cli": cli, "help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A registered method's parameter as the other modules see it (see :func:`parameter`)."""
+
+    name: str  # the dataclass field
+    hf_key: str | None
+    required: bool
+    fallback: str | None
+    cli: str | None
+    help: str
+    default: Any
+    kind: type  # int, float, bool or tuple: how a config value is read
+
+
+METHODS: dict[str, type["RopeScaling"]] = {}
+# Every name a method is read under (its rope type and its aliases) -> the method.
+_BY_NAME: dict[str, type["RopeScaling"]] = {}
+# The attributes each registered class declares itself (a subclass must not inherit them silently).
+_DECLARED = ("rope_type", "aliases", "written_type", "dynamic", "stock", "stock_length_is_scaled",
+             "transformers_native", "resonance_type", "vllm_rotary_class", "vllm_owns_name", "cli_names")
+
+
+def register(cls: type["RopeScaling"]) -> type["RopeScaling"]:
+    """Class decorator: adds a method to the registry (``METHODS``, every name it is read under)."""
+    missing = [name for name in _DECLARED if name not in cls.__dict__]
+    if missing:
+        raise TypeError(f"register: {cls.__name__} must declare {', '.join(missing)} itself")
+    for name in (cls.rope_type, *cls.aliases):
+        if name in _BY_NAME or name.startswith((RopeType.RESONANCE_PREFIX, RopeType.REROPE_MARKER)) \
+                or name == RopeType.RESONANCE:
+            raise TypeError(f"register: {cls.__name__}'s name {name!r} is taken or uses a reserved prefix")
+        _BY_NAME[name] = cls
+    METHODS[cls.rope_type] = cls
+    cls._parameters = tuple(_parameter(cls, f) for f in dataclasses.fields(cls) if f.name != "resonance")
+    HF_KEYS[cls.rope_type] = (frozenset(p.hf_key for p in cls._parameters if p.hf_key and p.required),
+                              frozenset(p.hf_key for p in cls._parameters if p.hf_key and not p.required))
+    return cls
+
+
+def _parameter(cls, f: dataclasses.Field) -> Parameter:
+    meta = f.metadata
+    hf = meta.get("hf", "")
+    kind = {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" ")[0], tuple)
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return Parameter(f.name, f.name if hf == "" else hf, bool(meta.get("required")), meta.get("fallback"),
+                     meta.get("cli"), meta.get("help", ""), default, kind)
+
+
+@dataclass(frozen=True)
+class RopeType:
+    """A rope type name, parsed: the one place that knows the naming scheme.
+
+    ``rerope`` marks ReRoPE attention over the table (``rerope`` alone over plain RoPE, else
+    ``rerope_<table>``); the table is a method's name or alias, ``resonance_<rope type>`` for Resonance on it
+    (``resonance`` alone on plain RoPE). ``method`` is None for a name no registered method has."""
+
+    table: str  # the name without the ReRoPE marker, as written
+    method: type["RopeScaling"] | None
+    resonance: bool = False
+    rerope: bool = False
+
+    RESONANCE: ClassVar[str] = "resonance"
+    RESONANCE_PREFIX: ClassVar[str] = "resonance_"
+    REROPE_MARKER: ClassVar[str] = "rerope"
+    REROPE_PREFIX: ClassVar[str] = "rerope_"
+
+    @classmethod
+    def parse(cls, name: Any) -> "RopeType":
+        """Never raises: an unknown name has ``method`` None (the caller says what it expected)."""
+        rerope, table = False, name
+        if name == cls.REROPE_MARKER:
+            rerope, table = True, "default"
+        elif isinstance(name, str) and name.startswith(cls.REROPE_PREFIX):
+            rerope, table = True, name[len(cls.REROPE_PREFIX):]
+        if table == cls.RESONANCE:
+            return cls(table, Default, True, rerope)
+        if isinstance(table, str) and table.startswith(cls.RESONANCE_PREFIX) \
+                and table[len(cls.RESONANCE_PREFIX):] in METHODS:
+            return cls(table, METHODS[table[len(cls.RESONANCE_PREFIX):]], True, rerope)
+        return cls(table, _BY_NAME.get(table) if isinstance(table, str) else None, False, rerope)
+
+    @classmethod
+    def table_name(cls, method: type["RopeScaling"], resonance: bool = False) -> str:
+        """The name of ``method``'s table (with Resonance on it) as transformers' ``rope_type``."""
+        if not resonance:
+            return method.rope_type
+        return cls.RESONANCE if method.rope_type == "default" else cls.RESONANCE_PREFIX + method.rope_type
+
+    @classmethod
+    def join(cls, table: str, rerope: bool) -> str:
+        """``table`` with the ReRoPE marker when ``rerope`` (the inverse of :meth:`parse`'s split)."""
+        if not rerope:
+            return table
+        return cls.REROPE_MARKER if table == "default" else cls.REROPE_PREFIX + table
+
+    @property
+    def name(self) -> str:
+        return self.join(self.table, self.rerope)
+
+    @property
+    def is_stock(self) -> bool:
+        """A type stock transformers and vLLM serve by their own code: a method's own name, no prefix."""
+        return (self.method is not None and not self.resonance and not self.rerope
+                and self.table == self.method.rope_type and self.method.stock != "refused")
+
+
+def _transformers_has(name: str) -> bool:
+    parsed = RopeType.parse(name)
+    return (parsed.method is not None and parsed.method.transformers_native and not parsed.resonance
+            and not parsed.rerope and name == parsed.method.rope_type)
+
+
+def ropescale_rope_types() -> tuple[str, ...]:
+    """The rope types ropescale adds to transformers' (``import ropescale.hf`` registers them): every table
+    name transformers lacks, and ReRoPE over every table."""
+    tables = table_type_names()
+    return (*(n for n in tables if not _transformers_has(n)), *(RopeType.join(n, True) for n in tables))
+
+
+def table_type_names() -> tuple[str, ...]:
+    """Every table name ropescale reads: each method's rope type and aliases, and Resonance on each method
+    written as a ``resonance`` type."""
+    names = []
+    for cls in METHODS.values():
+        names += [cls.rope_type, *cls.aliases]
+        if cls.resonance_type:
+            names.append(RopeType.table_name(cls, resonance=True))
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Base class: the unscaled table. Subclasses override ``_table`` and ``attention_factor_for``."""
+    """Base class: the unscaled table. Subclasses override ``_table`` and ``attention_factor_for``, and
+    declare the class attributes below (see :func:`register`)."""
 
     resonance: bool = False
 
+    #: transformers' name for the table (``rope_parameters["rope_type"]``).
     rope_type: ClassVar[str] = "default"
-    #: True when the table depends on the current sequence length (needs a pre-RoPE KV cache).
+    #: Other names a config may use for it.
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: The name ropescale writes it under, where that differs from ``rope_type``.
+    written_type: ClassVar[str | None] = None
+    #: True when the scale follows the current length (every engine needs a pre-RoPE cache).
     dynamic: ClassVar[bool] = False
+    #: What stock transformers and vLLM do with the type it is written under: "plain" (plain RoPE: nothing
+    #: to say), "same" (they serve the same table with their own code; ropescale records the method so that
+    #: its plugin serves ropescale's), "refused" (a ropescale type: they refuse it by name).
+    stock: ClassVar[str] = "plain"
+    #: Stock engines take ``max_position_embeddings`` of this type as the scaled length (vLLM multiplies
+    #: every other type's by ``factor``).
+    stock_length_is_scaled: ClassVar[bool] = False
+    #: transformers has this rope type (ropescale registers the others).
+    transformers_native: ClassVar[bool] = True
+    #: Resonance on it is written as the type ``resonance_<type>``.
+    resonance_type: ClassVar[bool] = True
+    #: vLLM's rotary class for this table (the opt-in switch rotates it with ropescale's kernel).
+    vllm_rotary_class: ClassVar[str | None] = "RotaryEmbedding"
+    #: vLLM has a type of this name with another formula: vLLM keeps it.
+    vllm_owns_name: ClassVar[bool] = False
+    #: The names the command line's ``--method`` offers for it.
+    cli_names: ClassVar[tuple[str, ...]] = ("default", "resonance")
+
+    _parameters: ClassVar[tuple[Parameter, ...]] = ()
 
     def __post_init__(self):
         _check_bool(self, "resonance")
+
+    @classmethod
+    def parameters(cls) -> tuple[Parameter, ...]:
+        """The method's parameters, in field order (``resonance`` aside: it is in the rope type)."""
+        return cls._parameters
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the table differs between lengths: a dynamic method's, or LongRoPE's with distinct
+        short and long factors. Every engine then gives each sequence its own length's table."""
+        return self.dynamic
 
     def inv_freq(
         self, dim: int, base: float, seq_len: int | None = None, *, dtype: torch.dtype | None = None
@@ -112,37 +322,87 @@ class RopeScaling:
 
     def to_hf(self, base: float | None = None) -> dict[str, Any]:
         """A transformers ``rope_parameters`` dict for this method (``rope_theta`` when ``base`` is given)."""
-        params: dict[str, Any] = {"rope_type": self._hf_type()}
-        for f in dataclasses.fields(self):
-            if f.name == "resonance":
-                continue
-            value = getattr(self, f.name)
-            if value is not None:
-                params[_HF_NAMES.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
+        params: dict[str, Any] = {"rope_type": RopeType.table_name(type(self), self.resonance)}
+        for p in self.parameters():
+            value = getattr(self, p.name)
+            if value is not None and p.hf_key:
+                params[p.hf_key] = list(value) if isinstance(value, tuple) else value
         if base is not None:
             params["rope_theta"] = float(base)
         return params
 
-    def _hf_type(self) -> str:
-        if not self.resonance:
-            return self.rope_type
-        return "resonance" if self.rope_type == "default" else RESONANCE_PREFIX + self.rope_type
+    def stock_parameters(self, base: float, rotary_dim: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(rope_parameters for stock engines, the method for ropescale's entry)``: the entry holds it where
+        a stock engine serves the written type with its own code (``stock == "same"``), else None."""
+        params = self.to_hf(base=base)
+        if params["rope_type"] == self.rope_type and self.written_type:
+            params["rope_type"] = self.written_type
+        written = RopeType.parse(params["rope_type"])
+        return params, (dict(params) if written.is_stock and written.method.stock == "same" else None)
+
+    @classmethod
+    def read_hf(cls, params: Mapping[str, Any], max_position_embeddings: int | None) -> dict[str, Any]:
+        """The fields' values from a config's rope parameters (keys checked by ``from_hf``); an absent one
+        takes its fallback, else the field's default."""
+        values = {}
+        for p in cls.parameters():
+            value = params.get(p.hf_key) if p.hf_key else None
+            if value is None and p.fallback == FROM_CONFIG_LENGTH:
+                value = max_position_embeddings
+                if value is None:
+                    needs = f"{p.hf_key} (or the config's max_position_embeddings)" if p.hf_key else \
+                        "the config's max_position_embeddings"
+                    raise ValueError(f"from_hf: rope_type {cls.rope_type!r} needs {needs}")
+            if value is None:
+                continue
+            values[p.name] = _integer(value) if p.kind is int else _number(value) if p.kind is float else value
+        return values
 
     def _table(self, dim: int, base: float, seq_len: int | None, dtype: torch.dtype) -> torch.Tensor:
         return ops.default_inv_freq(dim, base, dtype=dtype)
 
 
+_ORIGINAL = "original_max_position_embeddings"
+_FACTOR_HELP = "scale factor s: the table is set for s x L"
+_ORIGINAL_HELP = "pre-training context L"
+
+
+@register
 @dataclass(frozen=True)
 class Default(RopeScaling):
     """Plain RoPE (or Resonance RoPE with ``resonance=True``)."""
 
+    rope_type: ClassVar[str] = "default"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "plain"
+    stock_length_is_scaled: ClassVar[bool] = False
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = "RotaryEmbedding"
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("default", "resonance")
 
+
+@register
 @dataclass(frozen=True)
 class Linear(RopeScaling):
     """Position interpolation (Chen et al.): ``theta / factor``."""
 
-    factor: float = 1.0
+    factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
+
     rope_type: ClassVar[str] = "linear"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "same"
+    stock_length_is_scaled: ClassVar[bool] = False
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = "LinearScalingRotaryEmbedding"
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("linear",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -152,31 +412,69 @@ class Linear(RopeScaling):
         return ops.linear_inv_freq(dim, base, self.factor, dtype=dtype)
 
 
+@register
 @dataclass(frozen=True)
 class NTK(RopeScaling):
     """NTK-aware scaling (bloc97): the base raised to ``base * factor ** (dim / (dim - 2))``.
-    transformers has no static NTK type; ``to_hf`` writes it as ropescale's own ``ntk``."""
+    transformers has no static NTK type: ropescale writes it as ``default`` with that base (the same
+    table in every engine) and records the method; it reads its former ``ntk`` type too."""
 
-    factor: float = 1.0
+    factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
+
     rope_type: ClassVar[str] = "ntk"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "same"  # as ``default`` with the scaled base
+    stock_length_is_scaled: ClassVar[bool] = False
+    transformers_native: ClassVar[bool] = False
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = None
+    vllm_owns_name: ClassVar[bool] = True  # vLLM's ``ntk`` is another formula (base b*s, frequencies / s^(2/d))
+    cli_names: ClassVar[tuple[str, ...]] = ("ntk",)
 
     def __post_init__(self):
         super().__post_init__()
         _check_float(self, "factor", minimum=1.0)
 
+    def scaled_base(self, base: float, dim: int) -> float:
+        """The base ``ops.ntk_inv_freq`` raises to (csrc/frequencies.cpp): ``b * s^(d/(d-2))``."""
+        return float(base) * float(self.factor) ** (dim / (dim - 2))
+
+    def stock_parameters(self, base, rotary_dim):
+        if self.resonance:
+            return super().stock_parameters(base, rotary_dim)
+        return {"rope_type": "default", "rope_theta": self.scaled_base(base, rotary_dim)}, self.to_hf(base=base)
+
     def _table(self, dim, base, seq_len, dtype):
         return ops.ntk_inv_freq(dim, base, self.factor, dtype=dtype)
 
 
+@register
 @dataclass(frozen=True)
 class DynamicNTK(RopeScaling):
     """Dynamic NTK (emozilla): NTK whose factor grows with the length past
-    ``original_max_position`` (transformers uses ``max_position_embeddings`` there)."""
+    ``original_max_position`` (transformers uses ``max_position_embeddings`` there). Written as
+    ``dynamic_ntk``: stock vLLM serves transformers' ``dynamic`` as plain RoPE with a table shorter than
+    the length it allows (NaN logprobs past it, no error)."""
 
-    factor: float = 1.0
-    original_max_position: int = 2048
+    factor: float = parameter(1.0, required=True, cli="--factor",
+                              help="scale factor s in the base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L")
+    # transformers' dynamic rule reads the config's max_position_embeddings, not a rope parameter.
+    original_max_position: int = parameter(2048, hf=None, fallback=FROM_CONFIG_LENGTH, cli="--original-max-position",
+                                           help=_ORIGINAL_HELP)
+
     rope_type: ClassVar[str] = "dynamic"
+    aliases: ClassVar[tuple[str, ...]] = ("dynamic_ntk",)
+    written_type: ClassVar[str | None] = "dynamic_ntk"
     dynamic: ClassVar[bool] = True
+    stock: ClassVar[str] = "refused"
+    stock_length_is_scaled: ClassVar[bool] = False
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = None
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("dynamic", "dynamic_ntk")
 
     def __post_init__(self):
         super().__post_init__()
@@ -188,26 +486,36 @@ class DynamicNTK(RopeScaling):
             dim, base, self.factor, self.original_max_position, seq_len or 0, dtype=dtype
         )
 
-    def to_hf(self, base=None):
-        params = super().to_hf(base)
-        # transformers' dynamic rule reads config.max_position_embeddings, not a rope parameter.
-        params.pop("original_max_position_embeddings")
-        return params
+
+_YARN_FACTOR_HELP = "scale factor s: the table is set for s x L"
 
 
+@register
 @dataclass(frozen=True)
 class YaRN(RopeScaling):
     """YaRN (Peng et al.): NTK-by-parts table and attention temperature ``0.1 ln(s) + 1``."""
 
-    factor: float = 1.0
-    original_max_position: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor_override: float | None = None
+    factor: float = parameter(1.0, required=True, cli="--factor", help=_YARN_FACTOR_HELP)
+    original_max_position: int = parameter(4096, hf=_ORIGINAL, fallback=FROM_CONFIG_LENGTH,
+                                           cli="--original-max-position", help=_ORIGINAL_HELP)
+    beta_fast: float = parameter(32.0, cli="--beta-fast", help="YaRN beta_fast")
+    beta_slow: float = parameter(1.0, cli="--beta-slow", help="YaRN beta_slow")
+    truncate: bool = parameter(True)
+    mscale: float | None = parameter(None)
+    mscale_all_dim: float | None = parameter(None)
+    attention_factor_override: float | None = parameter(None, hf="attention_factor")
+
     rope_type: ClassVar[str] = "yarn"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "same"
+    stock_length_is_scaled: ClassVar[bool] = True
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = "YaRNScalingRotaryEmbedding"
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("yarn", "resonance_yarn")
 
     def __post_init__(self):
         super().__post_init__()
@@ -238,6 +546,7 @@ class YaRN(RopeScaling):
         )
 
 
+@register
 @dataclass(frozen=True)
 class DynamicYaRN(YaRN):
     """Dynamic YaRN: YaRN at scale ``s = max(factor, seq_len / original_max_position)``, recomputed as
@@ -245,8 +554,25 @@ class DynamicYaRN(YaRN):
     ``factor`` is a FLOOR applied at every length (above 1, no length runs native), not the length the
     model may be served to: that one is written apart (``ropescale extend --max-length``)."""
 
+    factor: float = parameter(1.0, cli="--floor",
+                              help="the floor F of its scale s = max(F, len/L), applied at EVERY length (requests "
+                                   "shorter than F x L are then no longer native)")
+
     rope_type: ClassVar[str] = "dynamic_yarn"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
     dynamic: ClassVar[bool] = True
+    stock: ClassVar[str] = "refused"
+    stock_length_is_scaled: ClassVar[bool] = False
+    transformers_native: ClassVar[bool] = False
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = None
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("dynamic_yarn",)
+
+    def scale(self, seq_len: int | None) -> float:
+        """The YaRN scale at ``seq_len`` (None: the floor)."""
+        return self._scale(seq_len)
 
     def _scale(self, seq_len):
         if seq_len is None:
@@ -254,15 +580,28 @@ class DynamicYaRN(YaRN):
         return max(self.factor, seq_len / self.original_max_position)
 
 
+@register
 @dataclass(frozen=True)
 class Llama3(RopeScaling):
     """Llama 3.1's piecewise wavelength rule."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    factor: float = parameter(8.0, required=True, cli="--factor", help=_FACTOR_HELP)
+    low_freq_factor: float = parameter(1.0, required=True)
+    high_freq_factor: float = parameter(4.0, required=True)
+    original_max_position: int = parameter(8192, hf=_ORIGINAL, required=True, cli="--original-max-position",
+                                           help=_ORIGINAL_HELP)
+
     rope_type: ClassVar[str] = "llama3"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "same"
+    stock_length_is_scaled: ClassVar[bool] = True
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = True
+    vllm_rotary_class: ClassVar[str | None] = "Llama3RotaryEmbedding"
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("llama3",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -278,17 +617,34 @@ class Llama3(RopeScaling):
         )
 
 
+@register
 @dataclass(frozen=True)
 class LongRoPE(RopeScaling):
     """LongRoPE: per-pair short/long factors, long once ``seq_len > original_max_position``.
     ``factor`` (for the attention factor) defaults to ``max_position / original_max_position``."""
 
-    short_factor: tuple[float, ...] = field(default_factory=tuple)
-    long_factor: tuple[float, ...] = field(default_factory=tuple)
-    original_max_position: int = 4096
-    factor: float | None = None
-    attention_factor_override: float | None = None
+    short_factor: tuple[float, ...] = parameter(required=True, factory=tuple, cli="--longrope-factors",
+                                                help="per-pair factors up to L")
+    long_factor: tuple[float, ...] = parameter(required=True, factory=tuple, cli="--longrope-factors",
+                                               help="per-pair factors past L")
+    original_max_position: int = parameter(4096, hf=_ORIGINAL, fallback=FROM_CONFIG_LENGTH,
+                                           cli="--original-max-position", help=_ORIGINAL_HELP)
+    factor: float | None = parameter(None, cli="--factor",
+                                     help="the length scale s its long factors were searched for (the attention "
+                                          "factor, and the length s x L it is served to)")
+    attention_factor_override: float | None = parameter(None, hf="attention_factor")
+
     rope_type: ClassVar[str] = "longrope"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    written_type: ClassVar[str | None] = None
+    dynamic: ClassVar[bool] = False
+    stock: ClassVar[str] = "same"
+    stock_length_is_scaled: ClassVar[bool] = True
+    transformers_native: ClassVar[bool] = True
+    resonance_type: ClassVar[bool] = False  # written as a plain longrope whose factors hold the rounded table
+    vllm_rotary_class: ClassVar[str | None] = None
+    vllm_owns_name: ClassVar[bool] = False
+    cli_names: ClassVar[tuple[str, ...]] = ("longrope",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -308,6 +664,19 @@ class LongRoPE(RopeScaling):
         _check_int(self, "original_max_position", 2, " (the attention factor divides by its log)")
         _check_float(self, "factor", above=0.0, optional=True)
         _check_float(self, "attention_factor_override", above=0.0, optional=True)
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.short_factor != self.long_factor
+
+    @classmethod
+    def read_hf(cls, params, max_position_embeddings):
+        values = super().read_hf(params, max_position_embeddings)
+        original = values.get("original_max_position")
+        if values.get("factor") is None and max_position_embeddings is not None and _is_number(original) \
+                and original > 0:
+            values["factor"] = max_position_embeddings / original
+        return values
 
     def _table(self, dim, base, seq_len, dtype):
         return ops.longrope_inv_freq(
@@ -338,42 +707,6 @@ class LongRoPE(RopeScaling):
         return params
 
 
-# transformers' parameter names for ours.
-_HF_NAMES = {
-    "original_max_position": "original_max_position_embeddings",
-    "attention_factor_override": "attention_factor",
-}
-
-METHODS: dict[str, type[RopeScaling]] = {
-    "default": Default,
-    "linear": Linear,
-    "ntk": NTK,
-    "dynamic": DynamicNTK,
-    "yarn": YaRN,
-    "dynamic_yarn": DynamicYaRN,
-    "llama3": Llama3,
-    "longrope": LongRoPE,
-}
-
-# Resonance on top of another method: ``resonance`` (plain RoPE) or ``resonance_<rope type>``.
-RESONANCE_PREFIX = "resonance_"
-
-
-# The keys ``from_hf`` reads for each rope type (besides ``rope_type``/``type``): (required, optional).
-# ``original_max_position_embeddings`` is required by yarn/dynamic_yarn/longrope only where the
-# caller gives no ``max_position_embeddings`` to stand in for it (transformers' standardisation).
-_ORIGINAL = "original_max_position_embeddings"
-_YARN_OPTIONAL = {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
-HF_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "default": (frozenset(), frozenset()),
-    "linear": (frozenset({"factor"}), frozenset()),
-    "ntk": (frozenset({"factor"}), frozenset()),
-    "dynamic": (frozenset({"factor"}), frozenset()),
-    "yarn": (frozenset({"factor"}), frozenset({_ORIGINAL, *_YARN_OPTIONAL})),
-    "dynamic_yarn": (frozenset(), frozenset({"factor", _ORIGINAL, *_YARN_OPTIONAL})),
-    "llama3": (frozenset({"factor", "low_freq_factor", "high_freq_factor", _ORIGINAL}), frozenset()),
-    "longrope": (frozenset({"short_factor", "long_factor"}), frozenset({_ORIGINAL, "factor", "attention_factor"})),
-}
 # Keys every type may carry that are not scaling parameters: the caller passes base and rotary dim
 # to inv_freq(); ``resonance: true`` is the same as the ``resonance_`` prefix.
 _COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor", "resonance"})
@@ -408,88 +741,29 @@ def from_hf(
     if not rope_parameters:
         return Default()
     params = dict(rope_parameters)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    resonance = params.get("resonance", False)
-    if rope_type == "resonance":
-        rope_type, resonance = "default", True
-    elif isinstance(rope_type, str) and rope_type.startswith(RESONANCE_PREFIX) \
-            and rope_type[len(RESONANCE_PREFIX):] in METHODS:
-        rope_type, resonance = rope_type[len(RESONANCE_PREFIX):], True
-    if rope_type not in METHODS:
-        raise ValueError(f"from_hf: unknown rope_type {rope_type!r}; ropescale knows {sorted(METHODS)}")
-    required, optional = HF_KEYS[rope_type]
+    name = params.get("rope_type") or params.get("type") or "default"
+    parsed = RopeType.parse(name)
+    if parsed.method is None or parsed.rerope:
+        raise ValueError(f"from_hf: unknown rope_type {name!r}; ropescale knows {sorted(METHODS)}")
+    cls = parsed.method
+    resonance = parsed.resonance or params.get("resonance", False)
+    required, optional = HF_KEYS[cls.rope_type]
     known = required | optional | _COMMON_KEYS
     for key in sorted(set(params) - known, key=str):
         close = difflib.get_close_matches(str(key), sorted(known - {"type"}), n=1)
         raise ValueError(
-            f"from_hf: rope_type {rope_type!r} has no parameter {key!r}"
+            f"from_hf: rope_type {cls.rope_type!r} has no parameter {key!r}"
             + (f" (did you mean {close[0]!r}?)" if close else "")
             + f"; it reads {sorted(required | optional) or 'no parameters'}")
     missing = sorted(k for k in required if params.get(k) is None)
     if missing:
-        raise ValueError(f"from_hf: rope_type {rope_type!r} needs {', '.join(missing)}")
+        raise ValueError(f"from_hf: rope_type {cls.rope_type!r} needs {', '.join(missing)}")
     if not isinstance(resonance, bool):
         raise ValueError(f"from_hf: resonance must be true or false, got {resonance!r}")
-
-    def original_length():
-        value = params.get(_ORIGINAL)
-        if value is None:
-            value = max_position_embeddings
-        if value is None:
-            raise ValueError(f"from_hf: rope_type {rope_type!r} needs {_ORIGINAL} (or the config's "
-                             "max_position_embeddings)")
-        return _integer(value)
-
-    def get(key, default=None):
-        value = params.get(key)
-        return default if value is None else _number(value)
-
     try:
-        if rope_type == "default":
-            return Default(resonance=resonance)
-        if rope_type in ("linear", "ntk"):
-            return METHODS[rope_type](factor=get("factor"), resonance=resonance)
-        if rope_type == "dynamic":
-            # transformers' dynamic rule reads the config's max_position_embeddings as the original length.
-            if max_position_embeddings is None:
-                raise ValueError("from_hf: rope_type 'dynamic' needs the config's max_position_embeddings")
-            return DynamicNTK(factor=get("factor"), original_max_position=_integer(max_position_embeddings),
-                              resonance=resonance)
-        if rope_type in ("yarn", "dynamic_yarn"):
-            return METHODS[rope_type](
-                factor=get("factor", 1.0),
-                original_max_position=original_length(),
-                beta_fast=get("beta_fast", 32.0),
-                beta_slow=get("beta_slow", 1.0),
-                truncate=params.get("truncate", True),
-                mscale=get("mscale"),
-                mscale_all_dim=get("mscale_all_dim"),
-                attention_factor_override=get("attention_factor"),
-                resonance=resonance,
-            )
-        if rope_type == "llama3":
-            return Llama3(
-                factor=get("factor"),
-                low_freq_factor=get("low_freq_factor"),
-                high_freq_factor=get("high_freq_factor"),
-                original_max_position=_integer(params[_ORIGINAL]),
-                resonance=resonance,
-            )
-        # longrope
-        original = original_length()
-        factor = get("factor")
-        if factor is None and max_position_embeddings is not None and _is_number(original) and original > 0:
-            factor = max_position_embeddings / original
-        return LongRoPE(
-            short_factor=params["short_factor"],
-            long_factor=params["long_factor"],
-            original_max_position=original,
-            factor=factor,
-            attention_factor_override=get("attention_factor"),
-            resonance=resonance,
-        )
+        return cls(**cls.read_hf(params, max_position_embeddings), resonance=resonance)
     except ValueError as err:
         message = str(err)
         if message.startswith("from_hf"):
             raise
-        raise ValueError(f"from_hf: rope_type {rope_type!r}: {message}") from None
+        raise ValueError(f"from_hf: rope_type {cls.rope_type!r}: {message}") from None

@@ -20,7 +20,7 @@ import copy
 from typing import Any
 
 from .. import config as config_lib, scaling
-from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, join_rope_type, table_parameters
+from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, table_parameters
 
 # Every config attribute a patch may write: unpatch puts back exactly what was there (or nothing).
 _RECORDED = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY,
@@ -72,7 +72,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
     length, original = config.max_position_embeddings, None
     if method is None:
         params, _ = table_parameters(old)
-        params["rope_type"] = join_rope_type(rerope, params["rope_type"])
+        params["rope_type"] = scaling.RopeType.join(params["rope_type"], rerope)
         entry = attention_entry(attention, window, leaky_k, logn_length)
         saved_method = (getattr(config, CONFIG_KEY, None) or {}).get(METHOD_KEY)
         if saved_method is not None:  # the table is the recorded NTK-aware one: keep what names it

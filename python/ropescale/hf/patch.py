@@ -41,7 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import DynamicLayer
 
-from .. import config as config_lib, ops, scaling as scaling_lib
+from .. import config as config_lib, ops, scaling as scaling_lib, serving
 from . import checkpoint
 from .cache import PreRopeCache, PreRopeLayer
 from .rope_types import rotary_dim_of
@@ -77,27 +77,26 @@ class _PatchState:
     attention_modules: list[nn.Module]
     config: Any = None
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
-    _tables: dict = dataclasses.field(default_factory=dict)
+    tables: serving.TableCache | None = None
+
+    def __post_init__(self):
+        window = self.window if self.attention == "rerope" else serving.NO_WINDOW
+        self.tables = serving.TableCache(serving.PreRopePlan(self.method, self.base, self.rotary_dim, window,
+                                                             self.leaky_k, self.logn_length))
 
     @property
     def pre_rope(self) -> bool:
+        """Keys cached raw and rotated at attention time: ReRoPE, and the dynamic methods (whose scale follows the
+        length). A LongRoPE keeps transformers' rotated-key cache."""
         return self.attention == "rerope" or self.method.dynamic
 
     @property
     def length_dependent(self) -> bool:
-        """True when the table depends on the current length (dynamic methods, LongRoPE)."""
-        return self.method.dynamic or isinstance(self.method, scaling_lib.LongRoPE)
+        return self.method.length_dependent
 
     def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
-        """inv_freq on ``device`` and the attention factor for this length (memoised: every layer of a
-        forward asks for the same one)."""
-        key = (seq_len if self.length_dependent else None, device)
-        if key not in self._tables:
-            if len(self._tables) > 8:
-                self._tables.clear()
-            inv_freq = self.method.inv_freq(self.rotary_dim, self.base, seq_len=key[0]).to(device)
-            self._tables[key] = (inv_freq, self.method.attention_factor_for(key[0]))
-        return self._tables[key]
+        """inv_freq on ``device`` and the attention factor for this length (the serving core's table cache)."""
+        return self.tables.table(seq_len, device)
 
 
 def _as_method(scaling, config) -> scaling_lib.RopeScaling:

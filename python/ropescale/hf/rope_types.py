@@ -32,27 +32,12 @@ from typing import Any, Mapping
 from transformers import modeling_rope_utils as rope_utils
 
 from .. import config as config_lib, scaling
-from ..config import (REROPE_MARKER, REROPE_PREFIX, join_rope_type, rotary_dim_of, split_rope_type,  # noqa: F401
-                      table_parameters)
+from ..config import rotary_dim_of, table_parameters
+from ..scaling import RopeType
 
-# Table types transformers itself has, and the ones ropescale registers.
-NATIVE_TABLE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-_RESONANCE_BASES = ("linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3")
-ROPESCALE_TABLE_TYPES = ("ntk", config_lib.DYNAMIC_NTK_TYPE, "dynamic_yarn", "resonance",
-                         *(scaling.RESONANCE_PREFIX + b for b in _RESONANCE_BASES))
-REROPE_TYPES = (REROPE_MARKER, *(REROPE_PREFIX + t for t in NATIVE_TABLE_TYPES + ROPESCALE_TABLE_TYPES
-                                 if t != "default"))
-#: Every rope type ``import ropescale.hf`` registers in transformers.
-ROPESCALE_ROPE_TYPES = ROPESCALE_TABLE_TYPES + REROPE_TYPES
 
-# Keys of the types transformers has no validator for (the others use transformers' own).
-_KEYS = {  # rope type: (required, optional)
-    "ntk": ({"rope_type", "factor"}, {"rope_theta"}),
-    config_lib.DYNAMIC_NTK_TYPE: ({"rope_type", "factor"}, {"rope_theta"}),
-    "dynamic_yarn": ({"rope_type", "original_max_position_embeddings"},
-                     {"rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
-                      "mscale_all_dim", "truncate"}),
-}
+#: Every rope type ``import ropescale.hf`` registers in transformers (from the method registry).
+ROPESCALE_ROPE_TYPES = scaling.ropescale_rope_types()
 
 
 def _init_function(config, device=None, seq_len=None, layer_type=None):
@@ -80,23 +65,19 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
 
 
 def _make_validator(rope_type: str):
-    _, table_type = split_rope_type(rope_type)
-    base_type = table_type
-    if table_type == "resonance":
-        base_type = "default"
-    elif table_type.startswith(scaling.RESONANCE_PREFIX):
-        base_type = table_type[len(scaling.RESONANCE_PREFIX):]
+    parsed = RopeType.parse(rope_type)
+    method = parsed.method
+    required, optional = scaling.HF_KEYS[method.rope_type]
 
     def validate(self, rope_parameters, ignore_keys=None):
-        if base_type in _KEYS:
-            required, optional = _KEYS[base_type]
-            self._check_received_keys(rope_type, set(rope_parameters.keys()), set(required),
-                                      optional_keys=set(optional), ignore_keys=ignore_keys)
+        if not method.transformers_native:  # the registry's keys
+            self._check_received_keys(rope_type, set(rope_parameters.keys()), {"rope_type", *required},
+                                      optional_keys={"rope_theta", *optional}, ignore_keys=ignore_keys)
         else:  # transformers' own checks for the underlying type (keys, value warnings)
             checked = dict(rope_parameters)
-            if base_type in ("yarn", "llama3", "longrope"):  # what standardize_rope_params does for those
+            if method.stock_length_is_scaled:  # what standardize_rope_params does for those
                 checked.setdefault("original_max_position_embeddings", getattr(self, "max_position_embeddings", None))
-            getattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{base_type}_rope_parameters")(
+            getattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{method.rope_type}_rope_parameters")(
                 self, checked, ignore_keys=ignore_keys)
         # Build the method once: bad values get ropescale's own clear errors at load time.
         table, _ = table_parameters(rope_parameters)

@@ -42,7 +42,9 @@ from collections import OrderedDict
 
 import torch
 
-from .. import config as config_lib, ops, scaling
+from .. import config as config_lib, ops
+from ..serving import (NO_WINDOW, PreRopePlan, Segments, StepTables, TableCache, cut_segments,  # noqa: F401
+                       needs_pre_rope)
 
 logger = logging.getLogger("vllm.ropescale")
 
@@ -66,42 +68,9 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 __all__ = ["PreRopePlan", "PreRopeRotary", "StepTables", "TableCache", "host_seq_lens", "pass_through",
            "check_backend", "register_backends", "RopescaleCPUAttentionBackend", "PreRopeAttentionBackend"]
 
-#: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
-NO_WINDOW = 2**31 - 1
 #: Where ``register_backends`` puts each backend (class paths, as vLLM resolves them).
 CPU_BACKEND = f"{__name__}.RopescaleCPUAttentionBackend"
 CUDA_BACKEND = f"{__name__}.PreRopeAttentionBackend"
-
-
-@dataclasses.dataclass(frozen=True)
-class PreRopePlan:
-    """How a pre-RoPE model's layers attend: the method's table and ReRoPE's attention side."""
-
-    method: scaling.RopeScaling
-    base: float
-    rotary_dim: int
-    window: int  # NO_WINDOW for the dynamic methods without ReRoPE
-    leaky_k: float = 0.0
-    logn_length: int = 0
-    interleaved: bool = False  # GPT-J pairs (vLLM's is_neox_style=False)
-
-    @classmethod
-    def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
-        rerope = parsed.attention == "rerope"
-        return cls(parsed.method, float(parsed.base), int(rotary_dim), int(parsed.window) if rerope else NO_WINDOW,
-                   float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
-                   not is_neox_style)
-
-    @property
-    def length_dependent(self) -> bool:
-        """Each request needs the table of its own length (as ``hf.patch``: dynamic methods and LongRoPE)."""
-        return self.method.dynamic or isinstance(self.method, scaling.LongRoPE)
-
-
-def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
-    """Whether a checkpoint's method rotates at attention time (ReRoPE, or a table that changes with each
-    request's length: the dynamic methods and a LongRoPE ropescale wrote with distinct factors)."""
-    return parsed.attention == "rerope" or parsed.per_length
 
 
 # The plan of the pre-RoPE model this process serves, recorded by get_rope at model build (vLLM builds one
@@ -192,134 +161,6 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
 
 # ---------------------------------------------------------------------------------------------
 # Per-request tables, once per step
-
-
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """A step's requests cut where their rows need different tables (see :func:`cut_segments`), as the op takes
-    them: segment i is rows ``query_start_loc[i]:query_start_loc[i+1]``, the last rows of a sequence of
-    ``seq_lens[i]`` keys, over the pages of request ``request[i]`` (an index into vLLM's block table)."""
-
-    request: torch.Tensor  # int64 [S]
-    query_start_loc: torch.Tensor  # int32 [S + 1]
-    seq_lens: torch.Tensor  # int32 [S]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTables:
-    """What ``rerope_attention_paged`` takes for one step's requests: ``inv_freq`` ``[P]`` (a static table)
-    or ``[S, P]`` (segment s's table), ``scale_factors`` ``[S]`` (segment s's attention factor squared; None
-    for a static table) and ``scale_factor``, a static table's attention factor squared (1 when per segment).
-    ``segments`` is None when every request is one segment (vLLM's own lengths and block table then serve)."""
-
-    inv_freq: torch.Tensor
-    scale_factors: torch.Tensor | None
-    scale_factor: float
-    segments: Segments | None = None
-
-
-def cut_segments(seq_lens: list[int], query_lens: list[int] | None = None,
-             prompt_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
-    """``(request, rows, seq_len, table_len)`` per segment: the length whose table each query row takes, as
-    one transformers forward over the prompt and then one per generated token compute it (``hf.patch``), however
-    vLLM chunks, batches or recomputes the request. A row at position ``p`` of a request whose prompt has ``P``
-    tokens takes the table at ``max(P, p + 1)``: every prompt row the whole prompt's (a chunk of a long prompt
-    scheduled beside other requests is not computed under a smaller scale), every later row its own length's
-    (a decode step; several such rows in one step, after a preemption's recompute or as speculative tokens, are
-    one segment each). Without prompt lengths (``prompt_lens`` None) each request takes its current length's."""
-    out = []
-    for request, seq_len in enumerate(seq_lens):
-        rows = query_lens[request] if query_lens is not None else 1
-        prompt = prompt_lens[request] if prompt_lens is not None else None
-        if rows <= 0 or prompt is None:
-            out.append((request, max(rows, 0), seq_len, max(seq_len, 1)))
-            continue
-        first = seq_len - rows
-        prompt_end = min(seq_len, prompt)
-        if first < prompt_end:
-            out.append((request, prompt_end - first, prompt_end, prompt))
-        out.extend((request, 1, position + 1, position + 1) for position in range(max(first, prompt), seq_len))
-    return out
-
-
-class TableCache:
-    """A plan's tables by length (``hf.patch``'s ``state.table(seq_len)``: the method's float32 table and
-    its attention factor at ``seq_len`` = largest position + 1), and each step's tables on ``device``.
-
-    Every tensor a step hands the attention op lives at an address that never changes (CUDA graphs replay
-    the addresses they captured): a static table is computed once; per-request tables are written into two
-    buffers of ``rows`` rows (vLLM's ``max_num_seqs``; grown, outside any graph, if a step has more
-    requests), from pinned host memory without waiting for the device. Lengths come from the host
-    (:func:`host_seq_lens`): a step never reads the device."""
-
-    def __init__(self, plan: PreRopePlan, device: torch.device | str = "cpu", rows: int = 0,
-                 max_lengths: int = 4096) -> None:
-        self.plan, self.device, self.max_lengths = plan, torch.device(device), max_lengths
-        self._by_length: OrderedDict[int | None, tuple[torch.Tensor, float]] = OrderedDict()
-        self._last: tuple[tuple[int, ...] | None, StepTables] | None = None
-        self._inv_freq = self._factors = None
-        if plan.length_dependent and rows > 0:
-            self._allocate(rows)
-        self.computed = 0  # tables computed so far (tests count them)
-
-    def _allocate(self, rows: int) -> None:
-        self._inv_freq = torch.zeros(rows, self.plan.rotary_dim // 2, dtype=torch.float32, device=self.device)
-        self._factors = torch.ones(rows, dtype=torch.float32, device=self.device)
-
-    def table(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
-        """The float32 table (on the host) and the attention factor at ``seq_len`` (None: the static table)."""
-        hit = self._by_length.get(seq_len)
-        if hit is not None:
-            self._by_length.move_to_end(seq_len)
-            return hit
-        plan = self.plan
-        inv_freq = plan.method.inv_freq(plan.rotary_dim, plan.base, seq_len=seq_len)
-        factor = float(plan.method.attention_factor_for(seq_len))
-        self.computed += 1
-        self._by_length[seq_len] = (inv_freq, factor)
-        if len(self._by_length) > self.max_lengths:
-            self._by_length.popitem(last=False)
-        return inv_freq, factor
-
-    def step(self, seq_lens: list[int], query_lens: list[int] | None = None,
-             prompt_lens: list[int] | None = None) -> StepTables:
-        """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens, host
-        integers) with ``query_lens`` rows each and prompts of ``prompt_lens`` tokens (:func:`cut_segments`; a
-        padded request's 0 rows get any valid table)."""
-        if not self.plan.length_dependent:
-            if self._last is None:
-                inv_freq, factor = self.table(None)
-                self._last = (None, StepTables(inv_freq.to(self.device), None, factor * factor))
-            return self._last[1]
-        cut = cut_segments(seq_lens, query_lens, prompt_lens)
-        split = len(cut) != len(seq_lens)
-        key = tuple(cut) if split else tuple(seg[3] for seg in cut)
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        count = len(cut)
-        rows = [self.table(seg[3]) for seg in cut]
-        if self._inv_freq is None or self._inv_freq.shape[0] < count:
-            self._allocate(max(count, 1))
-        inv_freq, factors = self._inv_freq[:count], self._factors[:count]
-        if rows:
-            host_freq = torch.stack([r[0] for r in rows])
-            host_factors = torch.tensor([r[1] * r[1] for r in rows], dtype=torch.float32)
-            if self.device.type != "cpu":  # asynchronous copies need page-locked sources
-                host_freq, host_factors = host_freq.pin_memory(), host_factors.pin_memory()
-            inv_freq.copy_(host_freq, non_blocking=True)
-            factors.copy_(host_factors, non_blocking=True)
-        pieces = None
-        if split:  # fresh tensors: only mixed steps split, and vLLM captures graphs for single-token decode only
-            starts = [0]
-            for seg in cut:
-                starts.append(starts[-1] + seg[1])
-            pieces = Segments(
-                torch.tensor([seg[0] for seg in cut], dtype=torch.int64).to(self.device, non_blocking=True),
-                torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True),
-                torch.tensor([seg[2] for seg in cut], dtype=torch.int32).to(self.device, non_blocking=True))
-        tables = StepTables(inv_freq, factors, 1.0, pieces)
-        self._last = (key, tables)
-        return tables
 
 
 def host_seq_lens(common: CommonAttentionMetadata) -> list[int]:
@@ -542,11 +383,7 @@ def served_plan(vllm_config) -> PreRopePlan | None:
     if params is None:
         return None
     try:
-        parsed = config_lib.read(params, getattr(hf_config, "max_position_embeddings", None),
-                                 getattr(hf_config, config_lib.CONFIG_KEY, None))
-        if not needs_pre_rope(parsed):
-            return None
-        return PreRopePlan.of(parsed, config_lib.rotary_dim_of(hf_config, params), True)
+        return PreRopePlan.of_config(hf_config)
     except (ValueError, TypeError, AttributeError):
         return None  # not ropescale's to judge: get_rope reports it
 
@@ -794,12 +631,7 @@ def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
     tags: OrderedDict = _engine["tags"]  # type: ignore[assignment]
     tag = tags.get(prompt_len)
     if tag is None:
-        import hashlib
-
-        inv_freq, factor = tables.table(max(int(prompt_len), 1))  # the table the builder gives the prompt's rows
-        digest = hashlib.sha256(inv_freq.to(torch.float32).contiguous().numpy().tobytes())
-        digest.update(repr(factor).encode())
-        tag = tags[prompt_len] = digest.hexdigest()[:32]
+        tag = tags[prompt_len] = tables.prompt_digest(prompt_len)
         if len(tags) > 65536:
             tags.popitem(last=False)
     return tag

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import config as config_lib, ops
+from .. import config as config_lib, ops, scaling
 
 logger = logging.getLogger("vllm.ropescale")
 
@@ -83,11 +83,10 @@ class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
         return f"{super().extra_repr()}, method={self.method}"
 
 
-def _ropescale_types() -> tuple[str, ...]:
-    from ..hf.rope_types import ROPESCALE_ROPE_TYPES
-
-    # "ntk" is also vLLM's own type (another formula): it stays vLLM's; see the warning below.
-    return tuple(t for t in ROPESCALE_ROPE_TYPES if t != "ntk")
+# ropescale's rope types but those vLLM has under the same name with another formula ("ntk": it stays vLLM's,
+# see the warning in get_rope).
+_ROPESCALE_TYPES = tuple(t for t in scaling.ropescale_rope_types() if not (
+    scaling.RopeType.parse(t).method.vllm_owns_name and t == scaling.RopeType.parse(t).method.rope_type))
 
 
 def _model_config():
@@ -105,7 +104,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     hf_config = getattr(model_config, "hf_config", None)
     entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
     rope_type = params.get("rope_type", "default")
-    ours = rope_type in _ropescale_types() or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    ours = rope_type in _ROPESCALE_TYPES or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
     if not ours:
@@ -155,9 +154,10 @@ def install(refusal: str | None = None) -> None:
     _rope_package.get_rope = get_rope
 
 
-# vLLM's own rotary classes that the opt-in switch routes through ropescale's kernel.
-_STOCK_CLASSES = ("RotaryEmbedding", "LinearScalingRotaryEmbedding", "YaRNScalingRotaryEmbedding",
-                  "Llama3RotaryEmbedding")
+# vLLM's own rotary classes that the opt-in switch routes through ropescale's kernel: each method's, where it
+# declares one (scaling.RopeScaling.vllm_rotary_class).
+_STOCK_CLASSES = tuple(dict.fromkeys(cls.vllm_rotary_class for cls in scaling.METHODS.values()
+                                     if cls.vllm_rotary_class))
 
 
 def install_rotation() -> bool:
