@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import scaling
+from .. import scaling
 
 # Method names accepted by --method: transformers' rope types plus ropescale's resonance ones, and
 # dynamic_ntk (the name ropescale writes Dynamic NTK under; transformers calls it dynamic). LongRoPE's
@@ -346,7 +346,7 @@ def _cmd_table(args) -> int:
     _check_seq_len(args, method, *compare.values())
     _print_table(_method_label(args), method, args.dim, args.base, args.seq_len, args.json)
     if args.plot:
-        from . import plots
+        from .. import plots
 
         tables = {"default (RoPE)": scaling.Default().inv_freq(args.dim, args.base)}
         tables[_method_label(args)] = method.inv_freq(args.dim, args.base, seq_len=args.seq_len)
@@ -367,7 +367,7 @@ def _note(args, message: str) -> None:
 
 
 def _cmd_base_bound(args) -> int:
-    from . import ops
+    from .. import ops
 
     bounds = []
     for length in _progress(args.context_length, args.quiet or len(args.context_length) == 1, desc="base bound"):
@@ -385,7 +385,7 @@ def _cmd_base_bound(args) -> int:
 
 
 def _cmd_decay(args) -> int:
-    from . import ops
+    from .. import ops
 
     method = _method(args)
     _check_seq_len(args, method)
@@ -412,7 +412,7 @@ def _cmd_decay(args) -> int:
         for m in marks:
             print(f"{m:>10} {float(curve[m]):>10.4f}" + ("   <- first negative" if m == first_negative else ""))
     if args.plot:
-        from . import plots
+        from .. import plots
 
         plots.decay(curve, args.plot, first_negative,
                     title=f"Similarity decay: {label}, dim {args.dim}, base {args.base:g}")
@@ -427,7 +427,7 @@ def _float64():
 
 
 def _cmd_gap(args) -> int:
-    from . import ops
+    from .. import ops
 
     if args.test_length <= args.train_length:
         raise UsageError(f"--test-length ({args.test_length}) must be > --train-length ({args.train_length})")
@@ -469,7 +469,7 @@ def _cmd_gap(args) -> int:
         print(f"largest pre-critical gap: {summary['max_pre_critical_gap']:.4f} -> "
               f"{summary['max_pre_critical_resonance_gap']:.2e} with Resonance")
     if args.plot:
-        from . import plots
+        from .. import plots
 
         critical = next((p["pair"] for p in pairs if not p["pre_critical"]), None)
         label = "RoPE" if name == "default" else name
@@ -483,7 +483,7 @@ def _cmd_gap(args) -> int:
 
 
 def _cmd_posgen(args) -> int:
-    from . import posgen
+    from .. import posgen
 
     if args.length < args.j + args.k:
         raise UsageError(f"--length ({args.length}) must be >= j + k = {args.j + args.k}")
@@ -516,7 +516,7 @@ DEMO_OUTPUT = os.path.join(tempfile.gettempdir(), "ropescale-demo")
 
 
 def _cmd_demo(args) -> int:
-    from . import demo
+    from .. import demo
 
     if args.test_length is not None and args.test_length <= args.train_length:
         raise UsageError(f"--test-length ({args.test_length}) must be > --train-length ({args.train_length})")
@@ -565,7 +565,7 @@ def _check_eval_options(args) -> None:
 def _eval_patch(args, model, target_length: int) -> dict:
     """Put the method the options describe into ``model`` (nothing without --method / --window); return
     how it was described, for the report."""
-    from . import hf
+    from .. import hf
 
     if args.method is None and args.window is None:
         return {"method": None}
@@ -604,7 +604,7 @@ def _load_model(args):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.gguf is not None:
-        from . import realmodel
+        from .. import realmodel
 
         try:
             return realmodel.load_gguf(args.gguf or None, dtype=dtype, device=device, progress=_show_progress(args))
@@ -625,7 +625,7 @@ def _model_name(args) -> str:
 
 
 def _cmd_eval_passkey(args) -> int:
-    from . import evaluate
+    from .. import evaluate
 
     _check_eval_options(args)
     model, tokenizer = _load_model(args)
@@ -645,7 +645,7 @@ def _cmd_eval_passkey(args) -> int:
 
 
 def _cmd_eval_perplexity(args) -> int:
-    from . import evaluate
+    from .. import evaluate
 
     _check_eval_options(args)
     try:
@@ -792,8 +792,8 @@ def _cmd_extend(args) -> int:
     _check_extend_paths(src, dst)
     from transformers import AutoConfig
 
-    from . import config as config_lib
-    from .hf import checkpoint
+    from .. import config as config_lib
+    from ..hf import checkpoint
 
     try:
         config = AutoConfig.from_pretrained(src)
@@ -895,7 +895,7 @@ def _sub(sub, name: str, help: str, description: str, examples: list[str]) -> ar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .posgen import TASKS
+    from ..posgen import TASKS
 
     parser = argparse.ArgumentParser(
         prog="ropescale", description="RoPE context extension: inspect and evaluate methods.",
@@ -1003,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=_cmd_demo)
 
     _add_extend_command(sub)
-    from . import check  # `ropescale check`: every op on this machine's devices (check.py)
+    from .. import check  # `ropescale check`: every op on this machine's devices (check.py)
     check.add_parser(sub)
 
     examples = {
