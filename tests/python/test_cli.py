@@ -398,6 +398,9 @@ def test_top_level_help_lists_every_command(capsys):
     (["eval", "passkey", "m", "--context-length", "64", "--leaky-k", "1"], "argument --leaky-k: must be > 1"),
     (["eval", "passkey", "m", "--context-length", "64", "--window", "0"], "argument --window: must be > 0, got 0"),
     (["eval", "passkey", "m", "--context-length", "64", "--method", "rerope"], "--method rerope needs --window W"),
+    # as extend says it: the model's own table takes none of a table method's options
+    (["eval", "passkey", "m", "--context-length", "64", "--method", "rerope", "--window", "8", "--floor", "2"],
+     "--method rerope keeps the model's own table: --floor belong to a table method"),
     (["eval", "perplexity", "m", "--text", "t", "--logn"], "--leaky-k and --logn belong to ReRoPE: add --window W"),
 ])
 def test_bad_arguments_exit_2_with_usage(capsys, argv, message):
@@ -436,6 +439,53 @@ def test_table_of_a_dynamic_method_follows_seq_len(capsys):
     fixed = run_json(capsys, "table", "--method", "dynamic_yarn", "--floor", "16", "--dim", "16",
                      "--original-max-position", "64", "--seq-len", "128")
     assert fixed["rows"][-1]["scale"] == pytest.approx(16.0, rel=1e-5)  # an explicit floor holds at every length
+
+
+# Every --method name `table` takes, the options it is given, and the scaling method they describe.
+METHOD_NAMES = {
+    "default": ([], scaling.Default()),
+    "resonance": ([], scaling.Default(resonance=True)),
+    "linear": (["--factor", "2"], scaling.Linear(factor=2.0)),
+    "ntk": (["--factor", "2", "--resonance"], scaling.NTK(factor=2.0, resonance=True)),
+    "dynamic": (["--factor", "2", "--seq-len", "9000"], scaling.DynamicNTK(factor=2.0, original_max_position=4096)),
+    "dynamic_ntk": (["--factor", "3", "--seq-len", "9000", "--original-max-position", "1000"],
+                    scaling.DynamicNTK(factor=3.0, original_max_position=1000)),
+    "yarn": (["--factor", "2", "--original-max-position", "64", "--beta-fast", "16", "--beta-slow", "2"],
+             scaling.YaRN(factor=2.0, original_max_position=64, beta_fast=16.0, beta_slow=2.0)),
+    "resonance_yarn": ([], scaling.YaRN(factor=16.0, resonance=True)),  # table's default factor
+    "dynamic_yarn": (["--floor", "2", "--seq-len", "9000", "--beta-fast", "8"],
+                     scaling.DynamicYaRN(factor=2.0, beta_fast=8.0)),
+    "llama3": (["--factor", "2", "--original-max-position", "64"],
+               scaling.Llama3(factor=2.0, original_max_position=64)),
+}
+
+
+def test_every_method_name_is_covered():
+    table = next(a for a in cli._subparser(cli.build_parser(), ["table"])._actions if a.dest == "method")
+    assert sorted(table.choices) == sorted(METHOD_NAMES)
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_NAMES))
+def test_each_method_name_builds_its_scaling_method(capsys, name):
+    options, method = METHOD_NAMES[name]
+    out = run_json(capsys, "table", "--method", name, "--dim", "16", *options)
+    seq_len = out.get("seq_len")
+    assert [r["inv_freq"] for r in out["rows"]] == pytest.approx(method.inv_freq(16, 1e4, seq_len).tolist(), rel=1e-6)
+    assert out["attention_factor"] == pytest.approx(method.attention_factor_for(seq_len))
+
+
+@pytest.mark.parametrize("command", [["table"], ["decay"], ["gap"], ["eval", "passkey"], ["eval", "perplexity"],
+                                     ["extend"]])
+def test_method_options_are_the_same_in_every_command(command):
+    # issue 28: declared once (cli/methods.py); a command picks the ones it takes and says its own defaults.
+    parser = cli._subparser(cli.build_parser(), command)
+    assert parser.prog == "ropescale " + " ".join(command)
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    taken = [flag for flag in cli.methods.OPTIONS if flag in actions]
+    assert {"--method", "--factor", "--floor", "--beta-fast", "--original-max-position", "--resonance"} <= set(taken)
+    for flag in taken:
+        option = cli.methods.OPTIONS[flag]
+        assert actions[flag].type is option.type and actions[flag].help.startswith(option.help), flag
 
 
 def test_dynamic_yarn_takes_a_floor_never_a_factor(capsys, tmp_path):

@@ -1,0 +1,308 @@
+"""The scaling-method options of ``table``, ``decay``, ``gap``, ``eval`` and ``extend``, declared once.
+
+``NAMES``: what --method takes, each name the ``scaling.METHODS`` entry it builds. ``OPTIONS``: one entry per
+option (flag, type, default, help, the methods that read it and the dataclass field it fills). A command
+names the subset it takes in a ``MethodOptions`` and ``add_options`` adds them; ``build`` turns the parsed
+options into a ``scaling.RopeScaling``. Everything the CLI knows about the methods is here, so a registry
+in ``scaling`` (each method declaring its own options) replaces ``NAMES`` and ``OPTIONS`` and nothing else.
+
+The method's dataclass checks the values it is given (``__post_init__``): its ValueError is the usage error
+the user sees (``main``). Checked here: which option goes with which method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .. import scaling
+from .common import UsageError, positive_float, positive_int
+
+
+def scale_factor(text: str) -> float:
+    value = positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the scale factor s must be >= 1 (s < 1 would shrink the context), got {text}")
+    return value
+
+
+def leaky_k(text: str) -> float:
+    value = positive_float(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 1 (K = 1 is plain RoPE past the window), got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class MethodName:
+    """A name --method takes."""
+
+    rope_type: str | None  # the scaling.METHODS entry it builds; None: no table (the model's own)
+    resonance: bool = False  # Resonance RoPE on top (wavelengths rounded to integers)
+    needs: str | None = None  # the option a command must take to offer the name
+
+
+NAMES: dict[str, MethodName] = {
+    **{rope_type: MethodName(rope_type) for rope_type in scaling.METHODS},
+    # LongRoPE's per-pair factors come from a search: only a command that reads them from a file offers it.
+    "longrope": MethodName("longrope", needs="--longrope-factors"),
+    # The name ropescale writes Dynamic NTK under (transformers calls it dynamic).
+    "dynamic_ntk": MethodName("dynamic"),
+    "resonance": MethodName("default", resonance=True),
+    "resonance_yarn": MethodName("yarn", resonance=True),
+    # The model's own table, with ReRoPE attention (--window with another name puts ReRoPE on top of that one).
+    "rerope": MethodName(None, needs="--window"),
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One method option."""
+
+    flag: str
+    help: str
+    read_by: frozenset[str] = frozenset()  # the rope types (scaling.METHODS keys) it is for
+    field: str | None = None  # the dataclass field it fills; None: build or the command reads it
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    metavar: str | None = None
+    switch: bool = False  # store_true
+    attention: bool = False  # ReRoPE's, listed in the attention group
+    # --method name -> a sentence of help, shown where the command offers that name
+    method_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+_DYNAMIC = frozenset(t for t, method in scaling.METHODS.items() if method.dynamic)
+_YARN = frozenset({"yarn", "dynamic_yarn"})
+
+OPTIONS: dict[str, Option] = {o.flag: o for o in (
+    Option("--method", "scaling method"),
+    # A static table's s and Dynamic NTK's s; never dynamic_yarn's floor (issue 27: --factor 8 read as "serve
+    # 8x longer" made every length run at s >= 8), which is --floor.
+    Option("--factor", "scale factor s: the table of linear/ntk/yarn/llama3 is set for s x L; dynamic (dynamic_ntk) "
+           "uses s in its base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L; not for dynamic_yarn (see "
+           "--floor)", read_by=frozenset({"linear", "ntk", "dynamic", "yarn", "llama3", "longrope"}),
+           field="factor", type=scale_factor,
+           method_notes={"longrope": "; longrope: the s its long factors were searched for (attention factor, "
+                                     "served to s x L)"}),
+    Option("--floor", "dynamic_yarn only: the floor F of its scale s = max(F, len/L), applied at EVERY length "
+           "(requests shorter than F x L are then no longer native); default 1",
+           read_by=frozenset({"dynamic_yarn"}), field="factor", type=scale_factor, metavar="F"),
+    Option("--original-max-position", "pre-training context L",
+           read_by=frozenset({"dynamic", "yarn", "dynamic_yarn", "llama3", "longrope"}),
+           field="original_max_position", type=positive_int, default=4096),
+    Option("--beta-fast", "YaRN beta_fast", read_by=_YARN, field="beta_fast", type=positive_float, default=32.0),
+    Option("--beta-slow", "YaRN beta_slow", read_by=_YARN, field="beta_slow", type=positive_float, default=1.0),
+    # The table commands pass it to inv_freq.
+    Option("--seq-len", "current length (largest position + 1) for the dynamic methods "
+           f"({', '.join(sorted(_DYNAMIC))})", read_by=_DYNAMIC, type=positive_int),
+    Option("--resonance", "round wavelengths to integers (Resonance RoPE)", read_by=frozenset(scaling.METHODS),
+           field="resonance", switch=True),
+    Option("--longrope-factors", "longrope: a JSON object with short_factor and long_factor (one per rotary pair), "
+           "at its top or under rope_parameters / rope_scaling (a LongRoPE model's config.json), optionally factor",
+           read_by=frozenset({"longrope"}), metavar="FILE.json"),
+    Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W", attention=True),
+    Option("--leaky-k", "Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)", type=leaky_k, metavar="K",
+           attention=True),
+    Option("--logn", "ReRoPE log-n scaling: queries past L times log(n)/log(L)", switch=True, attention=True),
+)}
+
+# What --method rerope refuses: the options that shape a table and that nothing else reads.
+_TABLE_ONLY = ("--factor", "--floor", "--resonance", "--longrope-factors")
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """The method options one command takes (``flags``, in OPTIONS' order on --help), and its own defaults."""
+
+    flags: tuple[str, ...]
+    method: str | None = None  # --method's default (None: no method unless one is given)
+    required: bool = False  # --method must be given
+    factor: float | None = None  # the factor of a method that scales when --factor is not given
+    defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)  # flag -> the default it works out itself
+    notes: Mapping[str, str] = dataclasses.field(default_factory=dict)  # flag -> help text only this command needs
+    own_table: str = "the model's own table"  # what --method rerope keeps
+    serve_longer: str | None = None  # how this command serves dynamic_yarn longer (its --factor refusal says)
+    title: str = "method"
+    attention_title: str = "ReRoPE attention"
+
+
+def names(taken: MethodOptions) -> list[str]:
+    """The --method names a command offers: those whose options it takes."""
+    return sorted(name for name, entry in NAMES.items() if entry.needs is None or entry.needs in taken.flags)
+
+
+def reads(name: str, flag: str) -> bool:
+    """Whether --method ``name`` reads option ``flag``."""
+    return NAMES[name].rope_type in OPTIONS[flag].read_by
+
+
+def add_options(parser: argparse.ArgumentParser, taken: MethodOptions) -> argparse._ArgumentGroup:
+    """Adds the options ``taken`` names to ``parser``; returns their group (for a command's own option there)."""
+    unknown = set(taken.flags) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"add_options: no method option {sorted(unknown)}")
+    group = parser.add_argument_group(taken.title)
+    attention = None
+    offered = names(taken)
+    for option in OPTIONS.values():
+        if option.flag not in taken.flags:
+            continue
+        help = option.help + "".join(note for name, note in option.method_notes.items() if name in offered)
+        help += taken.notes.get(option.flag, "")
+        kwargs: dict[str, Any] = {}
+        if option.flag == "--method":
+            kwargs.update(choices=offered, default=taken.method, required=taken.required)
+            if "rerope" in offered:
+                help += f", or rerope ({taken.own_table} with ReRoPE attention: needs --window)"
+        elif option.switch:
+            kwargs.update(action="store_true")
+        else:
+            kwargs.update(type=option.type, metavar=option.metavar,
+                          default=None if option.flag in taken.defaults else option.default)
+        default = _default_help(option, taken)
+        if default:
+            help += f" ({default})"
+        if option.attention and attention is None:
+            attention = parser.add_argument_group(taken.attention_title)
+        (attention if option.attention else group).add_argument(option.flag, help=help, **kwargs)
+    parser.set_defaults(method_options=taken)
+    return group
+
+
+def _default_help(option: Option, taken: MethodOptions) -> str | None:
+    if option.flag in taken.defaults:
+        return "default: " + taken.defaults[option.flag]
+    if option.flag == "--method":
+        return f"default {taken.method}" if taken.method else None
+    if option.flag == "--factor":
+        return f"default {taken.factor:g}" if taken.factor else "needed by the methods that scale"
+    return None if option.default is None else f"default {option.default:g}"
+
+
+def _given(args, flag: str) -> bool:
+    return flag in args.method_options.flags and getattr(args, OPTIONS[flag].dest) not in (None, False)
+
+
+def check_rerope(args) -> None:
+    """ReRoPE's options against --method: usage errors found before a model is loaded."""
+    taken: MethodOptions = args.method_options
+    if args.method == "rerope":
+        if args.window is None:
+            raise UsageError("--method rerope needs --window W: relative distances below W stay exact, longer ones "
+                             "count as W (a quarter of the trained length is a good start)")
+        given = [flag for flag in _TABLE_ONLY if _given(args, flag)]
+        if given:
+            raise UsageError(f"--method rerope keeps {taken.own_table}: {', '.join(given)} belong to a table method "
+                             "(ReRoPE over one: --method M --window W)")
+    if args.window is None and (args.leaky_k or args.logn):
+        raise UsageError("--leaky-k and --logn belong to ReRoPE: add --window W (e.g. --method rerope --window W)")
+
+
+def rerope_attention(args) -> dict[str, Any]:
+    """``hf.patch``'s / ``checkpoint.record``'s attention arguments (none without --window)."""
+    if args.window is None:
+        return {}
+    return {"attention": "rerope", "window": args.window, "leaky_k": args.leaky_k or 0.0,
+            "logn_length": args.original_max_position if args.logn else 0}
+
+
+def build(args, name: str | None = None, *, factor: float | None = None) -> scaling.RopeScaling | None:
+    """The scaling method the options describe: --method's, or ``name``'s (``table --compare``: the options are
+    the main method's, so only it is refused those it does not read). ``factor``: the one a method that scales
+    gets without --factor (default: the command's). None for --method rerope (the model's own table)."""
+    taken: MethodOptions = args.method_options
+    main = name is None or name == args.method
+    name = name or args.method
+    rope_type, resonance = NAMES[name].rope_type, NAMES[name].resonance
+    if rope_type is None:
+        check_rerope(args)
+        return None
+    if main:
+        _refuse_unread(args, rope_type)
+    kwargs: dict[str, Any] = {}
+    for option in OPTIONS.values():
+        if option.field and rope_type in option.read_by and option.flag in taken.flags:
+            value = getattr(args, option.dest)
+            if value is not None:
+                kwargs[option.field] = value
+    kwargs["resonance"] = kwargs.get("resonance", False) or resonance
+    scales = rope_type in OPTIONS["--factor"].read_by
+    if scales and "factor" not in kwargs:
+        default = factor if factor is not None else taken.factor
+        if default is not None:
+            kwargs["factor"] = default
+    if rope_type == "longrope":
+        factors = longrope_factors(args.longrope_factors)
+        kwargs.update(short_factor=factors["short_factor"], long_factor=factors["long_factor"])
+        if kwargs.get("factor") is None:
+            kwargs["factor"] = factors.get("factor")
+        if kwargs["factor"] is None:
+            raise UsageError("--method longrope needs --factor s, the length scale its long factors were searched for "
+                             "(it sets the attention factor, and the length s x L it is served to)")
+    elif scales and "factor" not in kwargs:
+        # The dataclasses default to s = 1 (the table unchanged): on the command line that is never meant.
+        raise UsageError(f"--method {name} needs --factor")
+    # The dataclass checks every value; its ValueError is the usage error.
+    return scaling.METHODS[rope_type](**kwargs)
+
+
+def _refuse_unread(args, rope_type: str) -> None:
+    taken: MethodOptions = args.method_options
+    if _given(args, "--floor") and rope_type not in OPTIONS["--floor"].read_by:
+        raise UsageError(f"--floor is dynamic_yarn's (the floor of its scale s = max(F, length / L)); --method "
+                         f"{args.method} has none")
+    if _given(args, "--factor") and rope_type == "dynamic_yarn":
+        # issue 27: `--factor 8` read as "serve 8x longer" made every length run at s >= 8.
+        raise UsageError(
+            f"--method dynamic_yarn takes no --factor: its scale is s = max(F, length / L), so a factor would be "
+            f"the FLOOR F at every length (requests shorter than {args.factor:g} x L would no longer be native). "
+            + (f"To serve it longer {taken.serve_longer}; for a floor, " if taken.serve_longer else "For a floor, ")
+            + f"--floor {args.factor:g}")
+    if _given(args, "--longrope-factors") and rope_type not in OPTIONS["--longrope-factors"].read_by:
+        raise UsageError("--longrope-factors belongs to --method longrope")
+
+
+def longrope_factors(path: str | None) -> dict:
+    """The ``short_factor``/``long_factor`` (and ``factor``, when there) of ``--longrope-factors FILE``."""
+    if path is None:
+        raise UsageError("--method longrope needs --longrope-factors FILE.json: its per-pair short and long factors "
+                         "(they come from LongRoPE's search)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--longrope-factors: cannot read {path}: {err.strerror}") from None
+    except ValueError as err:
+        raise UsageError(f"--longrope-factors: {path} is not JSON: {err}") from None
+    holders = [data] + [data.get(k) for k in ("rope_parameters", "rope_scaling")] if isinstance(data, dict) else []
+    for holder in holders:
+        if isinstance(holder, dict) and "short_factor" in holder and "long_factor" in holder:
+            return holder
+    raise UsageError(f"--longrope-factors: {path} has no short_factor and long_factor (at its top, or under "
+                     "rope_parameters or rope_scaling)")
+
+
+def check_seq_len(args, *methods: scaling.RopeScaling) -> None:
+    """--seq-len is the length a dynamic table is built for; refused when no method in ``methods`` is dynamic."""
+    if args.seq_len is not None and not any(m.dynamic for m in methods):
+        raise UsageError(f"--seq-len applies to the dynamic methods ({', '.join(sorted(_DYNAMIC))}) only: the table "
+                         f"of --method {args.method} does not depend on the length")
+
+
+def label(args, name: str | None = None) -> str:
+    """--method's name (or ``name``), with `` + resonance`` where --resonance adds it."""
+    name = name or args.method
+    return name + (" + resonance" if args.resonance and not NAMES[name].resonance else "")
+
+
+def without_resonance(name: str) -> str:
+    """The name of the method a Resonance name rounds (``resonance_yarn`` -> ``yarn``; others as they are)."""
+    return NAMES[name].rope_type if NAMES[name].resonance else name
