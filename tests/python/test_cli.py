@@ -367,6 +367,9 @@ def test_top_level_help_lists_every_command(capsys):
     (["table", "--method", "ntk", "--factor", "2", "--dim", "2"], "ntk_inv_freq: dim must be > 2"),
     (["table", "--seq-len", "99999999999999999999999"], "argument --seq-len: must be at most 2^62"),
     (["table", "--beta-fast", "1", "--beta-slow", "2"], "YaRN: beta_fast must be a finite number > 2, got 1.0"),
+    # The range of a value only a method reads is its dataclass's to check (issue 28): that message, as a usage error.
+    (["table", "--beta-slow", "-1"], "YaRN: beta_slow must be a finite number > 0, got -1.0"),
+    (["table", "--beta-fast", "x"], "argument --beta-fast: expected a number, got 'x'"),
     (["decay", "--method", "llama3", "--factor", "2", "--original-max-position", "0"],
      "argument --original-max-position: must be > 0, got 0"),
     (["posgen", "cot", "--modulus", "1000", "--n", "1000000", "--length", "1000000"], "is more than 134217728 tokens"),

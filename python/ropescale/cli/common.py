@@ -58,11 +58,16 @@ def even_dim(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def number(text: str) -> float:
+    """Any float; the range is the reader's to check (a scaling method's dataclass, say)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value

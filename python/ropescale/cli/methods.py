@@ -7,7 +7,10 @@ options into a ``scaling.RopeScaling``. Everything the CLI knows about the metho
 in ``scaling`` (each method declaring its own options) replaces ``NAMES`` and ``OPTIONS`` and nothing else.
 
 The method's dataclass checks the values it is given (``__post_init__``): its ValueError is the usage error
-the user sees (``main``). Checked here: which option goes with which method.
+the user sees (``main``). Checked here: which option goes with which method, and the values whose argparse
+check says more than the dataclass would: --factor and --floor >= 1 (both fill ``factor``; s < 1 would
+shrink the context), --original-max-position and --window > 0 (within int64, and found while parsing,
+before a model is loaded), --leaky-k > 1 (``config.check_attention`` takes 1: plain RoPE past the window).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .. import scaling
-from .common import UsageError, positive_float, positive_int
+from .common import UsageError, number, positive_float, positive_int
 
 
 def scale_factor(text: str) -> float:
@@ -98,8 +101,8 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--original-max-position", "pre-training context L",
            read_by=frozenset({"dynamic", "yarn", "dynamic_yarn", "llama3", "longrope"}),
            field="original_max_position", type=positive_int, default=4096),
-    Option("--beta-fast", "YaRN beta_fast", read_by=_YARN, field="beta_fast", type=positive_float, default=32.0),
-    Option("--beta-slow", "YaRN beta_slow", read_by=_YARN, field="beta_slow", type=positive_float, default=1.0),
+    Option("--beta-fast", "YaRN beta_fast", read_by=_YARN, field="beta_fast", type=number, default=32.0),
+    Option("--beta-slow", "YaRN beta_slow", read_by=_YARN, field="beta_slow", type=number, default=1.0),
     # The table commands pass it to inv_freq.
     Option("--seq-len", "current length (largest position + 1) for the dynamic methods "
            f"({', '.join(sorted(_DYNAMIC))})", read_by=_DYNAMIC, type=positive_int),
