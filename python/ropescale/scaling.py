@@ -302,6 +302,13 @@ class RopeScaling:
         short and long factors. Every engine then gives each sequence its own length's table."""
         return self.dynamic
 
+    def check_rotary_dim(self, dim: int) -> None:
+        """Raise ValueError when the method cannot make a table for rotary dim ``dim`` (before a model is touched)."""
+
+    def scale_at(self, seq_len: int | None) -> float | None:
+        """The scale factor in effect at ``seq_len`` (None: the method has no single one), for display."""
+        return None
+
     def inv_freq(
         self, dim: int, base: float, seq_len: int | None = None, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -531,6 +538,9 @@ class YaRN(RopeScaling):
     def _scale(self, seq_len: int | None) -> float:
         return self.factor
 
+    def scale_at(self, seq_len):
+        return self._scale(seq_len)
+
     def _table(self, dim, base, seq_len, dtype):
         return ops.yarn_inv_freq(
             dim, base, self._scale(seq_len), self.original_max_position,
@@ -569,10 +579,6 @@ class DynamicYaRN(YaRN):
     vllm_rotary_class: ClassVar[str | None] = None
     vllm_owns_name: ClassVar[bool] = False
     cli_names: ClassVar[tuple[str, ...]] = ("dynamic_yarn",)
-
-    def scale(self, seq_len: int | None) -> float:
-        """The YaRN scale at ``seq_len`` (None: the floor)."""
-        return self._scale(seq_len)
 
     def _scale(self, seq_len):
         if seq_len is None:
@@ -668,6 +674,11 @@ class LongRoPE(RopeScaling):
     @property
     def length_dependent(self) -> bool:
         return self.short_factor != self.long_factor
+
+    def check_rotary_dim(self, dim):
+        if len(self.short_factor) != dim // 2:
+            raise ValueError(f"LongRoPE: {len(self.short_factor)} factors per list, but rotary dim {dim} has "
+                             f"{dim // 2} pairs")
 
     @classmethod
     def read_hf(cls, params, max_position_embeddings):

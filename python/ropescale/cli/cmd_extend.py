@@ -116,9 +116,11 @@ def _cmd_extend(args) -> int:
     if rerope and args.target == "vllm":
         raise UsageError("--target vllm writes a table stock vLLM serves with no plugin; ReRoPE attention needs "
                          "ropescale's plugin: leave --target out")
-    if isinstance(method, scaling.LongRoPE) and len(method.short_factor) != config_lib.rotary_dim_of(config) // 2:
-        raise UsageError(f"--longrope-factors: {len(method.short_factor)} factors per list, but SRC's rotary dim "
-                         f"{config_lib.rotary_dim_of(config)} has {config_lib.rotary_dim_of(config) // 2} pairs")
+    if method is not None:
+        try:
+            method.check_rotary_dim(config_lib.rotary_dim_of(config))
+        except ValueError as err:
+            raise UsageError(f"SRC: {err}") from None
     if args.max_length is not None and not rerope and not method.dynamic:
         raise UsageError(f"--max-length is for pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window), whose table "
                          f"follows each request's length; --method {args.method} is a static table, set for s x L: "

@@ -128,8 +128,8 @@ def _print_table(name: str, method: scaling.RopeScaling, dim: int, base: float, 
     at = ""
     if method.dynamic:
         at = f", at length {seq_len}" if seq_len is not None else ", at its own scale (no --seq-len)"
-        if isinstance(method, scaling.DynamicYaRN):
-            at += f" (s = {method._scale(seq_len):g})"
+        if method.scale_at(seq_len) is not None:
+            at += f" (s = {method.scale_at(seq_len):g})"
     print(f"{name}{at}: rotary dim {dim}, base {base:g}, attention factor {factor:.6f}")
     print(f"{'pair':>4} {'regime':>11} {'inv_freq':>13} {'wavelength':>13} {'scale':>9}")
     for r in rows:

@@ -1,10 +1,10 @@
 """The scaling-method options of ``table``, ``decay``, ``gap``, ``eval`` and ``extend``, declared once.
 
-``NAMES``: what --method takes, each name the ``scaling.METHODS`` entry it builds. ``OPTIONS``: one entry per
-option (flag, type, default, help, the methods that read it and the dataclass field it fills). A command
-names the subset it takes in a ``MethodOptions`` and ``add_options`` adds them; ``build`` turns the parsed
-options into a ``scaling.RopeScaling``. Everything the CLI knows about the methods is here, so a registry
-in ``scaling`` (each method declaring its own options) replaces ``NAMES`` and ``OPTIONS`` and nothing else.
+``NAMES``: what --method takes, each name the ``scaling.METHODS`` entry it builds (each method's ``cli_names``).
+``OPTIONS``: one entry per option (flag, type, default, help); the methods that read it and the field it fills
+come from the registry (each method's parameters declare their flag: ``scaling.parameter(cli=...)``). A
+command names the subset it takes in a ``MethodOptions`` and ``add_options`` adds them; ``build`` turns the
+parsed options into a ``scaling.RopeScaling``.
 
 The method's dataclass checks the values it is given (``__post_init__``): its ValueError is the usage error
 the user sees (``main``). Checked here: which option goes with which method, and the values whose argparse
@@ -48,17 +48,32 @@ class MethodName:
     needs: str | None = None  # the option a command must take to offer the name
 
 
+def _needs(method: type[scaling.RopeScaling]) -> str | None:
+    """The flag of a parameter the method requires that not every command takes (LongRoPE's per-pair factors come
+    from a search: only a command that reads them from a file offers it)."""
+    flags = [p.cli for p in method.parameters() if p.required and p.cli not in (None, "--factor",
+                                                                               "--original-max-position")]
+    return flags[0] if flags else None
+
+
+# Each method's names (``cli_names``: its rope type, aliases, Resonance on it) from the registry.
 NAMES: dict[str, MethodName] = {
-    **{rope_type: MethodName(rope_type) for rope_type in scaling.METHODS},
-    # LongRoPE's per-pair factors come from a search: only a command that reads them from a file offers it.
-    "longrope": MethodName("longrope", needs="--longrope-factors"),
-    # The name ropescale writes Dynamic NTK under (transformers calls it dynamic).
-    "dynamic_ntk": MethodName("dynamic"),
-    "resonance": MethodName("default", resonance=True),
-    "resonance_yarn": MethodName("yarn", resonance=True),
+    **{name: MethodName(method.rope_type, scaling.RopeType.parse(name).resonance, _needs(method))
+       for method in scaling.METHODS.values() for name in method.cli_names},
     # The model's own table, with ReRoPE attention (--window with another name puts ReRoPE on top of that one).
     "rerope": MethodName(None, needs="--window"),
 }
+
+
+def _read_by(flag: str) -> frozenset[str]:
+    """The rope types with a parameter the option ``flag`` fills (``scaling.parameter(cli=...)``)."""
+    return frozenset(t for t, method in scaling.METHODS.items() if any(p.cli == flag for p in method.parameters()))
+
+
+def _field(flag: str) -> str:
+    """The one field ``flag`` fills in every method that reads it."""
+    (name,) = {p.name for m in scaling.METHODS.values() for p in m.parameters() if p.cli == flag}
+    return name
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,6 @@ class Option:
 
 
 _DYNAMIC = frozenset(t for t, method in scaling.METHODS.items() if method.dynamic)
-_YARN = frozenset({"yarn", "dynamic_yarn"})
 
 OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--method", "scaling method"),
@@ -91,18 +105,18 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     # 8x longer" made every length run at s >= 8), which is --floor.
     Option("--factor", "scale factor s: the table of linear/ntk/yarn/llama3 is set for s x L; dynamic (dynamic_ntk) "
            "uses s in its base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L; not for dynamic_yarn (see "
-           "--floor)", read_by=frozenset({"linear", "ntk", "dynamic", "yarn", "llama3", "longrope"}),
-           field="factor", type=scale_factor,
+           "--floor)", read_by=_read_by("--factor"), field=_field("--factor"), type=scale_factor,
            method_notes={"longrope": "; longrope: the s its long factors were searched for (attention factor, "
                                      "served to s x L)"}),
     Option("--floor", "dynamic_yarn only: the floor F of its scale s = max(F, len/L), applied at EVERY length "
            "(requests shorter than F x L are then no longer native); default 1",
-           read_by=frozenset({"dynamic_yarn"}), field="factor", type=scale_factor, metavar="F"),
-    Option("--original-max-position", "pre-training context L",
-           read_by=frozenset({"dynamic", "yarn", "dynamic_yarn", "llama3", "longrope"}),
-           field="original_max_position", type=positive_int, default=4096),
-    Option("--beta-fast", "YaRN beta_fast", read_by=_YARN, field="beta_fast", type=number, default=32.0),
-    Option("--beta-slow", "YaRN beta_slow", read_by=_YARN, field="beta_slow", type=number, default=1.0),
+           read_by=_read_by("--floor"), field=_field("--floor"), type=scale_factor, metavar="F"),
+    Option("--original-max-position", "pre-training context L", read_by=_read_by("--original-max-position"),
+           field=_field("--original-max-position"), type=positive_int, default=4096),
+    Option("--beta-fast", "YaRN beta_fast", read_by=_read_by("--beta-fast"), field=_field("--beta-fast"), type=number,
+           default=32.0),
+    Option("--beta-slow", "YaRN beta_slow", read_by=_read_by("--beta-slow"), field=_field("--beta-slow"), type=number,
+           default=1.0),
     # The table commands pass it to inv_freq.
     Option("--seq-len", "current length (largest position + 1) for the dynamic methods "
            f"({', '.join(sorted(_DYNAMIC))})", read_by=_DYNAMIC, type=positive_int),
@@ -110,7 +124,7 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            field="resonance", switch=True),
     Option("--longrope-factors", "longrope: a JSON object with short_factor and long_factor (one per rotary pair), "
            "at its top or under rope_parameters / rope_scaling (a LongRoPE model's config.json), optionally factor",
-           read_by=frozenset({"longrope"}), metavar="FILE.json"),
+           read_by=_read_by("--longrope-factors"), metavar="FILE.json"),
     Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W", attention=True),
     Option("--leaky-k", "Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)", type=leaky_k, metavar="K",
            attention=True),
@@ -242,7 +256,7 @@ def build(args, name: str | None = None, *, factor: float | None = None) -> scal
         default = factor if factor is not None else taken.factor
         if default is not None:
             kwargs["factor"] = default
-    if rope_type == "longrope":
+    if rope_type in OPTIONS["--longrope-factors"].read_by:
         factors = longrope_factors(args.longrope_factors)
         kwargs.update(short_factor=factors["short_factor"], long_factor=factors["long_factor"])
         if kwargs.get("factor") is None:
@@ -262,7 +276,7 @@ def _refuse_unread(args, rope_type: str) -> None:
     if _given(args, "--floor") and rope_type not in OPTIONS["--floor"].read_by:
         raise UsageError(f"--floor is dynamic_yarn's (the floor of its scale s = max(F, length / L)); --method "
                          f"{args.method} has none")
-    if _given(args, "--factor") and rope_type == "dynamic_yarn":
+    if _given(args, "--factor") and rope_type in OPTIONS["--floor"].read_by:
         # issue 27: `--factor 8` read as "serve 8x longer" made every length run at s >= 8.
         raise UsageError(
             f"--method dynamic_yarn takes no --factor: its scale is s = max(F, length / L), so a factor would be "
