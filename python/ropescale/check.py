@@ -15,6 +15,7 @@ prints the table and returns the exit status.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -25,6 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, TextIO
+
+import torch
+import torch.nn.functional as F
+
+from . import _C, __version__, build_info, ops
+from ._composite import cos_sin, full_width, rotate_with_tables
+from .rerope import rerope_attention_naive, rerope_attention_paged_composite, rerope_cache_write_composite, rotate
 
 _ROW_PREFIX = "ropescale-check-row "
 _DEVICE_PREFIX = "ropescale-check-device "
@@ -58,8 +66,6 @@ class Row:
 
 
 def _max_error(got, reference) -> float:
-    import torch
-
     if got.numel() == 0:
         return 0.0
     return (got.double().cpu() - reference.cpu()).abs().max().item()
@@ -67,7 +73,6 @@ def _max_error(got, reference) -> float:
 
 def _timed(fn: Callable, device) -> tuple[object, float]:
     """fn's result and its best time in ms over three runs after a warm-up (synchronised on CUDA)."""
-    import torch
 
     def sync():
         if device.type == "cuda":
@@ -90,34 +95,23 @@ def _rotary_rows(device, label: str) -> list[Row]:
     full-width tables (per batch row) and half-width ones (one row for the batch), interleaved pairs
     (with half-width tables, the layout they take), conjugate, int32 and int64 positions to 2^20; for
     float16/bfloat16, also float32 tables (autocast's), judged against PyTorch's promoted float32 math."""
-    import torch
-
-    from . import ops
-    from .reference import _full_width, _rotate_pairs, _rotated
 
     def eager(x, cos, sin, interleaved, conjugate):
-        """What plain PyTorch gets: transformers' formula in x's dtype."""
-        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        xr = x[..., : cos.shape[-1]]
-        y = xr * cos - _rotate_pairs(xr * sin, interleaved) if conjugate else xr * cos + _rotate_pairs(xr, interleaved) * sin
-        return torch.cat((y, x[..., cos.shape[-1]:]), dim=-1)
+        """What plain PyTorch gets: transformers' formula in x's dtype, for full-width [T, S, R] tables."""
+        return rotate_with_tables(x, cos[:, None], sin[:, None], interleaved, conjugate=conjugate, compute=x.dtype)
 
     def expected(x, cos, sin, interleaved, conjugate):
-        """(float64 reference, plain PyTorch in x's dtype) for full-width [T, S, R] tables."""
-        x64 = x.double().cpu()
-        ref = torch.cat((_rotated(x64, cos.double().cpu(), sin.double().cpu(), interleaved, conjugate),
-                         x64[..., cos.shape[-1]:]), dim=-1)
-        return ref, eager(x, cos, sin, interleaved, conjugate)
+        """The float64 reference for full-width [T, S, R] tables."""
+        return rotate_with_tables(x.double().cpu(), cos.double().cpu()[:, None], sin.double().cpu()[:, None],
+                                  interleaved, conjugate=conjugate)
 
     def position_tables(positions, inv_freq, scale, interleaved, dtype):
         """Full-width [T, S, R] cos/sin from float64 angles, in ``dtype``: the reference (float64), or
         the tables plain PyTorch would be given at best (correctly rounded; a float32 angle, as
         transformers forms it, is off by up to 2^20 * 2^-24 rad here and would loosen the bound to
         nothing)."""
-        positions = positions[None] if positions.dim() == 1 else positions
-        angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
-        return (_full_width((angles.cos() * scale).to(dtype), interleaved),
-                _full_width((angles.sin() * scale).to(dtype), interleaved))
+        cos, sin = cos_sin(positions[None] if positions.dim() == 1 else positions, inv_freq, scale, dtype)
+        return full_width(cos, interleaved), full_width(sin, interleaved)
 
     rows = []
     batch, q_heads, k_heads, seq, head_dim, rotary_dim = 2, 8, 2, 37, 88, 80
@@ -144,12 +138,12 @@ def _rotary_rows(device, label: str) -> list[Row]:
         cases = [
             ("apply_rotary", lambda: [ops.apply_rotary(q, cos, sin)], (q,), (cos, sin), False, False),
             ("apply_rotary_", in_place(lambda x: ops.apply_rotary_(x, half_cos, half_sin, True, half_width=True), q),
-             (q,), (_full_width(half_cos, True), _full_width(half_sin, True)), True, False),
+             (q,), (full_width(half_cos, True), full_width(half_sin, True)), True, False),
             ("apply_rotary_qk", lambda: list(ops.apply_rotary_qk(q, k, cos, sin, conjugate=True)),
              (q, k), (cos, sin), False, True),
             ("apply_rotary_qk_", in_place(lambda a, b: ops.apply_rotary_qk_(a, b, half_cos, half_sin, True,
                                                                             half_width=True), q, k),
-             (q, k), (_full_width(half_cos, True), _full_width(half_sin, True)), True, False),
+             (q, k), (full_width(half_cos, True), full_width(half_sin, True)), True, False),
             ("apply_rotary_pos", lambda: [ops.apply_rotary_pos(q, positions, inv_freq, 1.3)], (q,),
              (positions, 1.3), False, False),
             ("apply_rotary_pos_", in_place(lambda x: ops.apply_rotary_pos_(x, positions32, inv_freq, 1.0, True), q),
@@ -182,7 +176,7 @@ def _rotary_rows(device, label: str) -> list[Row]:
                 ref_tables, plain_tables = tables, tables
             error = plain_error = 0.0
             for x, y in zip(operands, outputs):
-                ref, _ = expected(x, *ref_tables, interleaved, conjugate)
+                ref = expected(x, *ref_tables, interleaved, conjugate)
                 plain = eager(x, *plain_tables, interleaved, conjugate)
                 if "float32 tables" in op:  # PyTorch promotes to float32, then the dtype
                     plain = eager(x.float(), *plain_tables, interleaved, conjugate).to(dtype)
@@ -197,11 +191,6 @@ def _attention_rows(device, label: str) -> list[Row]:
     """rerope_attention against the float64 two-matrix form, out and lse each judged against SDPA's
     own error in the dtype on the plain-attention problem with the same inputs (RoPE-rotated q and k
     rounded to the dtype, the same visibility), on problems of at least 64 rows."""
-    import torch
-
-    from . import ops
-    from .rerope import rerope_attention_naive
-
     # name, batch, q heads, kv heads, q_len, k_len, head dim, rotary dim, left padding of row 1, window,
     # leaky_k, logn_length, interleaved, dtypes, a view of a longer cache
     all_dtypes = (torch.float32, torch.float16, torch.bfloat16)
@@ -269,11 +258,6 @@ def _plain_attention_error(q, k, v, qp, kp, inv_freq, device, logn_length, inter
     """PyTorch's own error in q's dtype on the plain-attention problem with these inputs (RoPE-rotated q
     and k rounded to the dtype, the same visibility): SDPA's out and a logsumexp over its scores, against
     float64, over the rows that see a key: (out error, lse error)."""
-    import torch
-    import torch.nn.functional as F
-
-    from .rerope import rerope_attention_naive, rotate
-
     dtype, group, dim = q.dtype, q.shape[1] // k.shape[1], q.shape[-1]
     factor = torch.where((qp + 1 > logn_length) & (logn_length > 0),
                          (qp + 1).double().log() / math.log(max(logn_length, 2)), 1.0)
@@ -297,11 +281,6 @@ def _paged_rows(device, label: str) -> list[Row]:
     over one mixed batch (a decode row against 300 keys, a chunked prefill of 40 rows over 150 keys, a
     prefill of 77) against the float64 plain-PyTorch form, judged as rerope_attention is: against SDPA's
     own error in the dtype on each request's plain problem."""
-    import torch
-
-    from . import ops
-    from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite
-
     q_heads, kv_heads, dim, block_size, window = 8, 2, 64, 16, 32
     seq_lens, q_lens = [300, 150, 77], [1, 40, 77]
     pages = [-(-n // block_size) for n in seq_lens]
@@ -375,10 +354,6 @@ def _paged_rows(device, label: str) -> list[Row]:
 def _worker(device_name: str, threads: int) -> None:
     """Runs the grid on one device with ``threads`` CPU threads; prints the device's label, then one
     JSON line per result."""
-    import torch
-
-    import ropescale
-
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -386,7 +361,7 @@ def _worker(device_name: str, threads: int) -> None:
         props = torch.cuda.get_device_properties(device)
         label = f"{device} {props.name} sm_{props.major}{props.minor}"
     else:
-        label = f"cpu {ropescale._C.rotary_cpu_isa()}"
+        label = f"cpu {_C.rotary_cpu_isa()}"
     print(_DEVICE_PREFIX + json.dumps(label), flush=True)
     for rows in (_rotary_rows, _attention_rows, _paged_rows):
         for row in rows(device, label):
@@ -400,8 +375,6 @@ def _worker(device_name: str, threads: int) -> None:
 def _cpu_variants() -> list[str | None]:
     """The ATEN_CPU_CAPABILITY values this CPU can run (forcing one it lacks dies with SIGILL);
     None: the one default run where the native library has no x86 variants."""
-    import torch
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return [None]
     return [isa for isa in CPU_VARIANTS if isa == "default" or getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()]
@@ -461,12 +434,8 @@ def _table(rows: list[Row]) -> str:
 def run(devices: str = "all", as_json: bool = False, stream: TextIO | None = None) -> int:
     """Checks every op on the devices asked for ("cpu", "cuda" or "all"); prints the table (or
     JSON) to ``stream``; returns 0 when every result is within its bound, 1 otherwise."""
-    import torch
-
-    import ropescale
-
     stream = stream or sys.stdout
-    info = ropescale.build_info()
+    info = build_info()
     start = time.perf_counter()
     runs: list[tuple[str, str | None]] = []
     notes = []
@@ -499,7 +468,7 @@ def run(devices: str = "all", as_json: bool = False, stream: TextIO | None = Non
     else:
         kernels = ("reference (ROPESCALE_KERNELS=reference: plain PyTorch implementations)"
                    if info["kernels"] == "reference" else "native")
-        print(f"ropescale {ropescale.__version__}, torch {torch.__version__}, kernels: {kernels}; "
+        print(f"ropescale {__version__}, torch {torch.__version__}, kernels: {kernels}; "
               f"{threads} CPU thread(s) per device run", file=stream)
         print(_table(rows), file=stream)
         for note in notes:
@@ -514,16 +483,14 @@ def run(devices: str = "all", as_json: bool = False, stream: TextIO | None = Non
 
 
 def _failure_report(failed: list[Row], info: dict, labels: list[str]) -> str:
-    import torch
-
-    ops = sorted({r.op for r in failed})
+    failed_ops = sorted({r.op for r in failed})
     workaround = ("Run with ROPESCALE_KERNELS=reference to route every op to its plain PyTorch "
                   "implementation (same results, slower) until it is fixed."
                   if info["kernels"] == "native" else
                   "These are the plain PyTorch implementations (ROPESCALE_KERNELS=reference): the problem is "
                   "in PyTorch or in this machine, not in ropescale's kernels.")
     return "\n".join([
-        f"FAILED: {len(failed)} result(s) outside their bounds: {', '.join(ops)}.",
+        f"FAILED: {len(failed)} result(s) outside their bounds: {', '.join(failed_ops)}.",
         workaround,
         "Please report it to the ropescale project with this whole output, or at least:",
         f"  ropescale.build_info(): {info}",
@@ -560,8 +527,6 @@ that variable set checks those implementations (the table says 'kernels: referen
 
 def add_parser(sub) -> None:
     """Adds ``check`` to the ``ropescale`` command's subparsers."""
-    import argparse
-
     p = sub.add_parser(
         "check", help="check every op on this machine's CPU and GPUs against float64 references (< 1 min)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,

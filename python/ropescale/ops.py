@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.ropescale)
+from .rerope import rerope_attention_composite, rerope_attention_paged_composite, rerope_cache_write_composite
+from .rerope_train import rerope_attention_train
 
 _ops = torch.ops.ropescale
 
@@ -173,8 +176,6 @@ def feature_gap(inv_freq: torch.Tensor, train_length: int, test_length: int) -> 
 
 
 def _table_fake(op, *args, **kwargs) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():
         real = op(*args, **kwargs)
     return torch.empty(real.shape, dtype=real.dtype, device="cpu")
@@ -494,10 +495,8 @@ def _rotation_function(op: str) -> type[torch.autograd.Function]:
 _RotaryFn, _RotaryQkFn, _RotaryPosFn, _RotaryPosQkFn = (_rotation_function(op) for op in _DIFFERENTIABLE)
 
 
-# ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu).
-
-from .rerope import rerope_attention_composite  # noqa: E402  (plain-PyTorch, differentiable twin)
-from .rerope_train import rerope_attention_train  # noqa: E402  (the training path: fused kernels, no L x L)
+# ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu), with its plain-PyTorch,
+# differentiable twin (rerope.py) and the training path (rerope_train.py: fused kernels, no L x L).
 
 __all__ += ["rerope_attention", "rerope_attention_composite", "rerope_attention_train"]
 
@@ -557,9 +556,8 @@ torch.library.register_autograd("ropescale::rerope_attention", _rerope_attention
 
 
 # ---------------------------------------------------------------------------------------------
-# Paged ReRoPE attention, the engine form (docs/DESIGN.md, "Paged ReRoPE attention").
-
-from .rerope import rerope_attention_paged_composite, rerope_cache_write_composite  # noqa: E402,F401  (plain-PyTorch twins)
+# Paged ReRoPE attention, the engine form (docs/DESIGN.md, "Paged ReRoPE attention"), with the
+# plain-PyTorch twins of its two ops (rerope.py).
 
 __all__ += ["rerope_attention_paged", "rerope_paged_workspace_bytes", "rerope_cache_write_",
             "rerope_attention_paged_composite", "rerope_cache_write_composite"]

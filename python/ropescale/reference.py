@@ -10,6 +10,9 @@ the variable before ``import ropescale`` and every kernel op runs as PyTorch cod
 * ``rerope_attention_paged`` / ``rerope_cache_write_``: :func:`ropescale.rerope.rerope_attention_paged_composite`
   (the pages of each request gathered, then the composite) / :func:`ropescale.rerope.rerope_cache_write_composite`.
 
+The math (the rotation, the composites) is ``ropescale._composite``'s; this module adds the ops' contracts
+around it (dtypes, in-place checks, empty inputs) and the switch.
+
 They are registered over the native CPU and CUDA kernels of ``torch.ops.ropescale.*``, so
 ``torch.ops.ropescale.X``, ``ropescale.ops.X``, autograd, the fake kernels, ``torch.compile`` and
 ``opcheck`` all keep working; ``ropescale.build_info()["kernels"]`` says ``"reference"``. The
@@ -29,8 +32,9 @@ import warnings
 
 import torch
 
-from . import ops  # noqa: F401  (the library and the autograd registrations, before ours)
-from .rerope import rerope_attention_composite, rerope_attention_paged_composite, rerope_cache_write_composite
+from . import _C  # noqa: F401  (the library whose CPU and CUDA kernels these replace)
+from ._composite import (cos_sin, rerope_attention_composite, rerope_attention_paged_composite,
+                         rerope_cache_write_composite, rotate_with_tables)
 
 ENV = "ROPESCALE_KERNELS"
 CHOICES = ("native", "reference")
@@ -102,59 +106,22 @@ def _check_writable(op: str, written: dict[str, torch.Tensor], read: dict[str, t
 # Rotation
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _full_width(table: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """A half-width table (one entry per pair) spread over both features of each pair."""
-    return table.repeat_interleave(2, dim=-1) if interleaved else torch.cat((table, table), dim=-1)
-
-
-def _rotate_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """transformers' rotate_half, ``cat(-x2, x1)``, or GPT-J's ``(-x1, x0, -x3, x2, ...)``."""
-    if interleaved:
-        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, conjugate: bool) -> torch.Tensor:
-    """The first ``rotary_dim`` features of ``x`` [B, H, S, D] rotated by full-width ``cos``/``sin``
-    [T, S, rotary_dim] (T = 1 or B, broadcast over heads), in the compute dtype, then in x's dtype.
-    ``conjugate``: the transposed map, ``x cos - rotate(x sin)``."""
-    compute = _compute_dtype(x.dtype)
-    cos, sin = cos.to(compute)[:, None], sin.to(compute)[:, None]
-    xr = x[..., : cos.shape[-1]].to(compute)
-    if conjugate:
-        y = xr * cos - _rotate_pairs(xr * sin, interleaved)
-    else:
-        y = xr * cos + _rotate_pairs(xr, interleaved) * sin
-    return y.to(x.dtype)
-
-
-def _write(x: torch.Tensor, rotated: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """In place: the rotated features written into x (the tail untouched). Otherwise a new tensor in
-    x's layout (as the native op's empty_like) with the tail copied."""
-    out = x if in_place else torch.empty_like(x)
-    width = rotated.shape[-1]
-    out[..., :width].copy_(rotated)
-    if not in_place:
-        out[..., width:].copy_(x[..., width:])
-    return out
-
-
-def _as_3d(table: torch.Tensor) -> torch.Tensor:
-    return table[None] if table.dim() == 2 else table
-
-
-def _rotary(op: str, q, k, cos, sin, interleaved: bool, conjugate: bool, in_place: bool, read: dict):
-    """q (and k, when not None) rotated by full-width [T, S, rotary_dim] tables; ``read``: the
-    tables as the op was given them, which an in-place op must not overlap."""
+def _rotary(op: str, q, k, cos, sin, interleaved: bool, half_width: bool, conjugate: bool, in_place: bool,
+            read: dict):
+    """q (and k, when not None) rotated by tables broadcast over heads, ``[T, 1, S, width]`` (T = 1 or B), full or
+    half width; ``read``: the tables as the op was given them, which an in-place op must not overlap. In place:
+    the rotated features written into the operands (the features past rotary_dim untouched); otherwise new
+    tensors in the operands' layout (as the native op's empty_like)."""
     operands = {"x": q} if k is None else {"q": q, "k": k}
     if in_place:
         _check_writable(op, operands, read)
-    outs = [_write(t, _rotated(t, cos, sin, interleaved, conjugate), in_place) for t in operands.values()]
+    rotary_dim = 2 * cos.shape[-1] if half_width else cos.shape[-1]
+    outs = []
+    for x in operands.values():
+        rotated = rotate_with_tables(x, cos, sin, interleaved, half_width=half_width, conjugate=conjugate)
+        out, width = (x, rotary_dim) if in_place else (torch.empty_like(x), x.shape[-1])
+        out[..., :width].copy_(rotated[..., :width])
+        outs.append(out)
     if in_place:
         return None
     return outs[0] if k is None else tuple(outs)
@@ -162,25 +129,15 @@ def _rotary(op: str, q, k, cos, sin, interleaved: bool, conjugate: bool, in_plac
 
 def _table_rotary(op: str, q, k, cos, sin, interleaved, half_width, conjugate, in_place: bool):
     _R._check_rotary(op, q, k, cos, sin, interleaved, half_width)
-    full_cos, full_sin = _as_3d(cos), _as_3d(sin)
-    if half_width:
-        full_cos, full_sin = _full_width(full_cos, interleaved), _full_width(full_sin, interleaved)
-    return _rotary(op, q, k, full_cos, full_sin, interleaved, conjugate, in_place, {"cos": cos, "sin": sin})
-
-
-def _position_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, interleaved: bool):
-    """Full-width cos/sin [T, S, rotary_dim] of ``positions * inv_freq``, times ``scale``: the angle
-    formed in float64, as the native kernels form it, so that long positions stay accurate."""
-    positions = positions[None] if positions.dim() == 1 else positions
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
-    cos, sin = angles.cos() * scale, angles.sin() * scale
-    return _full_width(cos, interleaved), _full_width(sin, interleaved)
+    by_batch = [(t[None] if t.dim() == 2 else t)[:, None] for t in (cos, sin)]  # [T, 1, S, width]
+    return _rotary(op, q, k, *by_batch, interleaved, half_width, conjugate, in_place, {"cos": cos, "sin": sin})
 
 
 def _position_rotary(op: str, q, k, positions, inv_freq, scale, interleaved, conjugate, in_place: bool):
     _R._check_rotary_pos(op, q, k, positions, inv_freq, scale)
-    cos, sin = _position_tables(positions, inv_freq, scale, interleaved)
-    return _rotary(op, q, k, cos, sin, interleaved, conjugate, in_place, {"positions": positions, "inv_freq": inv_freq})
+    cos, sin = cos_sin(positions[None] if positions.dim() == 1 else positions, inv_freq, scale)  # [T, S, P]
+    return _rotary(op, q, k, cos[:, None], sin[:, None], interleaved, True, conjugate, in_place,
+                   {"positions": positions, "inv_freq": inv_freq})
 
 
 def apply_rotary(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):

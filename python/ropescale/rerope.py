@@ -15,226 +15,42 @@ Both take the arguments of ``torch.ops.ropescale.rerope_attention`` (q, k NOT ro
 Both check their arguments with the op's own check (``torch.ops.ropescale._check_rerope_attention``,
 the C++ function the fused kernels and their Meta kernel call), so they refuse what the op refuses
 with its messages; they also take float64. Non-finite inputs follow the rule every path shares
-(:func:`_non_finite_rule`): masked keys never contribute, whatever they hold; visible non-finite
-values propagate as in SDPA.
+(``non_finite_rule``): masked keys never contribute, whatever they hold; visible non-finite values
+propagate as in SDPA.
+
+The math is in ``ropescale._composite`` (torch only); what this module adds is the composite's shortcut:
+the fused op's lse as the shift of its softmax parts, where the native kernel runs.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
+
+from . import _C, _composite, reference
+from ._composite import rerope_attention_naive, rerope_cache_write_composite, rotate
 
 __all__ = ["rerope_attention_composite", "rerope_attention_naive", "rerope_attention_paged_composite",
            "rerope_cache_write_composite", "rotate"]
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """``x`` ``[B, H, L, D]`` rotated at per-token ``positions`` ``[B, L]`` (any real values).
-
-    Angles are formed in float64 (accurate at long positions); the rotation runs in float32
-    (float64 for float64 inputs) and the result has ``x``'s dtype. Dimensions from
-    ``2 * len(inv_freq)`` on are left as they are. Differentiable in ``x``.
-    """
-    pairs = inv_freq.numel()
-    rotary_dim = 2 * pairs
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=x.device, dtype=torch.float64)
-    cos = angles.cos().to(compute)[:, None]
-    sin = angles.sin().to(compute)[:, None]
-    xc = x.to(compute)
-    if interleaved:
-        x1, x2 = xc[..., 0:rotary_dim:2], xc[..., 1:rotary_dim:2]
-    else:
-        x1, x2 = xc[..., :pairs], xc[..., pairs:rotary_dim]
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
-    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
-    return torch.cat((rotated, xc[..., rotary_dim:]), dim=-1).to(x.dtype)
-
-
-def _schema_scale(scale):
-    """The op's ``scale`` argument: ``None`` is the schema's ``-1`` (1/sqrt(D))."""
-    return -1.0 if scale is None else float(scale)
-
-
-def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved):
-    """Everything both plain-PyTorch paths share: the op's own check, then the scaled and rotated
-    operands of each side and the visibility / near masks ``[B, Lq, Lk]``."""
-    torch.ops.ropescale._check_rerope_attention(
-        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), _schema_scale(scale), logn_length,
-        allow_float64=True,
-    )
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale)
-    qp = q_positions.to(torch.int64)
-    kp = k_positions.to(torch.int64)
-    if logn_length > 0:
-        n = (qp + 1).to(torch.float64)
-        factor = torch.where(n > logn_length, n.clamp_min(1).log() / math.log(logn_length), torch.ones_like(n))
-        q = q * factor.to(q.dtype)[:, None, :, None]
-    q_near, k_near = rotate(q, qp, inv_freq, interleaved), rotate(k, kp, inv_freq, interleaved)
-    if leaky_k:
-        q_far = rotate(q, window + (qp - window).to(torch.float64) / leaky_k, inv_freq, interleaved)
-        k_far = rotate(k, kp.to(torch.float64) / leaky_k, inv_freq, interleaved)
-    else:
-        q_far, k_far = rotate(q, torch.full_like(qp, window), inv_freq, interleaved), k
-    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
-    if causal:
-        visible = visible & (kp[:, None, :] <= qp[:, :, None])
-    near = (qp[:, :, None] - kp[:, None, :]) < window
-    return scale, (q_near, k_near), (q_far, k_far), visible, near
-
-
-def _finite_or_zero(x):
-    """x with its non-finite elements replaced by 0 (differentiable where x is finite): SDPA must
-    never see a masked key's NaN (its boolean mask adds -inf to the NaN score, and its P.V computes
-    0 * NaN); what visible non-finite values do to a row is put back by _non_finite_rule."""
-    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _non_finite_rule(out, lse, row_stat, v, qp, kp, causal):
-    """The rule every path shares (DESIGN.md): rows with no visible key (by the positions) give zeros
-    and ``lse = -inf``; a row with a visible key whose ``row_stat`` (its largest visible score, or its
-    lse, computed from the raw inputs with masked scores at -inf) is NaN, +inf or -inf is NaN in
-    ``out`` and ``lse`` (SDPA's softmax of such scores); ``out[i, d]`` is NaN where a key visible to
-    query i has a non-finite ``v[d]``, even at probability 0 (SDPA's P.V computes ``0 * inf``).
-    ``out`` / ``lse`` are computed from finite stand-ins of the inputs. No host sync."""
-    batch, q_heads, q_len, dim = out.shape
-    group = q_heads // v.shape[1]
-    big = torch.iinfo(torch.int64).max
-    key_valid = kp >= 0
-    first_key = torch.where(key_valid, kp, big).amin(dim=-1, keepdim=True) if kp.shape[-1] else \
-        torch.full_like(qp[:, :1], big)
-    seen = (qp >= 0) & (first_key < big) & ((first_key <= qp) if causal else True)  # [B, Lq]
-    seen_h = seen[:, None, :]
-    poison = seen_h & ~torch.isfinite(row_stat)  # [B, Hq, Lq]
-    # The smallest valid position of a key with a non-finite v[d], per (batch, kv head, d).
-    bad_v = ~torch.isfinite(v) & key_valid[:, None, :, None]
-    first_bad = torch.where(bad_v, kp[:, None, :, None], big).amin(dim=2) if v.shape[2] else \
-        torch.full((batch, v.shape[1], dim), big, dtype=torch.int64, device=v.device)
-    first_bad = first_bad.repeat_interleave(group, dim=1)[:, :, None, :]  # [B, Hq, 1, D]
-    reach = qp[:, None, :, None] if causal else torch.full_like(qp[:, None, :, None], big - 1)
-    bad_out = seen_h[..., None] & (first_bad <= reach)
-    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
-    out = torch.where(seen_h[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-    out = torch.where(poison[..., None] | bad_out, nan, out)
-    lse = torch.where(seen_h, lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
-    lse = torch.where(poison, torch.full((), float("nan"), dtype=lse.dtype, device=lse.device), lse)
-    return out, lse
-
-
-def _lse_dtype(q):
-    # float32 as the fused op; float64 inputs (gradcheck, references) keep float64.
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _scores(q, k, scale):
-    """``scale * q k^T`` with GQA: ``[B, Hq, Lq, D] x [B, Hkv, Lk, D] -> [B, Hq, Lq, Lk]``."""
-    group = q.shape[1] // k.shape[1]
-    return torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-
-
-def rerope_attention_naive(
-    q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False,
-):
-    """Su's formulation: both score matrices in full, selected by ``p_q - p_k < window``, masked,
-    softmax. Runs in the inputs' dtype (float32 math for half types), O(Lq x Lk) memory."""
-    scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
-    )
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s_near = _scores(q_near.to(compute), k_near.to(compute), scale)
-    s_far = _scores(q_far.to(compute), k_far.to(compute), scale)
-    scores = torch.where(near[:, None], s_near, s_far).masked_fill(~visible[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
-    probs = _finite_or_zero(probs)  # poisoned rows: NaN put back by the rule
-    group = q.shape[1] // k.shape[1]
-    out = torch.matmul(probs, _finite_or_zero(v.to(compute)).repeat_interleave(group, dim=1))
-    qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
-    out, lse = _non_finite_rule(out, lse, lse, v, qp, kp, causal)
-    return out.to(q.dtype), lse.to(_lse_dtype(q))
-
-
-def _row_max(q, k, visible, scale, budget_bytes=64 << 20):
-    """Largest visible score of each query row, ``[B, Hq, Lq]`` (-inf where none), in query chunks
-    so that no more than ``budget_bytes`` of scores exist at once. No gradient."""
-    batch, q_heads, q_len, _ = q.shape
-    k_len = k.shape[2]
-    out = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
-    chunk = max(1, budget_bytes // max(1, 4 * batch * q_heads * k_len))
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    for i0 in range(0, q_len, chunk):
-        s = _scores(q[:, :, i0 : i0 + chunk].to(compute), k.to(compute), scale)
-        s = s.masked_fill(~visible[:, None, i0 : i0 + chunk], float("-inf"))
-        out[:, :, i0 : i0 + chunk] = s.amax(dim=-1).float()
-    return out
-
-
 def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
                interleaved):
     """The fused op's lse (no gradient), or None where the op does not take these inputs (float64,
-    mixed dtypes, head dims it does not compile, a device this build has no kernel for). The lse is
-    >= every visible score of its row, so it serves as the composite's shift in place of two
-    ``q k^T`` passes for the row maxima (which cost more than both SDPA calls together)."""
-    from . import _C, ops, reference
-
-    if reference.KERNELS == "reference":  # the op IS this composite (ROPESCALE_KERNELS=reference): no recursion
+    mixed dtypes, head dims it does not compile, a device this build has no kernel for) or runs the
+    composite itself (``ROPESCALE_KERNELS=reference``). The lse is >= every visible score of its row, so
+    it serves as the composite's shift in place of two ``q k^T`` passes for the row maxima (which cost
+    more than both SDPA calls together)."""
+    if reference.KERNELS == "reference":
         return None
     dtype, dim = q.dtype, q.shape[-1]
     if dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != dtype or v.dtype != dtype:
         return None
     if dim % 2 or dim > 256 or not (q.device.type == "cpu" or (q.is_cuda and _C.build_info()["cuda"])):
         return None
-    _, lse = ops.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
-                                  None if scale is None or scale == -1 else scale, logn_length, causal, interleaved)
+    _, lse = torch.ops.ropescale.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window,
+                                                  float(leaky_k), _composite.schema_scale(scale), logn_length,
+                                                  causal, interleaved)
     return lse
-
-
-def _sdpa_with_denominator(q, k, v, visible, shift, scale, key_excluded):
-    """One side through SDPA, returning its UNnormalised parts relative to ``exp(shift)``:
-    ``A = sum_j exp(s_j - shift) v_j`` and ``N = sum_j exp(s_j - shift)``.
-
-    ``key_excluded`` ``[B, Hkv, Lk]`` marks keys whose (raw) k is not finite: their score in any row
-    is -inf (probability 0) or NaN / +inf (a poisoned row, which the caller overwrites), so they
-    take no part; their finite stand-in k (zeros) gets a score of -inf through an extra column (1 in
-    q, -inf in such a key), as the raw scores would.
-
-    SDPA returns only the normalised output, so two columns and one sentinel key are added: the
-    value columns hold 1 for the real keys / 1 for the sentinel, and the sentinel key's score is
-    ``shift`` (an extra q column carries ``shift / scale``, matched by a 1 in the sentinel key).
-    With ``w`` the sentinel's probability and ``u`` the real keys' total one, ``N = u / w`` and
-    ``A = out / w``, exactly and differentiably (``shift`` is a constant the result does not depend
-    on). Because ``shift`` is at least the row's largest visible score (the fused op's lse, or the
-    row maximum), ``w >= 1 / (Lk + 1)``: no underflow.
-    """
-    batch, q_heads, q_len, dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    # Exactly the sentinel score SDPA will compute (q's dtype rounds shift / scale).
-    beta = (shift / scale if scale != 0 else torch.zeros_like(shift)).to(q.dtype)
-    shift_eff = beta.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale
-    ones_q = q.new_ones(batch, q_heads, q_len, 1)
-    q_x = torch.cat((q, beta[..., None], ones_q), dim=-1)
-    exclusion = torch.where(key_excluded, float("-inf"), 0.0).to(k.dtype)[..., None]
-    k_x = torch.cat((k, k.new_zeros(batch, kv_heads, k_len, 1), exclusion), dim=-1)
-    sentinel_k = k.new_zeros(batch, kv_heads, 1, dim + 2)
-    sentinel_k[..., dim] = 1
-    k_x = torch.cat((k_x, sentinel_k), dim=2)
-    v_x = torch.cat((v, v.new_ones(batch, kv_heads, k_len, 1), v.new_zeros(batch, kv_heads, k_len, 1)), dim=-1)
-    sentinel_v = v.new_zeros(batch, kv_heads, 1, dim + 2)
-    sentinel_v[..., dim + 1] = 1
-    v_x = torch.cat((v_x, sentinel_v), dim=2)
-    mask = torch.cat((visible, visible.new_ones(batch, q_len, 1)), dim=-1)[:, None]
-    out = F.scaled_dot_product_attention(
-        q_x, k_x, v_x, attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads
-    )
-    compute = shift_eff.dtype
-    out = out.to(compute)
-    w = out[..., dim + 1 : dim + 2]
-    return out[..., :dim] / w, (out[..., dim] / w[..., 0]), shift_eff
 
 
 def rerope_attention_composite(
@@ -247,50 +63,15 @@ def rerope_attention_composite(
     part each go through ``scaled_dot_product_attention`` with their own boolean mask; their partial
     softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
     path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
-    sentinel key and two value columns that make it return its softmax denominator too (see
-    ``_sdpa_with_denominator``); the shift they need (at least the row's largest visible score) is
-    the fused op's lse, computed first without gradient (float64 inputs, which the op does not take:
-    the row maxima, in query chunks). Cost: two SDPA calls plus one fused call; memory: the
-    ``Lq x Lk`` boolean masks SDPA takes (plus what the chosen SDPA backend needs).
+    sentinel key and two value columns that make it return its softmax denominator too; the shift they
+    need (at least the row's largest visible score) is the fused op's lse, computed first without
+    gradient (float64 inputs, which the op does not take, and ``ROPESCALE_KERNELS=reference``: the row
+    maxima, in query chunks). Cost: two SDPA calls plus one fused call; memory: the ``Lq x Lk`` boolean
+    masks SDPA takes (plus what the chosen SDPA backend needs).
     """
-    op_scale = scale
-    scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
-    )
-    mask_near, mask_far = visible & near, visible & ~near
-    with torch.no_grad():
-        # The largest visible score of each row, or the fused op's lse (>= it): computed from the raw
-        # inputs, so NaN where a visible score is NaN / +inf (the rule reads that below).
-        row_stat = _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, op_scale, logn_length,
-                              causal, interleaved)
-        if row_stat is None:
-            row_stat = torch.maximum(_row_max(q_near, k_near, mask_near, scale),
-                                     _row_max(q_far, k_far, mask_far, scale))
-        shift = torch.where(torch.isfinite(row_stat), row_stat, torch.zeros_like(row_stat))
-    excluded_near, excluded_far = (~torch.isfinite(t).all(dim=-1) for t in (k_near, k_far))
-    q_near, k_near, q_far, k_far = (_finite_or_zero(t) for t in (q_near, k_near, q_far, k_far))
-    v_finite = _finite_or_zero(v)
-    a_near, n_near, shift_eff = _sdpa_with_denominator(q_near, k_near, v_finite, mask_near, shift, scale,
-                                                       excluded_near)
-    a_far, n_far, _ = _sdpa_with_denominator(q_far, k_far, v_finite, mask_far, shift, scale, excluded_far)
-    total = n_near + n_far
-    seen = total > 0
-    safe_total = torch.where(seen, total, torch.ones_like(total))
-    out = (a_near + a_far) / safe_total[..., None]
-    lse = torch.where(seen, shift_eff + safe_total.log(), torch.full_like(total, float("-inf")))
-    qp, kp = q_positions.to(torch.int64), k_positions.to(torch.int64)
-    out, lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, causal)
-    return out.to(q.dtype), lse.to(_lse_dtype(q))
-
-
-# ---------------------------------------------------------------------------------------------
-# The paged, variable-length form (docs/DESIGN.md, "Paged ReRoPE attention"): what an engine with a
-# paged cache of raw keys calls. Plain PyTorch: each request's pages gathered into dense keys, then
-# rerope_attention_composite. The oracle of the fused kernels and their ROPESCALE_KERNELS=reference form.
-
-
-def _int64_list(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.to("cpu", torch.int64).tolist()]
+    return _composite.rerope_attention_composite(
+        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
+        row_bound=_fused_lse)
 
 
 def rerope_attention_paged_composite(
@@ -301,43 +82,6 @@ def rerope_attention_paged_composite(
     lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages.
     Runs the op's own checks first (``ropescale::_check_rerope_attention_paged``), so it refuses what the op
     refuses and never indexes outside the cache."""
-    torch.ops.ropescale._check_rerope_attention_paged(
-        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
-        _schema_scale(scale), scale_factors, logn_length, allow_float64=True, workspace=workspace)
-    total, q_heads, head_dim = q.shape
-    block_size = key_cache.shape[2]
-    starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)
-    out = q.new_zeros(total, q_heads, value_cache.shape[-1])
-    lse = torch.full((total, q_heads), float("-inf"), dtype=_lse_dtype(q), device=q.device)
-    default_scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1.0 else float(scale)
-    for r, seq_len in enumerate(lengths):
-        begin, end = starts[r], starts[r + 1]
-        q_len = end - begin
-        if q_len <= 0 or seq_len <= 0:
-            continue
-        pages = block_table[r, : -(-seq_len // block_size)].to(torch.int64)
-        k = key_cache[pages].transpose(0, 1).reshape(key_cache.shape[1], -1, head_dim)[:, :seq_len]
-        v = value_cache[pages].transpose(0, 1).reshape(value_cache.shape[1], -1, value_cache.shape[-1])[:, :seq_len]
-        k_positions = torch.arange(seq_len, device=q.device)[None]
-        q_positions = k_positions[:, seq_len - q_len:]
-        table = inv_freq if inv_freq.dim() == 1 else inv_freq[r]
-        factor = 1.0 if scale_factors is None else float(scale_factors[r])
-        o, l = rerope_attention_composite(
-            q[begin:end].transpose(0, 1)[None], k[None], v[None], q_positions, k_positions, table, window,
-            leaky_k=leaky_k, scale=default_scale * factor, logn_length=logn_length, interleaved=interleaved)
-        out[begin:end] = o[0].transpose(0, 1)
-        lse[begin:end] = l[0].transpose(0, 1)
-    return out, lse
-
-
-def rerope_cache_write_composite(key_cache, value_cache, key, value, slot_mapping):
-    """:func:`ropescale.ops.rerope_cache_write_` in plain PyTorch: raw ``key``/``value`` ``[T, Hkv, D]`` into
-    the pages at ``slot_mapping`` (negative slots skipped). Runs the op's checks first."""
-    torch.ops.ropescale._check_rerope_cache_write(key_cache, value_cache, key, value, slot_mapping)
-    block_size = key_cache.shape[2]
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    slots = slots[keep]
-    pages, offsets = slots // block_size, slots % block_size
-    key_cache[pages, :, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[pages, :, offsets] = value[keep].to(value_cache.dtype)
+    return _composite.rerope_attention_paged_composite(
+        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k, scale,
+        scale_factors, logn_length, interleaved, workspace, row_bound=_fused_lse)

@@ -32,7 +32,7 @@ the lse gradient, output zeros: ``dS = P * g``).
 
 Padding keys (negative positions) get an extra head-dim column, 1 in every query and ``-inf`` in a
 padding key (0 in the others), so their scores are ``-inf`` exactly and no mask is needed. Non-finite
-inputs follow the rule every path shares (``rerope._non_finite_rule``: the kernels see finite
+inputs follow the rule every path shares (``_composite.non_finite_rule``: the kernels see finite
 stand-ins and the rule puts NaN back), with one difference: a row with a visible key whose k holds a
 NaN/inf is NaN, where SDPA's arithmetic keeps it finite if every such score is ``-inf``.
 """
@@ -46,7 +46,8 @@ import warnings
 
 import torch
 
-from .rerope import _lse_dtype, _non_finite_rule, _schema_scale, rerope_attention_composite
+from ._composite import cos_sin, lse_dtype, non_finite_rule, rotate_with_tables, schema_scale
+from .rerope import rerope_attention_composite
 
 __all__ = ["rerope_attention_train", "training_layout"]
 
@@ -203,32 +204,13 @@ def _warn_once(reason: str) -> None:
 # diagonal chunks and the far part are views; only the off-diagonal halves are copied (reversed).
 
 
-def _cos_sin(positions: torch.Tensor | float, inv_freq: torch.Tensor, compute: torch.dtype, device):
-    """cos, sin ``[B or 1, L or 1, 1, P]`` of ``positions * inv_freq`` (angles in float64)."""
-    freq = inv_freq.to(device=device, dtype=torch.float64)
+def _pair_tables(positions: torch.Tensor | float, inv_freq: torch.Tensor, compute: torch.dtype, device):
+    """cos, sin ``[B or 1, L or 1, 1, P]`` of ``positions * inv_freq`` (angles in float64), in ``compute``: one
+    entry per pair, broadcast over the heads of a BLHD operand (``rotate_with_tables(..., half_width=True)``)."""
     if not torch.is_tensor(positions):
         positions = torch.full((1, 1), float(positions), dtype=torch.float64, device=device)
-    angles = positions.to(torch.float64)[..., None] * freq
-    return angles.cos().to(compute)[:, :, None], angles.sin().to(compute)[:, :, None]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``x [B, L, H, D]`` (compute dtype) rotated by the angles of cos/sin (pass ``-sin`` for the
-    inverse rotation); dims from ``2 * P`` on are left as they are."""
-    pairs = cos.shape[-1]
-    rotary = 2 * pairs
-    if interleaved:
-        x1, x2 = x[..., 0:rotary:2], x[..., 1:rotary:2]
-    else:
-        x1, x2 = x[..., :pairs], x[..., pairs:rotary]
-    out = x.clone()
-    if interleaved:
-        out[..., 0:rotary:2] = x1 * cos - x2 * sin
-        out[..., 1:rotary:2] = x2 * cos + x1 * sin
-    else:
-        out[..., :pairs] = x1 * cos - x2 * sin
-        out[..., pairs:rotary] = x2 * cos + x1 * sin
-    return out
+    cos, sin = cos_sin(positions, inv_freq, dtype=compute)
+    return cos[:, :, None], sin[:, :, None]
 
 
 @dataclasses.dataclass
@@ -265,25 +247,26 @@ class _Plan:
 
     # -- rotations
 
-    def rotate_(self, view, positions, inv_freq, conjugate=False, cos_sin=None):
+    def rotate_(self, view, positions, inv_freq, conjugate=False, tables=None):
         """``view [B, L, H, D]`` (unit last stride) rotated in place: at integer ``positions`` by
         ropescale's rotation kernel (angles reduced in double, float32 arithmetic, one rounding), or
-        by the given ``cos_sin`` (Leaky's fractional positions) / for float64 in PyTorch."""
-        if cos_sin is None and view.dtype != torch.float64:
+        by the given cos/sin ``tables`` (Leaky's fractional positions) / for float64 in PyTorch."""
+        if tables is None and view.dtype != torch.float64:
             table = inv_freq.to(device=view.device, dtype=torch.float32)
             torch.ops.ropescale.apply_rotary_pos_(view.transpose(1, 2), positions, table, 1.0, self.interleaved,
                                                   conjugate=conjugate)
             return
-        cos, sin = cos_sin if cos_sin is not None else _cos_sin(positions, inv_freq, self.compute, view.device)
-        view.copy_(_rotate(view.to(self.compute), cos, -sin if conjugate else sin, self.interleaved))
+        cos, sin = tables if tables is not None else _pair_tables(positions, inv_freq, self.compute, view.device)
+        view.copy_(rotate_with_tables(view.to(self.compute), cos, sin, self.interleaved, half_width=True,
+                                      conjugate=conjugate))
 
     def leaky_tables(self, q_positions, k_positions, inv_freq, device):
         """cos/sin of the Leaky far side (fractional positions), computed once and saved for backward."""
         qpf = q_positions[:, self.first_far :].to(torch.float64)
         kpf = k_positions[:, : self.far_len].to(torch.float64)
         window = self.window
-        return (*_cos_sin(window + (qpf - window) / self.leaky_k, inv_freq, self.compute, device),
-                *_cos_sin(kpf / self.leaky_k, inv_freq, self.compute, device))
+        return (*_pair_tables(window + (qpf - window) / self.leaky_k, inv_freq, self.compute, device),
+                *_pair_tables(kpf / self.leaky_k, inv_freq, self.compute, device))
 
     def logn(self, q_positions):
         """The log-n factor of each query ``[B, Lq, 1, 1]`` (compute dtype), or None."""
@@ -323,7 +306,8 @@ class _Plan:
         if factor is None:
             near_q.copy_(qt)  # rotated below, in place
         else:
-            near_q.copy_(_rotate(qx, *_cos_sin(q_positions, inv_freq, self.compute, device), self.interleaved))
+            near_q.copy_(rotate_with_tables(qx, *_pair_tables(q_positions, inv_freq, self.compute, device),
+                                            self.interleaved, half_width=True))
         kn = self._buffer(self.padded_len, self.kv_heads, 0, L, device)
         kn[:, :L, :, :D] = kt
         vp = self._buffer(self.padded_len, self.kv_heads, 0, L, device)
@@ -335,15 +319,16 @@ class _Plan:
             far_q = qf[:, first + shift - W :, :, :D]
             kf = self._buffer(Lf, self.kv_heads, 0, Lf, device)
             if self.leaky_k:  # fractional positions
-                far_q.copy_(_rotate(qx[:, first:], *leaky[:2], self.interleaved))
-                kf[..., :D] = _rotate(kt[:, :Lf].to(self.compute), *leaky[2:], self.interleaved)
+                far_q.copy_(rotate_with_tables(qx[:, first:], *leaky[:2], self.interleaved, half_width=True))
+                kf[..., :D] = rotate_with_tables(kt[:, :Lf].to(self.compute), *leaky[2:], self.interleaved,
+                                                 half_width=True)
             else:  # q rotated at the window, raw keys
                 if factor is None:
                     far_q.copy_(qt[:, first:])
                     self.rotate_(far_q, torch.full_like(q_positions[:, first:], W, dtype=torch.int64), inv_freq)
                 else:
-                    far_q.copy_(_rotate(qx[:, first:], *_cos_sin(W, inv_freq, self.compute, device),
-                                        self.interleaved))
+                    far_q.copy_(rotate_with_tables(qx[:, first:], *_pair_tables(W, inv_freq, self.compute, device),
+                                                   self.interleaved, half_width=True))
                 kf[..., :D] = kt[:, :Lf]
             buffers.update(qf=qf, kf=kf)
         del qx
@@ -476,7 +461,7 @@ def _forward(ctx, plan: _Plan, q, k, v, q_positions, k_positions, inv_freq):
             plan.add_rows(part, acc, contribution)
         del contribution
     out = acc[:, shift:L].to(q.dtype).transpose(1, 2)
-    lse = lse[:, shift:L].to(_lse_dtype(q)).transpose(1, 2)
+    lse = lse[:, shift:L].to(lse_dtype(q)).transpose(1, 2)
     del acc
     final_out, final_lse = out, lse  # rows without a visible key: 0 and -inf already
     if not plan.finite:  # the non-finite rule: a row with a non-finite query or visible key is poisoned
@@ -486,7 +471,7 @@ def _forward(ctx, plan: _Plan, q, k, v, q_positions, k_positions, inv_freq):
         reach = torch.arange(plan.q_len, device=q.device) + shift
         poison = bad["q"].transpose(1, 2) | (first_bad[:, :, None] <= reach)
         row_stat = torch.where(poison, float("nan"), lse)
-        final_out, final_lse = _non_finite_rule(out, lse, row_stat, v, qp, kp, True)
+        final_out, final_lse = non_finite_rule(out, lse, row_stat, v, qp, kp, True)
     ctx.save_for_backward(q, k, v, qp, kp, inv_freq, out, lse, *leaky)
     ctx.plan, ctx.states, ctx.plan_device = plan, states, q.device.type
     ctx.set_materialize_grads(False)
@@ -583,8 +568,8 @@ def _backward(ctx, grad_out, grad_lse):
         far_q = grads["qf"][:, first + shift - W :, :, :D]
         far_k = grads["kf"][..., :D]
         if plan.leaky_k:
-            plan.rotate_(far_q, None, inv_freq, conjugate=True, cos_sin=leaky[:2])
-            plan.rotate_(far_k, None, inv_freq, conjugate=True, cos_sin=leaky[2:])
+            plan.rotate_(far_q, None, inv_freq, conjugate=True, tables=leaky[:2])
+            plan.rotate_(far_k, None, inv_freq, conjugate=True, tables=leaky[2:])
         else:
             plan.rotate_(far_q, torch.full_like(qp[:, first:], W), inv_freq, conjugate=True)
         dq[:, first:] += far_q
@@ -617,7 +602,7 @@ def rerope_attention_train(
     once per reason.
     """
     torch.ops.ropescale._check_rerope_attention(
-        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), _schema_scale(scale), logn_length,
+        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), schema_scale(scale), logn_length,
         allow_float64=True,
     )
     composite_args = (q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
