@@ -51,6 +51,8 @@ _registered = False
 
 
 def _placements():
+    # Lazy: torch.distributed.tensor costs seconds to import and is there only once DTensors are (the rules run
+    # on DTensor inputs only, so it is imported by then).
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     return Partial, Replicate(), Shard
@@ -223,6 +225,7 @@ def register() -> bool:
         if not torch.distributed.is_available():
             return False
         try:
+            # Lazy: torch.distributed.tensor is heavy, and register_sharding absent from some torch builds.
             from torch.distributed.tensor.experimental import register_sharding
         except ImportError:
             return False
