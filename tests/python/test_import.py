@@ -1,6 +1,8 @@
 """Importing ropescale: the torch it was built against, the instruction set its CPU kernels use, the
 `ropescale` command."""
 
+import ast
+import json
 import os
 import shutil
 import subprocess
@@ -103,3 +105,186 @@ def test_a_build_without_cuda_kernels_says_how_to_rebuild_on_cuda_tensors():
     with pytest.raises(RuntimeError, match=r"apply_rotary: this ropescale library was built without CUDA kernels"
                                            r".*ROPESCALE_CUDA=ON pip install --no-build-isolation"):
         torch.ops.ropescale.apply_rotary.default.redispatch(cuda, x, cos, cos)
+
+
+# ---------------------------------------------------------------------------------------------
+# The package's import layering (docs/DESIGN.md, "Python layers"): no import circle, every import at the top
+# of its module, and the op layer importing only downwards.
+
+PACKAGE = Path(ropescale.__file__).parent
+
+# The op layer, lowest first, each with the package modules it may import (at the top or lazily). Whatever is
+# not in it (scaling, hf, vllm, cli, ...) sits above and may import any of these.
+OP_LAYER = {
+    "_composite": set(),  # torch only; validates with torch.ops.ropescale._check_*
+    "reference": {"_C", "_composite"},
+    "rerope": {"_C", "_composite", "reference"},
+    "rerope_train": {"_composite", "rerope"},
+    "ops": {"_C", "rerope", "rerope_train"},
+    "cache": set(),
+    "sharding": set(),
+}
+
+# Modules that still import below a statement, each with why; the test fails once one no longer does, so
+# that the entry goes.
+IMPORTS_BELOW_A_STATEMENT = {
+    "vllm.attention": "the vLLM imports follow the logger's assignment",
+    "vllm.rotary": "the vLLM imports follow the logger's assignment",
+}
+
+
+def _package_modules() -> dict[str, ast.Module]:
+    """Every Python module of the package, by dotted name inside it ("ops", "hf.patch"; "" is the package's
+    own __init__), parsed."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = ast.parse(path.read_text(), str(path))
+    return modules
+
+
+def _is_submodule(name: str) -> bool:
+    """Whether the package has a module of that dotted name (a .py file, a subpackage or a native library)."""
+    if not name:
+        return False
+    path = PACKAGE.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists() or any(
+        path.parent.glob(path.name + ".*.so"))
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The package modules an import statement of ``module`` imports, by dotted name inside the package: each
+    submodule named, or the module a name is taken from (``from . import __version__``: the package's __init__,
+    "")."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level == 0:
+            base = node.module
+        else:
+            is_package = module == "" or (PACKAGE.joinpath(*module.split(".")) / "__init__.py").exists()
+            parts = ["ropescale", *filter(None, module.split("."))]
+            parts = parts if is_package else parts[:-1]
+            base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+        names = [f"{base}.{alias.name}" if _is_submodule(f"{base}.{alias.name}".partition(".")[2]) else base
+                 for alias in node.names]
+    inner = {name.partition(".")[2] for name in names if name == "ropescale" or name.startswith("ropescale.")}
+    return inner - {module}
+
+
+def _is_import_block(node: ast.stmt) -> bool:
+    """An import, or a ``try`` whose body is imports only (an import with an error message of its own)."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return True
+    return isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    return [n for node in tree.body if _is_import_block(node)
+            for n in ([node] if not isinstance(node, ast.Try) else node.body)]
+
+
+def test_every_import_is_at_the_top_of_its_module():
+    # The top: the docstring, then imports only (`from __future__` first). An import further down is an import
+    # circle worked around, or an ordering the reader cannot see.
+    late = {}
+    for name, tree in _package_modules().items():
+        body = tree.body[1:] if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(
+            getattr(tree.body[0], "value", None), ast.Constant) else tree.body
+        first_other = next((i for i, node in enumerate(body) if not _is_import_block(node)), len(body))
+        lines = [node.lineno for node in body[first_other:] if _is_import_block(node)]
+        if lines:
+            late[name] = lines
+    assert set(late) == set(IMPORTS_BELOW_A_STATEMENT), late
+
+
+def test_the_package_has_no_import_circle():
+    # Module-level imports only: a function's import runs after every module has loaded.
+    graph = {name: set().union(*(_imported(name, node) for node in _module_level_imports(tree)))
+             for name, tree in _package_modules().items()}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            pytest.fail("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    assert {"_composite", "ops"} <= done and "rerope" in graph["ops"]  # the walk saw the graph
+
+
+def test_the_op_layer_imports_only_downwards():
+    modules = _package_modules()
+    for name, allowed in OP_LAYER.items():
+        imported = set().union(*(_imported(name, node) for node in ast.walk(modules[name])
+                                 if isinstance(node, (ast.Import, ast.ImportFrom)))) - {name}
+        assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}, above it"
+
+
+def test_the_op_layer_imports_lazily_only_with_a_reason():
+    # An import inside a function is for a heavy optional dependency, and says so ("lazy") in the comment
+    # block just above it or on its line.
+    for name in OP_LAYER:
+        path = PACKAGE / f"{name}.py"
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        top = set(map(id, _module_level_imports(tree)))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                above, i = [lines[node.lineno - 1]], node.lineno - 2
+                while i >= 0 and lines[i].strip().startswith("#"):
+                    above.append(lines[i])
+                    i -= 1
+                comment = " ".join(line.split("#", 1)[1] for line in above if "#" in line)
+                assert "lazy" in comment.lower(), f"{path.name}:{node.lineno}: a lazy import without its reason"
+
+
+# In a fresh process, the package's modules imported one by one without the package's __init__ (which imports
+# everything), lowest first: each brings in only what OP_LAYER allows it. Then the composite, with nothing
+# above it loaded, computes and refuses as the op does.
+_LAYERS_ALONE = """
+import importlib, json, sys, types
+import torch
+package = types.ModuleType("ropescale")
+package.__path__ = [sys.argv[1]]
+sys.modules["ropescale"] = package
+allowed = json.loads(sys.argv[2])
+
+def loaded():
+    return {name.split(".", 1)[1] for name in sys.modules if name.startswith("ropescale.")}
+
+importlib.import_module("ropescale._C")
+for name, below in allowed.items():
+    before = loaded()
+    importlib.import_module("ropescale." + name)
+    extra = loaded() - before - {name} - set(below)
+    assert not extra, f"importing {name} loaded {sorted(extra)}"
+    if name == "_composite":
+        assert loaded() == {"_C", "_composite"}, loaded()
+        composite = sys.modules["ropescale._composite"]
+        q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        positions, inv_freq = torch.arange(5)[None], torch.rand(4, dtype=torch.float64)
+        out, lse = composite.rerope_attention_composite(q, q, q, positions, positions, inv_freq, 2)
+        assert out.shape == q.shape and torch.isfinite(lse).all()
+        try:
+            composite.rerope_attention_composite(q, q, q, positions, positions, inv_freq, 0)
+            raise AssertionError("window 0 accepted")
+        except RuntimeError as error:
+            assert "rerope_attention: window must be > 0" in str(error), error
+print("layers ok")
+"""
+
+
+def test_the_op_layer_loads_bottom_up_without_the_package():
+    allowed = {name: sorted(below) for name, below in OP_LAYER.items()}
+    result = subprocess.run([sys.executable, "-c", _LAYERS_ALONE, str(PACKAGE), json.dumps(allowed)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "layers ok" in result.stdout, result.stderr[-3000:]
