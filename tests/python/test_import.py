@@ -229,6 +229,15 @@ def test_the_op_layer_imports_only_downwards():
         assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}, above it"
 
 
+def test_the_composites_call_no_kernel_op():
+    # The plain-PyTorch math is what ROPESCALE_KERNELS=reference routes the kernel ops to: calling one of them
+    # would recurse there. Of torch.ops.ropescale it uses the argument checks only.
+    tree = ast.parse((PACKAGE / "_composite.py").read_text())
+    called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+              and ast.unparse(node.value) == "torch.ops.ropescale"}
+    assert called and all(name.startswith("_check_") for name in called), called
+
+
 def test_the_op_layer_imports_lazily_only_with_a_reason():
     # An import inside a function is for a heavy optional dependency, and says so ("lazy") in the comment
     # block just above it or on its line.
