@@ -42,13 +42,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import config as config_lib, ops
-from ..serving import (NO_WINDOW, PreRopePlan, Segments, StepTables, TableCache, cut_segments,  # noqa: F401
-                       needs_pre_rope)
-
-logger = logging.getLogger("vllm.ropescale")
-
-from vllm.v1.attention.backend import (  # noqa: E402
+from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
@@ -56,14 +50,20 @@ from vllm.v1.attention.backend import (  # noqa: E402
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from .. import config as config_lib, ops
+from ..serving import (NO_WINDOW, PreRopePlan, Segments, StepTables, TableCache, cut_segments,  # noqa: F401
+                       needs_pre_rope)
+
+logger = logging.getLogger("vllm.ropescale")
 
 __all__ = ["PreRopePlan", "PreRopeRotary", "StepTables", "TableCache", "host_seq_lens", "pass_through",
            "check_backend", "register_backends", "RopescaleCPUAttentionBackend", "PreRopeAttentionBackend"]

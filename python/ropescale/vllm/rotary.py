@@ -15,13 +15,12 @@ from typing import Any, Mapping
 
 import torch
 
+import vllm.model_executor.layers.rotary_embedding as _rope_package
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
 from .. import config as config_lib, ops, scaling
 
 logger = logging.getLogger("vllm.ropescale")
-
-import vllm.model_executor.layers.rotary_embedding as _rope_package  # noqa: E402
-from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # noqa: E402
-
 _stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
 _layers: dict[tuple, RotaryEmbedding] = {}
 _warned: set[str] = set()
