@@ -181,42 +181,16 @@ def _table_fake(op, *args, **kwargs) -> torch.Tensor:
     return torch.empty(real.shape, dtype=real.dtype, device="cpu")
 
 
-@torch.library.register_fake("ropescale::default_inv_freq")
-def _(dim, base, *, dtype=None):
-    return _table_fake(_ops.default_inv_freq, dim, base, dtype=dtype)
+def _register_table_fake(name: str) -> None:
+    op = getattr(_ops, name)
+    torch.library.register_fake(f"ropescale::{name}")(lambda *args, **kwargs: _table_fake(op, *args, **kwargs))
 
 
-@torch.library.register_fake("ropescale::linear_inv_freq")
-def _(dim, base, factor, *, dtype=None):
-    return _table_fake(_ops.linear_inv_freq, dim, base, factor, dtype=dtype)
-
-
-@torch.library.register_fake("ropescale::ntk_inv_freq")
-def _(dim, base, factor, *, dtype=None):
-    return _table_fake(_ops.ntk_inv_freq, dim, base, factor, dtype=dtype)
-
-
-@torch.library.register_fake("ropescale::dynamic_ntk_inv_freq")
-def _(dim, base, factor, original_max_position, seq_len, *, dtype=None):
-    return _table_fake(_ops.dynamic_ntk_inv_freq, dim, base, factor, original_max_position, seq_len, dtype=dtype)
-
-
-@torch.library.register_fake("ropescale::yarn_inv_freq")
-def _(dim, base, factor, original_max_position, beta_fast=32.0, beta_slow=1.0, truncate=True, *, dtype=None):
-    return _table_fake(_ops.yarn_inv_freq, dim, base, factor, original_max_position, beta_fast, beta_slow, truncate,
-                       dtype=dtype)
-
-
-@torch.library.register_fake("ropescale::llama3_inv_freq")
-def _(dim, base, factor, low_freq_factor, high_freq_factor, original_max_position, *, dtype=None):
-    return _table_fake(_ops.llama3_inv_freq, dim, base, factor, low_freq_factor, high_freq_factor,
-                       original_max_position, dtype=dtype)
-
-
-@torch.library.register_fake("ropescale::longrope_inv_freq")
-def _(dim, base, short_factor, long_factor, original_max_position, seq_len, *, dtype=None):
-    return _table_fake(_ops.longrope_inv_freq, dim, base, short_factor, long_factor, original_max_position, seq_len,
-                       dtype=dtype)
+# Every op that makes an inv_freq table from scalars (a new method's table op is one more name here).
+TABLE_OPS = ("default_inv_freq", "linear_inv_freq", "ntk_inv_freq", "dynamic_ntk_inv_freq", "yarn_inv_freq",
+             "llama3_inv_freq", "longrope_inv_freq")
+for _name in TABLE_OPS:
+    _register_table_fake(_name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -354,6 +354,9 @@ class RopeScaling:
         values = {}
         for p in cls.parameters():
             value = params.get(p.hf_key) if p.hf_key else None
+            if value is None and p.kind is bool and p.hf_key in params:
+                values[p.name] = value  # a switch set to null is refused, not read as its default
+                continue
             if value is None and p.fallback == FROM_CONFIG_LENGTH:
                 value = max_position_embeddings
                 if value is None:

@@ -40,7 +40,7 @@ FIELD_VALUES = {
 
 def instance(cls, **fields):
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in FIELD_VALUES.items() if k in names}, **fields)
+    return cls(**{**{k: v for k, v in FIELD_VALUES.items() if k in names}, **fields})
 
 
 METHODS = sorted(scaling.METHODS)
@@ -189,3 +189,26 @@ def test_a_new_method_is_found_everywhere_from_its_registration(tmp_path):
     assert out == {"method": "Halved(resonance=False, factor=2.0)", "written": "rerope_halved",
                    "read": "Halved(resonance=False, factor=2.0)", "resonance_registered": True,
                    "rerope_registered": True, "cli": 0}
+
+
+_HOSTILE = {
+    float: (float("nan"), float("inf"), -float("inf"), True, "4", [4.0]),
+    int: (float("nan"), float("inf"), 0.5, -1, True, "4096"),
+    bool: ("yes", 1, None, float("nan")),
+    tuple: ((), (float("nan"),) * (DIM // 2), (-1.0,) * (DIM // 2), "abc", 4.0),
+}
+
+
+@pytest.mark.parametrize("rope_type", METHODS)
+def test_every_parameter_of_every_method_refuses_hostile_values(rope_type):
+    """The dataclass checks every path shares (hf.patch, from_hf, the CLI, the vLLM plugin): a hostile value of
+    any parameter of any registered method is refused with a ValueError naming the method and the field."""
+    cls = scaling.METHODS[rope_type]
+    for p in cls.parameters():
+        for value in _HOSTILE[p.kind]:
+            with pytest.raises(ValueError, match=f"{cls.__name__}: {p.name}") as err:
+                instance(cls, **{p.name: value})
+            assert repr(value)[:20] in str(err.value) or p.kind is tuple, (p.name, value, err.value)
+            if p.hf_key:  # and from a config, with the rope type named
+                with pytest.raises(ValueError, match=f"from_hf: rope_type {rope_type!r}"):
+                    scaling.from_hf({**instance(cls).to_hf(), p.hf_key: value}, ORIGINAL)
