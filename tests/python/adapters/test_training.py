@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ropescale import hf, scaling  # noqa: E402
-from tiny_lm import tiny_llama  # noqa: E402
+from support.tiny_lm import tiny_llama  # noqa: E402
 
 # Tiny models run several times faster on one intra-op thread (conftest's one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -29,7 +29,7 @@ import types
 import pytest
 import torch
 
-from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
 
 require_vllm()
 
@@ -607,9 +607,9 @@ def test_tensor_parallel_2_equals_1(tmp_path_factory, plugin_engines, checkpoint
 def readme_server_command():
     """The server line of README's "Serve with vLLM", split as a shell would (the comment dropped)."""
     import shlex
-    from pathlib import Path
+    from support import ROOT
 
-    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines():
+    for line in (ROOT / "README.md").read_text().splitlines():
         if line.startswith("python -m vllm.entrypoints.openai.api_server"):
             return shlex.split(line.split("#")[0])
     raise AssertionError("README has no `python -m vllm.entrypoints.openai.api_server` line")

@@ -23,7 +23,7 @@ import types
 import pytest
 import torch
 
-from vllm_testing import HEAD, ORIGINAL, require_vllm, tiny_llama  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, require_vllm, tiny_llama  # noqa: E402
 
 require_vllm()
 

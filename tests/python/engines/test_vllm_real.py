@@ -31,7 +31,7 @@ import textwrap
 import pytest
 import torch
 
-from vllm_testing import require_vllm  # noqa: E402
+from support.vllm_testing import require_vllm  # noqa: E402
 
 require_vllm()
 if os.environ.get("ROPESCALE_VLLM_REAL") != "1":

@@ -15,7 +15,7 @@
   keys), with reserved workspaces of every size (bit for bit the same rows), decode steps without
   tensor-core allocations, short requests with a 128k block table.
 
-The reference and the SDPA-relative tolerance come from test_rerope_attention.py.
+The reference and the SDPA-relative tolerance come from support/attention.py.
 """
 
 import math
@@ -26,7 +26,7 @@ import torch
 from ropescale import ops
 from ropescale.rerope import (rerope_attention_composite, rerope_attention_paged_composite,
                               rerope_cache_write_composite)
-from test_rerope_attention import BASE, as_layout, assert_within_sdpa_error, make_inputs, reference, sdpa_error
+from support.attention import BASE, as_layout, assert_within_sdpa_error, make_inputs, reference, sdpa_error
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"

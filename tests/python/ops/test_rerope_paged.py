@@ -15,7 +15,7 @@ from torch.library import opcheck
 
 from ropescale import ops
 from ropescale.rerope import rerope_attention_paged_composite, rerope_cache_write_composite
-from test_rerope_attention import BASE, SDPA_ERROR_FACTOR, reference, sdpa_error
+from support.attention import BASE, SDPA_ERROR_FACTOR, reference, sdpa_error
 
 NOT_WRITTEN = float("nan")  # cache slots no request owns: any read of them would show in the output
 

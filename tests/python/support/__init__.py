@@ -1,0 +1,14 @@
+"""What the Python tests share, imported as ``support.<module>`` from every test folder (tests/python/conftest.py
+puts tests/python on sys.path; a subprocess a test starts inserts :data:`TESTS` itself). No test module imports
+another test module: a helper two of them need lives here.
+
+- ``attention``: the float64 ReRoPE references (two-matrix and IEEE), random inputs, layouts, the SDPA error bound
+- ``tiny_lm``: tiny transformers models (Llama-family, the vLLM tests' Llama), a character tokenizer, a passkey stub
+- ``bad_input``: the runner of the table-driven bad-input suites
+- ``vllm_testing``: the vLLM leg's import rule, the tiny Llama it serves, the comparison with transformers
+"""
+
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]  # tests/python
+ROOT = TESTS.parents[1]  # the repository
