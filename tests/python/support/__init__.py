@@ -3,7 +3,8 @@ puts tests/python on sys.path; a subprocess a test starts inserts :data:`TESTS` 
 another test module: a helper two of them need lives here.
 
 - ``attention``: the float64 ReRoPE references (two-matrix and IEEE), random inputs, layouts, the SDPA error bound
-- ``tiny_lm``: tiny transformers models (Llama-family, the vLLM tests' Llama), a character tokenizer, a passkey stub
+- ``paged``: the one builder of vLLM-style paged batches (``make_paged``) and their float64 reference
+- ``tiny_lm``: tiny transformers models (the Llama family, the evaluator's Llama), a character tokenizer, a passkey stub
 - ``bad_input``: the runner of the table-driven bad-input suites
 - ``vllm_testing``: the vLLM leg's import rule, the tiny Llama it serves, the comparison with transformers
 """
