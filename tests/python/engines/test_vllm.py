@@ -28,7 +28,8 @@ import types
 import pytest
 import torch
 
-from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, run_engines, served_llama  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
 
 require_vllm()
 

@@ -24,7 +24,8 @@ import types
 import pytest
 import torch
 
-from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, run_engines, served_llama  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
 
 require_vllm()
 
@@ -316,7 +317,7 @@ def random_prompts(lengths, seed):
 
 def serve(tmp_path, engines, env=None):
     """Run ``engines`` ([{"path", "options", "batches", "cached" (the batches that read vLLM's prefix cache),
-    "env", "bad_entry"}]) in one subprocess (support.vllm_testing.run_engines), each served at SERVED tokens;
+    "env", "bad_entry"}]) in one subprocess (support.vllm_engine.run_engines), each served at SERVED tokens;
     returns (per engine its error ({"error"}) or its batches' results, the log, per engine the count of vLLM's
     preemptions (None where it did not run))."""
     params = dict(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True,

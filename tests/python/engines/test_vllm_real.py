@@ -27,7 +27,8 @@ import re
 import pytest
 import torch
 
-from support.vllm_testing import require_vllm, run_engines  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import require_vllm  # noqa: E402
 
 require_vllm()
 if os.environ.get("ROPESCALE_VLLM_REAL") != "1":
@@ -68,7 +69,7 @@ def reference(model, ids, last, float64):
 
 
 def serve(tmp_path, runs, ids, last, new_tokens):
-    """One process serving ``runs`` [(name, checkpoint dir)] on the prompt ``ids`` (support.vllm_testing's
+    """One process serving ``runs`` [(name, checkpoint dir)] on the prompt ``ids`` (support.vllm_engine's
     runner): {name: {"last": the last ``last`` prompt logprobs, "tokens", "top": the first generated token's
     top 20, "seconds"}}."""
     # vLLM scores every prompt token, a chunk of max_num_batched_tokens at a time ([2048, vocab] logits)

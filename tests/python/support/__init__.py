@@ -6,8 +6,9 @@ another test module: a helper two of them need lives here.
 - ``paged``: the one builder of vLLM-style paged batches (``make_paged``) and their float64 reference
 - ``tiny_lm``: tiny transformers models (the Llama family, the evaluator's Llama), a character tokenizer, a passkey stub
 - ``bad_input``: the runner of the table-driven bad-input suites
-- ``vllm_testing``: the vLLM leg's import rule, the tiny Llama it serves (``served_llama``, a ``tiny_llama``), the one
-  engine runner (``run_engines``: vLLM engines in one subprocess), the comparison with transformers
+- ``vllm_testing``: the vLLM leg's import rule, the tiny Llama it serves (``served_llama``, a ``tiny_llama``), the
+  comparison with transformers
+- ``vllm_engine``: the one vLLM engine runner (``run_engines``: engines in one subprocess, outputs as JSON)
 """
 
 from pathlib import Path
