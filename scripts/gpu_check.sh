@@ -47,7 +47,7 @@ part() { [[ $PARTS == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/$BUILD/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 failures=()
 started=$SECONDS
-VLLM_ENGINE_TEST=tests/python/test_vllm_paged.py::test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cuda_graphs
+VLLM_ENGINE_TEST=tests/python/engines/test_vllm_paged.py::test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cuda_graphs
 
 section() { printf '\n## %s\n\n' "$1" >>"$REPORT"; }
 fenced() { { echo '```'; cat "$1"; echo '```'; } >>"$REPORT"; }
@@ -175,7 +175,7 @@ if [ "$build_ok" = 1 ] && part core; then
   run "pytest -m cuda (CUDA tests: tensor-core prefill, masking, paged attention, CPU-vs-CUDA parity)" 200 \
     "$OUT/pytest_cuda.log" \
     "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE \
-    --ignore=tests/python/test_training.py --deselect "$VLLM_ENGINE_TEST"
+    --ignore=tests/python/adapters/test_training.py --deselect "$VLLM_ENGINE_TEST"
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
     # bench_rerope.py's CUDA mode includes paged16 (rerope_attention_paged, one request in pages of 16
@@ -191,7 +191,7 @@ if [ "$build_ok" = 1 ] && part first-day; then
   # One autocast step (bf16, fp16; eager and gradient checkpointing; torch.compile for one kind per path)
   # of every patch kind on the GPU, judged against the stock model's own autocast error.
   run "autocast fine-tuning step, every patch kind (CUDA)" 120 "$OUT/training.log" \
-    "$PYTHON" -m pytest tests/python/test_training.py -m cuda -q -p no:cacheprovider -rfE
+    "$PYTHON" -m pytest tests/python/adapters/test_training.py -m cuda -q -p no:cacheprovider -rfE
   # ReRoPE training (ops.rerope_attention_train: PyTorch's fused kernels, no L x L tensor) against the
   # unpatched SDPA model, peak memory and time; the old composite path at 4k for comparison.
   run "bench_rerope_train (GPU): ReRoPE training step, peak memory" 120 "$OUT/bench_rerope_train.log" \

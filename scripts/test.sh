@@ -18,8 +18,8 @@ if [ $# -eq 0 ]; then
   # The escape hatch users are told about must itself pass the op suites.
   echo "== Op suites with ROPESCALE_KERNELS=reference (every kernel op as plain PyTorch)"
   ROPESCALE_KERNELS=reference "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/python/test_rotary.py tests/python/test_rerope_attention.py tests/python/test_bad_input_rotary.py \
-    tests/python/test_bad_input_rerope.py tests/python/test_reference_kernels.py || status=1
+    tests/python/ops/test_rotary.py tests/python/ops/test_rerope_attention.py tests/python/ops/test_bad_input_rotary.py \
+    tests/python/ops/test_bad_input_rerope.py tests/python/ops/test_reference_kernels.py || status=1
 fi
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
   echo "== Core suite and vLLM leg against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"

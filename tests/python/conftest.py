@@ -1,5 +1,6 @@
 import getpass
 import os
+import sys
 import tempfile
 
 import pytest
@@ -11,6 +12,12 @@ import torch
 if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
+
+# The tests live in folders by area (ops, adapters, engines, tools); what they share is the `support` package
+# next to this file. Put tests/python on sys.path whatever the import mode or the folder pytest was pointed at.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 import ropescale  # noqa: F401  (registers torch.ops.ropescale)
 

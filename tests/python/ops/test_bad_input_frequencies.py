@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bad_input import row, suite
+from support.bad_input import row, suite
 from ropescale import ops
 
 R = torch.ops.ropescale

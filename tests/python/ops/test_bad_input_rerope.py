@@ -7,7 +7,7 @@ devices (where the real call itself dispatches to the Meta kernel)."""
 import pytest
 import torch
 
-from bad_input import escape, parametrize, row, run_real, suite
+from support.bad_input import escape, parametrize, row, run_real, suite
 from ropescale import ops
 
 R = torch.ops.ropescale

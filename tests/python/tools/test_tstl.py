@@ -150,9 +150,9 @@ def test_inference_methods():
 def test_benchmark_script_runs_end_to_end(capsys, tmp_path):
     import importlib.util
     import json
-    from pathlib import Path
+    from support import ROOT
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "posgen_tstl.py"
+    path = ROOT / "benchmarks" / "posgen_tstl.py"
     spec = importlib.util.spec_from_file_location("posgen_tstl_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

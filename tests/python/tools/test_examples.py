@@ -4,9 +4,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import ROOT
+
 ENV = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="2")
 
 
@@ -131,7 +131,7 @@ def test_finetune_fsdp_two_processes_save_the_gathered_model(tmp_path):
 
 def _readme_block(heading: str) -> str:
     """The first ```python block after ``heading`` in README.md."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     after = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ropescale import cli, hf, scaling  # noqa: E402
-from test_hf import FAMILIES, VOCAB, ids, tiny  # noqa: E402
+from support.tiny_lm import FAMILIES, VOCAB, ids, tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -345,7 +345,7 @@ def test_every_path_refuses_a_bad_entry_with_hf_patchs_message(tmp_path, edit, m
 
 
 def source_model(tmp_path, family="llama"):
-    from tiny_lm import char_tokenizer
+    from support.tiny_lm import char_tokenizer
 
     src = tmp_path / "src"
     model = model_for(family)
@@ -594,7 +594,7 @@ def test_extend_refuses_dst_inside_src_and_names_the_dequantising_step_of_a_gguf
         assert f"then ropescale extend {tmp_path / 'dst-src'} {tmp_path / 'dst'}" in err
     # The step it names writes a directory extend takes (the GGUF reader is transformers'; faked here).
     from ropescale import realmodel
-    from tiny_lm import char_tokenizer
+    from support.tiny_lm import char_tokenizer
 
     monkeypatch.setattr(realmodel, "load_gguf", lambda path, progress=False: (model, char_tokenizer()))
     realmodel.save_dequantised(tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "dst-src")

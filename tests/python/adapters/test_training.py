@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ropescale import hf, scaling  # noqa: E402
-from tiny_lm import tiny_llama  # noqa: E402
+from support.tiny_lm import tiny_llama  # noqa: E402
 
 # Tiny models run several times faster on one intra-op thread (conftest's one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, LAYERS, HEAD_DIM, ORIGINAL, BATCH, LENGTH = 97, 2, 16, 16, 2, 48
 DTYPES = [torch.bfloat16, torch.float16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-# The project's factor on PyTorch's own error (tests/python/test_rotary.py judges the kernels so).
+# The project's factor on PyTorch's own error (tests/python/ops/test_rotary.py judges the kernels so).
 ERROR_FACTOR = 2.0
 
 

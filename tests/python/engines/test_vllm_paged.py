@@ -19,15 +19,13 @@ requests on 2 shared CPU cores (before the native paged kernel lands, through th
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import types
 
 import pytest
 import torch
 
-from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
 
 require_vllm()
 
@@ -58,7 +56,7 @@ CHECKPOINTS = {
 
 def patched(name, seed=0):
     method, kwargs = CHECKPOINTS[name]
-    return hf.patch(tiny_llama(seed), method, **kwargs)
+    return hf.patch(served_llama(seed), method, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -298,8 +296,8 @@ def test_cpu_impl_routes_only_pre_rope_models_to_ropescale(monkeypatch):
         monkeypatch.setattr("vllm.v1.attention.backends.cpu_attn.get_current_vllm_config", lambda: vllm_config)
         return attention.RopescaleCPUAttentionImpl(2, HEAD, HEAD ** -0.5, 1, None, None, "auto")
 
-    assert impl_for(tiny_llama().config).pre_rope is None  # vLLM's own CPU attention, unchanged
-    assert impl_for(hf.patch(tiny_llama(), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)).config
+    assert impl_for(served_llama().config).pre_rope is None  # vLLM's own CPU attention, unchanged
+    assert impl_for(hf.patch(served_llama(), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)).config
                     ).pre_rope is None
     assert isinstance(impl_for(patched("rerope").config).pre_rope, attention.PreRopeLayer)
     assert isinstance(impl_for(patched("dynamic_yarn").config).pre_rope, attention.PreRopeLayer)
@@ -309,70 +307,6 @@ def test_cpu_impl_routes_only_pre_rope_models_to_ropescale(monkeypatch):
 # 2. Engines
 
 
-ENGINE = textwrap.dedent("""
-    # Serves tiny checkpoints with vLLM, one engine per entry of job["engines"] (one process, engines in turn);
-    # each engine runs its batches (one llm.generate call each) and prints one JSON line per batch.
-    import json, os, sys, time
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def count_preemptions():
-        # vLLM's scheduler, when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        stock, count = Scheduler._preempt_request, [0]
-
-        def preempt(self, *args, **kwargs):
-            count[0] += 1
-            return stock(self, *args, **kwargs)
-
-        Scheduler._preempt_request = preempt
-        return count
-
-    def main():
-        job = json.loads(sys.argv[1])
-        preemptions = count_preemptions()
-        params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], prompt_logprobs=0, logprobs=0,
-                                ignore_eos=True, detokenize=False)
-        # vLLM never reads the prefix cache for a request that asks for prompt logprobs: "cached" batches
-        # ask for the generated tokens' logprobs only
-        cached_params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], logprobs=0, ignore_eos=True,
-                                       detokenize=False)
-        for engine in job["engines"]:
-            start, preemptions[0] = time.perf_counter(), 0
-            os.environ.update(engine.get("env", {}))
-            try:
-                llm = LLM(model=engine["path"], dtype=engine.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
-                          max_model_len=job["max_model_len"], disable_log_stats=False, **engine["options"])
-            except Exception as err:  # noqa: BLE001 (the error is the result)
-                print("RESULT " + json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
-                continue
-            started = time.perf_counter()
-            if engine.get("bad_entry"):
-                print("RESULT " + json.dumps({"error": "the engine started"}), flush=True)
-                continue
-            for k, batch in enumerate(engine["batches"]):
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
-                                    cached_params if k in engine.get("cached", ()) else params, use_tqdm=False)
-                result = []
-                for out in outs:
-                    logprobs = out.prompt_logprobs and [None if d is None else d[t].logprob
-                                                        for d, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
-                    generated = out.outputs[0]
-                    result.append({"tokens": list(generated.token_ids), "prompt_logprobs": logprobs,
-                                   "logprobs": [d[t].logprob for d, t in zip(generated.logprobs, generated.token_ids)],
-                                   "cached": out.num_cached_tokens})
-                print("RESULT " + json.dumps(result), flush=True)
-            print(f"PREEMPTIONS {preemptions[0]}", flush=True)
-            print(f"TIMING {engine['path']}: start {started - start:.1f} s, runs {time.perf_counter() - started:.1f} s",
-                  flush=True)
-            del llm
-            for name in engine.get("env", {}):
-                os.environ.pop(name)
-
-    if __name__ == "__main__":
-        main()
-""")
 NEW_TOKENS = 8
 
 
@@ -382,23 +316,28 @@ def random_prompts(lengths, seed):
 
 
 def serve(tmp_path, engines, env=None):
-    """Run ``engines`` ([{"path", "options", "batches"}]) in one subprocess; returns (results per engine, log)."""
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    job = {"engines": engines, "new_tokens": NEW_TOKENS, "max_model_len": SERVED}
-    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", **(env or {})}
-    result = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=tmp_path, env=environ,
-                            capture_output=True, text=True, timeout=1500)
-    lines = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    out, i = [], 0
-    for engine in engines:
-        if i < len(lines) and isinstance(lines[i], dict):
-            out.append(lines[i])
-            i += 1
-            continue
-        out.append(lines[i: i + len(engine["batches"])])
-        i += len(engine["batches"])
-    return out, result.stdout + result.stderr
+    """Run ``engines`` ([{"path", "options", "batches", "cached" (the batches that read vLLM's prefix cache),
+    "env", "bad_entry"}]) in one subprocess (support.vllm_engine.run_engines), each served at SERVED tokens;
+    returns (per engine its error ({"error"}) or its batches' results, the log, per engine the count of vLLM's
+    preemptions (None where it did not run))."""
+    params = dict(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True,
+                  detokenize=False)
+    # vLLM never reads the prefix cache for a request that asks for prompt logprobs: "cached" batches ask for the
+    # generated tokens' logprobs only
+    cached_params = dict(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True, detokenize=False)
+    ids = [f"{i} {os.path.basename(engine['path'])}" for i, engine in enumerate(engines)]  # position, checkpoint
+    job = [{"id": ids[i], "path": engine["path"], "env": engine.get("env", {}),
+            "bad_entry": engine.get("bad_entry", False),
+            "options": dict(max_model_len=SERVED, disable_log_stats=False, **engine["options"]),
+            "batches": [{"prompts": batch, "params": cached_params if k in engine.get("cached", ()) else params}
+                        for k, batch in enumerate(engine["batches"])]}
+           for i, engine in enumerate(engines)]
+    results, log = run_engines(tmp_path, job, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+                                               **(env or {})}, timeout=1500)
+    by_id = {r["id"]: r for r in results}
+    out = [by_id.get(i, {"batches": []}) for i in ids]
+    return [{"error": r["error"]} if "error" in r else r["batches"] for r in out], log, \
+        [r.get("preemptions") for r in out]
 
 
 def reference(path, batch):
@@ -466,8 +405,7 @@ def test_engines_serve_every_request_as_it_is_served_alone(tmp_path):
                 "cached": [k for k, b in enumerate(names_) if b.endswith("_cached")]} for name, options, names_ in runs]
     engines[-1]["env"] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     engines.append({"path": str(bad), "options": load, "batches": [batches["long"]], "bad_entry": True})
-    results, log = serve(tmp_path, engines)
-    print("\n".join(line for line in log.splitlines() if line.startswith(("TIMING", "PREEMPTIONS"))))
+    results, log, preemptions = serve(tmp_path, engines)
     assert all(isinstance(r, list) and len(r) == len(e["batches"]) for r, e in zip(results, engines[:-1])), \
         log[-6000:]
     assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") >= len(runs), log[-3000:]
@@ -495,7 +433,6 @@ def test_engines_serve_every_request_as_it_is_served_alone(tmp_path):
     # length each prompt length has its own table, so its own pages).
     cached = {runs[i][0]: [[r["cached"] for r in run] for run in results[i][3:5]] for i in (0, 2)}
     assert cached == {"rerope": [[128] * 4, [128] * 3], "dynamic_yarn": [[128] * 4, [0] * 3]}, cached
-    preemptions = [int(line.split()[1]) for line in log.splitlines() if line.startswith("PREEMPTIONS ")]
     assert preemptions[len(runs) - 1] > 0, preemptions  # the small cache did preempt
     # an invalid entry: refused at engine start (the model build), with hf.patch's message
     assert isinstance(results[-1], dict) and "engine started" not in results[-1]["error"], results[-1]
@@ -513,7 +450,7 @@ def test_tensor_parallel_engine(tmp_path):
                 "batches": [mixed]}]
     # vLLM's CPU workers each bind their threads to a NUMA node unless told which cores to use; a machine
     # with one node (CI's 2 cores) refuses TP=2 ("Not enough allowed NUMA nodes"): one core per rank.
-    results, log = serve(tmp_path, engines, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    results, log, _ = serve(tmp_path, engines, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert isinstance(results[0], list), results[0] if results else log[-6000:]
     assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") == 2, log[-3000:]  # one line per rank
     assert_same(results[0][0], reference(path, mixed), "Dynamic-YaRN under load, TP=2")
@@ -547,7 +484,7 @@ def test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cud
          "options": dict(graphs, max_num_seqs=8, max_num_batched_tokens=4096, enable_prefix_caching=False),
          "batches": [long, mixed]},
     ]
-    results, log = serve(tmp_path, engines)
+    results, log, _ = serve(tmp_path, engines)
     assert all(isinstance(r, list) and len(r) == 2 for r in results), log[-6000:]
     assert log.count("served pre-RoPE: raw keys in vLLM's paged cache") >= len(engines), log[-3000:]
     for name, (served_long, served_mixed) in zip(paths, results):

@@ -11,69 +11,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    AutoConfig,
-    AutoModelForCausalLM,
-    DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from ropescale import hf, ops, scaling  # noqa: E402
+from support import TESTS  # noqa: E402
+from support.tiny_lm import FAMILIES, STATIC, VOCAB, ids, tiny  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*rope.*")
-
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
-VOCAB = 101
-
-
-def tiny(family="llama", rope_parameters=None, layers=2, mpe=64, seed=0, **extra):
-    config_cls, model_cls = FAMILIES[family]
-    rope_parameters = dict(rope_parameters or {"rope_type": "default"})
-    rope_parameters.setdefault("rope_theta", 10000.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = config_cls(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=mpe,
-            rope_parameters=rope_parameters, **extra,
-        )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    # Larger weights than the default init make attention sharper, so rope differences show.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:
-                p.mul_(4.0)
-    return model
-
-
-def ids(batch=2, length=40, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-STATIC = {
-    "default": {"rope_type": "default"},
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
-                    "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16,
-                 "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]},
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,7 +560,7 @@ DDP_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     warnings.filterwarnings("ignore")
-    from test_hf import tiny, ids, STATIC
+    from support.tiny_lm import tiny, ids, STATIC
     from ropescale import hf
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -645,7 +589,7 @@ DDP_SCRIPT = textwrap.dedent("""
 def test_ddp_two_processes_match_single_process(tmp_path):
     script = tmp_path / "ddp_step.py"
     out = str(tmp_path / "params")
-    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__), out=out))
+    script.write_text(DDP_SCRIPT.format(tests=str(TESTS), out=out))
     python_dir = os.path.dirname(os.path.dirname(ops.__file__))  # the tree's python/, or site-packages
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", PYTHONPATH=python_dir)
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), WORLD_SIZE="2"))

@@ -1,5 +1,5 @@
 """rerope_attention_paged and rerope_cache_write_ (CPU): the op against a float64 reference over each
-request's gathered pages (the two-matrix reference of test_rerope_attention), low precision judged
+request's gathered pages (the two-matrix reference of support/attention.py), low precision judged
 against SDPA's own error, batches mixing decode, chunked-prefill, full-prefill and empty requests,
 shuffled pages, the dense op's equality, the write op, opcheck, torch.compile, ROPESCALE_KERNELS=reference."""
 
@@ -15,71 +15,13 @@ from torch.library import opcheck
 
 from ropescale import ops
 from ropescale.rerope import rerope_attention_paged_composite, rerope_cache_write_composite
-from test_rerope_attention import BASE, SDPA_ERROR_FACTOR, reference, sdpa_error
-
-NOT_WRITTEN = float("nan")  # cache slots no request owns: any read of them would show in the output
-
-
-def make_paged(requests, q_heads, kv_heads, dim, block_size, dtype=torch.float32, seed=0, q_layout="contiguous"):
-    """A batch in vLLM's form: requests [(q_len, seq_len)], pages handed out in shuffled order from a cache
-    with spare pages, unused slots NaN, block-table entries past a request's pages garbage (never read).
-    Returns (q [T, Hq, D], key_cache, value_cache, block_table, seq_lens, query_start_loc) and the dense
-    per-request keys/values [(k [Hkv, seq, D], v)]."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-seq // block_size) for _, seq in requests]
-    max_blocks = max(pages + [1]) + 1
-    num_blocks = sum(pages) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), NOT_WRITTEN, dtype=dtype)
-    value_cache = torch.full_like(key_cache, NOT_WRITTEN)
-    block_table = torch.full((len(requests), max_blocks), 10**6, dtype=torch.int32)
-    dense = []
-    for r, (_, seq) in enumerate(requests):
-        k = torch.randn(kv_heads, seq, dim, generator=g).to(dtype)
-        v = torch.randn(kv_heads, seq, dim, generator=g).to(dtype)
-        dense.append((k, v))
-        for page in range(pages[r]):
-            block = order.pop()
-            block_table[r, page] = block
-            rows = slice(page * block_size, min(seq, (page + 1) * block_size))
-            key_cache[block, :, : rows.stop - rows.start] = k[:, rows]
-            value_cache[block, :, : rows.stop - rows.start] = v[:, rows]
-    total = sum(q_len for q_len, _ in requests)
-    q = torch.randn(total, q_heads, dim, generator=g).to(dtype)
-    if q_layout == "strided":  # a view of a wider buffer (q sliced out of a fused qkv projection)
-        buffer = torch.randn(total, q_heads, dim + 6, generator=g).to(dtype)
-        buffer[..., 3 : 3 + dim] = q
-        q = buffer[..., 3 : 3 + dim]
-    elif q_layout == "head_major":
-        q = q.transpose(0, 1).contiguous().transpose(0, 1)
-    starts = torch.tensor([0] + [q_len for q_len, _ in requests]).cumsum(0)
-    seq_lens = torch.tensor([seq for _, seq in requests])
-    return (q, key_cache, value_cache, block_table, seq_lens, starts), dense
-
-
-def reference_paged(q, dense, requests, inv_freq, window, leaky_k=0.0, scale=None, scale_factors=None,
-                    logn_length=0, interleaved=False):
-    """(out [T, Hq, D], lse [T, Hq]) in float64, one dense reference call per request."""
-    total, q_heads, dim = q.shape
-    out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
-    lse = torch.full((total, q_heads), -math.inf, dtype=torch.float64)
-    start = 0
-    for r, ((q_len, seq), (k, v)) in enumerate(zip(requests, dense)):
-        if q_len:
-            kp = torch.arange(seq)[None]
-            table = inv_freq if inv_freq.dim() == 1 else inv_freq[r]
-            base_scale = 1 / math.sqrt(dim) if scale is None else scale
-            factor = 1.0 if scale_factors is None else float(scale_factors[r])
-            o, l = reference(q[start : start + q_len].transpose(0, 1)[None], k[None], v[None], kp[:, seq - q_len :],
-                             kp, table, window, leaky_k, base_scale * factor, logn_length, True, interleaved)
-            out[start : start + q_len] = o[0].transpose(0, 1)
-            lse[start : start + q_len] = l[0].transpose(0, 1)
-        start += q_len
-    return out, lse
+from support import TESTS
+from support.attention import BASE, SDPA_ERROR_FACTOR, sdpa_error
+from support.paged import make_paged, reference_paged
 
 
 def paged_sdpa_error(q, dense, requests, inv_freq, scale_factors, logn_length, interleaved):
-    """SDPA's largest error in q's dtype (test_rerope_attention.sdpa_error) over the requests' problems."""
+    """SDPA's largest error in q's dtype (support.attention.sdpa_error) over the requests' problems."""
     errors = []
     start = 0
     for r, ((q_len, seq), (k, v)) in enumerate(zip(requests, dense)):
@@ -417,7 +359,7 @@ def test_reference_kernels_route_both_ops():
     script = textwrap.dedent("""
         import torch, ropescale
         from ropescale import ops
-        from test_rerope_paged import make_paged, reference_paged
+        from support.paged import make_paged, reference_paged
         requests = [(1, 30), (7, 7), (0, 4)]
         inputs, dense = make_paged(requests, 2, 1, 8, 16)
         f = ops.default_inv_freq(8, 1e4)
@@ -436,7 +378,7 @@ def test_reference_kernels_route_both_ops():
         print("reference-ok", ropescale.build_info()["kernels"])
     """)
     env = {**os.environ, "ROPESCALE_KERNELS": "reference",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
+           "PYTHONPATH": os.pathsep.join([str(TESTS)] + sys.path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "reference-ok reference" in result.stdout

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from ropescale import cli, ops, posgen, scaling
+from support import ROOT
 
-PYTHON_DIR = str(Path(__file__).resolve().parents[2] / "python")
+PYTHON_DIR = str(ROOT / "python")
 
 
 # Tiny models: one intra-op thread (conftest.py's one_thread fixture).
@@ -213,7 +214,7 @@ def test_demo_text(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     pytest.importorskip("tokenizers")
-    from tiny_lm import char_tokenizer, tiny_llama
+    from support.tiny_lm import char_tokenizer, tiny_llama
 
     path = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = char_tokenizer()

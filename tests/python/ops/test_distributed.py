@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import ropescale  # noqa: E402
 from ropescale import hf, ops, scaling  # noqa: E402
-from test_hf import STATIC, ids, tiny  # noqa: E402
+from support.tiny_lm import STATIC, ids, tiny  # noqa: E402
 
 WORLD = 2
 R = Replicate()

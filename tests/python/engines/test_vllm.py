@@ -23,13 +23,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import types
 
 import pytest
 import torch
 
-from vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, tiny_llama  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
 
 require_vllm()
 
@@ -79,7 +79,7 @@ PRE_ROPE = {
 
 def patched(name):
     method, kwargs, _ = PRE_ROPE[name] if name in PRE_ROPE else (*STATIC[name][:1], {}, None)
-    return hf.patch(tiny_llama(), method, **kwargs)
+    return hf.patch(served_llama(), method, **kwargs)
 
 
 def vllm_max_model_len(config):
@@ -181,7 +181,7 @@ def test_longrope_export_serves_on_stock_vllm_exactly(monkeypatch, name):
     method, length = STATIC[name]
     written = config_lib.write_longrope(method, 1e4, HEAD, ORIGINAL)
     assert written.max_position_embeddings == length
-    cfg = tiny_llama().config
+    cfg = served_llama().config
     cfg.rope_parameters, cfg.max_position_embeddings = dict(written.rope_parameters), length
     assert vllm_max_model_len(cfg) == length
     served_length(monkeypatch, length)  # vLLM's LongRoPE layer reads it from the engine's config
@@ -189,7 +189,7 @@ def test_longrope_export_serves_on_stock_vllm_exactly(monkeypatch, name):
     q, k = qk(length, seed=3)
     for positions in (torch.arange(length), torch.arange(5)):  # vLLM's long and short tables
         rq, rk = layer(positions, q[: len(positions)].clone(), k[: len(positions)].clone())
-        cos, sin = hf_tables(hf.patch(tiny_llama(), method), length)
+        cos, sin = hf_tables(hf.patch(served_llama(), method), length)
         cos, sin = cos[positions], sin[positions]
         torch.testing.assert_close(rq.double(), reference_rotation(q[: len(positions)], cos, sin), atol=2e-4, rtol=0)
         torch.testing.assert_close(rk.double(), reference_rotation(k[: len(positions)], cos, sin), atol=2e-4, rtol=0)
@@ -212,7 +212,7 @@ def test_vllm_serves_a_pre_rope_checkpoint_to_its_written_length(tmp_path, monke
     ModelConfig reads it: max_model_len N by default, N asked for without the override."""
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     options, derived = SERVED[name]
-    tiny_llama().save_pretrained(tmp_path / "src")
+    served_llama().save_pretrained(tmp_path / "src")
     for served in (1000, 4097):
         dst = tmp_path / f"served{served}"
         assert cli.main(["extend", str(tmp_path / "src"), str(dst), *options, "--max-length", str(served)]) == 0
@@ -280,7 +280,7 @@ def test_plugin_serves_ropescale_tables_exactly_and_leaves_the_rest_to_vllm(monk
 
 
 def test_plugin_leaves_unpatched_models_to_vllm(monkeypatch):
-    config = tiny_llama().config
+    config = served_llama().config
     config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
                               "rope_theta": 1e4}
     layer = plugin_get_rope(monkeypatch, config, 4 * ORIGINAL)
@@ -363,39 +363,6 @@ def test_opt_in_rotation_routes_vllms_own_classes_through_ropescales_kernel(oot_
 #   rotation: ROPESCALE_VLLM_ROTATION=1: the unpatched models through ropescale's kernel, eager, and YaRN compiled
 #   tp2:      tensor parallel 2; its workers are spawned processes, which only the entry point reaches
 
-ENGINE = textwrap.dedent("""
-    # Serves checkpoints with vLLM, one engine at a time in this process; one JSON line per run.
-    import gc, json, sys, time
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def main():
-        job = json.loads(sys.argv[1])
-        params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], prompt_logprobs=0, logprobs=0,
-                                ignore_eos=True, detokenize=False)
-        for run in job["runs"]:
-            start, tp = time.perf_counter(), run.get("tp", 1)
-            try:
-                llm = LLM(model=run["path"], dtype="float32", skip_tokenizer_init=True, seed=0,
-                          enforce_eager=run["eager"], max_num_seqs=4, tensor_parallel_size=tp,
-                          distributed_executor_backend="mp" if tp > 1 else None)
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params)
-            except Exception as err:  # noqa: BLE001 (the error is the result)
-                result = {"error": f"{type(err).__name__}: {err}"}
-            else:
-                result = {"outputs": [
-                    {"tokens": list(out.outputs[0].token_ids),
-                     "prompt_logprobs": [None if d is None else d[t].logprob
-                                         for d, t in zip(out.prompt_logprobs, out.prompt_token_ids)]}
-                    for out in outs]}
-            llm = None
-            gc.collect()
-            print("RESULT " + json.dumps({"id": run["id"], "seconds": time.perf_counter() - start, **result}),
-                  flush=True)
-
-    if __name__ == "__main__":
-        main()
-""")
 NEW_TOKENS = 8
 # vLLM's own rope types, on models ropescale never touched: (rope_parameters, max_position_embeddings such
 # that vLLM's max_model_len covers the prompts).
@@ -454,10 +421,10 @@ def checkpoints(tmp_path_factory):
             patched(name).save_pretrained(paths.setdefault(name, root / name))
     hf.patch(tiny_qwen2(), STATIC["resonance_yarn"][0]).save_pretrained(paths.setdefault(QWEN2, root / QWEN2))
     for rope_type, (params, max_position) in VLLM_TYPES.items():
-        model = tiny_llama(seed=1)
+        model = served_llama(seed=1)
         model.config.rope_parameters, model.config.max_position_embeddings = dict(params), max_position
         model.save_pretrained(paths.setdefault(f"vllm_{rope_type}", root / f"vllm_{rope_type}"))
-    tiny_llama().save_pretrained(root / "unpatched")
+    served_llama().save_pretrained(root / "unpatched")
     assert cli.main(["extend", str(root / "unpatched"), str(root / EXPORT), "--method", "yarn", "--factor", "4",
                      "--resonance", "--target", "vllm"]) == 0
     paths[EXPORT] = root / EXPORT
@@ -466,22 +433,23 @@ def checkpoints(tmp_path_factory):
 
 def serve(tmp_path, runs, env=None):
     """One process serving ``runs`` ({"id", "path", "eager", "tp"}), each with prompts that fill its
-    checkpoint's length: ({id: result}, the process's output)."""
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    job = {"runs": [{"tp": 1, **run, "path": str(run["path"]), "prompts": prompts(run["path"])} for run in runs],
-           "new_tokens": NEW_TOKENS}
-    environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    checkpoint's length: ({id: result}, the process's output); a result holds "error" or "batches" (one here)."""
+    params = dict(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True,
+                  detokenize=False)
+    engines = []
+    for run in runs:
+        tp = run.get("tp", 1)
+        options = dict(enforce_eager=run["eager"], max_num_seqs=4, tensor_parallel_size=tp,
+                       distributed_executor_backend="mp" if tp > 1 else None)
+        engines.append({"id": run["id"], "path": str(run["path"]), "options": options,
+                        "batches": [{"prompts": prompts(run["path"]), "params": params}]})
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                # One core per tensor-parallel rank (vLLM's default binds each rank to a NUMA node: one here).
                "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(max(run.get("tp", 1) for run in runs)))),
                **(env or {})}
-    result = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=tmp_path, env=environ,
-                            capture_output=True, text=True, timeout=1800)
-    lines = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    log = result.stdout + result.stderr
-    assert [r["id"] for r in lines] == [run["id"] for run in runs], log[-5000:]
-    print("engine seconds: " + ", ".join(f"{r['id']} {r['seconds']:.1f}" for r in lines))
-    return {r["id"]: r for r in lines}, log
+    results, log = run_engines(tmp_path, engines, environ, timeout=1800)
+    assert [r["id"] for r in results] == [run["id"] for run in runs], log[-5000:]
+    return {r["id"]: r for r in results}, log
 
 
 def engine_process(tmp_path_factory, name, runs, env=None):
@@ -529,8 +497,9 @@ def reference(path, patch=True):
 
 
 def outputs(served, log):
-    assert "outputs" in served, f"{served.get('error')}\n{log[-5000:]}"
-    return served["outputs"]
+    """The served requests' greedy tokens and prompt logprobs."""
+    assert "batches" in served, f"{served.get('error')}\n{log[-5000:]}"
+    return [{"tokens": r["tokens"], "prompt_logprobs": r["prompt_logprobs"]} for r in served["batches"][0]]
 
 
 @pytest.mark.slow
@@ -607,9 +576,9 @@ def test_tensor_parallel_2_equals_1(tmp_path_factory, plugin_engines, checkpoint
 def readme_server_command():
     """The server line of README's "Serve with vLLM", split as a shell would (the comment dropped)."""
     import shlex
-    from pathlib import Path
+    from support import ROOT
 
-    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines():
+    for line in (ROOT / "README.md").read_text().splitlines():
         if line.startswith("python -m vllm.entrypoints.openai.api_server"):
             return shlex.split(line.split("#")[0])
     raise AssertionError("README has no `python -m vllm.entrypoints.openai.api_server` line")
@@ -647,7 +616,7 @@ def test_readme_server_command_serves_an_extended_checkpoint_past_its_original_l
     assert command[:4] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"], command
     assert len(command) == 5, command  # nothing else is needed
     src, dst = tmp_path / "src", tmp_path / "llama-dyarn"
-    tiny_llama().save_pretrained(src)
+    served_llama().save_pretrained(src)
     byte_tokenizer().save_pretrained(src)
     assert cli.main(["extend", str(src), str(dst), "--method", "dynamic_yarn", "--max-length", str(4 * ORIGINAL)]) == 0
     with socket.socket() as s:  # a free port on the loopback interface

@@ -15,7 +15,7 @@
   keys), with reserved workspaces of every size (bit for bit the same rows), decode steps without
   tensor-core allocations, short requests with a 128k block table.
 
-The reference and the SDPA-relative tolerance come from test_rerope_attention.py.
+The reference and the SDPA-relative tolerance come from support/attention.py.
 """
 
 import math
@@ -26,7 +26,8 @@ import torch
 from ropescale import ops
 from ropescale.rerope import (rerope_attention_composite, rerope_attention_paged_composite,
                               rerope_cache_write_composite)
-from test_rerope_attention import BASE, as_layout, assert_within_sdpa_error, make_inputs, reference, sdpa_error
+from support.attention import BASE, as_layout, assert_within_sdpa_error, make_inputs, reference, sdpa_error
+from support.paged import make_paged
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
@@ -266,44 +267,19 @@ def test_rerope_attention_cuda_matches_cpu(dtype, q_len, k_len, dim):
 
 # (q_len, seq_len) per request: decode rows, a chunked-prefill row (a chunk at the end of a longer
 # sequence), a full prefill, an empty row range, a one-token sequence; the window puts near, band and
-# far key tiles in the longer requests.
+# far key tiles in the longer requests. The batches: support.paged.make_paged (shuffled pages, NaN in every
+# slot no request owns), with int32 metadata as vLLM passes it.
 PAGED_REQUESTS = [(1, 300), (17, 90), (70, 70), (0, 6), (1, 1), (5, 140)]
 
 
-def make_paged(requests, q_heads, kv_heads, dim, block_size, dtype, seed=0, per_request_tables=False):
-    """Packed q [T, Hq, D], caches [num_blocks, Hkv, block_size, D] whose pages are handed out shuffled
-    (spare pages and the slots past each sequence hold NaN: a read of one shows), the metadata (int32),
-    and the tables: one shared inv_freq, or a row and a scale factor per request."""
-    g = torch.Generator().manual_seed(seed)
-    starts = [0]
-    for q_len, _ in requests:
-        starts.append(starts[-1] + q_len)
-    pages = [-(-seq_len // block_size) for _, seq_len in requests]
-    num_blocks = sum(pages) + 3
-    max_blocks = max(pages) + 1
-    order = torch.randperm(num_blocks, generator=g)
-    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), float("nan"))
-    value_cache = torch.full_like(key_cache, float("nan"))
-    block_table = torch.full((len(requests), max_blocks), num_blocks + 1000, dtype=torch.int32)
-    used = 0
-    for r, (_, seq_len) in enumerate(requests):
-        block_table[r, : pages[r]] = order[used: used + pages[r]].to(torch.int32)
-        used += pages[r]
-        for j in range(seq_len):
-            page, slot = block_table[r, j // block_size], j % block_size
-            key_cache[page, :, slot] = torch.randn(kv_heads, dim, generator=g)
-            value_cache[page, :, slot] = torch.randn(kv_heads, dim, generator=g)
-    q = torch.randn(starts[-1], q_heads, dim, generator=g)
-    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+def paged_tables(count, dim, per_request):
+    """The tables of a paged batch: one shared inv_freq, or a row and a scale factor per request."""
     base_table = ops.default_inv_freq(dim, BASE)
-    if per_request_tables:  # as Dynamic NTK/YaRN give each request the table of its own length
-        inv_freq = torch.stack([base_table / (1.0 + 0.75 * r) for r in range(len(requests))])
-        scale_factors = torch.tensor([1.0 + 0.1 * r for r in range(len(requests))])
-    else:
-        inv_freq, scale_factors = base_table, None
-    cast = lambda t: t.to(dtype)  # noqa: E731
-    return cast(q), cast(key_cache), cast(value_cache), block_table, seq_lens, query_start_loc, inv_freq, scale_factors
+    if per_request:  # as Dynamic NTK/YaRN give each request the table of its own length
+        inv_freq = torch.stack([base_table / (1.0 + 0.75 * r) for r in range(count)])
+        scale_factors = torch.tensor([1.0 + 0.1 * r for r in range(count)])
+        return inv_freq, scale_factors
+    return base_table, None
 
 
 def paged_on(device, args):
@@ -325,9 +301,9 @@ def assert_within_twice_the_composite(out, lse, low_out, low_lse, ref_out, ref_l
 def test_rerope_attention_paged_cuda_matches_the_float64_oracle(dtype, block_size, dim, kv_heads, per_request):
     """Decode, chunked-prefill and prefill rows in one launch, shuffled pages, GQA, per-request tables.
     fp32 within 2e-5; fp16/bf16 within twice the error of the same composite computation in that dtype."""
-    args = make_paged(PAGED_REQUESTS, 4, kv_heads, dim, block_size, dtype, seed=block_size,
-                      per_request_tables=per_request)
-    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors = args
+    (q, key_cache, value_cache, block_table, seq_lens, qsl), _ = make_paged(
+        PAGED_REQUESTS, 4, kv_heads, dim, block_size, dtype, seed=block_size, index_dtype=torch.int32)
+    inv_freq, scale_factors = paged_tables(len(PAGED_REQUESTS), dim, per_request)
     for leaky_k, logn_length in ((0.0, 0), (16.0, 100)):
         kw = dict(leaky_k=leaky_k, logn_length=logn_length, scale_factors=scale_factors)
         ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
@@ -362,8 +338,9 @@ def test_rerope_attention_paged_cuda_tensor_core_prefill_beside_decode_rows(dtyp
                                                                             logn_length, aligned):
     """The paged op's tensor-core prefill (and, with caches whose rows are not 16-byte aligned, the SIMT
     fallback) against the float64 oracle, within twice the error of the composite in that dtype."""
-    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, scale_factors = make_paged(
-        PAGED_TENSOR_CORE_REQUESTS, 8, kv_heads, dim, block_size, dtype, seed=dim, per_request_tables=True)
+    (q, key_cache, value_cache, block_table, seq_lens, qsl), _ = make_paged(
+        PAGED_TENSOR_CORE_REQUESTS, 8, kv_heads, dim, block_size, dtype, seed=dim, index_dtype=torch.int32)
+    inv_freq, scale_factors = paged_tables(len(PAGED_TENSOR_CORE_REQUESTS), dim, per_request=True)
     kw = dict(leaky_k=leaky_k, logn_length=logn_length)
     ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
                                                         block_table, seq_lens, qsl, inv_freq, 100,
@@ -383,8 +360,9 @@ def test_rerope_attention_paged_cuda_tensor_core_prefill_beside_decode_rows(dtyp
 def test_rerope_attention_paged_cuda_bad_metadata_gives_nan_rows_and_reads_nothing_outside(spoil):
     """On CUDA the metadata values are the caller's contract (no host sync): a request whose metadata
     points outside the cache gets NaN rows; the other requests are unaffected."""
-    q, key_cache, value_cache, block_table, seq_lens, qsl, inv_freq, _ = make_paged(PAGED_REQUESTS, 4, 2, 64, 16,
-                                                                                   torch.float32, seed=3)
+    (q, key_cache, value_cache, block_table, seq_lens, qsl), _ = make_paged(PAGED_REQUESTS, 4, 2, 64, 16, torch.float32,
+                                                                           seed=3, index_dtype=torch.int32)
+    inv_freq, _ = paged_tables(len(PAGED_REQUESTS), 64, per_request=False)
     ref_out, ref_lse = rerope_attention_paged_composite(q.double(), key_cache.double(), value_cache.double(),
                                                         block_table, seq_lens, qsl, inv_freq, 33)
     bad = 1
@@ -413,32 +391,6 @@ def test_rerope_attention_paged_cuda_bad_metadata_gives_nan_rows_and_reads_nothi
 # the grid (same results).
 
 
-def make_long_paged(requests, q_heads, kv_heads, dim, block_size, dtype, seed=0, table_pages=0):
-    """make_paged for long sequences, vectorised: each request's keys and values written page by page in
-    one indexing step; block-table rows at least `table_pages` wide (max_model_len / block_size)."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-seq_len // block_size) for _, seq_len in requests]
-    num_blocks = sum(pages) + 3
-    max_blocks = max(max(pages) + 1, table_pages)
-    order = torch.randperm(num_blocks, generator=g)
-    key_cache = torch.full((num_blocks, kv_heads, block_size, dim), float("nan"))
-    value_cache = torch.full_like(key_cache, float("nan"))
-    block_table = torch.full((len(requests), max_blocks), num_blocks + 1000, dtype=torch.int32)
-    used = 0
-    for r, (_, seq_len) in enumerate(requests):
-        mine = order[used: used + pages[r]]
-        used += pages[r]
-        block_table[r, : pages[r]] = mine.to(torch.int32)
-        for cache in (key_cache, value_cache):
-            rows = torch.randn(pages[r] * block_size, kv_heads, dim, generator=g)
-            rows[seq_len:] = float("nan")  # the slots past the sequence: never read
-            cache[mine] = rows.view(pages[r], block_size, kv_heads, dim).transpose(1, 2)
-    starts = torch.tensor([0] + [q_len for q_len, _ in requests]).cumsum(0).to(torch.int32)
-    q = torch.randn(int(starts[-1]), q_heads, dim, generator=g)
-    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
-    return [q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_table, seq_lens, starts]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("leaky_k,window", [(0.0, 512), (16.0, 2048), (0.0, 1 << 20)],
                          ids=["rerope", "leaky", "rope"])
@@ -447,7 +399,7 @@ def test_rerope_attention_paged_cuda_long_context_stays_exact_past_the_budget(dt
     the float64 oracle within twice the composite's error in that dtype; then the same call with reserved
     workspaces of every budget (none: every tensor-core request rotates in the kernel; enough for all)."""
     requests = [(1, 3000), (128, 70_000), (1, 17)]
-    args = make_long_paged(requests, 4, 2, 128, 16, dtype, seed=11)
+    args = list(make_paged(requests, 4, 2, 128, 16, dtype, seed=11, index_dtype=torch.int32)[0])
     inv_freq = ops.default_inv_freq(128, BASE)
     kw = dict(leaky_k=leaky_k)
     ref_out, ref_lse = rerope_attention_paged_composite(args[0].double(), args[1].double(), args[2].double(),
@@ -469,8 +421,8 @@ def test_rerope_attention_paged_cuda_decode_steps_allocate_nothing_for_the_tenso
     """A decode step (one row per request) at Hkv 8, D 128, bf16 used to allocate two 128 MiB key
     workspaces; its peak now stays within the splits' partials and the small task lists."""
     requests = [(1, 4096)] * 8
-    args = paged_on(DEVICE, make_long_paged(requests, 32, 8, 128, 16, torch.bfloat16, seed=12) +
-                    [ops.default_inv_freq(128, BASE)])
+    args = paged_on(DEVICE, list(make_paged(requests, 32, 8, 128, 16, torch.bfloat16, seed=12,
+                                            index_dtype=torch.int32)[0]) + [ops.default_inv_freq(128, BASE)])
     ops.rerope_attention_paged(*args, 512)  # warm up (the caching allocator, the opt-ins)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -485,7 +437,8 @@ def test_rerope_attention_paged_cuda_short_requests_with_a_long_block_table(dtyp
     """Block tables sized for a 128k max_model_len, requests of 4k and 100 keys decoding: each request
     spreads its keys over the splits by its own length (the emulated test checks the split lengths)."""
     requests = [(1, 4096), (1, 100), (2, 2000)]
-    args = make_long_paged(requests, 8, 2, 64, 16, dtype, seed=13, table_pages=131072 // 16)
+    args = list(make_paged(requests, 8, 2, 64, 16, dtype, seed=13, index_dtype=torch.int32,
+                           table_pages=131072 // 16)[0])
     inv_freq = ops.default_inv_freq(64, BASE)
     ref_out, ref_lse = rerope_attention_paged_composite(args[0].double(), args[1].double(), args[2].double(),
                                                         *args[3:], inv_freq, 256)

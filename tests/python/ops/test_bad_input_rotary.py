@@ -6,7 +6,7 @@ itself dispatches to the Meta kernel)."""
 import pytest
 import torch
 
-from bad_input import escape, row, suite
+from support.bad_input import escape, row, suite
 from ropescale import ops
 
 R = torch.ops.ropescale

@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from ropescale import evaluate  # noqa: E402
-from tiny_lm import PasskeyStub, char_tokenizer, tiny_llama  # noqa: E402
+from support import TESTS  # noqa: E402
+from support.tiny_lm import PasskeyStub, char_tokenizer, tiny_llama  # noqa: E402
 
 
 # Tiny models: one intra-op thread (conftest.py's one_thread fixture).
@@ -158,7 +159,7 @@ def test_perplexity_in_small_loss_chunks_is_the_same(model, tokenizer, monkeypat
 MEMORY_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from tiny_lm import tiny_llama
+    from support.tiny_lm import tiny_llama
     from ropescale import evaluate
     def status_kib(field):
         with open("/proc/self/status") as f:
@@ -187,8 +188,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 def test_perplexity_peak_memory_is_one_loss_chunk_not_vocabulary_times_window():
     # issue 16.10: 8k tokens x 50k vocabulary of float32 logits is 1.6 GB, and the old path kept a
     # float64 copy and its log-softmax too (~8 GB). One loss chunk is 64 MiB of float64 logits.
-    tests = str(Path(__file__).resolve().parent)
-    script = MEMORY_SCRIPT.format(tests=tests, length=8192, stride=4096)
+    script = MEMORY_SCRIPT.format(tests=str(TESTS), length=8192, stride=4096)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(evaluate.__file__).parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)

@@ -1,10 +1,12 @@
 """What the vLLM test files share: the leg's import rule, the tiny Llama they serve, and the comparison of an
-engine's outputs with transformers + ropescale's."""
+engine's outputs with transformers + ropescale's (the engine runner: support/vllm_engine.py)."""
 
 import os
 
 import pytest
 import torch
+
+from support import tiny_lm
 
 HEAD = 64  # vLLM's CPU attention takes head sizes 32, 64, 80, ...
 ORIGINAL = 64  # the tiny models' "pre-training" length
@@ -21,16 +23,12 @@ def require_vllm() -> None:
                     allow_module_level=True)
 
 
-def tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=HEAD, max_position_embeddings=ORIGINAL, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+def served_llama(seed=0):
+    """The tiny Llama the vLLM tests serve: head dim HEAD, 2 layers, 2 query heads on 1 KV head, trained length
+    ORIGINAL, large enough initial weights that positions matter (transformers' default attention)."""
+    return tiny_lm.tiny_llama(256, max_position=ORIGINAL, seed=seed, layers=2, hidden_size=128,
+                              intermediate_size=256, num_key_value_heads=1, head_dim=HEAD, initializer_range=0.1,
+                              tie_word_embeddings=False, attn_implementation=None)
 
 
 def assert_same(served, expected, what, atol=1e-5):

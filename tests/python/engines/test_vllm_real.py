@@ -21,17 +21,14 @@ Opt-in: ``ROPESCALE_VLLM_REAL=1 scripts/test_torch_compat.sh`` (or this file alo
 engines: minutes each on an idle 2-core machine, past what CI's 45 minutes leave.
 """
 
-import json
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from vllm_testing import require_vllm  # noqa: E402
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import require_vllm  # noqa: E402
 
 require_vllm()
 if os.environ.get("ROPESCALE_VLLM_REAL") != "1":
@@ -40,34 +37,6 @@ if os.environ.get("ROPESCALE_VLLM_REAL") != "1":
 from ropescale import evaluate, hf, realmodel, scaling  # noqa: E402
 
 ORIGINAL = 8192  # SmolLM2's trained length
-
-ENGINE = textwrap.dedent("""
-    import json, sys, time
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def main():
-        job = json.loads(sys.argv[1])
-        ids = json.load(open(job["ids"]))
-        # vLLM scores every prompt token, a chunk of max_num_batched_tokens at a time ([2048, vocab] logits)
-        params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], prompt_logprobs=0, logprobs=20,
-                                ignore_eos=True, detokenize=False)
-        for name, path in job["runs"]:
-            start = time.perf_counter()
-            llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=True,
-                      max_num_seqs=1, max_num_batched_tokens=2048, enable_prefix_caching=False,
-                      max_model_len=len(ids) + job["new_tokens"])
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
-            last = [d[t].logprob for d, t in zip(out.prompt_logprobs[-job["last"]:], ids[-job["last"]:])]
-            step = out.outputs[0]
-            top = {str(t): lp.logprob for t, lp in step.logprobs[0].items()}
-            print("RESULT " + json.dumps({"name": name, "last": last, "tokens": list(step.token_ids), "top": top,
-                                          "seconds": time.perf_counter() - start}), flush=True)
-            llm = None
-
-    if __name__ == "__main__":
-        main()
-""")
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +69,25 @@ def reference(model, ids, last, float64):
 
 
 def serve(tmp_path, runs, ids, last, new_tokens):
-    """One process serving ``runs`` [(name, checkpoint dir)] on the prompt ``ids``: {name: result}."""
-    (tmp_path / "engine.py").write_text(ENGINE)
-    (tmp_path / "ids.json").write_text(json.dumps(ids))
-    job = {"ids": str(tmp_path / "ids.json"), "last": last, "new_tokens": new_tokens,
-           "runs": [(name, str(path)) for name, path in runs]}
-    environ = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", **os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # native past its 8k
-    result = subprocess.run([sys.executable, str(tmp_path / "engine.py"), json.dumps(job)], cwd=tmp_path,
-                            env=environ, capture_output=True, text=True, timeout=3600)
-    log = result.stdout + result.stderr
-    served = {r["name"]: r for r in (json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
-                                     if line.startswith("RESULT "))}
+    """One process serving ``runs`` [(name, checkpoint dir)] on the prompt ``ids`` (support.vllm_engine's
+    runner): {name: {"last": the last ``last`` prompt logprobs, "tokens", "top": the first generated token's
+    top 20, "seconds"}}."""
+    # vLLM scores every prompt token, a chunk of max_num_batched_tokens at a time ([2048, vocab] logits)
+    options = dict(enforce_eager=True, max_num_seqs=1, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                   max_model_len=len(ids) + new_tokens)
+    params = dict(temperature=0.0, max_tokens=new_tokens, prompt_logprobs=0, logprobs=20, ignore_eos=True,
+                  detokenize=False)
+    engines = [{"id": name, "path": str(path), "options": options, "batches": [{"prompts": [ids], "params": params}]}
+               for name, path in runs]
+    environ = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
+               "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # native past its 8k
+    results, log = run_engines(tmp_path, engines, environ, timeout=3600)
+    served = {r["id"]: r for r in results if "batches" in r}
     assert set(served) == {name for name, _ in runs}, log[-5000:]
-    return served
+    return {name: {"last": out["prompt_logprobs"][-last:], "tokens": out["tokens"], "top": out["top"][0],
+                   "seconds": r["seconds"]}
+            for name, r in served.items() for out in (r["batches"][0][0],)}
 
 
 def error_against(served, want):

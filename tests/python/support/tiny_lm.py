@@ -1,5 +1,8 @@
-"""Tiny causal LMs and a character-level tokenizer built locally (no downloads) for the evaluator and
-command-line tests, plus a scripted passkey model whose behaviour is known exactly."""
+"""Tiny causal LMs built locally (no downloads): the Llama-family models the hf, checkpoint, distributed and
+ReRoPE training tests patch (``tiny``, with ``ids`` and the ``STATIC`` rope settings), the Llama of the evaluator,
+command-line and training tests (``tiny_llama``), a character-level tokenizer, and a scripted passkey model whose
+behaviour is known exactly. transformers is imported where a model is built, so that a test module can skip
+without it (``pytest.importorskip``) before it imports this one."""
 
 from __future__ import annotations
 
@@ -11,6 +14,62 @@ import warnings
 import torch
 
 from ropescale import evaluate
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-family models with sharp attention (rope differences show in their logits)
+
+FAMILIES = {  # family: (transformers config class, model class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+VOCAB = 101
+
+
+def tiny(family="llama", rope_parameters=None, layers=2, mpe=64, seed=0, **extra):
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in FAMILIES[family])
+    rope_parameters = dict(rope_parameters or {"rope_type": "default"})
+    rope_parameters.setdefault("rope_theta", 10000.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_cls(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=mpe,
+            rope_parameters=rope_parameters, **extra,
+        )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Larger weights than the default init make attention sharper, so rope differences show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    return model
+
+
+def ids(batch=2, length=40, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+STATIC = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluator's and the command line's models: a plain Llama, a character tokenizer, a passkey stub
 
 
 def char_tokenizer():

@@ -15,11 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ropescale import ops, rerope, rerope_train
 from ropescale.rerope_train import rerope_attention_train, training_layout
-from test_rerope_attention import (BASE, SDPA_ERROR_FACTOR, _poison, as_layout, logn_factor, make_inputs, reference,
-                                   reference_ieee, sdpa_error)
+from support.attention import (BASE, SDPA_ERROR_FACTOR, as_layout, logn_factor, make_inputs, poison, reference,
+                               reference_ieee, sdpa_error)
 
 transformers = pytest.importorskip("transformers")
-from test_hf import VOCAB, tiny  # noqa: E402
+from support.tiny_lm import VOCAB, tiny  # noqa: E402
 
 from ropescale import hf  # noqa: E402
 
@@ -499,7 +499,7 @@ def test_non_finite_inputs_follow_the_rule(where, dtype):
         v[1, :, :40] = math.inf
     else:
         t = {"q": q, "k": k, "v": v}[where]
-        t = _poison(t, gen, max(2, t.numel() // 4000))
+        t = poison(t, gen, max(2, t.numel() // 4000))
         q, k, v = (t if name == where else x for name, x in zip("qkv", (q, k, v)))
     ref_out, ref_lse = reference_ieee(q, k, v, qp, kp, inv_freq, 5, 8.0)
     out, lse = rerope_attention_train(q, k, v, qp, kp, inv_freq, 5, 8.0)

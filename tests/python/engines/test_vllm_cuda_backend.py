@@ -23,7 +23,7 @@ import types
 import pytest
 import torch
 
-from vllm_testing import HEAD, ORIGINAL, require_vllm, tiny_llama  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, require_vllm, served_llama  # noqa: E402
 
 require_vllm()
 
@@ -57,7 +57,7 @@ MIXED = [(40, 40), (150, 30), (41, 1), (97, 1)]
 def models(tmp_path_factory):
     """The patched models (their ``hf.patch`` state holds the tables transformers rotates with) and a real
     ``VllmConfig`` over a ReRoPE checkpoint (the impls ask the engine's config whether the model is pre-RoPE)."""
-    out = {name: hf.patch(tiny_llama(), method, **kwargs) for name, (method, kwargs) in METHODS.items()}
+    out = {name: hf.patch(served_llama(), method, **kwargs) for name, (method, kwargs) in METHODS.items()}
     path = tmp_path_factory.mktemp("vllm_cuda_backend") / "rerope_yarn"
     out["rerope_yarn"].save_pretrained(path)
     with pytest.MonkeyPatch.context() as patch:
@@ -360,7 +360,7 @@ def test_plugin_refuses_a_gpu_platform_without_ropescales_cuda_kernels(monkeypat
         vllm_config.model_config.hf_config = config
         with pytest.raises(RuntimeError, match="built without CUDA kernels"):
             rotary._rope_package.get_rope(HEAD, ORIGINAL, True, dict(config.rope_parameters), torch.float32)
-    plain = tiny_llama().config
+    plain = served_llama().config
     vllm_config.model_config.hf_config = plain
     layer = rotary._rope_package.get_rope(HEAD, ORIGINAL, True, dict(plain.rope_parameters), torch.float32)
     assert type(layer).__module__.startswith("vllm.")

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import ROOT
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 TORCH = os.environ.get("ROPESCALE_INSTALL_TEST_TORCH", "2.13.0")
 CHECK = ("import json, ropescale, torch; print('CHECK', json.dumps([torch.__version__, "
          "list(torch.ops.ropescale.yarn_inv_freq(128, 1e4, 4., 4096).shape), ropescale.build_info()]))")
