@@ -27,23 +27,16 @@ import ropescale.hf  # noqa: E402,F401  (registers ropescale's rope types)
 from ropescale import config as config_lib, scaling  # noqa: E402
 from ropescale.hf import rope_types  # noqa: E402
 from ropescale.scaling import RopeType  # noqa: E402
+from support import methods  # noqa: E402
 
 DIM, BASE, ORIGINAL = 16, 10000.0, 64
-# A setting per field name, sized so that every table differs from plain RoPE and past ORIGINAL.
-FIELD_VALUES = {
-    "factor": 4.0,
-    "original_max_position": ORIGINAL,
-    "short_factor": tuple(1.0 + 0.05 * i for i in range(DIM // 2)),
-    "long_factor": tuple(1.0 + 0.5 * i for i in range(DIM // 2)),
-}
 
 
 def instance(cls, **fields):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in FIELD_VALUES.items() if k in names}, **fields})
+    return methods.instance(cls, pairs=DIM // 2, original=ORIGINAL, **fields)
 
 
-METHODS = sorted(scaling.METHODS)
+METHODS = sorted(methods.registered())
 
 
 @pytest.mark.parametrize("rope_type", METHODS)

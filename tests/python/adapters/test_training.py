@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ropescale import hf, scaling  # noqa: E402
+from support import methods  # noqa: E402
 from support.tiny_lm import tiny_llama  # noqa: E402
 
 # Tiny models run several times faster on one intra-op thread (conftest's one_thread).
@@ -41,13 +42,6 @@ ERROR_FACTOR = 2.0
 # names of its fields, sized for the tiny model: 8 rotary pairs, an original length of 16 that the
 # 48-token sequences pass by more than the factor (so both dynamic tables rescale, to 3x, and
 # LongRoPE takes its long factors).
-
-_FIELD_VALUES: dict[str, Any] = {
-    "factor": 2.0,
-    "original_max_position": ORIGINAL,
-    "short_factor": tuple(1.0 + 0.05 * i for i in range(HEAD_DIM // 2)),
-    "long_factor": tuple(1.0 + 0.5 * i for i in range(HEAD_DIM // 2)),
-}
 
 # hf.patch's attention side for ReRoPE (window below the length: near and far keys both occur).
 _REROPE_VARIANTS = {
@@ -72,13 +66,12 @@ class PatchKind:
 
 
 def _method(cls: type[scaling.RopeScaling], **fields) -> scaling.RopeScaling:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{name: value for name, value in _FIELD_VALUES.items() if name in names}, **fields)
+    return methods.instance(cls, pairs=HEAD_DIM // 2, original=ORIGINAL, factor=2.0, **fields)
 
 
 def _patch_kinds() -> list[PatchKind]:
     kinds = []
-    for name, cls in scaling.METHODS.items():
+    for name, cls in methods.registered().items():
         for resonance in (False, True):
             kinds.append(PatchKind(f"{'resonance_' if resonance else ''}{name}", _method(cls, resonance=resonance),
                                    {"attention": "sdpa"}))

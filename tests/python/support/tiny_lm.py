@@ -15,6 +15,8 @@ import torch
 
 from ropescale import evaluate
 
+from .methods import instance, registered
+
 
 # ---------------------------------------------------------------------------------------------
 # Llama-family models with sharp attention (rope differences show in their logits)
@@ -55,16 +57,19 @@ def ids(batch=2, length=40, seed=1):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+# The static tables transformers itself serves, as rope_parameters: one of each such registered method (so a new one
+# is patched-equals-native tested without an edit here), and settings of the hand-written cases beside them.
 STATIC = {
-    "default": {"rope_type": "default"},
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    **{name: instance(cls, pairs=8, original=16).to_hf()
+       for name, cls in registered(transformers_native=True, dynamic=False).items()},
     "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
                     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16,
-                 "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+    "llama3_factor8": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 32},
+    # no factor: transformers derives it from max_position_embeddings, as ropescale does
+    "longrope_derived_factor": {"rope_type": "longrope", "original_max_position_embeddings": 16,
+                                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                "long_factor": [1.0 + 0.5 * i for i in range(8)]},
 }
 
 
