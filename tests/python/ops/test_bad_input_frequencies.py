@@ -5,6 +5,7 @@ kernels. Rows marked fake=False check data (inv_freq values) or have no fake (th
 effective_context_length)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -54,6 +55,47 @@ ROWS = [
     row("negative inv_freq", R.feature_gap, torch.tensor([1.0, -0.5]), 4, 8, message="inv_freq must be finite and >= 0", fake=False),
 ]
 
+
+# Every table op (ops.TABLE_OPS: a new method's op is covered without a row written here) called with valid
+# arguments built from its schema by argument name, then with each standard argument made hostile: the same
+# messages as the rows above, from the checks the table ops share.
+_VALID = {"dim": 64, "base": 1e4, "factor": 2.0, "original_max_position": 128, "seq_len": 256, "beta_fast": 32.0,
+          "beta_slow": 1.0, "truncate": True, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
+_HOSTILE = {"dim": (63, "dim must be a positive even number, got 63"), "base": (nan, "base must be > 1, got nan"),
+            "factor": (nan, "factor must be >= 1, got nan"),
+            "original_max_position": (0, "original_max_position must be > 0, got 0")}
+
+
+def _valid_arguments(name: str) -> list:
+    schema = getattr(R, name).default._schema
+    missing = [a.name for a in schema.arguments if not a.kwarg_only and a.name not in _VALID]
+    assert not missing, f"{name}: give _VALID a valid value of {missing}"
+    return [_VALID[a.name] for a in schema.arguments if not a.kwarg_only]
+
+
+def _generated_rows() -> list:
+    rows = []
+    for name in ops.TABLE_OPS:
+        schema = [a.name for a in getattr(R, name).default._schema.arguments if not a.kwarg_only]
+        for arg, (value, message) in _HOSTILE.items():
+            if arg in schema:
+                args = _valid_arguments(name)
+                args[schema.index(arg)] = value
+                rows.append(row(f"{name} {arg}={value}", getattr(R, name), *args,
+                                message=f"{name}: {re.escape(message)}"))
+        rows.append(row(f"{name} integer dtype", getattr(R, name), *_valid_arguments(name), dtype=torch.int64,
+                        message="inv_freq tables are floating point"))
+    return rows
+
+
+@pytest.mark.parametrize("name", ops.TABLE_OPS)
+def test_every_table_op_takes_the_generated_valid_arguments(name):
+    """The generated rows start from a call that succeeds: a new op's argument needs a valid value first."""
+    assert getattr(R, name)(*_valid_arguments(name)).shape == (32,)
+
+
+ROWS += _generated_rows()
 
 test_real_op, test_fake_kernel = suite(ROWS)
 
