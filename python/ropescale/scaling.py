@@ -140,26 +140,55 @@ class Parameter:
 METHODS: dict[str, type["RopeScaling"]] = {}
 # Every name a method is read under (its rope type and its aliases) -> the method.
 _BY_NAME: dict[str, type["RopeScaling"]] = {}
-# The attributes each registered class declares itself (a subclass must not inherit them silently).
-_DECLARED = ("rope_type", "aliases", "written_type", "dynamic", "stock", "stock_length_is_scaled",
-             "transformers_native", "resonance_type", "vllm_rotary_class", "vllm_owns_name", "cli_names")
 
 
-def register(cls: type["RopeScaling"]) -> type["RopeScaling"]:
-    """Class decorator: adds a method to the registry (``METHODS``, every name it is read under)."""
-    missing = [name for name in _DECLARED if name not in cls.__dict__]
-    if missing:
-        raise TypeError(f"register: {cls.__name__} must declare {', '.join(missing)} itself")
-    for name in (cls.rope_type, *cls.aliases):
-        if name in _BY_NAME or name.startswith((RopeType.RESONANCE_PREFIX, RopeType.REROPE_MARKER)) \
-                or name == RopeType.RESONANCE:
-            raise TypeError(f"register: {cls.__name__}'s name {name!r} is taken or uses a reserved prefix")
-        _BY_NAME[name] = cls
-    METHODS[cls.rope_type] = cls
-    cls._parameters = tuple(_parameter(cls, f) for f in dataclasses.fields(cls) if f.name != "resonance")
-    HF_KEYS[cls.rope_type] = (frozenset(p.hf_key for p in cls._parameters if p.hf_key and p.required),
-                              frozenset(p.hf_key for p in cls._parameters if p.hf_key and not p.required))
-    return cls
+@dataclass(frozen=True)
+class Declaration:
+    """What a method declares about itself, beside its fields (``register``'s arguments; see ``RopeScaling``'s
+    class attributes for each). The defaults are those of a new ropescale type: dynamic methods and tables
+    stock engines do not know."""
+
+    rope_type: str
+    aliases: tuple[str, ...] = ()
+    written_type: str | None = None
+    dynamic: bool = False
+    stock: str = "refused"
+    stock_length_is_scaled: bool = False
+    transformers_native: bool = False
+    resonance_type: bool = True
+    vllm_rotary_class: str | None = None
+    vllm_owns_name: bool = False
+    cli_names: tuple[str, ...] | None = None  # None: the rope type alone
+
+    def __post_init__(self):
+        if self.stock not in ("plain", "same", "refused"):
+            raise TypeError(f"register: stock must be 'plain', 'same' or 'refused', got {self.stock!r}")
+
+
+def register(rope_type: str, **declared):
+    """Class decorator: adds a method to the registry (``METHODS``, every name it is read under) with what it
+    declares (:class:`Declaration`). Every declaration is set on the class itself, so a subclass never answers
+    with its parent's."""
+    declaration = Declaration(rope_type, **declared)
+
+    def decorate(cls: type["RopeScaling"]) -> type["RopeScaling"]:
+        for name in (declaration.rope_type, *declaration.aliases):
+            if name in _BY_NAME or name.startswith((RopeType.RESONANCE_PREFIX, RopeType.REROPE_MARKER)) \
+                    or name == RopeType.RESONANCE:
+                raise TypeError(f"register: {cls.__name__}'s name {name!r} is taken or uses a reserved prefix")
+        for f in dataclasses.fields(declaration):
+            setattr(cls, f.name, getattr(declaration, f.name))
+        if declaration.cli_names is None:
+            cls.cli_names = (declaration.rope_type,)
+        for name in (cls.rope_type, *cls.aliases):
+            _BY_NAME[name] = cls
+        METHODS[cls.rope_type] = cls
+        cls._parameters = tuple(_parameter(cls, f) for f in dataclasses.fields(cls) if f.name != "resonance")
+        HF_KEYS[cls.rope_type] = (frozenset(p.hf_key for p in cls._parameters if p.hf_key and p.required),
+                                  frozenset(p.hf_key for p in cls._parameters if p.hf_key and not p.required))
+        return cls
+
+    return decorate
 
 
 def _parameter(cls, f: dataclasses.Field) -> Parameter:
@@ -255,8 +284,8 @@ def table_type_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Base class: the unscaled table. Subclasses override ``_table`` and ``attention_factor_for``, and
-    declare the class attributes below (see :func:`register`)."""
+    """Base class: the unscaled table. Subclasses override ``_table`` and ``attention_factor_for``; ``register``
+    sets the class attributes below on each (its arguments, or :class:`Declaration`'s defaults)."""
 
     resonance: bool = False
 
@@ -377,42 +406,19 @@ _FACTOR_HELP = "scale factor s: the table is set for s x L"
 _ORIGINAL_HELP = "pre-training context L"
 
 
-@register
+@register("default", stock="plain", transformers_native=True, vllm_rotary_class="RotaryEmbedding",
+          cli_names=("default", "resonance"))
 @dataclass(frozen=True)
 class Default(RopeScaling):
     """Plain RoPE (or Resonance RoPE with ``resonance=True``)."""
 
-    rope_type: ClassVar[str] = "default"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "plain"
-    stock_length_is_scaled: ClassVar[bool] = False
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = "RotaryEmbedding"
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("default", "resonance")
 
-
-@register
+@register("linear", stock="same", transformers_native=True, vllm_rotary_class="LinearScalingRotaryEmbedding")
 @dataclass(frozen=True)
 class Linear(RopeScaling):
     """Position interpolation (Chen et al.): ``theta / factor``."""
 
     factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
-
-    rope_type: ClassVar[str] = "linear"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "same"
-    stock_length_is_scaled: ClassVar[bool] = False
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = "LinearScalingRotaryEmbedding"
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("linear",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -422,7 +428,9 @@ class Linear(RopeScaling):
         return ops.linear_inv_freq(dim, base, self.factor, dtype=dtype)
 
 
-@register
+# Stock engines serve it as ``default`` with the scaled base; vLLM's own ``ntk`` is another formula (base b*s,
+# frequencies divided by s^(2/d)), which vLLM keeps.
+@register("ntk", stock="same", vllm_owns_name=True)
 @dataclass(frozen=True)
 class NTK(RopeScaling):
     """NTK-aware scaling (bloc97): the base raised to ``base * factor ** (dim / (dim - 2))``.
@@ -430,18 +438,6 @@ class NTK(RopeScaling):
     table in every engine) and records the method; it reads its former ``ntk`` type too."""
 
     factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
-
-    rope_type: ClassVar[str] = "ntk"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "same"  # as ``default`` with the scaled base
-    stock_length_is_scaled: ClassVar[bool] = False
-    transformers_native: ClassVar[bool] = False
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = None
-    vllm_owns_name: ClassVar[bool] = True  # vLLM's ``ntk`` is another formula (base b*s, frequencies / s^(2/d))
-    cli_names: ClassVar[tuple[str, ...]] = ("ntk",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -460,7 +456,8 @@ class NTK(RopeScaling):
         return ops.ntk_inv_freq(dim, base, self.factor, dtype=dtype)
 
 
-@register
+@register("dynamic", aliases=("dynamic_ntk",), written_type="dynamic_ntk", dynamic=True, transformers_native=True,
+          cli_names=("dynamic", "dynamic_ntk"))
 @dataclass(frozen=True)
 class DynamicNTK(RopeScaling):
     """Dynamic NTK (emozilla): NTK whose factor grows with the length past
@@ -473,18 +470,6 @@ class DynamicNTK(RopeScaling):
     # transformers' dynamic rule reads the config's max_position_embeddings, not a rope parameter.
     original_max_position: int = parameter(2048, hf=None, fallback=FROM_CONFIG_LENGTH, cli="--original-max-position",
                                            help=_ORIGINAL_HELP)
-
-    rope_type: ClassVar[str] = "dynamic"
-    aliases: ClassVar[tuple[str, ...]] = ("dynamic_ntk",)
-    written_type: ClassVar[str | None] = "dynamic_ntk"
-    dynamic: ClassVar[bool] = True
-    stock: ClassVar[str] = "refused"
-    stock_length_is_scaled: ClassVar[bool] = False
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = None
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("dynamic", "dynamic_ntk")
 
     def __post_init__(self):
         super().__post_init__()
@@ -500,7 +485,8 @@ class DynamicNTK(RopeScaling):
 _YARN_FACTOR_HELP = "scale factor s: the table is set for s x L"
 
 
-@register
+@register("yarn", stock="same", stock_length_is_scaled=True, transformers_native=True,
+          vllm_rotary_class="YaRNScalingRotaryEmbedding", cli_names=("yarn", "resonance_yarn"))
 @dataclass(frozen=True)
 class YaRN(RopeScaling):
     """YaRN (Peng et al.): NTK-by-parts table and attention temperature ``0.1 ln(s) + 1``."""
@@ -514,18 +500,6 @@ class YaRN(RopeScaling):
     mscale: float | None = parameter(None)
     mscale_all_dim: float | None = parameter(None)
     attention_factor_override: float | None = parameter(None, hf="attention_factor")
-
-    rope_type: ClassVar[str] = "yarn"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "same"
-    stock_length_is_scaled: ClassVar[bool] = True
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = "YaRNScalingRotaryEmbedding"
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("yarn", "resonance_yarn")
 
     def __post_init__(self):
         super().__post_init__()
@@ -559,7 +533,7 @@ class YaRN(RopeScaling):
         )
 
 
-@register
+@register("dynamic_yarn", dynamic=True)
 @dataclass(frozen=True)
 class DynamicYaRN(YaRN):
     """Dynamic YaRN: YaRN at scale ``s = max(factor, seq_len / original_max_position)``, recomputed as
@@ -571,25 +545,14 @@ class DynamicYaRN(YaRN):
                               help="the floor F of its scale s = max(F, len/L), applied at EVERY length (requests "
                                    "shorter than F x L are then no longer native)")
 
-    rope_type: ClassVar[str] = "dynamic_yarn"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = True
-    stock: ClassVar[str] = "refused"
-    stock_length_is_scaled: ClassVar[bool] = False
-    transformers_native: ClassVar[bool] = False
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = None
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("dynamic_yarn",)
-
     def _scale(self, seq_len):
         if seq_len is None:
             return self.factor
         return max(self.factor, seq_len / self.original_max_position)
 
 
-@register
+@register("llama3", stock="same", stock_length_is_scaled=True, transformers_native=True,
+          vllm_rotary_class="Llama3RotaryEmbedding")
 @dataclass(frozen=True)
 class Llama3(RopeScaling):
     """Llama 3.1's piecewise wavelength rule."""
@@ -599,18 +562,6 @@ class Llama3(RopeScaling):
     high_freq_factor: float = parameter(4.0, required=True)
     original_max_position: int = parameter(8192, hf=_ORIGINAL, required=True, cli="--original-max-position",
                                            help=_ORIGINAL_HELP)
-
-    rope_type: ClassVar[str] = "llama3"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "same"
-    stock_length_is_scaled: ClassVar[bool] = True
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = True
-    vllm_rotary_class: ClassVar[str | None] = "Llama3RotaryEmbedding"
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("llama3",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -626,7 +577,9 @@ class Llama3(RopeScaling):
         )
 
 
-@register
+# Resonance on it is written as a plain longrope whose factors hold the rounded table (resonance_type=False).
+@register("longrope", stock="same", stock_length_is_scaled=True, transformers_native=True,
+          resonance_type=False)
 @dataclass(frozen=True)
 class LongRoPE(RopeScaling):
     """LongRoPE: per-pair short/long factors, long once ``seq_len > original_max_position``.
@@ -642,18 +595,6 @@ class LongRoPE(RopeScaling):
                                      help="the length scale s its long factors were searched for (the attention "
                                           "factor, and the length s x L it is served to)")
     attention_factor_override: float | None = parameter(None, hf="attention_factor")
-
-    rope_type: ClassVar[str] = "longrope"
-    aliases: ClassVar[tuple[str, ...]] = ()
-    written_type: ClassVar[str | None] = None
-    dynamic: ClassVar[bool] = False
-    stock: ClassVar[str] = "same"
-    stock_length_is_scaled: ClassVar[bool] = True
-    transformers_native: ClassVar[bool] = True
-    resonance_type: ClassVar[bool] = False  # written as a plain longrope whose factors hold the rounded table
-    vllm_rotary_class: ClassVar[str | None] = None
-    vllm_owns_name: ClassVar[bool] = False
-    cli_names: ClassVar[tuple[str, ...]] = ("longrope",)
 
     def __post_init__(self):
         super().__post_init__()

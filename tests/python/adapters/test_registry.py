@@ -121,13 +121,21 @@ def test_dynamic_and_length_dependent_say_whether_the_table_follows_the_length(r
     assert method.dynamic == scales
 
 
-def test_register_refuses_a_method_that_does_not_declare_itself():
-    with pytest.raises(TypeError, match="must declare"):
-        @scaling.register
+def test_register_refuses_a_taken_name_and_never_inherits_a_declaration():
+    with pytest.raises(TypeError, match="'linear' is taken"):
+        @scaling.register("linear")
         @dataclasses.dataclass(frozen=True)
-        class Undeclared(scaling.Linear):  # inherits Linear's declarations: a copy that would answer as Linear
+        class Twice(scaling.Linear):
             pass
-    assert "Undeclared" not in {cls.__name__ for cls in scaling.METHODS.values()}
+    with pytest.raises(TypeError, match="reserved prefix"):
+        scaling.register("resonance_linear2")(type("R", (scaling.Linear,), {}))
+    with pytest.raises(TypeError, match="stock must be"):
+        scaling.register("linear2", stock="native")
+    assert {"Twice", "R"}.isdisjoint(cls.__name__ for cls in scaling.METHODS.values())
+    # DynamicYaRN subclasses YaRN but declares none of YaRN's stock behaviour: register's defaults, not YaRN's.
+    assert (scaling.DynamicYaRN.stock, scaling.DynamicYaRN.transformers_native,
+            scaling.DynamicYaRN.vllm_rotary_class, scaling.DynamicYaRN.cli_names) == ("refused", False, None,
+                                                                                    ("dynamic_yarn",))
 
 
 # A new method, registered in a fresh process before ropescale.hf is imported: linear scaling under a new name.
@@ -137,22 +145,11 @@ _NEW_METHOD = textwrap.dedent('''
     import torch
     from ropescale import scaling
 
-    @scaling.register
+    @scaling.register("halved", aliases=("halved_alias",))
     @dataclasses.dataclass(frozen=True)
     class Halved(scaling.RopeScaling):
         """Every frequency divided by factor, under a name of its own."""
         factor: float = scaling.parameter(1.0, required=True, cli="--factor", help="s")
-        rope_type: ClassVar[str] = "halved"
-        aliases: ClassVar[tuple] = ("halved_alias",)
-        written_type: ClassVar = None
-        dynamic: ClassVar[bool] = False
-        stock: ClassVar[str] = "refused"
-        stock_length_is_scaled: ClassVar[bool] = False
-        transformers_native: ClassVar[bool] = False
-        resonance_type: ClassVar[bool] = True
-        vllm_rotary_class: ClassVar = None
-        vllm_owns_name: ClassVar[bool] = False
-        cli_names: ClassVar[tuple] = ("halved",)
 
         def _table(self, dim, base, seq_len, dtype):
             return scaling.ops.default_inv_freq(dim, base, dtype=dtype) / self.factor
