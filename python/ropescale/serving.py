@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import OrderedDict
+from typing import Mapping
 
 import torch
 
 from . import config as config_lib, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "needs_pre_rope", "Segments", "StepTables", "cut_segments", "TableCache"]
+__all__ = ["NO_WINDOW", "PreRopePlan", "needs_pre_rope", "ropescale_rotary", "Segments", "StepTables", "cut_segments", "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -62,6 +63,20 @@ class PreRopePlan:
     def length_dependent(self) -> bool:
         """Each request needs the table of its own length (``RopeScaling.length_dependent``)."""
         return self.method.length_dependent
+
+
+# ropescale's rope types but those an engine has under the same name with another formula (vLLM's "ntk": it
+# stays the engine's; scaling.RopeScaling.vllm_owns_name).
+_TAKEN_OVER = frozenset(t for t in scaling.ropescale_rope_types() if not (
+    scaling.RopeType.parse(t).method.vllm_owns_name and t == scaling.RopeType.parse(t).method.rope_type))
+
+
+def ropescale_rotary(rope_parameters, entry) -> bool:
+    """Whether an engine adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
+    rather than the engine's own: its rope type is one of ropescale's, or the ``ropescale`` entry records the
+    method (a stock type ropescale wrote: its table is served as ropescale computes it)."""
+    rope_type = (rope_parameters or {}).get("rope_type", "default")
+    return rope_type in _TAKEN_OVER or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
 
 
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:

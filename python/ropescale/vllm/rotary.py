@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 import vllm.model_executor.layers.rotary_embedding as _rope_package
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-from .. import config as config_lib, ops, scaling
+from .. import config as config_lib, ops, scaling, serving
 
 logger = logging.getLogger("vllm.ropescale")
 _stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
@@ -82,12 +82,6 @@ class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
         return f"{super().extra_repr()}, method={self.method}"
 
 
-# ropescale's rope types but those vLLM has under the same name with another formula ("ntk": it stays vLLM's,
-# see the warning in get_rope).
-_ROPESCALE_TYPES = tuple(t for t in scaling.ropescale_rope_types() if not (
-    scaling.RopeType.parse(t).method.vllm_owns_name and t == scaling.RopeType.parse(t).method.rope_type))
-
-
 def _model_config():
     from vllm.config import get_current_vllm_config
 
@@ -103,7 +97,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     hf_config = getattr(model_config, "hf_config", None)
     entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
     rope_type = params.get("rope_type", "default")
-    ours = rope_type in _ROPESCALE_TYPES or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    ours = serving.ropescale_rotary(params, entry)
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
     if not ours:

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import ropescale.hf  # noqa: E402  (registers ropescale's rope types in transformers)
 from ropescale import config as config_lib  # noqa: E402
-from ropescale.hf.rope_types import ROPESCALE_ROPE_TYPES  # noqa: E402
+from ropescale import serving  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "checkpoints"
 # Every case the data holds (a case missing from the folder fails, it is not skipped).
@@ -74,22 +74,19 @@ def logits_of(model, expected: dict) -> torch.Tensor:
 
 
 def engine_classification(config) -> dict:
-    """What ``ropescale.vllm`` decides from a config at engine start (``rotary.get_rope``), from the parts of it
-    that import without vLLM: ``ropescale_rotary`` (the layer gets ropescale's rotary, not vLLM's: a ropescale
-    rope type other than ``ntk``, or a method recorded in the entry), ``pre_rope`` (``attention.needs_pre_rope``
-    of ``config.read(rope_parameters, max_position, entry, rotary_dim)``: consulted only for ropescale's
-    rotary), the parsed flags, and ``max_model_len`` as vLLM derives it (``model_max_length`` or
+    """What ``ropescale.vllm`` decides from a config at engine start (``rotary.get_rope``), through the serving
+    core's functions the plugin calls (they import without vLLM): ``ropescale_rotary`` (the layer gets
+    ropescale's rotary, not vLLM's: a ropescale rope type other than ``ntk``, or a method recorded in the
+    entry), ``pre_rope`` (``needs_pre_rope`` of ``config.read(rope_parameters, max_position, entry,
+    rotary_dim)``: consulted only for ropescale's rotary), the parsed flags, and ``max_model_len`` as vLLM derives it (``model_max_length`` or
     ``max_position_embeddings``, times ``factor`` where vLLM multiplies)."""
     params = config.rope_parameters
     entry = getattr(config, config_lib.CONFIG_KEY, None)
     rotary_dim = config_lib.rotary_dim_of(config)
     parsed = config_lib.read(params, config.max_position_embeddings, entry, rotary_dim)
-    rope_type = (params or {}).get("rope_type", "default")
-    ours = (rope_type in tuple(t for t in ROPESCALE_ROPE_TYPES if t != "ntk")
-            or (isinstance(entry, dict) and config_lib.METHOD_KEY in entry))
     found = {
-        "ropescale_rotary": bool(ours),
-        "pre_rope": bool(parsed.attention == "rerope" or parsed.per_length),
+        "ropescale_rotary": serving.ropescale_rotary(params, entry),
+        "pre_rope": serving.needs_pre_rope(parsed),
         "per_length": bool(parsed.per_length),
         "length_free": bool(parsed.length_free),
         "dynamic": bool(parsed.method.dynamic),
@@ -98,14 +95,6 @@ def engine_classification(config) -> dict:
         "max_model_len": config_lib.vllm_max_model_len(params, config.max_position_embeddings,
                                                        getattr(config, config_lib.SERVED_LENGTH_KEY, None)),
     }
-    try:  # where vLLM is installed, the plugin's own predicates must agree with the ones above
-        from ropescale.vllm import attention, rotary
-    except ImportError:
-        pass
-    else:
-        assert found["pre_rope"] == attention.needs_pre_rope(parsed)
-        assert found["ropescale_rotary"] == (rope_type in rotary._ropescale_types()
-                                             or (isinstance(entry, dict) and config_lib.METHOD_KEY in entry))
     return found, parsed
 
 
