@@ -43,41 +43,16 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #include "ropescale/portable.h"
+#include "ropescale/element.h"
 #include "ropescale/rerope_math.h"
 #include "ropescale/rerope_paged_plan.h"
 #include "ropescale/rotary_math.h"
 #include "ropescale/turn_angles.h"
 
 namespace ropescale::rerope_cuda {
-
-// ---- element types: float, __half, __nv_bfloat16 (explicit conversions: torch builds define
-// __CUDA_NO_HALF_CONVERSIONS__)
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-
-// x rounded to T and back. For fp16/bf16 inputs every kernel rounds where FlashAttention and SDPA
-// round (the rotated q and k, the probabilities before P.V) and accumulates in f32, so the
-// precision is the same at every problem size, tensor-core prefill and SIMT decode alike; fp32
-// inputs are untouched.
-template <typename T>
-__device__ __forceinline__ float round_like(float x) {
-  return to_float(from_float<T>(x));
-}
-template <>
-__device__ __forceinline__ float round_like<float>(float x) { return x; }
 
 // One request of a paged launch, as the schedule kernel validated it: its query rows
 // [q_begin, q_begin + q_len) of the packed T, its keys 0 .. seq_len - 1, whether its metadata
@@ -381,7 +356,7 @@ __device__ void load_query_rows(const ReropeParams& p, const Problem& problem, c
     float x = 0.0f;
     if (rows.valid[r] && d < p.head_dim) {
       const float factor = scale * rerope_logn_scale(rows.position[r], p.logn_length, p.inv_log_train);
-      x = to_float(q[problem.q_offset(rows.head[r], rows.query[r]) + d]) * factor;
+      x = to_acc(q[problem.q_offset(rows.head[r], rows.query[r]) + d]) * factor;
     }
     s.q_near[r * Shape::kQStride + d] = x;
     s.q_far[r * Shape::kQStride + d] = x;
@@ -400,16 +375,16 @@ __device__ void load_query_rows(const ReropeParams& p, const Problem& problem, c
     const int64_t pos = rows.position[r];
     const float factor = scale * rerope_logn_scale(pos, p.logn_length, p.inv_log_train);
     const T* src = q + problem.q_offset(rows.head[r], rows.query[r]);
-    const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+    const float x1 = to_acc(src[first]), x2 = to_acc(src[second]);
     float sin_v, cos_v, a, c;
     rotary_sincos(static_cast<double>(pos), inv_freq[pair], &sin_v, &cos_v);
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
-    near_row[first] = round_like<T>(a) * factor;
-    near_row[second] = round_like<T>(c) * factor;
+    near_row[first] = round_to<T>(a) * factor;
+    near_row[second] = round_to<T>(c) * factor;
     rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), inv_freq[pair], &sin_v, &cos_v);
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
-    far_row[first] = round_like<T>(a) * factor;
-    far_row[second] = round_like<T>(c) * factor;
+    far_row[first] = round_to<T>(a) * factor;
+    far_row[second] = round_to<T>(c) * factor;
   }
 }
 
@@ -420,7 +395,7 @@ __device__ void load_tile(const Src* base, RowOffset row_offset, int rows_in_ran
                           float* dst) {
   for (int idx = static_cast<int>(threadIdx.x); idx < kBlockK * padded_dim; idx += kThreads) {
     const int j = idx / padded_dim, d = idx % padded_dim;
-    dst[j * kStride + d] = (j < rows_in_range && d < dim) ? to_float(base[row_offset(j) + d]) : 0.0f;
+    dst[j * kStride + d] = (j < rows_in_range && d < dim) ? to_acc(base[row_offset(j) + d]) : 0.0f;
   }
 }
 
@@ -493,7 +468,7 @@ __device__ void process_tile(const ReropeParams& p, const BlockRows<Shape>& rows
     st.row_max[r] = new_max;
 #pragma unroll
     for (int t = 0; t < Shape::kDimsPerLane; ++t) st.acc[r][t] *= alpha;
-    s.probs[row * kBlockK + lane] = visible ? round_like<T>(prob) : kMaskedProb;
+    s.probs[row * kBlockK + lane] = visible ? round_to<T>(prob) : kMaskedProb;
   }
   __syncwarp();
   // P.V; on tiles with masked pairs, those pairs are skipped (a warp-uniform test: every lane reads
@@ -547,7 +522,7 @@ __device__ void store_rows(const ReropeParams& p, const Problem& problem, const 
       if (p.num_splits > 1)
         p.partial_out[(split * rows_total + out_row) * p.head_dim + d] = value;
       else
-        static_cast<T*>(p.out)[out_row * p.head_dim + d] = from_float<T>(value);
+        static_cast<T*>(p.out)[out_row * p.head_dim + d] = from_acc<T>(value);
     }
     if (lane == 0) {
       if (p.num_splits > 1)
@@ -677,8 +652,8 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           float sin_v, cos_v, a, c;
           position_sincos(pos, far_side ? rate.far : rate.near, &sin_v, &cos_v);
           rotate_key_pair_fma(row[first], row[second], cos_v, sin_v, &a, &c);
-          row[first] = round_like<T>(a);
-          row[second] = round_like<T>(c);
+          row[first] = round_to<T>(a);
+          row[second] = round_to<T>(c);
         }
       }
     };
@@ -752,19 +727,19 @@ __device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const Key
   }
   for (int h = 0; h < p.kv_heads; ++h) {
     const T* src = src_row(h);
-    const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+    const float x1 = to_acc(src[first]), x2 = to_acc(src[second]);
     const int64_t dst = dst_row(h);
     float a, c;  // rounded like T (a no-op for fp32; for Out = T, the one rounding to T)
     rotate_key_pair_fma(x1, x2, near_cos, near_sin, &a, &c);
-    k_near[dst + first] = from_float<Out>(round_like<T>(a));
-    k_near[dst + second] = from_float<Out>(round_like<T>(c));
+    k_near[dst + first] = from_acc<Out>(round_to<T>(a));
+    k_near[dst + second] = from_acc<Out>(round_to<T>(c));
     if (k_far) {
       if (leaky)
         rotate_key_pair_fma(x1, x2, far_cos, far_sin, &a, &c);
       else
         a = x1, c = x2;
-      k_far[dst + first] = from_float<Out>(round_like<T>(a));
-      k_far[dst + second] = from_float<Out>(round_like<T>(c));
+      k_far[dst + first] = from_acc<Out>(round_to<T>(a));
+      k_far[dst + second] = from_acc<Out>(round_to<T>(c));
     }
   }
 }
@@ -819,7 +794,7 @@ __global__ void __launch_bounds__(kThreads, 8) rerope_combine_kernel(const Rerop
       const float lse = p.partial_lse[s * rows_total + row];
       if (lse != -INFINITY) value += expf(lse - max_lse) * p.partial_out[(s * rows_total + row) * p.head_dim + d];
     }
-    static_cast<T*>(p.out)[row * p.head_dim + d] = from_float<T>(seen ? value / total : 0.0f);
+    static_cast<T*>(p.out)[row * p.head_dim + d] = from_acc<T>(seen ? value / total : 0.0f);
   }
   if (lane == 0) p.lse[row] = seen ? max_lse + logf(total) : -INFINITY;
 }

@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ropescale/element.h"
 #include "ropescale/rerope_attention.cuh"
 #include "ropescale/rerope_math.h"
 #include "ropescale/rotary_math.h"
@@ -213,7 +214,7 @@ __device__ void store_query_rows(const ReropeParams& p, const Problem& problem, 
     if (pair < p.rotary_pairs) rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
     if (pos >= 0) {
       const T* src = problem.q_row(query);
-      const float x1 = to_float(src[first]), x2 = to_float(src[second]);
+      const float x1 = to_acc(src[first]), x2 = to_acc(src[second]);
       if (pair < p.rotary_pairs) {
         const float4 sc =
             reinterpret_cast<const float4*>(p.q_rotation)[problem.rotation_row(query) * p.rotary_pairs + pair];
@@ -226,10 +227,10 @@ __device__ void store_query_rows(const ReropeParams& p, const Problem& problem, 
     }
     const int o1 = smem_offset<kHeadDim>(r, first / 8) + first % 8;
     const int o2 = smem_offset<kHeadDim>(r, second / 8) + second % 8;
-    q_near[o1] = from_float<T>(near1);
-    q_near[o2] = from_float<T>(near2);
-    q_far[o1] = from_float<T>(far1);
-    q_far[o2] = from_float<T>(far2);
+    q_near[o1] = from_acc<T>(near1);
+    q_near[o2] = from_acc<T>(near2);
+    q_far[o1] = from_acc<T>(far1);
+    q_far[o2] = from_acc<T>(far2);
   }
 }
 
@@ -251,9 +252,9 @@ __device__ __forceinline__ void rotate_key_tile(const ReropeParams& p, T* k_tile
     float sin_v, cos_v, a, c;
     position_sincos(j0 + row, far_side ? rates[pair].far : rates[pair].near, &sin_v, &cos_v);
     T* const key = k_tile + row * Shape<kHeadDim>::kRowStride;
-    rotate_key_pair_fma(to_float(key[first]), to_float(key[second]), cos_v, sin_v, &a, &c);
-    key[first] = from_float<T>(a);
-    key[second] = from_float<T>(c);
+    rotate_key_pair_fma(to_acc(key[first]), to_acc(key[second]), cos_v, sin_v, &a, &c);
+    key[first] = from_acc<T>(a);
+    key[second] = from_acc<T>(c);
     row += row_step;
     pair += pair_step;
     if (pair >= pairs) pair -= pairs, ++row;
@@ -384,13 +385,13 @@ __device__ void warp_pv_skip_masked(const float (&prob)[kBlockN / 8][4], uint32_
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // element i of block j at lane src: row g + 8 (i / 2), key 8j + 2 src_t + i % 2
-        const float pr = round_like<T>(__shfl_sync(kFullMask, prob[j][i], src));
+        const float pr = round_to<T>(__shfl_sync(kFullMask, prob[j][i], src));
         if (!((visible >> (4 * j + i)) & 1u)) continue;
         const T* v_row = v_tile + smem_offset<kHeadDim>(8 * j + 2 * src_t + i % 2, 0) + 2 * t;
 #pragma unroll
         for (int dd = 0; dd < S::kDimBlocks; ++dd) {
-          o[dd][2 * (i / 2)] += pr * to_float(v_row[8 * dd]);
-          o[dd][2 * (i / 2) + 1] += pr * to_float(v_row[8 * dd + 1]);
+          o[dd][2 * (i / 2)] += pr * to_acc(v_row[8 * dd]);
+          o[dd][2 * (i / 2) + 1] += pr * to_acc(v_row[8 * dd + 1]);
         }
       }
   }
