@@ -856,26 +856,32 @@ bool use_packed_gemm(int64_t head_dim) {
 #endif
 }
 
-// ---- prefill plan
+// ---- prefill plan: classify the tiles, rotate the queries, prepare the key panels, run the tasks
 
-template <typename scalar_t, typename Layout>
-void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
-  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = s.leaky_inv != 0.0;
-  const ProblemOffsets off(problems);
+// Every (query block, key block) tile's class, which key blocks each side needs, and each query
+// block's cost (the work of its tiles: 2 per one-product tile, 3 per band tile).
+struct PrefillTiles {
+  std::vector<TileClass> tiles;               // [tiles of every problem], flat as ProblemOffsets::tiles
+  std::vector<uint8_t> needs_near, needs_far;  // per key block
+  std::vector<int64_t> task_cost;             // per query block
+};
+
+PrefillTiles classify_prefill_tiles(const AttentionShape& s, const std::vector<Problem>& problems,
+                                    const ProblemOffsets& off) {
   const int64_t n_problems = static_cast<int64_t>(problems.size());
-  const int64_t total_rows = off.rows.back(), total_qb = off.q_blocks.back(), total_kb = off.k_blocks.back();
-
-  // ---- tile classification, and which key blocks each side needs
+  const int64_t total_qb = off.q_blocks.back(), total_kb = off.k_blocks.back();
   std::vector<PositionRange> q_ranges(total_qb), k_ranges(total_kb);
   for (int64_t p = 0; p < n_problems; ++p) {
     const Problem& pr = problems[p];
     for (int64_t i = 0; i < pr.q_len; ++i) q_ranges[off.q_blocks[p] + i / kBlockQ].add(pr.q_pos[i]);
     for (int64_t j = 0; j < pr.k_len; ++j) k_ranges[off.k_blocks[p] + j / kBlockK].add(pr.k_pos[j]);
   }
-  std::vector<TileClass> tiles(off.tiles.back());
-  std::vector<uint8_t> needs_near(total_kb, 0), needs_far(total_kb, 0);
-  std::vector<int64_t> task_cost(total_qb, 0);
+  PrefillTiles result{std::vector<TileClass>(off.tiles.back()), std::vector<uint8_t>(total_kb, 0),
+                      std::vector<uint8_t>(total_kb, 0), std::vector<int64_t>(total_qb, 0)};
+  std::vector<TileClass>& tiles = result.tiles;
+  std::vector<uint8_t>& needs_near = result.needs_near;
+  std::vector<uint8_t>& needs_far = result.needs_far;
+  std::vector<int64_t>& task_cost = result.task_cost;
   for (int64_t p = 0; p < n_problems; ++p) {
     const int64_t n_qb = problems[p].q_blocks(), n_kb = problems[p].k_blocks();
     for (int64_t qb = 0; qb < n_qb; ++qb)
@@ -888,13 +894,26 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
         task_cost[gq] += tc.kind == TileKind::kSkip ? 0 : (tc.kind == TileKind::kBand ? 3 : 2);
       }
   }
+  return result;
+}
 
-  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
+// The query rotation tables, shared by all heads (cos then sin, 2P floats a row): near at p, far at
+// w + (p - w)/k (ReRoPE: one row per problem, at w); and every row's score factor (softmax scale x log-n).
+struct QueryRotations {
+  std::vector<float> near_cs, far_cs, row_factor;
+};
 
-  // ---- query rotation tables (shared by all heads): near at p, far at w + (p - w)/k (ReRoPE: one row
-  // per problem, at w); row factors
-  std::vector<float> q_near_cs(2 * total_rows * P), q_far_cs(2 * (leaky ? total_rows : n_problems) * P),
-      row_factor(total_rows);
+QueryRotations query_rotations(const AttentionShape& s, const std::vector<Problem>& problems,
+                               const ProblemOffsets& off) {
+  const int64_t P = s.rotary_pairs;
+  const bool leaky = s.leaky_inv != 0.0;
+  const int64_t n_problems = static_cast<int64_t>(problems.size());
+  const int64_t total_rows = off.rows.back();
+  QueryRotations result{std::vector<float>(2 * total_rows * P),
+                        std::vector<float>(2 * (leaky ? total_rows : n_problems) * P), std::vector<float>(total_rows)};
+  std::vector<float>& q_near_cs = result.near_cs;
+  std::vector<float>& q_far_cs = result.far_cs;
+  std::vector<float>& row_factor = result.row_factor;
   if (!leaky)
     for (int64_t p = 0; p < n_problems; ++p)
       rotary_cos_sin_cpu(static_cast<double>(s.window), problems[p].inv_freq, P, &q_far_cs[2 * p * P],
@@ -913,22 +932,58 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
       row_factor[row] = pr.scale * rerope_logn_scale(pos, s.logn_length, s.inv_log_train);
     }
   });
+  return result;
+}
 
-  // ---- key panels of the blocks that need them (uninitialised elsewhere, never read)
+// The element type of the packed path's operands (float inputs never take it).
+template <typename scalar_t>
+using packed_t = std::conditional_t<std::is_same_v<scalar_t, float>, at::BFloat16, scalar_t>;
+
+// The key blocks some tile needs, prepared once for every query block: per (key block, kv head) the
+// keys of each side the block needs, rotated and rounded, as transposed panels (float, or packed for
+// the packed GEMM), the values where BLAS cannot read them in place (or packed), and whether the values
+// hold a non-finite element (then a tile with masked pairs must not multiply them by its zero
+// probabilities). Panels of blocks that no tile needs are left uninitialised and never read.
+template <typename scalar_t>
+struct KeyPanels {
+  bool packed = false, values_in_place = false;  // use_packed_gemm; float values read where they lie
+  Panels<float> near_panels, far_panels, v_float;
+  Panels<packed_t<scalar_t>> near_packed, far_packed, v_packed;
+  std::vector<uint8_t> v_not_finite;  // [key blocks, Hkv]
+};
+
+template <typename scalar_t, typename Layout>
+KeyPanels<scalar_t> prepare_key_panels(const AttentionShape& s, const std::vector<Problem>& problems,
+                                       const ProblemOffsets& off, const PrefillTiles& tile_classes,
+                                       const Layout& layout) {
+  const int64_t Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs;
+  const bool leaky = s.leaky_inv != 0.0;
+  const int64_t total_kb = off.k_blocks.back();
+  const std::vector<uint8_t>& needs_near = tile_classes.needs_near;
+  const std::vector<uint8_t>& needs_far = tile_classes.needs_far;
   const auto near_rot = key_rotations(needs_near, problems, off, P, false, 0.0);
   const auto far_rot = key_rotations(leaky ? needs_far : std::vector<uint8_t>(total_kb, 0), problems, off, P, true,
                                      s.leaky_inv);
+  using lp_t = packed_t<scalar_t>;
+  const at::ScalarType lp_dtype = c10::CppTypeToScalarType<lp_t>::value;
   const bool packed = use_packed_gemm<scalar_t>(D);
   const bool values_in_place = !packed && layout.float_values_in_place();
-  using lp_t = std::conditional_t<std::is_same_v<scalar_t, float>, at::BFloat16, scalar_t>;  // packed operands
-  const at::ScalarType lp_dtype = c10::CppTypeToScalarType<lp_t>::value;
-  const Panels<float> near_panels(total_kb, Hkv, D * kBlockK, !packed), far_panels(total_kb, Hkv, D * kBlockK, !packed),
-      v_float(total_kb, Hkv, kBlockK * D, !packed && !values_in_place);
-  const Panels<lp_t> near_packed(total_kb, Hkv, D * kBlockK, packed), far_packed(total_kb, Hkv, D * kBlockK, packed),
-      v_packed(total_kb, Hkv, kBlockK * D, packed);
-  // Per (key block, kv head): whether its values hold a non-finite element (then a tile with masked
-  // pairs must not multiply them by its zero probabilities).
-  std::vector<uint8_t> v_not_finite(total_kb * Hkv, 0);
+  KeyPanels<scalar_t> result{packed,
+                             values_in_place,
+                             Panels<float>(total_kb, Hkv, D * kBlockK, !packed),
+                             Panels<float>(total_kb, Hkv, D * kBlockK, !packed),
+                             Panels<float>(total_kb, Hkv, kBlockK * D, !packed && !values_in_place),
+                             Panels<lp_t>(total_kb, Hkv, D * kBlockK, packed),
+                             Panels<lp_t>(total_kb, Hkv, D * kBlockK, packed),
+                             Panels<lp_t>(total_kb, Hkv, kBlockK * D, packed),
+                             std::vector<uint8_t>(total_kb * Hkv, 0)};
+  const Panels<float>& near_panels = result.near_panels;
+  const Panels<float>& far_panels = result.far_panels;
+  const Panels<float>& v_float = result.v_float;
+  const Panels<lp_t>& near_packed = result.near_packed;
+  const Panels<lp_t>& far_packed = result.far_packed;
+  const Panels<lp_t>& v_packed = result.v_packed;
+  std::vector<uint8_t>& v_not_finite = result.v_not_finite;
   at::parallel_for(0, total_kb * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), key_rows(kBlockK * D);
     std::vector<lp_t> staging(packed ? kBlockK * D : 0);
@@ -977,15 +1032,45 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
       }
     }
   });
+  return result;
+}
 
-  // ---- attention tasks (problem, q head, query block), heaviest first, handed out dynamically (causal
-  // rows differ in cost)
+// The attention tasks (problem, q head, query block), as global query block * Hq + head, heaviest first:
+// handed out in this order (causal rows differ in cost).
+std::vector<int64_t> tasks_heaviest_first(const std::vector<int64_t>& task_cost, int64_t Hq) {
+  const int64_t total_qb = static_cast<int64_t>(task_cost.size());
   std::vector<int64_t> tasks;  // global query block * Hq + head
   tasks.reserve(total_qb * Hq);
   for (int64_t gq = 0; gq < total_qb; ++gq)
     for (int64_t h = 0; h < Hq; ++h) tasks.push_back(gq * Hq + h);
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](int64_t x, int64_t y) { return task_cost[x / Hq] > task_cost[y / Hq]; });
+  return tasks;
+}
+
+// Runs the tasks, handed out dynamically over the threads. A task: its query block's operands for both
+// sides (rotated, rounded), then per tile it needs the scores (near, far or both), the band's selection
+// and the mask, the online softmax and P.V; then its rows written.
+template <typename scalar_t, typename Layout>
+void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off,
+                       const PrefillTiles& tile_classes, const std::vector<uint8_t>& row_seen,
+                       const QueryRotations& queries, const KeyPanels<scalar_t>& panels,
+                       const std::vector<int64_t>& tasks, const Layout& layout) {
+  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
+  const bool leaky = s.leaky_inv != 0.0;
+  using lp_t = packed_t<scalar_t>;
+  const std::vector<TileClass>& tiles = tile_classes.tiles;
+  const std::vector<float>& q_near_cs = queries.near_cs;
+  const std::vector<float>& q_far_cs = queries.far_cs;
+  const std::vector<float>& row_factor = queries.row_factor;
+  const bool packed = panels.packed, values_in_place = panels.values_in_place;
+  const Panels<float>& near_panels = panels.near_panels;
+  const Panels<float>& far_panels = panels.far_panels;
+  const Panels<float>& v_float = panels.v_float;
+  const Panels<lp_t>& near_packed = panels.near_packed;
+  const Panels<lp_t>& far_packed = panels.far_packed;
+  const Panels<lp_t>& v_packed = panels.v_packed;
+  const std::vector<uint8_t>& v_not_finite = panels.v_not_finite;
   std::atomic<int64_t> next_task{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -1079,21 +1164,36 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
   });
 }
 
-// ---- decode plan
-
+// The prefill plan (more than kDecodeRows query rows; see the top of this file).
 template <typename scalar_t, typename Layout>
-void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
-  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = s.leaky_inv != 0.0;
+void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
   const ProblemOffsets off(problems);
-  const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
-  // A problem's rows sharing a kv head: row r is head (r / q_len) of the group, query r % q_len.
-  int64_t max_rows = 0;
-  for (const Problem& pr : problems) max_rows = std::max(max_rows, group * pr.q_len);
+  const PrefillTiles tiles = classify_prefill_tiles(s, problems, off);
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
+  const QueryRotations queries = query_rotations(s, problems, off);
+  const KeyPanels<scalar_t> panels = prepare_key_panels<scalar_t>(s, problems, off, tiles, layout);
+  const std::vector<int64_t> tasks = tasks_heaviest_first(tiles.task_cost, s.q_heads);
+  run_prefill_tasks<scalar_t>(s, problems, off, tiles, row_seen, queries, panels, tasks, layout);
+}
 
-  // ---- tile classification: the query rows of a problem are one block
-  std::vector<TileClass> tiles(total_kb);
-  std::vector<uint8_t> near_blocks(total_kb, 0), leaky_far_blocks(total_kb, 0);
+// ---- decode plan: classify the tiles, the keys' cos/sin, the units' partial attention, their merge
+
+// Each key block's class against all the query rows of its problem (one block), and which key blocks
+// have their keys rotated: the near side's (near and band tiles), Leaky ReRoPE's far side's.
+struct DecodeTiles {
+  std::vector<TileClass> tiles;                        // per key block
+  std::vector<uint8_t> near_blocks, leaky_far_blocks;  // per key block
+};
+
+DecodeTiles classify_decode_tiles(const AttentionShape& s, const std::vector<Problem>& problems,
+                                  const ProblemOffsets& off) {
+  const bool leaky = s.leaky_inv != 0.0;
+  const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
+  DecodeTiles result{std::vector<TileClass>(total_kb), std::vector<uint8_t>(total_kb, 0),
+                     std::vector<uint8_t>(total_kb, 0)};
+  std::vector<TileClass>& tiles = result.tiles;
+  std::vector<uint8_t>& near_blocks = result.near_blocks;
+  std::vector<uint8_t>& leaky_far_blocks = result.leaky_far_blocks;
   for (int64_t p = 0; p < n_problems; ++p) {
     const Problem& pr = problems[p];
     PositionRange queries;
@@ -1108,10 +1208,23 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
       leaky_far_blocks[block] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
     }
   }
-  const auto near_rot = key_rotations(near_blocks, problems, off, P, false, 0.0);
-  const auto far_rot = key_rotations(leaky_far_blocks, problems, off, P, true, s.leaky_inv);
+  return result;
+}
 
-  // ---- units (problem, kv head, chunk of key blocks): about four per thread in all
+// The units of work, (problem, kv head, chunk of key blocks): about four per thread in all. Each keeps
+// the partial softmax state of its problem's rows that share the kv head (row r: head r / q_len of the
+// group, query r % q_len; max_rows per unit): running max, sum and unnormalised output.
+struct DecodeUnits {
+  int64_t chunk_blocks = 0, max_rows = 0;
+  std::vector<int64_t> unit_begin, chunks_of;       // per problem: its first unit; its chunks per kv head
+  std::vector<float> part_acc, part_max, part_sum;  // [units, max_rows, D], [units, max_rows] x 2
+};
+
+DecodeUnits decode_units(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off) {
+  const int64_t Hkv = s.kv_heads, D = s.head_dim, group = s.q_heads / Hkv;
+  const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
+  int64_t max_rows = 0;
+  for (const Problem& pr : problems) max_rows = std::max(max_rows, group * pr.q_len);
   const int64_t wanted = std::max<int64_t>(4 * at::get_num_threads(), 1);
   const int64_t chunk_blocks = std::max<int64_t>(1, (total_kb * Hkv + wanted - 1) / wanted);
   std::vector<int64_t> unit_begin{0}, chunks_of(n_problems);
@@ -1121,7 +1234,26 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
   }
   const int64_t units = unit_begin.back();
   std::vector<float> part_acc(units * max_rows * D), part_max(units * max_rows), part_sum(units * max_rows);
+  return DecodeUnits{chunk_blocks, max_rows, std::move(unit_begin), std::move(chunks_of), std::move(part_acc),
+                     std::move(part_max), std::move(part_sum)};
+}
 
+// Every unit's attention over its chunk: its rows' operands for both sides (rotated, rounded), then per
+// tile the keys read where they lie (rotated only where a side needs it), the scores, the band's
+// selection and the mask, the online softmax and P.V into the unit's partial state.
+template <typename scalar_t, typename Layout>
+void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off,
+                         const DecodeTiles& tile_classes, const std::shared_ptr<const KeyRotations>& near_rot,
+                         const std::shared_ptr<const KeyRotations>& far_rot, const Layout& layout, DecodeUnits& u) {
+  const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
+  const bool leaky = s.leaky_inv != 0.0;
+  const std::vector<TileClass>& tiles = tile_classes.tiles;
+  const int64_t chunk_blocks = u.chunk_blocks, max_rows = u.max_rows, units = u.unit_begin.back();
+  const std::vector<int64_t>& unit_begin = u.unit_begin;
+  const std::vector<int64_t>& chunks_of = u.chunks_of;
+  std::vector<float>& part_acc = u.part_acc;
+  std::vector<float>& part_max = u.part_max;
+  std::vector<float>& part_sum = u.part_sum;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), cs(2 * P), q_near(max_rows * D), q_far(max_rows * D);
     std::vector<float> near_keys(kBlockK * D), far_keys(kBlockK * D);
@@ -1191,10 +1323,21 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
       }
     }
   });
+}
 
-  // ---- merge the chunks of every row by their lse (NaN-propagating; a chunk whose visible scores
-  // were all -inf still adds its acc with weight 0, so a non-finite value there stays non-finite)
-  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
+// The units of every row merged by their lse (NaN-propagating; a chunk whose visible scores were all
+// -inf still adds its acc with weight 0, so a non-finite value there stays non-finite), and written.
+template <typename Layout>
+void merge_decode_units(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off,
+                        const DecodeUnits& u, const std::vector<uint8_t>& row_seen, const Layout& layout) {
+  const int64_t Hkv = s.kv_heads, D = s.head_dim, group = s.q_heads / Hkv;
+  const int64_t n_problems = static_cast<int64_t>(problems.size());
+  const int64_t max_rows = u.max_rows;
+  const std::vector<int64_t>& unit_begin = u.unit_begin;
+  const std::vector<int64_t>& chunks_of = u.chunks_of;
+  const std::vector<float>& part_acc = u.part_acc;
+  const std::vector<float>& part_max = u.part_max;
+  const std::vector<float>& part_sum = u.part_sum;
   at::parallel_for(0, n_problems * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t index = begin; index < end; ++index) {
@@ -1222,6 +1365,19 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
       }
     }
   });
+}
+
+// The decode plan (up to kDecodeRows query rows; see the top of this file).
+template <typename scalar_t, typename Layout>
+void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
+  const ProblemOffsets off(problems);
+  const DecodeTiles tiles = classify_decode_tiles(s, problems, off);
+  const auto near_rot = key_rotations(tiles.near_blocks, problems, off, s.rotary_pairs, false, 0.0);
+  const auto far_rot = key_rotations(tiles.leaky_far_blocks, problems, off, s.rotary_pairs, true, s.leaky_inv);
+  DecodeUnits units = decode_units(s, problems, off);
+  attend_decode_units<scalar_t>(s, problems, off, tiles, near_rot, far_rot, layout, units);
+  const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
+  merge_decode_units(s, problems, off, units, row_seen, layout);
 }
 
 }  // namespace

@@ -28,6 +28,10 @@
 
 namespace {
 
+// The kernels' element conversions, on the host.
+using ropescale::from_acc;
+using ropescale::round_to;
+using ropescale::to_acc;
 using ropescale::rerope_cuda::ReropeParams;
 
 struct Case {
@@ -132,16 +136,6 @@ void reference(const Problem& pr, std::vector<double>& out, std::vector<double>&
       }
 }
 
-float to_float_host(float x) { return x; }
-float to_float_host(__half x) { return __half2float(x); }
-float to_float_host(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-T from_float_host(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  if constexpr (std::is_same_v<T, __half>) return __float2half(x);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(x);
-}
-
 enum class Plan { kPrefill, kDecode };
 
 // The SIMT launch of a plan with the tile shape the emulated device's shared memory allows (as the
@@ -190,11 +184,6 @@ ReropeParams make_params(const Case& c, const Problem& pr) {
 // softmax in f32, probabilities rounded to T before P.V (f32 accumulation), the output rounded to T.
 // The kernel may be at most twice as far from the float64 reference as that computation is, on the
 // same inputs (FlashAttention's own test criterion).
-
-template <typename T>
-float round_to(double x) {
-  return to_float_host(from_float_host<T>(static_cast<float>(x)));
-}
 
 // Rotation of `src` (dims [0, D)) at `position` in float64 (pairs per the case), rounded to T.
 template <typename T>
@@ -288,7 +277,7 @@ void check_within_sdpa_error(const Problem& pr, const std::vector<double>& ref_o
     INFO(c.name() << " " << kernel << " row " << r << " lse " << lse[r] << " ref " << ref_lse[r]);
     if (std::isinf(ref_lse[r])) {  // nothing visible: exactly zeros and -inf
       REQUIRE((std::isinf(lse[r]) && lse[r] < 0));
-      for (int d = 0; d < c.dim; ++d) REQUIRE(to_float_host(out[r * c.dim + d]) == 0.0f);
+      for (int d = 0; d < c.dim; ++d) REQUIRE(to_acc(out[r * c.dim + d]) == 0.0f);
       continue;
     }
     REQUIRE(std::isfinite(lse[r]));
@@ -296,14 +285,14 @@ void check_within_sdpa_error(const Problem& pr, const std::vector<double>& ref_o
     if (std::abs(lse[r] - ref_lse[r]) > lse_err) lse_err = std::abs(lse[r] - ref_lse[r]), worst_lse = r;
     for (int d = 0; d < c.dim; ++d) {
       const size_t i = r * c.dim + d;
-      REQUIRE(std::isfinite(to_float_host(out[i])));
+      REQUIRE(std::isfinite(to_acc(out[i])));
       low_out_err = std::max(low_out_err, std::abs(low_out[i] - ref_out[i]));
-      if (std::abs(to_float_host(out[i]) - ref_out[i]) > out_err)
-        out_err = std::abs(to_float_host(out[i]) - ref_out[i]), worst_out = i;
+      if (std::abs(to_acc(out[i]) - ref_out[i]) > out_err)
+        out_err = std::abs(to_acc(out[i]) - ref_out[i]), worst_out = i;
     }
   }
   INFO(c.name() << (std::is_same_v<T, __half> ? " fp16" : " bf16") << ": kernel error out " << out_err << " (at "
-                << worst_out << ", got " << to_float_host(out[worst_out]) << " want " << ref_out[worst_out]
+                << worst_out << ", got " << to_acc(out[worst_out]) << " want " << ref_out[worst_out]
                 << "), lse " << lse_err << " (row " << worst_lse << "); SDPA-way error out " << low_out_err << ", lse "
                 << low_lse_err);
   if (std::getenv("ROPESCALE_EMU_PRINT"))  // the margins, for whoever tunes the grid
@@ -320,7 +309,7 @@ void round_inputs_and_reference(Problem& pr, std::vector<T>& q, std::vector<T>& 
                                 std::vector<double>& ref_out, std::vector<double>& ref_lse) {
   auto round = [](std::vector<float>& values, std::vector<T>& rounded) {
     rounded.resize(values.size());
-    for (size_t i = 0; i < values.size(); ++i) values[i] = to_float_host(rounded[i] = from_float_host<T>(values[i]));
+    for (size_t i = 0; i < values.size(); ++i) values[i] = to_acc(rounded[i] = from_acc<T>(values[i]));
   };
   round(pr.q, q);
   round(pr.k, k);
@@ -336,7 +325,7 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   round_inputs_and_reference(pr, q, k, v, ref_out, ref_lse);
 
   const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
-  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<T> out(rows * c.dim, from_acc<T>(-7.0f));
   std::vector<float> lse(rows, -7.0f);
   std::vector<float> k_near(static_cast<size_t>(c.batch) * c.kv_heads * c.k_len * c.dim, NAN);
   std::vector<float> k_far(k_near.size(), NAN);
@@ -369,7 +358,7 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
       REQUIRE(std::abs(lse[r] - ref_lse[r]) <= 2e-5 * (1 + std::abs(ref_lse[r])));
     }
     for (int d = 0; d < c.dim; ++d) {
-      const double got = to_float_host(out[r * c.dim + d]), want = ref_out[r * c.dim + d];
+      const double got = to_acc(out[r * c.dim + d]), want = ref_out[r * c.dim + d];
       INFO("dim " << d << " got " << got << " want " << want);
       REQUIRE(std::abs(got - want) <= atol + atol * std::abs(want));
     }
@@ -396,10 +385,10 @@ void run_tensor_core(Problem pr) {
   round_inputs_and_reference(pr, q, k, v, ref_out, ref_lse);
 
   const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
-  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<T> out(rows * c.dim, from_acc<T>(-7.0f));
   std::vector<float> lse(rows, -7.0f);
   // Workspaces start as NaN: whatever the kernels read before writing shows.
-  std::vector<T> k_near(k.size(), from_float_host<T>(NAN)), k_far(k.size(), from_float_host<T>(NAN));
+  std::vector<T> k_near(k.size(), from_acc<T>(NAN)), k_far(k.size(), from_acc<T>(NAN));
   std::vector<ropescale::rerope_cuda::KeyTile> tiles(
       static_cast<size_t>(c.batch) * ropescale::rerope_cuda::rerope_tc_key_tiles(c.k_len),
       ropescale::rerope_cuda::KeyTile{-5, -5, -5, -5});
@@ -554,12 +543,12 @@ void run_on(Problem& pr, Kernel kernel, int splits, std::vector<float>& out_f, s
   const Case& c = pr.c;
   const auto rounded = [](std::vector<float>& values) {
     std::vector<T> r(values.size());
-    for (size_t i = 0; i < values.size(); ++i) values[i] = to_float_host(r[i] = from_float_host<T>(values[i]));
+    for (size_t i = 0; i < values.size(); ++i) values[i] = to_acc(r[i] = from_acc<T>(values[i]));
     return r;
   };
   std::vector<T> q = rounded(pr.q), k = rounded(pr.k), v = rounded(pr.v);
   const size_t rows = static_cast<size_t>(c.batch) * c.q_heads * c.q_len;
-  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<T> out(rows * c.dim, from_acc<T>(-7.0f));
   lse.assign(rows, -7.0f);
   ReropeParams p = make_params(c, pr);
   p.q = q.data(), p.k = k.data(), p.v = v.data(), p.out = out.data(), p.lse = lse.data();
@@ -583,7 +572,7 @@ void run_on(Problem& pr, Kernel kernel, int splits, std::vector<float>& out_f, s
     launch_simt<T>(p, kernel == Kernel::kSimtPrefill ? Plan::kPrefill : Plan::kDecode, splits);
   }
   out_f.resize(out.size());
-  for (size_t i = 0; i < out.size(); ++i) out_f[i] = to_float_host(out[i]);
+  for (size_t i = 0; i < out.size(); ++i) out_f[i] = to_acc(out[i]);
 }
 
 // Plants non-finite values: padding keys (masked for every query) get NaN V and inf K; key `mid`,
@@ -774,7 +763,7 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
   key_slots.assign(run.num_blocks * slot_floats, NAN);
   value_slots.assign(key_slots.size(), NAN);
   run.q.resize(static_cast<size_t>(run.tokens) * c.q_heads * c.dim);
-  for (T& x : run.q) x = from_float_host<T>(normal(gen));
+  for (T& x : run.q) x = from_acc<T>(normal(gen));
   int next_page = 0;
   for (int r = 0; r < R; ++r) {
     const auto [q_len, seq_len] = c.requests[r];
@@ -797,7 +786,7 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
       for (int i = 0; i < q_len; ++i)
         for (int d = 0; d < c.dim; ++d)
           pr.q[(static_cast<size_t>(h) * q_len + i) * c.dim + d] =
-              to_float_host(run.q[(static_cast<size_t>(run.qsl[r] + i) * c.q_heads + h) * c.dim + d]);
+              to_acc(run.q[(static_cast<size_t>(run.qsl[r] + i) * c.q_heads + h) * c.dim + d]);
     // Keys and values (rounded to T), into the dense problem and the request's pages.
     pr.k.resize(static_cast<size_t>(c.kv_heads) * seq_len * c.dim);
     pr.v.resize(pr.k.size());
@@ -809,8 +798,8 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
         const size_t slot = ((static_cast<size_t>(page) * c.kv_heads + h) * c.block_size + j % c.block_size) * c.dim;
         for (int d = 0; d < c.dim; ++d) {
           const size_t at = (static_cast<size_t>(h) * seq_len + j) * c.dim + d;
-          pr.k[at] = key_slots[slot + d] = to_float_host(from_float_host<T>(normal(gen)));
-          pr.v[at] = value_slots[slot + d] = to_float_host(from_float_host<T>(normal(gen)));
+          pr.k[at] = key_slots[slot + d] = to_acc(from_acc<T>(normal(gen)));
+          pr.v[at] = value_slots[slot + d] = to_acc(from_acc<T>(normal(gen)));
         }
       }
     run.dense.push_back(std::move(pr));
@@ -872,7 +861,7 @@ PagedDecisions launch_paged(ReropeParams p, int splits, int64_t tc_key_budget = 
         std::vector<int> tc_key_offsets(p.requests + 1, -5);
         std::vector<PagedTask> tc_tasks(rerope_paged_max_tc_tasks(p.q_len, p.requests), PagedTask{-5, -5, -5, -5});
         const size_t rotated = tensor_cores ? static_cast<size_t>(tc_key_budget) * p.kv_heads * p.head_dim : 0;
-        std::vector<T> k_near(rotated, from_float_host<T>(NAN)), k_far(rotated, from_float_host<T>(NAN));
+        std::vector<T> k_near(rotated, from_acc<T>(NAN)), k_far(rotated, from_acc<T>(NAN));
         std::vector<float> q_rotation(static_cast<size_t>(p.q_len) * p.rotary_pairs * 4, NAN);
         if (tensor_cores) {
           p.paged_tc = true;
@@ -903,8 +892,8 @@ struct PagedCaches {
   PagedCaches(const std::vector<float>& key_slots, const std::vector<float>& value_slots)
       : keys(std::max<size_t>(key_slots.size(), 1) * sizeof(T), true),
         values(std::max<size_t>(value_slots.size(), 1) * sizeof(T), false) {
-    for (size_t i = 0; i < key_slots.size(); ++i) keys.as<T>()[i] = from_float_host<T>(key_slots[i]);
-    for (size_t i = 0; i < value_slots.size(); ++i) values.as<T>()[i] = from_float_host<T>(value_slots[i]);
+    for (size_t i = 0; i < key_slots.size(); ++i) keys.as<T>()[i] = from_acc<T>(key_slots[i]);
+    for (size_t i = 0; i < value_slots.size(); ++i) values.as<T>()[i] = from_acc<T>(value_slots[i]);
   }
 };
 
@@ -945,7 +934,7 @@ void unpack_request(const PagedRun<T>& run, int r, const std::vector<T>& out, co
                     std::vector<T>& dense_out, std::vector<float>& dense_lse) {
   const PagedCase& c = run.c;
   const int q_len = run.qsl[r + 1] - run.qsl[r];
-  dense_out.assign(static_cast<size_t>(c.q_heads) * q_len * c.dim, from_float_host<T>(0.0f));
+  dense_out.assign(static_cast<size_t>(c.q_heads) * q_len * c.dim, from_acc<T>(0.0f));
   dense_lse.assign(static_cast<size_t>(c.q_heads) * q_len, 0.0f);
   for (int h = 0; h < c.q_heads; ++h)
     for (int i = 0; i < q_len; ++i) {
@@ -988,7 +977,7 @@ PagedResult<T> run_paged(const PagedCase& c, unsigned seed, int splits, Poison p
   }
   const PagedCaches<T> caches(key_slots, value_slots);
   const size_t rows = static_cast<size_t>(run.tokens) * c.q_heads;
-  std::vector<T> out(rows * c.dim, from_float_host<T>(-7.0f));
+  std::vector<T> out(rows * c.dim, from_acc<T>(-7.0f));
   std::vector<float> lse(rows, -7.0f);
   if (tc_key_budget == kDefaultBudget)
     tc_key_budget = ropescale::rerope_cuda::rerope_paged_tc_key_budget(
@@ -1007,7 +996,7 @@ PagedResult<T> run_paged(const PagedCase& c, unsigned seed, int splits, Poison p
     unpack_request(run, r, out, lse, got_out, got_lse);
     if (r == poisoned) {
       for (float x : got_lse) REQUIRE(std::isnan(x));
-      for (T x : got_out) REQUIRE(std::isnan(to_float_host(x)));
+      for (T x : got_out) REQUIRE(std::isnan(to_acc(x)));
       continue;
     }
     const Problem& pr = run.dense[r];

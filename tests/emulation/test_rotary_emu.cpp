@@ -22,30 +22,12 @@
 
 namespace {
 
+using ropescale::from_acc;  // the kernel's element conversions, on the host
+using ropescale::to_acc;
 using ropescale::rotary::launch_rotary;
 using ropescale::rotary::launch_shape;
 using ropescale::rotary::Params;
 using ropescale::rotary::TableKind;
-
-template <class T>
-double to_double(T v) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __half2float(v);
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat162float(v);
-  else
-    return static_cast<double>(v);
-}
-
-template <class T>
-T from_double(double v) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __float2half_rn(static_cast<float>(v));
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16_rn(static_cast<float>(v));
-  else
-    return static_cast<T>(v);
-}
 
 // Half a unit in the last place of `value` in T (the error of rounding an exact value once).
 template <class T>
@@ -192,10 +174,10 @@ void run_case(const Case& c, std::mt19937& rng) {
   } else {
     // Arbitrary tables (not cos/sin of anything): the kernel must apply exactly the entries given.
     for (int64_t i = 0; i < table_batch * S * ref.width; ++i) {
-      cos_table.push_back(from_double<Table>(uniform(rng)));
-      sin_table.push_back(from_double<Table>(uniform(rng)));
-      ref.cos.push_back(to_double(cos_table.back()));
-      ref.sin.push_back(to_double(sin_table.back()));
+      cos_table.push_back(from_acc<Table>(uniform(rng)));
+      sin_table.push_back(from_acc<Table>(uniform(rng)));
+      ref.cos.push_back(to_acc(cos_table.back()));
+      ref.sin.push_back(to_acc(sin_table.back()));
     }
   }
 
@@ -205,8 +187,8 @@ void run_case(const Case& c, std::mt19937& rng) {
   for (int o = 0; o < num_operands; ++o) {
     inputs.emplace_back(batches[o], heads[o], S, D, c.layout);
     outputs.emplace_back(batches[o], heads[o], S, D, Layout::kContiguous);
-    for (T& v : inputs.back().data) v = from_double<T>(normal(rng));
-    for (T& v : outputs.back().data) v = from_double<T>(-7.0);  // sentinel
+    for (T& v : inputs.back().data) v = from_acc<T>(normal(rng));
+    for (T& v : outputs.back().data) v = from_acc<T>(-7.0);  // sentinel
   }
   const std::vector<Buffer<T>> originals = inputs;
 
@@ -251,7 +233,7 @@ void run_case(const Case& c, std::mt19937& rng) {
         for (int64_t s = 0; s < S; ++s) {
           const int64_t tb = table_batch == 1 ? 0 : b;
           std::vector<double> x(R), expected(R), terms(R);
-          for (int64_t e = 0; e < R; ++e) x[e] = to_double(in.data[in.index(b, h, s, e)]);
+          for (int64_t e = 0; e < R; ++e) x[e] = to_acc(in.data[in.index(b, h, s, e)]);
           for (int64_t e = 0; e < R; ++e) {
             double cs, sn;
             ref.entry(tb, s, e, &cs, &sn);
@@ -272,7 +254,7 @@ void run_case(const Case& c, std::mt19937& rng) {
             if (c.table == TableKind::kPositions) terms[e] = ref.scale * (std::fabs(x[e]) + std::fabs(x[partner]));
           }
           for (int64_t e = 0; e < R; ++e) {
-            const double got = to_double(out.data[out.index(b, h, s, e)]);
+            const double got = to_acc(out.data[out.index(b, h, s, e)]);
             const double err = std::fabs(got - expected[e]);
             const double tol = tolerance<T>(expected[e], terms[e], c.table == TableKind::kPositions);
             worst = std::max(worst, err / tol);
@@ -283,7 +265,7 @@ void run_case(const Case& c, std::mt19937& rng) {
             }
           }
           for (int64_t e = R; e < D; ++e)  // tail: copied bit for bit, or untouched in place
-            REQUIRE(to_double(out.data[out.index(b, h, s, e)]) == to_double(in.data[in.index(b, h, s, e)]));
+            REQUIRE(to_acc(out.data[out.index(b, h, s, e)]) == to_acc(in.data[in.index(b, h, s, e)]));
         }
     // Nothing outside the operand's elements was written (padding, gaps, sentinels).
     std::vector<bool> owned(out.data.size(), false);
@@ -291,9 +273,9 @@ void run_case(const Case& c, std::mt19937& rng) {
       for (int64_t h = 0; h < in.heads; ++h)
         for (int64_t s = 0; s < S; ++s)
           for (int64_t e = 0; e < D; ++e) owned[out.index(b, h, s, e)] = true;
-    const std::vector<T>& untouched = c.in_place ? originals[o].data : std::vector<T>(out.data.size(), from_double<T>(-7.0));
+    const std::vector<T>& untouched = c.in_place ? originals[o].data : std::vector<T>(out.data.size(), from_acc<T>(-7.0));
     for (size_t i = 0; i < owned.size(); ++i)
-      if (!owned[i]) REQUIRE(to_double(out.data[i]) == to_double(untouched[i]));
+      if (!owned[i]) REQUIRE(to_acc(out.data[i]) == to_acc(untouched[i]));
   }
   CHECK(worst <= 1.0);
 }
@@ -389,11 +371,11 @@ TEST_CASE("rotary kernel: a bfloat16 rounding of float32 tables is outside the r
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < half; ++i) {
       const double c = cos_f[s * half + i], sn = sin_f[s * half + i];
-      const double xa = to_double(x[s * D + i]), xb = to_double(x[s * D + half + i]);
+      const double xa = to_acc(x[s * D + i]), xb = to_acc(x[s * D + half + i]);
       const double ya = xa * c - xb * sn, yb = xb * c + xa * sn;
       const double ta = std::fabs(xa * c) + std::fabs(xb * sn), tb = std::fabs(xb * c) + std::fabs(xa * sn);
       const auto ratio = [&](const std::vector<__nv_bfloat16>& out, int64_t e, double y, double t) {
-        return std::fabs(to_double(out[s * D + e]) - y) / tolerance<__nv_bfloat16>(y, t, false);
+        return std::fabs(to_acc(out[s * D + e]) - y) / tolerance<__nv_bfloat16>(y, t, false);
       };
       worst_f = std::max({worst_f, ratio(out_f, i, ya, ta), ratio(out_f, half + i, yb, tb)});
       worst_b = std::max({worst_b, ratio(out_b, i, ya, ta), ratio(out_b, half + i, yb, tb)});

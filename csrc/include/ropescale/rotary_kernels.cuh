@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ropescale/element.h"
 #include "ropescale/rotary.h"
 
 namespace ropescale {
@@ -32,39 +33,6 @@ namespace rotary {
 
 constexpr int kBlockThreads = 128;
 constexpr int kVectorBytes = 16;
-
-// Compute type and conversions per element type: fp32 math for every type but double.
-template <class T>
-struct Element;
-template <>
-struct Element<float> {
-  using Acc = float;
-  ROPESCALE_HOST_DEVICE static float to_acc(float v) { return v; }
-  ROPESCALE_HOST_DEVICE static float from_acc(float v) { return v; }
-};
-template <>
-struct Element<double> {
-  using Acc = double;
-  ROPESCALE_HOST_DEVICE static double to_acc(double v) { return v; }
-  ROPESCALE_HOST_DEVICE static double from_acc(double v) { return v; }
-};
-template <>
-struct Element<__half> {
-  using Acc = float;
-  ROPESCALE_HOST_DEVICE static float to_acc(__half v) { return __half2float(v); }
-  ROPESCALE_HOST_DEVICE static __half from_acc(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Element<__nv_bfloat16> {
-  using Acc = float;
-  ROPESCALE_HOST_DEVICE static float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-  ROPESCALE_HOST_DEVICE static __nv_bfloat16 from_acc(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <class T>
-struct ToAcc {
-  ROPESCALE_HOST_DEVICE typename Element<T>::Acc operator()(T v) const { return Element<T>::to_acc(v); }
-};
 
 // N consecutive elements moved as one aligned access (16 bytes at most per instruction).
 template <class T, int N>
@@ -90,23 +58,23 @@ constexpr int vector_pairs() {
 // Rotates pairs [first, first + kPairs) of one row.
 template <class T, int kPairs, bool kInterleaved>
 __device__ __forceinline__ void rotate_chunk(const T* in, T* out, int64_t half, int64_t first,
-                                             const PairCoeffs<typename Element<T>::Acc> (&coeffs)[kPairs]) {
-  using Acc = typename Element<T>::Acc;
+                                             const PairCoeffs<acc_t<T>> (&coeffs)[kPairs]) {
+  using Acc = acc_t<T>;
   if constexpr (kInterleaved && kPairs == 1) {
     // The unaligned path: rows may start on any element, so no two-element accesses.
     Acc ya, yb;
-    rotate(coeffs[0], Element<T>::to_acc(in[2 * first]), Element<T>::to_acc(in[2 * first + 1]), &ya, &yb);
-    out[2 * first] = Element<T>::from_acc(ya);
-    out[2 * first + 1] = Element<T>::from_acc(yb);
+    rotate(coeffs[0], to_acc(in[2 * first]), to_acc(in[2 * first + 1]), &ya, &yb);
+    out[2 * first] = from_acc<T>(ya);
+    out[2 * first + 1] = from_acc<T>(yb);
   } else if constexpr (kInterleaved) {
     // 2 * kPairs consecutive elements hold the kPairs (even, odd) pairs.
     Chunk<T, 2 * kPairs> x = load_chunk<T, 2 * kPairs>(in + 2 * first);
     ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       Acc ya, yb;
-      rotate(coeffs[j], Element<T>::to_acc(x.v[2 * j]), Element<T>::to_acc(x.v[2 * j + 1]), &ya, &yb);
-      x.v[2 * j] = Element<T>::from_acc(ya);
-      x.v[2 * j + 1] = Element<T>::from_acc(yb);
+      rotate(coeffs[j], to_acc(x.v[2 * j]), to_acc(x.v[2 * j + 1]), &ya, &yb);
+      x.v[2 * j] = from_acc<T>(ya);
+      x.v[2 * j + 1] = from_acc<T>(yb);
     }
     store_chunk<T, 2 * kPairs>(out + 2 * first, x);
   } else {
@@ -115,9 +83,9 @@ __device__ __forceinline__ void rotate_chunk(const T* in, T* out, int64_t half, 
     ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       Acc ya, yb;
-      rotate(coeffs[j], Element<T>::to_acc(xa.v[j]), Element<T>::to_acc(xb.v[j]), &ya, &yb);
-      xa.v[j] = Element<T>::from_acc(ya);
-      xb.v[j] = Element<T>::from_acc(yb);
+      rotate(coeffs[j], to_acc(xa.v[j]), to_acc(xb.v[j]), &ya, &yb);
+      xa.v[j] = from_acc<T>(ya);
+      xb.v[j] = from_acc<T>(yb);
     }
     store_chunk<T, kPairs>(out + first, xa);
     store_chunk<T, kPairs>(out + half + first, xb);
@@ -127,7 +95,7 @@ __device__ __forceinline__ void rotate_chunk(const T* in, T* out, int64_t half, 
 // Table: the element type of cos/sin (T, or float for the other types); ignored by kPositions.
 template <class T, class Table, int kPairs, bool kInterleaved, TableKind kTable>
 __global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T, Table> p) {
-  using Acc = typename Element<T>::Acc;
+  using Acc = acc_t<T>;
   // 32-bit index arithmetic: tokens and rows stay below 2^31 (checked at the op boundary).
   const uint32_t token = blockIdx.x * blockDim.y + threadIdx.y;
   if (token >= static_cast<uint32_t>(p.tokens())) return;  // no barriers below: leaving early is safe
@@ -142,7 +110,7 @@ __global__ void __launch_bounds__(kBlockThreads) rotary_kernel(const Params<T, T
     PairCoeffs<Acc> coeffs[kPairs];  // once per token, reused for every row below
     ROPESCALE_UNROLL
     for (int j = 0; j < kPairs; ++j)
-      coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, ToAcc<Table>{});
+      coeffs[j] = pair_coeffs<kTable, Acc>(p, table_row, seq, first + j, [](Table v) { return to_acc(v); });
     for (uint32_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const Row<T> r = locate_row(p, table_row, seq, row);
       rotate_chunk<T, kPairs, kInterleaved>(r.in, r.out, half, first, coeffs);
