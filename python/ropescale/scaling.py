@@ -252,16 +252,20 @@ class RopeType:
         return self.join(self.table, self.rerope)
 
     @property
+    def plain(self) -> bool:
+        """The method's own rope type, with no prefix and no alias."""
+        return (self.method is not None and not self.resonance and not self.rerope
+                and self.table == self.method.rope_type)
+
+    @property
     def is_stock(self) -> bool:
         """A type stock transformers and vLLM serve by their own code: a method's own name, no prefix."""
-        return (self.method is not None and not self.resonance and not self.rerope
-                and self.table == self.method.rope_type and self.method.stock != "refused")
+        return self.plain and self.method.stock != "refused"
 
 
 def _transformers_has(name: str) -> bool:
     parsed = RopeType.parse(name)
-    return (parsed.method is not None and parsed.method.transformers_native and not parsed.resonance
-            and not parsed.rerope and name == parsed.method.rope_type)
+    return parsed.plain and parsed.method.transformers_native
 
 
 def ropescale_rope_types() -> tuple[str, ...]:

@@ -65,18 +65,15 @@ class PreRopePlan:
         return self.method.length_dependent
 
 
-# ropescale's rope types but those an engine has under the same name with another formula (vLLM's "ntk": it
-# stays the engine's; scaling.RopeScaling.vllm_owns_name).
-_TAKEN_OVER = frozenset(t for t in scaling.ropescale_rope_types() if not (
-    scaling.RopeType.parse(t).method.vllm_owns_name and t == scaling.RopeType.parse(t).method.rope_type))
-
-
 def ropescale_rotary(rope_parameters, entry) -> bool:
     """Whether an engine adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
-    rather than the engine's own: its rope type is one of ropescale's, or the ``ropescale`` entry records the
-    method (a stock type ropescale wrote: its table is served as ropescale computes it)."""
+    rather than the engine's own: its rope type is one of ropescale's (but a name the engine has with another
+    formula, vLLM's ``ntk``: ``RopeScaling.vllm_owns_name``), or the ``ropescale`` entry records the method (a
+    stock type ropescale wrote: its table is served as ropescale computes it)."""
     rope_type = (rope_parameters or {}).get("rope_type", "default")
-    return rope_type in _TAKEN_OVER or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    parsed = scaling.RopeType.parse(rope_type)
+    ours = rope_type in scaling.ropescale_rope_types() and not (parsed.plain and parsed.method.vllm_owns_name)
+    return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
 
 
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:

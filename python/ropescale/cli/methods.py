@@ -45,15 +45,13 @@ class MethodName:
 
     rope_type: str | None  # the scaling.METHODS entry it builds; None: no table (the model's own)
     resonance: bool = False  # Resonance RoPE on top (wavelengths rounded to integers)
-    needs: str | None = None  # the option a command must take to offer the name
+    needs: tuple[str, ...] = ()  # the options a command must take to offer the name
 
 
-def _needs(method: type[scaling.RopeScaling]) -> str | None:
-    """The flag of a parameter the method requires that not every command takes (LongRoPE's per-pair factors come
-    from a search: only a command that reads them from a file offers it)."""
-    flags = [p.cli for p in method.parameters() if p.required and p.cli not in (None, "--factor",
-                                                                               "--original-max-position")]
-    return flags[0] if flags else None
+def _needs(method: type[scaling.RopeScaling]) -> tuple[str, ...]:
+    """The flags of the parameters the method requires: a command offers it only if it takes them all (LongRoPE's
+    per-pair factors come from a search: only a command that reads them from a file offers it)."""
+    return tuple(dict.fromkeys(p.cli for p in method.parameters() if p.required and p.cli))
 
 
 # Each method's names (``cli_names``: its rope type, aliases, Resonance on it) from the registry.
@@ -61,7 +59,7 @@ NAMES: dict[str, MethodName] = {
     **{name: MethodName(method.rope_type, scaling.RopeType.parse(name).resonance, _needs(method))
        for method in scaling.METHODS.values() for name in method.cli_names},
     # The model's own table, with ReRoPE attention (--window with another name puts ReRoPE on top of that one).
-    "rerope": MethodName(None, needs="--window"),
+    "rerope": MethodName(None, needs=("--window",)),
 }
 
 
@@ -153,7 +151,7 @@ class MethodOptions:
 
 def names(taken: MethodOptions) -> list[str]:
     """The --method names a command offers: those whose options it takes."""
-    return sorted(name for name, entry in NAMES.items() if entry.needs is None or entry.needs in taken.flags)
+    return sorted(name for name, entry in NAMES.items() if set(entry.needs) <= set(taken.flags))
 
 
 def reads(name: str, flag: str) -> bool:
