@@ -89,7 +89,7 @@ def _make_validator(rope_type: str):
 
 def register_rope_types() -> None:
     """Idempotent: adds ropescale's rope types to transformers (done on ``import ropescale.hf``)."""
-    for rope_type in ROPESCALE_ROPE_TYPES:
+    for rope_type in scaling.ropescale_rope_types():  # the registry now: a method registered later is added too
         rope_utils.ROPE_INIT_FUNCTIONS[rope_type] = _init_function
         setattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters",
                 _make_validator(rope_type))

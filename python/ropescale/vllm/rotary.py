@@ -147,18 +147,13 @@ def install(refusal: str | None = None) -> None:
     _rope_package.get_rope = get_rope
 
 
-# vLLM's own rotary classes that the opt-in switch routes through ropescale's kernel: each method's, where it
-# declares one (scaling.RopeScaling.vllm_rotary_class).
-_STOCK_CLASSES = tuple(dict.fromkeys(cls.vllm_rotary_class for cls in scaling.METHODS.values()
-                                     if cls.vllm_rotary_class))
-
-
 def install_rotation() -> bool:
     """``CustomOp.register_oot``: vLLM's own rotary classes rotate with ropescale's kernel (their
     tables stay vLLM's). Idempotent."""
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
-    for name in _STOCK_CLASSES:
+    # vLLM's own rotary classes: each method's, where it declares one (scaling.RopeScaling.vllm_rotary_class).
+    for name in dict.fromkeys(cls.vllm_rotary_class for cls in scaling.METHODS.values() if cls.vllm_rotary_class):
         if name in op_registry_oot:
             continue
         stock = getattr(_rope_package, name)
