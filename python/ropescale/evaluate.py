@@ -20,6 +20,7 @@ full logits, scored in the same chunks); passkey generation asks for the last po
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import random
@@ -87,6 +88,18 @@ def _last_logits_only(model: torch.nn.Module) -> dict[str, Any]:
 @torch.no_grad()
 def _greedy(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     """Greedy continuation of a 1-D prompt; reuses the model's KV cache when it returns one."""
+    with _request(model, max_new_tokens):
+        return _greedy_loop(model, ids, max_new_tokens, eos_token_id)
+
+
+def _request(model: torch.nn.Module, max_new_tokens: int):
+    """The forwards of one greedy continuation as one request (``ropescale.hf.request``: a per-request method
+    keeps one scale for it) on a model ``ropescale.hf.patch`` patched; nothing on any other model."""
+    state = getattr(model, "_ropescale_patch", None)
+    return state.request(max_new_tokens) if state is not None else contextlib.nullcontext()
+
+
+def _greedy_loop(model, ids, max_new_tokens, eos_token_id) -> list[int]:
     device = _device(model)
     out = model(input_ids=ids[None].to(device), use_cache=True, **_last_logits_only(model))
     new: list[int] = []

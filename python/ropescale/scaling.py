@@ -96,6 +96,11 @@ def _check_bool(obj, name: str) -> None:
         _fail(obj, name, "True or False")
 
 
+def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in choices:
+        _fail(obj, name, " or ".join(repr(c) for c in choices))
+
+
 
 #: The keys ``from_hf`` reads for each rope type (besides ``rope_type``/``type``): (required, optional),
 #: filled by :func:`register` from the methods' parameters.
@@ -109,15 +114,19 @@ FROM_CONFIG_LENGTH = "max_position_embeddings"
 
 
 def parameter(default: Any = dataclasses.MISSING, *, hf: str | None = "", required: bool = False,
-              fallback: str | None = None, cli: str | None = None, help: str = "", factory=None):
+              fallback: str | None = None, cli: str | None = None, help: str = "", factory=None,
+              ropescale_key: bool = False):
     """A method's field, with what the registry needs to know about it:
 
     - ``hf``: its key in transformers' ``rope_parameters`` ("" = the field's own name; None: not a rope
       parameter, e.g. Dynamic NTK's original length, which transformers reads from the config);
     - ``required``: a config must carry it (``from_hf`` refuses one without it);
     - ``fallback``: where its value comes from when the rope parameters omit it (:data:`FROM_CONFIG_LENGTH`);
-    - ``cli`` and ``help``: its flag in the ``ropescale`` command (None: no flag) and what it means."""
-    metadata = {"hf": hf, "required": required, "fallback": fallback, "cli": cli, "help": help}
+    - ``cli`` and ``help``: its flag in the ``ropescale`` command (None: no flag) and what it means;
+    - ``ropescale_key``: a key ropescale adds to a rope type transformers has (its validator is told to ignore
+      it; the value still reaches ropescale's check)."""
+    metadata = {"hf": hf, "required": required, "fallback": fallback, "cli": cli, "help": help,
+                "ropescale_key": ropescale_key}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -134,7 +143,8 @@ class Parameter:
     cli: str | None
     help: str
     default: Any
-    kind: type  # int, float, bool or tuple: how a config value is read
+    kind: type  # int, float, bool, str or tuple: how a config value is read
+    ropescale_key: bool = False  # a key transformers' own type does not have
 
 
 METHODS: dict[str, type["RopeScaling"]] = {}
@@ -194,10 +204,10 @@ def register(rope_type: str, **declared):
 def _parameter(cls, f: dataclasses.Field) -> Parameter:
     meta = f.metadata
     hf = meta.get("hf", "")
-    kind = {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" ")[0], tuple)
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(str(f.type).split(" ")[0], tuple)
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     return Parameter(f.name, f.name if hf == "" else hf, bool(meta.get("required")), meta.get("fallback"),
-                     meta.get("cli"), meta.get("help", ""), default, kind)
+                     meta.get("cli"), meta.get("help", ""), default, kind, bool(meta.get("ropescale_key")))
 
 
 @dataclass(frozen=True)
@@ -335,6 +345,13 @@ class RopeScaling:
         short and long factors. Every engine then gives each sequence its own length's table."""
         return self.dynamic
 
+    @property
+    def per_request(self) -> bool:
+        """Whether one request keeps ONE table for its whole life, the one at its planned length (prompt + the
+        tokens it may generate: ``per="request"`` of the dynamic methods), instead of the table of each step's
+        length (``per="step"``, the paper's rule)."""
+        return getattr(self, "per", "step") == "request"
+
     def check_rotary_dim(self, dim: int) -> None:
         """Raise ValueError when the method cannot make a table for rotary dim ``dim`` (before a model is touched)."""
 
@@ -365,6 +382,8 @@ class RopeScaling:
         params: dict[str, Any] = {"rope_type": RopeType.table_name(type(self), self.resonance)}
         for p in self.parameters():
             value = getattr(self, p.name)
+            if p.ropescale_key and value == p.default:
+                continue  # a key of ropescale's at its default is not written: the config stays what it was
             if value is not None and p.hf_key:
                 params[p.hf_key] = list(value) if isinstance(value, tuple) else value
         if base is not None:
@@ -387,8 +406,8 @@ class RopeScaling:
         values = {}
         for p in cls.parameters():
             value = params.get(p.hf_key) if p.hf_key else None
-            if value is None and p.kind is bool and p.hf_key in params:
-                values[p.name] = value  # a switch set to null is refused, not read as its default
+            if value is None and p.kind in (bool, str) and p.hf_key in params:
+                values[p.name] = value  # a switch or a choice set to null is refused, not read as its default
                 continue
             if value is None and p.fallback == FROM_CONFIG_LENGTH:
                 value = max_position_embeddings
@@ -460,6 +479,18 @@ class NTK(RopeScaling):
         return ops.ntk_inv_freq(dim, base, self.factor, dtype=dtype)
 
 
+#: How long a dynamic method's scale holds: "step" (each forward's length, the paper's rule) or "request" (the
+#: request's planned length, prompt + the tokens it may generate, for its whole life: the static model of that
+#: scale in every layer and step, and the native model when the request fits the trained length).
+PER_CHOICES = ("step", "request")
+_PER_HELP = ("how long the scale holds: step (the length at each step, the paper's rule) or request (the request's "
+             "prompt + max new tokens, fixed for its whole life: a request that fits L runs the native model)")
+
+
+def _per_parameter():
+    return parameter("step", cli="--per", help=_PER_HELP, ropescale_key=True)
+
+
 @register("dynamic", aliases=("dynamic_ntk",), written_type="dynamic_ntk", dynamic=True, transformers_native=True,
           cli_names=("dynamic", "dynamic_ntk"))
 @dataclass(frozen=True)
@@ -474,11 +505,13 @@ class DynamicNTK(RopeScaling):
     # transformers' dynamic rule reads the config's max_position_embeddings, not a rope parameter.
     original_max_position: int = parameter(2048, hf=None, fallback=FROM_CONFIG_LENGTH, cli="--original-max-position",
                                            help=_ORIGINAL_HELP)
+    per: str = _per_parameter()
 
     def __post_init__(self):
         super().__post_init__()
         _check_float(self, "factor", minimum=1.0)
         _check_int(self, "original_max_position", 1)
+        _check_choice(self, "per", PER_CHOICES)
 
     def _table(self, dim, base, seq_len, dtype):
         return ops.dynamic_ntk_inv_freq(
@@ -487,6 +520,7 @@ class DynamicNTK(RopeScaling):
 
 
 _YARN_FACTOR_HELP = "scale factor s: the table is set for s x L"
+
 
 
 @register("yarn", stock="same", stock_length_is_scaled=True, transformers_native=True,
@@ -548,6 +582,11 @@ class DynamicYaRN(YaRN):
     factor: float = parameter(1.0, cli="--floor",
                               help="the floor F of its scale s = max(F, len/L), applied at EVERY length (requests "
                                    "shorter than F x L are then no longer native)")
+    per: str = _per_parameter()
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_choice(self, "per", PER_CHOICES)
 
     def _scale(self, seq_len):
         if seq_len is None:

@@ -7,9 +7,14 @@
   position + 1), on the host and on a device, and each step's tables for a batch of requests
   (:class:`StepTables`), cut where rows of one request need different tables (:func:`cut_segments`).
 
-Rows and tables follow one rule, the one a transformers forward over the prompt and then one per generated
-token computes: a row at position ``p`` of a request whose prompt has ``P`` tokens takes the table at
-``max(P, p + 1)``.
+Rows and tables follow one rule per method, whatever the engine and however it schedules the request:
+
+- ``per="step"`` (the paper's rule, and every length-dependent table but the ``per="request"`` ones): the one a
+  transformers forward over the prompt and then one per generated token computes: a row at position ``p`` of a
+  request whose prompt has ``P`` tokens takes the table at ``max(P, p + 1)``;
+- ``per="request"``: every row of a request whose prompt has ``P`` tokens and which may generate ``N`` takes the
+  table at ``P + N`` (:meth:`PreRopePlan.table_length`), in every layer and step: the request runs the static
+  model of that scale from its first token to its last.
 """
 
 from __future__ import annotations
@@ -64,6 +69,17 @@ class PreRopePlan:
         """Each request needs the table of its own length (``RopeScaling.length_dependent``)."""
         return self.method.length_dependent
 
+    @property
+    def per_request(self) -> bool:
+        """One table per request, at its planned length (``RopeScaling.per_request``)."""
+        return self.length_dependent and self.method.per_request
+
+    def table_length(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The length whose table a request's prompt is computed under: ``prompt_len + max_new_tokens`` for a
+        per-request method (every row of the request, :func:`cut_segments`), the prompt's own otherwise."""
+        prompt_len = max(int(prompt_len), 1)
+        return prompt_len + max(int(max_new_tokens), 0) if self.per_request else prompt_len
+
 
 def ropescale_rotary(rope_parameters, entry) -> bool:
     """Whether an engine adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
@@ -106,18 +122,24 @@ class StepTables:
     segments: Segments | None = None
 
 
-def cut_segments(seq_lens: list[int], query_lens: list[int] | None = None,
-             prompt_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
+def cut_segments(seq_lens: list[int], query_lens: list[int] | None = None, prompt_lens: list[int] | None = None,
+                 request_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
     """``(request, rows, seq_len, table_len)`` per segment: the length whose table each query row takes, as
     one transformers forward over the prompt and then one per generated token compute it (``hf.patch``), however
     vLLM chunks, batches or recomputes the request. A row at position ``p`` of a request whose prompt has ``P``
     tokens takes the table at ``max(P, p + 1)``: every prompt row the whole prompt's (a chunk of a long prompt
     scheduled beside other requests is not computed under a smaller scale), every later row its own length's
     (a decode step; several such rows in one step, after a preemption's recompute or as speculative tokens, are
-    one segment each). Without prompt lengths (``prompt_lens`` None) each request takes its current length's."""
+    one segment each). Without prompt lengths (``prompt_lens`` None) each request takes its current length's.
+
+    ``request_lens`` (a per-request method: each request's planned length, prompt + max new tokens) replaces that
+    rule: every row of request i takes the table at ``request_lens[i]``, one segment per request."""
     out = []
     for request, seq_len in enumerate(seq_lens):
         rows = query_lens[request] if query_lens is not None else 1
+        if request_lens is not None:
+            out.append((request, max(rows, 0), seq_len, max(int(request_lens[request]), 1)))
+            continue
         prompt = prompt_lens[request] if prompt_lens is not None else None
         if rows <= 0 or prompt is None:
             out.append((request, max(rows, 0), seq_len, max(seq_len, 1)))
@@ -183,25 +205,29 @@ class TableCache:
             self._by_length.popitem(last=False)
         return inv_freq, factor
 
-    def prompt_digest(self, prompt_len: int) -> str:
-        """A digest of the table (and attention factor) a prompt of ``prompt_len`` tokens is computed under (the
-        one :func:`cut_segments` gives its rows): equal digests, equal results for the prompt's cached pages."""
-        inv_freq, factor = self.table(max(int(prompt_len), 1))
+    def prompt_digest(self, prompt_len: int, max_new_tokens: int = 0) -> str:
+        """A digest of the table (and attention factor) a prompt of ``prompt_len`` tokens, in a request that may
+        generate ``max_new_tokens``, is computed under (the one :func:`cut_segments` gives its rows,
+        :meth:`PreRopePlan.table_length`): equal digests, equal results for the prompt's cached pages."""
+        inv_freq, factor = self.table(self.plan.table_length(prompt_len, max_new_tokens))
         digest = hashlib.sha256(inv_freq.to(torch.float32).contiguous().numpy().tobytes())
         digest.update(repr(factor).encode())
         return digest.hexdigest()[:32]
 
     def step(self, seq_lens: list[int], query_lens: list[int] | None = None,
-             prompt_lens: list[int] | None = None) -> StepTables:
+             prompt_lens: list[int] | None = None, request_lens: list[int] | None = None) -> StepTables:
         """The tables for requests of lengths ``seq_lens`` (this step's: computed + scheduled tokens, host
-        integers) with ``query_lens`` rows each and prompts of ``prompt_lens`` tokens (:func:`cut_segments`; a
-        padded request's 0 rows get any valid table)."""
+        integers) with ``query_lens`` rows each and prompts of ``prompt_lens`` tokens, and for a per-request method
+        planned lengths ``request_lens`` (:func:`cut_segments`; a padded request's 0 rows get any valid table)."""
         if not self.plan.length_dependent:
             if self._last is None:
                 inv_freq, factor = self.table(None)
                 self._last = (None, StepTables(inv_freq.to(self.device), None, factor * factor))
             return self._last[1]
-        cut = cut_segments(seq_lens, query_lens, prompt_lens)
+        if self.plan.per_request and request_lens is None:
+            raise RuntimeError(f"ropescale: {type(self.plan.method).__name__}(per='request') needs each request's "
+                               "planned length (prompt + max new tokens), and this step has none")
+        cut = cut_segments(seq_lens, query_lens, prompt_lens, request_lens if self.plan.per_request else None)
         split = len(cut) != len(seq_lens)
         key = tuple(cut) if split else tuple(seg[3] for seg in cut)
         if self._last is not None and self._last[0] == key:

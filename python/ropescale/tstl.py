@@ -14,6 +14,7 @@ Accuracy is teacher-forced next-token accuracy per position ``l`` (predicting ``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -211,10 +212,13 @@ def position_accuracy(
         batch = batch.to(device)
         if incremental:
             cache = hf.PreRopeCache()
-            predicted = torch.stack([
-                model(input_ids=batch[:, l : l + 1], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
-                for l in range(batch.shape[1] - 1)
-            ], dim=1)
+            # one request per sequence (a per-request method keeps the scale of its whole length)
+            request = hf.request(model, batch.shape[1] - 2) if hf.is_patched(model) else contextlib.nullcontext()
+            with request:
+                predicted = torch.stack([
+                    model(input_ids=batch[:, l : l + 1], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+                    for l in range(batch.shape[1] - 1)
+                ], dim=1)
         else:
             predicted = model(input_ids=batch[:, :-1]).logits.argmax(-1)
         correct += (predicted == batch[:, 1:]).sum(0).double().cpu()

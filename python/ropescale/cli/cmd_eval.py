@@ -10,8 +10,8 @@ from .common import (UsageError, add_json, add_quiet, dump, non_negative_int, no
                      show_progress, subcommand)
 
 _METHOD_OPTIONS = methods.MethodOptions(
-    flags=("--method", "--factor", "--floor", "--original-max-position", "--beta-fast", "--beta-slow", "--resonance",
-           "--window", "--leaky-k", "--logn"),
+    flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
+           "--resonance", "--window", "--leaky-k", "--logn"),
     defaults={"--factor": "the evaluated length / the trained length, at least 1",
               "--original-max-position": "the model's max_position_embeddings"},
     title="method (optional; see above)", attention_title="ReRoPE attention (optional; see above)")

@@ -12,8 +12,8 @@ from . import methods
 from .common import UsageError, positive_int, subcommand
 
 _METHOD_OPTIONS = methods.MethodOptions(
-    flags=("--method", "--factor", "--floor", "--original-max-position", "--beta-fast", "--beta-slow", "--resonance",
-           "--longrope-factors", "--window", "--leaky-k", "--logn"),
+    flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
+           "--resonance", "--longrope-factors", "--window", "--leaky-k", "--logn"),
     required=True,
     defaults={"--original-max-position": "SRC's original_max_position_embeddings, else its max_position_embeddings"},
     notes={"--floor": ". Not the way to serve longer: that is --max-length"},

@@ -39,6 +39,12 @@ def leaky_k(text: str) -> float:
     return value
 
 
+def per_choice(text: str) -> str:
+    if text not in scaling.PER_CHOICES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(scaling.PER_CHOICES)}, got {text!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class MethodName:
     """A name --method takes."""
@@ -115,6 +121,10 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            default=32.0),
     Option("--beta-slow", "YaRN beta_slow", read_by=_read_by("--beta-slow"), field=_field("--beta-slow"), type=number,
            default=1.0),
+    Option("--per", "dynamic methods: how long the scale holds: step (each step's length, the paper's rule) or "
+           "request (prompt + the tokens a request may generate, fixed for its whole life: a request that fits L is "
+           "the native model, a longer one the static model of its scale)", read_by=_read_by("--per"),
+           field=_field("--per"), type=per_choice, metavar="{" + ",".join(scaling.PER_CHOICES) + "}", default="step"),
     # The table commands pass it to inv_freq.
     Option("--seq-len", "current length (largest position + 1) for the dynamic methods "
            f"({', '.join(sorted(_DYNAMIC))})", read_by=_DYNAMIC, type=positive_int),
@@ -199,7 +209,9 @@ def _default_help(option: Option, taken: MethodOptions) -> str | None:
         return f"default {taken.method}" if taken.method else None
     if option.flag == "--factor":
         return f"default {taken.factor:g}" if taken.factor else "needed by the methods that scale"
-    return None if option.default is None else f"default {option.default:g}"
+    if option.default is None:
+        return None
+    return f"default {option.default:g}" if isinstance(option.default, (int, float)) else f"default {option.default}"
 
 
 def _given(args, flag: str) -> bool:
@@ -281,6 +293,9 @@ def _refuse_unread(args, rope_type: str) -> None:
             f"the FLOOR F at every length (requests shorter than {args.factor:g} x L would no longer be native). "
             + (f"To serve it longer {taken.serve_longer}; for a floor, " if taken.serve_longer else "For a floor, ")
             + f"--floor {args.factor:g}")
+    if "--per" in taken.flags and args.per != "step" and rope_type not in OPTIONS["--per"].read_by:
+        raise UsageError(f"--per {args.per} belongs to the dynamic methods ({', '.join(sorted(_DYNAMIC))}): the table "
+                         f"of --method {args.method} is the same at every length")
     if _given(args, "--longrope-factors") and rope_type not in OPTIONS["--longrope-factors"].read_by:
         raise UsageError("--longrope-factors belongs to --method longrope")
 

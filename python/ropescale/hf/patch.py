@@ -14,6 +14,12 @@ What changes (per model instance, undone by ``unpatch``):
     un-rotated q/k. In a batch each row gets the table of ITS OWN length (its largest position + 1):
     rows are grouped by length and each group is rotated with its table, so a short prompt batched
     with a long one (left padding) gets the same scale as alone.
+  * a dynamic method with ``per="request"``: each row takes, in every layer and step, the table of its
+    request's planned length, fixed at its first forward: the prompt (the row's largest position + 1) plus
+    the tokens it may generate (``generate``'s ``max_new_tokens``, or its ``max_length`` less the input; a
+    manual loop states it with :class:`request`; a forward outside both is a whole request). So a request
+    runs the static model of its scale from first token to last (the whole model exact), a request that
+    fits the trained length runs the native model, and a batched row equals its solo run.
   * ReRoPE reads padding from the attention mask of every mask format transformers builds for
     ``eager``, ``sdpa``, ``flex_attention`` (a BlockMask) and ``flash_attention_*`` (the 2-D mask);
     other implementations (paged, custom ones) are refused with a clear error.
@@ -78,6 +84,10 @@ class _PatchState:
     config: Any = None
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
     tables: serving.TableCache | None = None
+    # per="request": the tokens each request of the current ``generate`` / ``request`` may generate, and the
+    # planned lengths its first forward fixed (None outside both)
+    new_tokens: int | None = None
+    planned: torch.Tensor | None = None
 
     def __post_init__(self):
         window = self.window if self.attention == "rerope" else serving.NO_WINDOW
@@ -93,6 +103,14 @@ class _PatchState:
     @property
     def length_dependent(self) -> bool:
         return self.method.length_dependent
+
+    @property
+    def per_request(self) -> bool:
+        return self.tables.plan.per_request
+
+    def request(self, max_new_tokens: int) -> "_Request":
+        """The context of one request per row that may generate ``max_new_tokens`` (:func:`request`)."""
+        return _Request(self, max_new_tokens)
 
     def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq on ``device`` and the attention factor for this length (the serving core's table cache)."""
@@ -178,8 +196,59 @@ def patch(
     for module in attention_modules:
         module.forward = types.MethodType(_attention_forward, module)
         module._ropescale_patch = state
+    if state.per_request and hasattr(model, "generate"):
+        model.generate = types.MethodType(_generate, model)
     model._ropescale_patch = state
     return model
+
+
+def _generate(self, *args, **kwargs):
+    """``generate`` of a per-request model: the call is one request per row, with its ``max_new_tokens``."""
+    with request(self, max_new_tokens=_max_new_tokens(self, args, kwargs)):
+        return type(self).generate(self, *args, **kwargs)
+
+
+def _max_new_tokens(model, args, kwargs) -> int:
+    """The tokens ``generate(*args, **kwargs)`` lets each row add, by transformers' rule: ``max_new_tokens``
+    (the call's, else its generation config's), else ``max_length`` less the input's (padded) length."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new_tokens is not None:
+        return int(new_tokens)
+    inputs = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
+                                        if kwargs.get(k) is not None), None)
+    input_len = inputs.shape[1] if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
+    return max(int(kwargs.get("max_length", getattr(config, "max_length", None) or 20)) - input_len, 0)
+
+
+def request(model: nn.Module, max_new_tokens: int) -> "_Request":
+    """``with ropescale.hf.request(model, max_new_tokens=N):`` the forwards inside are ONE request per row (a
+    manual decoding loop: the prompt, then a step per token), which may generate up to ``N`` tokens: a model
+    patched with a ``per="request"`` method gives each row, at every step, the table of its planned length
+    (its prompt, the largest position + 1 of its first forward, plus ``N``). ``generate`` does this itself.
+    A step past the planned length is an error, never a silently different scale. Other patches ignore it."""
+    state = getattr(model, "_ropescale_patch", None)
+    if state is None:
+        raise RuntimeError("request: this model is not patched by ropescale")
+    return state.request(max_new_tokens)
+
+
+class _Request:
+    """The context :func:`request` returns (``_PatchState.request``)."""
+
+    def __init__(self, state: "_PatchState", max_new_tokens: int) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"request: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        self.state, self.max_new_tokens = state, max_new_tokens
+
+    def __enter__(self):
+        if self.state.new_tokens is not None:
+            raise RuntimeError("request: a request of this model is already open (generate or request)")
+        self.state.new_tokens, self.state.planned = self.max_new_tokens, None
+        return self
+
+    def __exit__(self, *exc):
+        self.state.new_tokens = self.state.planned = None
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
@@ -209,6 +278,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module in state.rotary_modules + state.attention_modules:
         del module.forward  # the class's forward shows through again
         del module._ropescale_patch
+    if "generate" in vars(model):
+        del model.generate
     checkpoint.restore(state.config, state.saved_config)
     model._ropescale_patch = None
     return model
@@ -232,20 +303,52 @@ _DATA_DEPENDENT = (
 
 
 @torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _row_groups(positions: torch.Tensor) -> list[tuple[torch.Tensor | None, int]]:
-    """``[(rows, seq_len)]``: the batch rows grouped by their own length (largest position + 1), with
-    ``rows=None`` for "every row" (all rows share one length, the common case: no gather needed)."""
-    lengths = positions.amax(dim=-1) + 1
+def _row_groups(positions: torch.Tensor, lengths: torch.Tensor | None = None) -> list[tuple[torch.Tensor | None, int]]:
+    """``[(rows, seq_len)]``: the batch rows grouped by their own length (largest position + 1, or ``lengths``
+    where given: a per-request method's planned lengths), with ``rows=None`` for "every row" (all rows share one
+    length, the common case: no gather needed)."""
+    if lengths is None:
+        lengths = positions.amax(dim=-1) + 1
     distinct = torch.unique(lengths).tolist()
     if len(distinct) == 1:
         return [(None, int(distinct[0]))]
     return [(torch.nonzero(lengths == n)[:, 0], int(n)) for n in distinct]
 
 
-def _groups(state: _PatchState, positions: torch.Tensor):
+def _groups(state: _PatchState, positions: torch.Tensor, planned: torch.Tensor | None = None):
     if not state.length_dependent:
         return [(None, None)]
-    return _row_groups(positions)
+    return _row_groups(positions, planned)
+
+
+_PLANNED = "_ropescale_planned"  # a cache's per-request planned lengths, fixed at its first forward
+
+
+@torch.compiler.disable(reason=_DATA_DEPENDENT)
+def _planned_lengths(state: _PatchState, key_positions: torch.Tensor, cache, first_layer: bool) -> torch.Tensor:
+    """Each row's planned length under a per-request method (see the module's docstring): fixed at the
+    request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
+    forward itself without a cache) as the row's length then plus the tokens it may generate."""
+    current = key_positions.amax(dim=-1) + 1
+    if state.new_tokens is not None:
+        planned = state.planned
+        if planned is None or planned.shape[0] != current.shape[0]:
+            planned = state.planned = current + state.new_tokens
+    elif cache is not None:
+        planned = getattr(cache, _PLANNED, None)
+        if planned is None or planned.shape[0] != current.shape[0]:
+            planned = current
+            setattr(cache, _PLANNED, planned)
+    else:
+        planned = current
+    if first_layer and bool((current > planned).any()):
+        row = int(torch.nonzero(current > planned)[0, 0])
+        raise ValueError(
+            f"ropescale: {type(state.method).__name__}(per='request') fixes each request's scale at its first "
+            f"forward, for its prompt plus the tokens it may generate; row {row} is now at length {int(current[row])}, "
+            f"past its planned {int(planned[row])}. Generate with max_new_tokens (generate does the rest), or wrap a "
+            "manual decoding loop in `with ropescale.hf.request(model, max_new_tokens=N):`")
+    return planned
 
 
 @torch.no_grad()
@@ -308,10 +411,14 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         positions = positions.to(torch.int64).expand(query.shape[0], -1)
         key_positions = positions
         if past_key_values is not None:
+            if state.per_request and self.layer_idx == 0 and past_key_values.get_seq_length() == 0:
+                vars(past_key_values).pop(_PLANNED, None)  # a new request in this cache
             layer = _pre_rope_layer(past_key_values, self.layer_idx)
             key, value = past_key_values.update(key, value, self.layer_idx, {"positions": positions})
             key_positions = layer.positions
-        groups = _groups(state, key_positions)
+        planned = (_planned_lengths(state, key_positions, past_key_values, self.layer_idx == 0)
+                   if state.per_request else None)
+        groups = _groups(state, key_positions, planned)
         if state.attention == "rerope":
             out = _rerope(self, state, groups, query, key, value, positions, key_positions, attention_mask)
             weights = None

@@ -77,8 +77,9 @@ def _make_validator(rope_type: str):
             checked = dict(rope_parameters)
             if method.stock_length_is_scaled:  # what standardize_rope_params does for those
                 checked.setdefault("original_max_position_embeddings", getattr(self, "max_position_embeddings", None))
+            own = {p.hf_key for p in method.parameters() if p.ropescale_key and p.hf_key}  # checked below
             getattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{method.rope_type}_rope_parameters")(
-                self, checked, ignore_keys=ignore_keys)
+                self, checked, ignore_keys=set(ignore_keys or ()) | own)
         # Build the method once: bad values get ropescale's own clear errors at load time.
         table, _ = table_parameters(rope_parameters)
         config_lib.read(table, getattr(self, "max_position_embeddings", None))

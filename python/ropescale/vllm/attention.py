@@ -204,7 +204,8 @@ class _StepTablesOwner:
         seq_lens = host_seq_lens(common)
         starts = common.query_start_loc_cpu[: len(seq_lens) + 1].tolist()
         query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        return cache.step(seq_lens, query_lens, step_prompt_lens(len(seq_lens)))
+        request_lens = step_request_lens(len(seq_lens)) if plan.per_request else None
+        return cache.step(seq_lens, query_lens, step_prompt_lens(len(seq_lens)), request_lens)
 
 
 # Each request's prompt length in this step's batch order, recorded by the model runner's hook
@@ -243,10 +244,11 @@ def install_prompt_lengths() -> bool:
         def _build_attention_metadata(self, *args, **kwargs):
             batch = getattr(self, "input_batch", None)
             _prompt_lens["tensor"] = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
+            _prompt_lens["runner"] = self
             try:
                 return stock(self, *args, **kwargs)
             finally:
-                _prompt_lens["tensor"] = None
+                _prompt_lens["tensor"] = _prompt_lens["runner"] = None
         return _build_attention_metadata
 
     return _wrap_vllm("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_build_attention_metadata", wrapper_of)
@@ -282,6 +284,29 @@ def step_prompt_lens(count: int) -> list[int] | None:
                        "method's prompt chunks take the table of their own length, not the whole prompt's (a long "
                        "prompt split by the token budget then differs from its one-pass run)")
     return None
+
+
+def step_request_lens(count: int) -> list[int] | None:
+    """The planned length (prompt + ``max_tokens``, the most it may generate: vLLM sets an unset one to what
+    ``max_model_len`` allows; a pooling request generates 1, as vLLM's ``Request`` counts it) of this step's first
+    ``count`` requests, from the model runner recorded by :func:`install_prompt_lengths`; None without it."""
+    runner = _prompt_lens.get("runner")
+    batch = getattr(runner, "input_batch", None)
+    tensor = _prompt_lens.get("tensor")
+    if batch is None or tensor is None or tensor.shape[0] < count:
+        return None
+    prompts = tensor[:count].tolist()
+    lens = []
+    for req_id, prompt in zip(batch.req_ids[:count], prompts):
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        lens.append(request_length(prompt, getattr(params, "max_tokens", None) if params is not None else 1))
+    return lens
+
+
+def request_length(prompt_len: int, max_tokens: int | None) -> int:
+    """A request's planned length: its prompt and the most tokens it may generate (the engine core's
+    ``Request.max_tokens`` and the worker's ``sampling_params.max_tokens`` are the same number)."""
+    return int(prompt_len) + int(max_tokens if max_tokens is not None else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,7 +622,7 @@ def install_block_hash_key() -> bool:
         def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
             keys, next_mm_idx = stock(request, start_token_idx, end_token_idx, start_mm_idx)
             if start_token_idx == 0:
-                tag = prompt_table_tag(request.num_prompt_tokens)
+                tag = prompt_table_tag(request.num_prompt_tokens, max_new_tokens=request.max_tokens)
                 if tag is not None:
                     keys = (*(keys or ()), ("ropescale_table", tag))
             return keys, next_mm_idx
@@ -616,9 +641,10 @@ def install_block_hash_key() -> bool:
     return keys and _wrap_vllm("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches", init_wrapper)
 
 
-def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
-    """A digest of the table (and attention factor) a prompt of ``prompt_len`` tokens is computed under, for the
-    model of ``vllm_config`` (default: the engine's); None when that model's table does not depend on the length."""
+def prompt_table_tag(prompt_len: int, vllm_config=None, max_new_tokens: int = 0) -> str | None:
+    """A digest of the table (and attention factor) a prompt of ``prompt_len`` tokens, in a request that may
+    generate ``max_new_tokens`` (a per-request method's scale depends on both), is computed under, for the model of
+    ``vllm_config`` (default: the engine's); None when that model's table does not depend on the length."""
     config = vllm_config if vllm_config is not None else _engine.get("config")
     if config is None:
         return None
@@ -629,9 +655,10 @@ def prompt_table_tag(prompt_len: int, vllm_config=None) -> str | None:
     if tables is None or not tables.plan.length_dependent:
         return None
     tags: OrderedDict = _engine["tags"]  # type: ignore[assignment]
-    tag = tags.get(prompt_len)
+    length = tables.plan.table_length(prompt_len, max_new_tokens)
+    tag = tags.get(length)
     if tag is None:
-        tag = tags[prompt_len] = tables.prompt_digest(prompt_len)
+        tag = tags[length] = tables.prompt_digest(prompt_len, max_new_tokens)
         if len(tags) > 65536:
             tags.popitem(last=False)
     return tag

@@ -110,9 +110,21 @@ def check_logits(model, expected: dict, want: torch.Tensor) -> float:
     return diff
 
 
+# Fields methods gained after a77b43e, at the default that keeps the old behaviour: an old checkpoint reads as
+# the method it was, plus these (issue 29: the dynamic methods' ``per``, "step" being the only rule they had).
+ADDED_AT_DEFAULT = (", per='step'",)
+
+
+def as_read_then(parsed) -> str:
+    read = repr(parsed)
+    for added in ADDED_AT_DEFAULT:
+        read = read.replace(added, "")
+    return read
+
+
 def check_parse(config, expected: dict):
     parsed = config_lib.read_config(config)
-    assert repr(parsed) == expected["read_config_repr"], f"{expected['case']}: read_config reads another method"
+    assert as_read_then(parsed) == expected["read_config_repr"], f"{expected['case']}: read_config reads another method"
     assert config.rope_parameters.get("rope_type") == expected["rope_type"]
     return parsed
 
@@ -135,7 +147,7 @@ def check_engine(config, expected: dict) -> None:
     found, parsed = engine_classification(config)
     assert found == expected["vllm"], f"{expected['case']}: vLLM would classify it otherwise"
     # the engine parses it as read_config does
-    assert repr(parsed) == expected["read_config_repr"], f"{expected['case']}: the engine's read differs"
+    assert as_read_then(parsed) == expected["read_config_repr"], f"{expected['case']}: the engine's read differs"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -186,6 +186,7 @@ _HOSTILE = {
     int: (float("nan"), float("inf"), 0.5, -1, True, "4096"),
     bool: ("yes", 1, None, float("nan")),
     tuple: ((), (float("nan"),) * (DIM // 2), (-1.0,) * (DIM // 2), "abc", 4.0),
+    str: ("Request", "steps", "", None, 1, float("nan"), ["request"]),
 }
 
 
