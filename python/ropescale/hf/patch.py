@@ -84,8 +84,9 @@ class _PatchState:
     config: Any = None
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
     tables: serving.TableCache | None = None
-    # per="request": the tokens each request of the current ``generate`` / ``request`` may generate, and the
-    # planned lengths its first forward fixed (None outside both)
+    # per="request": whether a ``generate`` / ``request`` is open, the tokens each of its rows may generate (a
+    # generate call's arrives when transformers has resolved its length), the planned lengths its first forward fixed
+    in_request: bool = False
     new_tokens: int | None = None
     planned: torch.Tensor | None = None
 
@@ -197,28 +198,35 @@ def patch(
         module.forward = types.MethodType(_attention_forward, module)
         module._ropescale_patch = state
     if state.per_request and hasattr(model, "generate"):
+        if not hasattr(model, _GENERATED_LENGTH):
+            raise TypeError(f"patch: per='request' reads generate's length from {_GENERATED_LENGTH}, which this "
+                            f"transformers' {type(model).__name__} lacks")
         model.generate = types.MethodType(_generate, model)
+        setattr(model, _GENERATED_LENGTH, types.MethodType(_prepare_generated_length, model))
     model._ropescale_patch = state
     return model
 
 
+# transformers' GenerationMixin resolves how long a generate call may run here (max_new_tokens, max_length, the
+# generation config, their defaults): ropescale reads the result rather than re-deriving the rule.
+_GENERATED_LENGTH = "_prepare_generated_length"
+
+
 def _generate(self, *args, **kwargs):
-    """``generate`` of a per-request model: the call is one request per row, with its ``max_new_tokens``."""
-    with request(self, max_new_tokens=_max_new_tokens(self, args, kwargs)):
+    """``generate`` of a per-request model: the call is one request per row; its budget arrives from
+    :func:`_prepare_generated_length` before the first forward."""
+    with _Request(self._ropescale_patch, None):
         return type(self).generate(self, *args, **kwargs)
 
 
-def _max_new_tokens(model, args, kwargs) -> int:
-    """The tokens ``generate(*args, **kwargs)`` lets each row add, by transformers' rule: ``max_new_tokens``
-    (the call's, else its generation config's), else ``max_length`` less the input's (padded) length."""
-    config = kwargs.get("generation_config") or model.generation_config
-    new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if new_tokens is not None:
-        return int(new_tokens)
-    inputs = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
-                                        if kwargs.get(k) is not None), None)
-    input_len = inputs.shape[1] if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
-    return max(int(kwargs.get("max_length", getattr(config, "max_length", None) or 20)) - input_len, 0)
+def _prepare_generated_length(self, generation_config, *args, **kwargs):
+    """transformers' own, then each row's budget: ``max_length`` less the input's (padded) length."""
+    config = getattr(type(self), _GENERATED_LENGTH)(self, generation_config, *args, **kwargs)
+    input_length = kwargs.get("input_ids_length")
+    state: _PatchState = self._ropescale_patch
+    if state.in_request and input_length is not None and config.max_length is not None:
+        state.new_tokens = max(int(config.max_length) - int(input_length), 0)
+    return config
 
 
 def request(model: nn.Module, max_new_tokens: int) -> "_Request":
@@ -230,25 +238,29 @@ def request(model: nn.Module, max_new_tokens: int) -> "_Request":
     state = getattr(model, "_ropescale_patch", None)
     if state is None:
         raise RuntimeError("request: this model is not patched by ropescale")
+    if max_new_tokens is None:
+        raise ValueError("request: max_new_tokens must be an integer >= 0, got None")
     return state.request(max_new_tokens)
 
 
 class _Request:
     """The context :func:`request` returns (``_PatchState.request``)."""
 
-    def __init__(self, state: "_PatchState", max_new_tokens: int) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    def __init__(self, state: "_PatchState", max_new_tokens: int | None) -> None:
+        # None: generate's, set once transformers has resolved it (_prepare_generated_length)
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 0):
             raise ValueError(f"request: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         self.state, self.max_new_tokens = state, max_new_tokens
 
     def __enter__(self):
-        if self.state.new_tokens is not None:
+        if self.state.in_request:
             raise RuntimeError("request: a request of this model is already open (generate or request)")
-        self.state.new_tokens, self.state.planned = self.max_new_tokens, None
+        self.state.in_request, self.state.new_tokens, self.state.planned = True, self.max_new_tokens, None
         return self
 
     def __exit__(self, *exc):
-        self.state.new_tokens = self.state.planned = None
+        self.state.in_request, self.state.new_tokens, self.state.planned = False, None, None
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
@@ -278,8 +290,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module in state.rotary_modules + state.attention_modules:
         del module.forward  # the class's forward shows through again
         del module._ropescale_patch
-    if "generate" in vars(model):
-        del model.generate
+    for name in ("generate", _GENERATED_LENGTH):
+        if name in vars(model):
+            delattr(model, name)
     checkpoint.restore(state.config, state.saved_config)
     model._ropescale_patch = None
     return model
@@ -330,7 +343,11 @@ def _planned_lengths(state: _PatchState, key_positions: torch.Tensor, cache, fir
     request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
     forward itself without a cache) as the row's length then plus the tokens it may generate."""
     current = key_positions.amax(dim=-1) + 1
-    if state.new_tokens is not None:
+    if state.in_request:
+        if state.new_tokens is None:
+            raise RuntimeError("ropescale: per='request' could not read this generate call's length from "
+                               f"transformers ({_GENERATED_LENGTH} was not called before the first forward): wrap "
+                               "the call in `with ropescale.hf.request(model, max_new_tokens=N):` instead")
         planned = state.planned
         if planned is None or planned.shape[0] != current.shape[0]:
             planned = state.planned = current + state.new_tokens

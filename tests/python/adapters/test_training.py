@@ -75,6 +75,8 @@ def _patch_kinds() -> list[PatchKind]:
         for resonance in (False, True):
             kinds.append(PatchKind(f"{'resonance_' if resonance else ''}{name}", _method(cls, resonance=resonance),
                                    {"attention": "sdpa"}))
+        if any(p.name == "per" for p in cls.parameters()):  # a dynamic method's scale held per request
+            kinds.append(PatchKind(f"{name}_per_request", _method(cls, per="request"), {"attention": "sdpa"}))
     for name, settings in _REROPE_VARIANTS.items():
         kinds.append(PatchKind(name, scaling.Default(), {"attention": "rerope", **settings}))
     return kinds
