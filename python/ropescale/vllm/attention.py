@@ -30,7 +30,10 @@ under the table of the whole prompt (one forward over the prompt), each later ro
 length (one forward per generated token; the keys' rotation is redone at every step, values and deeper layers'
 keys stay as computed). So a request served beside others, with its prompt chunked by the token budget or
 recomputed after a preemption, equals the request served alone; and vLLM's prefix cache reuses a page only for
-a prompt computed under the same table (:func:`install_block_hash_key`). Under asynchronous speculative decoding
+a prompt computed under the same table (:func:`install_block_hash_key`). A ``per="request"`` method takes one table
+per request, at its prompt + ``max_tokens`` (:func:`step_request_lens`), for every row and step: the static model
+of the request's scale, whose pages are shared only between requests of the same scale (the block hash carries
+it). Under asynchronous speculative decoding
 a decode row's length is vLLM's host-side upper bound (the length if every draft is accepted).
 """
 

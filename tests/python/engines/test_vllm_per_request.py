@@ -1,0 +1,170 @@
+"""Issue 29 in vLLM: a ``per="request"`` Dynamic-YaRN checkpoint served over the raw-key pages, each request under
+the static YaRN model of ``s = max(1, (P + N) / L)`` (N: its ``max_tokens``) for its whole life.
+
+Runs on the vLLM leg (as test_vllm_paged.py); skips elsewhere. Without an engine: the planned lengths the builders
+read from the V1 runner, and the block hash (a request's pages are shared only with requests of the same scale).
+With engines (slow: one subprocess, four engines):
+
+- a request with P + N <= L gives the prompt logprobs of the unscaled model served by the same engine (1e-6);
+- a longer one equals transformers + ``hf.patch`` with the static ``YaRN(factor=s)`` table (1e-5);
+- the same requests with chunked prefill and prefix caching on, and with both off: identical;
+- two requests that share a 150-token prefix but not their scale share no page; with the same scale they do;
+- a KV cache too small for the batch (preemption, then recompute): every request keeps its scale.
+"""
+
+import types
+
+import pytest
+import torch
+
+from support.vllm_engine import run_engines  # noqa: E402
+from support.vllm_testing import ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
+
+require_vllm()
+
+from ropescale import hf, scaling, serving  # noqa: E402
+from ropescale.vllm import attention  # noqa: E402
+
+SERVED = 256
+METHOD = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
+
+# (prompt length, max_tokens): P + N <= L = 64 (native), then past it (s = (P + N) / 64 up to 3.3)
+SHORT = [(10, 8), (30, 20), (50, 14), (56, 8)]
+LONG = [(40, 60), (57, 8), (100, 8), (130, 40), (180, 16), (200, 12)]
+
+
+def prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------------
+# No engine
+
+
+def test_builders_read_each_requests_planned_length_from_the_v1_runner():
+    """prompt + max_tokens per request in the batch's order; a pooling request counts 1 (vLLM's Request does)."""
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=["a", "b", "c"]),
+        requests={"a": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=7)),
+                  "b": types.SimpleNamespace(sampling_params=None),
+                  "c": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=100))})
+    attention._prompt_lens.update(tensor=torch.tensor([10, 20, 30, 0]), runner=runner)
+    try:
+        assert attention.step_request_lens(3) == [17, 21, 130]
+        assert attention.step_request_lens(2) == [17, 21]
+        assert attention.step_request_lens(5) is None  # more requests than the runner has: none, never a guess
+    finally:
+        attention._prompt_lens.update(tensor=None, runner=None)
+    assert attention.step_request_lens(1) is None
+
+
+def test_block_hashes_carry_the_requests_scale(monkeypatch):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    assert attention.install_block_hash_key()
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    hasher = kv_cache_utils.get_request_block_hasher(16, hash_fn)
+    monkeypatch.setattr(attention, "_engine", {})
+    model = hf.patch(served_llama(), METHOD)
+    attention._engine["config"] = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
+
+    def hashes(prompt, max_tokens):
+        return Request("r", prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher).block_hashes
+
+    tokens = prompts([200], 0)[0]
+    # within L whatever the budget: the native table, shared
+    assert hashes(tokens[:40], 8) == hashes(tokens[:40], 24)
+    # the same prompt with another scale shares no block; the same scale (P + N equal) shares all
+    assert all(a != b for a, b in zip(hashes(tokens[:150], 8), hashes(tokens[:150], 9)))
+    assert hashes(tokens[:150], 8) == hashes(tokens[:150], 8)
+    assert hashes(tokens[:150], 10)[:9] == hashes(tokens[:152], 8)[:9]  # 160 both: the prefix's blocks are shared
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+
+
+def params(max_tokens, prompt_logprobs=True):
+    return dict(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
+                **({"prompt_logprobs": 0} if prompt_logprobs else {}))
+
+
+def batch(requests, seed, prompt_logprobs=True):
+    return {"prompts": prompts([p for p, _ in requests], seed),
+            "params_each": [params(n, prompt_logprobs) for _, n in requests]}
+
+
+def reference(model_for, batch_):
+    """transformers + hf.patch, each request alone, with the static table its scale gives."""
+    out = []
+    for prompt, each in zip(batch_["prompts"], batch_["params_each"]):
+        new = each["max_tokens"]
+        model = model_for(len(prompt) + new)
+        model.generation_config.eos_token_id = None
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            logprobs = model(x).logits[0].double().log_softmax(-1)
+            generated = model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True)
+        tokens = generated.sequences[0, len(prompt):]
+        out.append({"tokens": tokens.tolist(),
+                    "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist(),
+                    "logprobs": [s[0].double().log_softmax(-1)[t].item() for s, t in zip(generated.logits, tokens)]})
+    return out
+
+
+def static_model(length):
+    """The static model of the scale a request of ``length`` planned tokens gets (native within L)."""
+    model = served_llama().eval()
+    if length <= ORIGINAL:
+        return model
+    return hf.patch(model, scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL))
+
+
+@pytest.mark.slow
+def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it(tmp_path):
+    per_request, native = tmp_path / "per_request", tmp_path / "native"
+    hf.patch(served_llama(), METHOD).save_pretrained(per_request)
+    served_llama().save_pretrained(native)
+    mixed = batch(SHORT + LONG, 1)
+    short = {"prompts": mixed["prompts"][:len(SHORT)], "params_each": mixed["params_each"][:len(SHORT)]}
+    prefix = prompts([150], 2)[0]
+    tails = prompts([6, 6], 3)
+    shared = {"prompts": [prefix + tails[0]], "params_each": [params(8, False)]}  # 164: s = 2.56
+    shared_same = {"prompts": [prefix + tails[1]], "params_each": [params(8, False)]}  # the same scale: shares
+    shared_other = {"prompts": [prefix + tails[1]], "params_each": [params(30, False)]}  # 186: another scale
+    crossing = batch([(28, 8), (29, 40), (60, 8), (61, 30), (92, 8), (124, 8), (125, 20), (156, 8)], 4)
+    load = dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=48, max_model_len=SERVED)
+    whole = dict(enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=SERVED, enable_prefix_caching=False,
+                 max_model_len=SERVED)
+    engines = [
+        {"id": "chunked", "path": str(per_request), "options": load,
+         "batches": [mixed, shared, shared_same, shared_other]},
+        {"id": "whole", "path": str(per_request), "options": whole, "batches": [mixed]},
+        {"id": "native", "path": str(native), "options": load, "batches": [short]},
+        # 10 pages of 32 tokens: vLLM preempts and recomputes (the engine core in this process counts it)
+        {"id": "preempted", "path": str(per_request), "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+         "options": dict(load, num_gpu_blocks_override=10, block_size=32), "batches": [crossing]},
+    ]
+    results, log = run_engines(tmp_path, engines, {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                   "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, timeout=1500)
+    by_id = {r["id"]: r for r in results}
+    assert all("batches" in by_id.get(e["id"], {}) for e in engines), log[-6000:]
+    chunked, whole_run = by_id["chunked"]["batches"], by_id["whole"]["batches"]
+    # chunked prefill and prefix caching on, and both off: the same results
+    assert_same(chunked[0], whole_run[0], "chunked + prefix caching vs whole prompts, no prefix caching", atol=1e-6)
+    # a request that fits L: the native model served by the same engine
+    assert_same(chunked[0][:len(SHORT)], by_id["native"]["batches"][0], "short requests vs native", atol=1e-6)
+    # every request: transformers with the static table of its scale
+    assert_same(chunked[0], reference(static_model, mixed), "per-request vs static YaRN at its scale")
+    # pages: the same scale shares the prefix's first 128-token page, another scale shares none
+    assert [r[0]["cached"] for r in chunked[1:]] == [0, 128, 0], [r[0]["cached"] for r in chunked[1:]]
+    assert_same(chunked[3], reference(static_model, shared_other), "the other scale, after the shared prefix")
+    # preemption and recompute keep each request's scale
+    assert by_id["preempted"]["preemptions"] > 0, by_id["preempted"]
+    assert_same(by_id["preempted"]["batches"][0], reference(static_model, crossing), "preempted")
