@@ -338,11 +338,12 @@ _PLANNED = "_ropescale_planned"  # a cache's per-request planned lengths, fixed 
 
 
 @torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _planned_lengths(state: _PatchState, key_positions: torch.Tensor, cache, first_layer: bool) -> torch.Tensor:
+def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache, first_layer: bool) -> torch.Tensor:
     """Each row's planned length under a per-request method (see the module's docstring): fixed at the
     request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
-    forward itself without a cache) as the row's length then plus the tokens it may generate."""
-    current = key_positions.amax(dim=-1) + 1
+    forward itself without a cache) as the row's length then (its largest position + 1: this forward's
+    positions are the latest) plus the tokens it may generate."""
+    current = positions.amax(dim=-1) + 1
     if state.in_request:
         if state.new_tokens is None:
             raise RuntimeError("ropescale: per='request' could not read this generate call's length from "
@@ -427,14 +428,15 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             raise RuntimeError("ropescale: pre-RoPE attention needs position_ids from the model")
         positions = positions.to(torch.int64).expand(query.shape[0], -1)
         key_positions = positions
-        if past_key_values is not None:
-            if state.per_request and self.layer_idx == 0 and past_key_values.get_seq_length() == 0:
+        planned = None
+        if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
+            if past_key_values is not None and self.layer_idx == 0 and past_key_values.get_seq_length() == 0:
                 vars(past_key_values).pop(_PLANNED, None)  # a new request in this cache
+            planned = _planned_lengths(state, positions, past_key_values, self.layer_idx == 0)
+        if past_key_values is not None:
             layer = _pre_rope_layer(past_key_values, self.layer_idx)
             key, value = past_key_values.update(key, value, self.layer_idx, {"positions": positions})
             key_positions = layer.positions
-        planned = (_planned_lengths(state, key_positions, past_key_values, self.layer_idx == 0)
-                   if state.per_request else None)
         groups = _groups(state, key_positions, planned)
         if state.attention == "rerope":
             out = _rerope(self, state, groups, query, key, value, positions, key_positions, attention_mask)

@@ -298,10 +298,11 @@ def step_request_lens(count: int) -> list[int] | None:
     tensor = _prompt_lens.get("tensor")
     if batch is None or tensor is None or tensor.shape[0] < count:
         return None
-    prompts = tensor[:count].tolist()
+    prompts, req_ids = tensor[:count].tolist(), list(batch.req_ids[:count])
+    req_ids += [None] * (count - len(req_ids))  # a dummy or padded request (profiling, graph capture): any table
     lens = []
-    for req_id, prompt in zip(batch.req_ids[:count], prompts):
-        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+    for req_id, prompt in zip(req_ids, prompts):
+        params = getattr(runner.requests.get(req_id), "sampling_params", None) if req_id is not None else None
         lens.append(request_length(prompt, getattr(params, "max_tokens", None) if params is not None else 1))
     return lens
 
@@ -532,10 +533,11 @@ class PreRopeMetadataBuilder(_StepTablesOwner, AttentionMetadataBuilder[PreRopeM
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # A length-dependent method cuts a request with several rows past its prompt (speculative tokens) into one
-        # segment per row, fresh tensors each step: full graphs for single-token decode batches only.
+        # A per-step method cuts a request with several rows past its prompt (speculative tokens) into one segment
+        # per row, fresh tensors each step: full graphs for single-token decode batches only. A per-request method
+        # never cuts (one table per request): uniform batches, as a static table.
         plan = served_plan(vllm_config)
-        if plan is not None and plan.length_dependent:
+        if plan is not None and plan.length_dependent and not plan.per_request:
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return cls._cudagraph_support
 

@@ -127,6 +127,7 @@ def test_a_manual_loop_is_one_request_inside_hf_request_and_refused_outside():
         out = model(x, use_cache=True)  # outside: the prompt's forward is the whole request
         with pytest.raises(ValueError, match=r"row 0 is now at length 13, past its planned 12.*hf.request"):
             model(tokens[:, 12:13], past_key_values=out.past_key_values, use_cache=True)
+        assert out.past_key_values.get_seq_length() == 12  # the refused step left the cache as it was
         # a new request in the same cache object (emptied) starts over: a 12-token prompt, then one step is refused
         # only past 12 again
         out.past_key_values.reset()

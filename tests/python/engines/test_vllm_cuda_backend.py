@@ -47,7 +47,10 @@ WINDOW = 16
 METHODS = {  # ReRoPE over a static table (attention factor != 1: it goes in the scale); a dynamic method
     "rerope_yarn": (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), dict(attention="rerope", window=WINDOW)),
     "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=ORIGINAL), {}),
+    # issue 29: one table per request, at its prompt + max_tokens (BUDGET here)
+    "dynamic_yarn_per_request": (scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"), {}),
 }
+BUDGET = 20  # every request's max_tokens under per="request"
 # One batch of every kind of row: (seq_len, query_len): a whole prompt, a chunk of a longer prompt (past the
 # original length, the window many times), decode rows.
 MIXED = [(40, 40), (150, 30), (41, 1), (97, 1)]
@@ -77,9 +80,27 @@ def serving(models, request):
     plan = attention.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
     attention._plan.clear()
     attention._plan.update(plan=plan)
+    if plan.per_request:  # what install_prompt_lengths records from vLLM's V1 runner; Runner.step fills the prompts
+        attention._prompt_lens.update(runner=FakeV1Runner(), tensor=torch.zeros(MAX_SEQS, dtype=torch.int32))
     with set_current_vllm_config(vllm_config):
         yield model, plan, vllm_config
     attention._plan.clear()
+    attention._prompt_lens.update(runner=None, tensor=None)
+
+
+class FakeV1Runner:
+    """The V1 model runner as ``step_request_lens`` reads it: request ids in batch order, each with its
+    ``sampling_params.max_tokens`` (BUDGET)."""
+
+    def __init__(self):
+        self.input_batch = types.SimpleNamespace(req_ids=[f"r{i}" for i in range(MAX_SEQS)])
+        self.requests = {rid: types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=BUDGET))
+                         for rid in self.input_batch.req_ids}
+
+
+def table_length(plan, seq_len):
+    """The length whose table a request of ``seq_len`` tokens (its prompt: Runner's requests) takes."""
+    return plan.table_length(seq_len, BUDGET) if plan.length_dependent else None
 
 
 def spec():
@@ -125,6 +146,8 @@ class Runner:
         self.query_start_loc[count + 1:] = starts[-1]
         self.seq_lens.zero_(), self.seq_lens_cpu.zero_(), self.block_table.zero_()
         self.seq_lens[:count] = self.seq_lens_cpu[:count] = torch.tensor([n for n, _ in rows])
+        if attention._prompt_lens.get("tensor") is not None:  # per-request plans: each request's prompt
+            attention._prompt_lens["tensor"].copy_(self.seq_lens_cpu)
         free = (torch.randperm(BLOCKS - 1, generator=g) + 1).tolist()
         self.pages, self.keys, self.values = [], [], []
         for r, (n, _) in enumerate(rows):
@@ -169,7 +192,7 @@ class Runner:
         """The paged composite in float64 over the same pages, with the tables ``hf.patch`` gives transformers."""
         state, count = model._ropescale_patch, len(self.rows)
         key_cache, value_cache = attention.split_pages(kv_cache.double())
-        tables = [state.table(n if plan.length_dependent else None, torch.device("cpu")) for n, _ in self.rows]
+        tables = [state.table(table_length(plan, n), torch.device("cpu")) for n, _ in self.rows]
         if plan.length_dependent:
             inv_freq = torch.stack([t for t, _ in tables])
             factors, scale = torch.tensor([f * f for _, f in tables], dtype=torch.float64), HEAD ** -0.5
@@ -202,7 +225,7 @@ def test_cuda_platform_accepts_the_backend_when_custom_is_selected():
     assert reasons(has_sliding_window=True) == ["sliding window not supported"]
 
 
-@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn"], indirect=True)
+@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn", "dynamic_yarn_per_request"], indirect=True)
 def test_builder_and_impl_are_constructed_as_vllm_constructs_them(serving):
     _, plan, vllm_config = serving
     builder = builder_of(attention.PreRopeAttentionBackend, vllm_config)
@@ -219,7 +242,7 @@ def test_builder_and_impl_are_constructed_as_vllm_constructs_them(serving):
 # One step: build, write, attend
 
 
-@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn"], indirect=True)
+@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn", "dynamic_yarn_per_request"], indirect=True)
 def test_cuda_backend_equals_the_cpu_backend_and_the_reference_on_a_mixed_batch(serving):
     model, plan, vllm_config = serving
     runner = Runner()
@@ -249,7 +272,7 @@ class DeviceOnly(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn"], indirect=True)
+@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn", "dynamic_yarn_per_request"], indirect=True)
 def test_a_step_never_reads_the_device_lengths(serving):
     """Lengths come from vLLM's host copy (``seq_lens_cpu_upper_bound``), in build and in the capture path."""
     _, plan, vllm_config = serving
@@ -265,10 +288,11 @@ def test_a_step_never_reads_the_device_lengths(serving):
             if plan.length_dependent:
                 state = serving[0]._ropescale_patch
                 for r, (n, _) in enumerate(rows):
-                    assert torch.equal(metadata.rope_tables.inv_freq[r], state.table(n, torch.device("cpu"))[0])
+                    want = state.table(table_length(plan, n), torch.device("cpu"))[0]
+                    assert torch.equal(metadata.rope_tables.inv_freq[r], want)
 
 
-@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn"], indirect=True)
+@pytest.mark.parametrize("serving", ["rerope_yarn", "dynamic_yarn", "dynamic_yarn_per_request"], indirect=True)
 def test_cuda_graph_capture_then_later_steps_keep_every_address(serving):
     """vLLM captures a uniform decode batch (padded requests included) through ``build_for_cudagraph_capture``;
     a replay runs the captured kernels on the captured addresses, so every tensor the forward reads must be

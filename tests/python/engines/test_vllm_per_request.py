@@ -53,7 +53,8 @@ def test_builders_read_each_requests_planned_length_from_the_v1_runner():
     try:
         assert attention.step_request_lens(3) == [17, 21, 130]
         assert attention.step_request_lens(2) == [17, 21]
-        assert attention.step_request_lens(5) is None  # more requests than the runner has: none, never a guess
+        assert attention.step_request_lens(4) == [17, 21, 130, 1]  # a padded request (graph capture): any table
+        assert attention.step_request_lens(5) is None  # more requests than the step has lengths for: none
     finally:
         attention._prompt_lens.update(tensor=None, runner=None)
     assert attention.step_request_lens(1) is None
@@ -168,3 +169,18 @@ def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it
     # preemption and recompute keep each request's scale
     assert by_id["preempted"]["preemptions"] > 0, by_id["preempted"]
     assert_same(by_id["preempted"]["batches"][0], reference(static_model, crossing), "preempted")
+
+
+def test_cuda_builder_declares_full_graphs_for_uniform_batches():
+    """A per-request method never cuts a request into segments (one table per request, in the builder's persistent
+    buffers): CUDA graphs for uniform batches (speculative verification included), as a static table's."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    def config_of(method):
+        model = hf.patch(served_llama(), method)
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
+
+    support = attention.PreRopeMetadataBuilder.get_cudagraph_support
+    assert support(config_of(METHOD), None) == AttentionCGSupport.UNIFORM_BATCH
+    per_step = scaling.DynamicYaRN(original_max_position=ORIGINAL)
+    assert support(config_of(per_step), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
