@@ -166,6 +166,9 @@ def _cmd_extend(args) -> int:
           + f", max_position_embeddings {config.max_position_embeddings}"
           + (f", model_max_length {served}" if served is not None else "")
           + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")
+    if written.method.per_request:
+        print("  per request: each request runs the static model of the table at its prompt + max new tokens, for its "
+              "whole life (the native model when that fits L)")
     if written.length_free and served is None:
         print(f"  pre-RoPE: its table follows each request's length; to serve it past {max_model_len} tokens, write "
               "it with --max-length N")

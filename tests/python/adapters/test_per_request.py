@@ -221,6 +221,7 @@ def test_extend_writes_per_request_and_refuses_it_for_a_static_method(tmp_path, 
     src, dst = tmp_path / "src", tmp_path / "dst"
     model_of().save_pretrained(src)
     assert cli.main(["extend", str(src), str(dst), "--method", "dynamic_yarn", "--per", "request"]) == 0
+    assert "per request: each request runs the static model" in capsys.readouterr().out
     parsed = config_lib.read_config(transformers.AutoConfig.from_pretrained(dst))
     assert parsed.method == scaling.DynamicYaRN(original_max_position=L, per="request")
     with pytest.raises(SystemExit):
