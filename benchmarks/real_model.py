@@ -146,26 +146,37 @@ class Method:
     attention: str = "sdpa"
     leaky: bool = False
     logn: bool = False
+    # As served (benchmarks/per_request.py): one configuration for every length. ``factor``: a static method's
+    # scale at every length (None: s = max(1, N / L) at the length N measured); ``leaky_k``: Leaky ReRoPE's k at
+    # every length (None: (N - w) / (L - w)); ``per``: Dynamic-YaRN's per="step" or "request"; ``served``: patched
+    # at every length, also where its configuration is the native model's (else that length runs native).
+    factor: float | None = None
+    leaky_k: float | None = None
+    per: str = "step"
+    served: bool = False
 
     def patch_args(self, length: int):
         """(scaling, kwargs) for hf.patch at ``length`` tokens, or None where the method is the native
-        model there; the key says which configurations are the same (run once)."""
-        s = max(1.0, length / TRAINED)
+        model there (never for a ``served`` method); the key says which configurations are the same (run once)."""
+        s = self.factor if self.factor is not None else max(1.0, length / TRAINED)
         method = {
             None: None,
             "linear": scaling.Linear(factor=s),
             "ntk": scaling.NTK(factor=s),
             "yarn": scaling.YaRN(factor=s, original_max_position=TRAINED),
-            "dynamic_yarn": scaling.DynamicYaRN(original_max_position=TRAINED),
+            "dynamic_yarn": scaling.DynamicYaRN(original_max_position=TRAINED, per=self.per),
             "resonance_yarn": scaling.YaRN(factor=s, original_max_position=TRAINED, resonance=True),
         }[self.frequencies]
-        if method is not None and self.frequencies != "resonance_yarn" and s == 1.0:
+        if method is not None and self.frequencies != "resonance_yarn" and s == 1.0 and not self.served:
             method = None  # PI / NTK / YaRN at s = 1, Dynamic-YaRN up to L: the checkpoint's own table
         kwargs = {}
         if self.attention == "rerope":
-            k = max(1.0, (length - WINDOW) / (TRAINED - WINDOW)) if self.leaky else 0.0
+            if not self.leaky:
+                k = 0.0
+            else:
+                k = self.leaky_k if self.leaky_k is not None else max(1.0, (length - WINDOW) / (TRAINED - WINDOW))
             logn = TRAINED if self.logn and length > TRAINED else 0  # log-n scaling is 1 up to L
-            if WINDOW < length and k != 1.0:
+            if self.served or (WINDOW < length and k != 1.0):
                 kwargs = {"attention": "rerope", "window": WINDOW, "leaky_k": k, "logn_length": logn}
         if method is None and not kwargs:
             return None
@@ -353,17 +364,20 @@ def _fmt(value, spec):
     return "" if value is None else format(value, spec)
 
 
+def markdown_grid(title: str, names, lengths, cell) -> list[str]:
+    """The lines of a titled markdown table: a row per method name, a column per length, ``cell(name, length)``."""
+    header = ["| method | " + " | ".join(_k(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    rows = [f"| {name} | " + " | ".join(cell(name, n) for n in lengths) + " |" for name in names]
+    return [f"\n{title}\n", *header, *rows]
+
+
 def tables(rows: list[Row], lengths, passkey_lengths, sliding_lengths, speed_lengths) -> str:
     names = list(dict.fromkeys(r.method for r in rows))
     at = {(r.method, r.length): r for r in rows}
     out = []
 
     def grid(title, lens, cell):
-        out.append(f"\n{title}\n")
-        out.append("| method | " + " | ".join(_k(n) for n in lens) + " |")
-        out.append("|---|" + "---:|" * len(lens))
-        for name in names:
-            out.append(f"| {name} | " + " | ".join(cell(at[(name, n)]) for n in lens) + " |")
+        out.extend(markdown_grid(title, names, lens, lambda name, n: cell(at[(name, n)])))
 
     def same(r, text):
         return text + ("" if r.same_as is None else "=")

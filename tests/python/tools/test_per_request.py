@@ -1,0 +1,115 @@
+"""benchmarks/per_request.py end to end, on a tiny Llama and a character tokenizer (the real checkpoint takes
+minutes at these lengths; real_model.py's own test covers it), with synthetic "novels" in place of the Austen
+package: the tables' shape, the `=` it may print, per request equal to per step on one forward (the identity
+the `=` rests on), and static YaRN s=4 differing from native on short windows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from support import ROOT  # noqa: E402
+from support.tiny_lm import char_tokenizer, tiny_llama  # noqa: E402
+
+from ropescale import realmodel  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = ["512", "1024"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("per_request_bench", ROOT / "benchmarks" / "per_request.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def fake_books():
+    """Six 'novels' of random words, one line each, keyed by title as real_model.austen_books keys them."""
+    rng = random.Random(0)
+    words = "the of and to a in was her it he that she not be his had as with for you at".split()
+    titles = ["PRIDE AND PREJUDICE", "EMMA", "PERSUASION", "MANSFIELD PARK", "NORTHANGER ABBEY",
+              "SENSE AND SENSIBILITY"]
+    return {t: [t.title()] + [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(400)] for t in titles}
+
+
+@pytest.fixture
+def tiny(bench, monkeypatch):
+    tokenizer = char_tokenizer()
+    # sharper attention than the default init (weights x 4), so the rotary tables show in the loss
+    model = tiny_llama(len(tokenizer), max_position=bench.TRAINED, layers=2, attn_implementation="sdpa")
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    monkeypatch.setattr(realmodel, "load_gguf", lambda path=None, **kw: (model, tokenizer))
+    monkeypatch.setattr(bench.real_model, "austen_books", fake_books)
+    return model, tokenizer
+
+
+def test_per_request_script_end_to_end(bench, tiny, capsys, tmp_path):
+    out_json = tmp_path / "r.json"
+    assert bench.main(["--lengths", *LENGTHS, "--windows", "6", "--trials", "1", "--threads", "1",
+                       "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    names = [m.name for m in bench.METHODS.values()]
+    short = [line for line in out.splitlines() if line.startswith("| ") and line.count("|") == 7]
+    assert short[0].startswith("| method | windows | mean loss | difference from native | 95% CI |")
+    assert [line.split(" | ")[0][2:] for line in short[1:]] == names
+    grids = [line for line in out.splitlines() if line.startswith("| ") and line.count("|") == len(LENGTHS) + 2]
+    # perplexity then passkey: a header and a line per row each
+    assert len(grids) == 2 * (1 + len(names)) and grids[0] == grids[len(names) + 1] == "| method | 512 | 1k |"
+    def cells(line):
+        name, *values = line.strip("| ").split(" | ")
+        return name, values
+
+    ppl, passkey = dict(map(cells, grids[1:len(names) + 1])), dict(map(cells, grids[len(names) + 2:]))
+    assert list(ppl) == list(passkey) == names
+    # `=` only on per request's perplexity (per step's forward, copied), at every length; none in the passkey grid
+    marked = {name: all(v.endswith("=") for v in values)
+              for name, values in ppl.items() if any("=" in v for v in values)}
+    assert marked == {"Dynamic-YaRN per request": True}
+    assert ppl["Dynamic-YaRN per request"] == [v + "=" for v in ppl["Dynamic-YaRN per step"]]
+    assert not any("=" in v for values in passkey.values() for v in values)
+
+    saved = json.loads(out_json.read_text())
+    loss, summary = saved["short"]["loss"], {s["method"]: s for s in saved["short"]["summary"]}
+    assert len(saved["short"]["windows"]) == 6 and all(512 <= w["length"] <= 2048 for w in saved["short"]["windows"])
+    assert {w["book"] for w in saved["short"]["windows"]} == {"PRIDE AND PREJUDICE", "EMMA", "PERSUASION"}
+    # one forward is a whole request with N = 0: per request IS per step, window by window
+    assert loss["Dynamic-YaRN per request"] == loss["Dynamic-YaRN per step"]
+    # below L the dynamic rows and ReRoPE (every distance < w) are native up to float noise: measured, not assumed
+    for name in names[2:]:
+        assert summary[name]["largest"] < 1e-4, (name, summary[name])
+    assert summary["native"]["difference"] == 0.0 and summary["native"]["half_ci"] == 0.0
+    # static YaRN s=4 is not native at short prompts
+    yarn = summary["YaRN s=4"]
+    assert abs(yarn["difference"]) > 100 * max(summary[name]["largest"] for name in names[2:])
+    cells = {(c["method"], c["length"]): c for c in saved["long"]}
+    assert len(cells) == len(names) * len(LENGTHS)
+    assert all(len(c["passkey_trials"]) == 1 and c["passkey"] in (0.0, 1.0) for c in cells.values())
+
+
+def test_per_request_perplexity_is_per_steps_forward(bench, tiny):
+    # What the `=` copies: run both forwards (reuse=False) and they are the same to the bit, also past L = 8192
+    # where the table is YaRN's at s = 9000 / 8192 (and native's table is not).
+    model, tokenizer = tiny
+    cells = bench.long_cells(model, tokenizer, ["native", "dynamic_step", "dynamic_request"], [1024, 9000], trials=0,
+                             reuse=False)
+    native = [c.perplexity for c in cells if c.method == "native"]
+    step = [c.perplexity for c in cells if c.method == "Dynamic-YaRN per step"]
+    request = [c.perplexity for c in cells if c.method == "Dynamic-YaRN per request"]
+    assert step == request and all(c.perplexity_same_as is None for c in cells)
+    assert step[0] == pytest.approx(native[0], rel=1e-5) and step[1] != pytest.approx(native[1], rel=1e-4)
