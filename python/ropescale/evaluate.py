@@ -95,7 +95,9 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, eos_
 def _request(model: torch.nn.Module, max_new_tokens: int):
     """The forwards of one greedy continuation as one request (``ropescale.hf.request``: a per-request method
     keeps one scale for it) on a model ``ropescale.hf.patch`` patched; nothing on any other model."""
-    state = getattr(model, "_ropescale_patch", None)
+    modules = model.modules() if isinstance(model, torch.nn.Module) else [model]
+    # the patched model, or one a wrapper holds (a timer, PEFT)
+    state = next((m._ropescale_patch for m in modules if getattr(m, "_ropescale_patch", None) is not None), None)
     return state.request(max_new_tokens) if state is not None else contextlib.nullcontext()
 
 

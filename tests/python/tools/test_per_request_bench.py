@@ -77,12 +77,12 @@ def test_per_request_script_end_to_end(bench, tiny, capsys, tmp_path):
 
     ppl, passkey = dict(map(cells, grids[1:len(names) + 1])), dict(map(cells, grids[len(names) + 2:]))
     assert list(ppl) == list(passkey) == names
-    # `=` only on per request's perplexity (per step's forward, copied), at every length; none in the passkey grid
-    marked = {name: all(v.endswith("=") for v in values)
-              for name, values in ppl.items() if any("=" in v for v in values)}
-    assert marked == {"Dynamic-YaRN per request": True}
-    assert ppl["Dynamic-YaRN per request"] == [v + "=" for v in ppl["Dynamic-YaRN per step"]]
-    assert not any("=" in v for values in passkey.values() for v in values)
+    # `=` only on per request's row (per step's forward, copied): perplexity at every length, passkey up to L
+    for grid in (ppl, passkey):
+        marked = {name: all(v.endswith("=") for v in values)
+                  for name, values in grid.items() if any("=" in v for v in values)}
+        assert marked == {"Dynamic-YaRN per request": True}
+        assert grid["Dynamic-YaRN per request"] == [v + "=" for v in grid["Dynamic-YaRN per step"]]
 
     saved = json.loads(out_json.read_text())
     loss, summary = saved["short"]["loss"], {s["method"]: s for s in saved["short"]["summary"]}
@@ -108,8 +108,27 @@ def test_per_request_perplexity_is_per_steps_forward(bench, tiny):
     model, tokenizer = tiny
     cells = bench.long_cells(model, tokenizer, ["native", "dynamic_step", "dynamic_request"], [1024, 9000], trials=0,
                              reuse=False)
+    # and the passkey up to L: both rows run the same tables at every step, the same answers
+    small = bench.long_cells(model, tokenizer, ["dynamic_step", "dynamic_request"], [1024], trials=1, reuse=False)
+    assert small[0].passkey_trials == small[1].passkey_trials and small[1].passkey_same_as is None
     native = [c.perplexity for c in cells if c.method == "native"]
     step = [c.perplexity for c in cells if c.method == "Dynamic-YaRN per step"]
     request = [c.perplexity for c in cells if c.method == "Dynamic-YaRN per request"]
     assert step == request and all(c.perplexity_same_as is None for c in cells)
     assert step[0] == pytest.approx(native[0], rel=1e-5) and step[1] != pytest.approx(native[1], rel=1e-4)
+
+
+def test_budget_options_run_fewer_cells_and_say_so(bench, tiny, capsys, tmp_path):
+    out_json = tmp_path / "r.json"
+    assert bench.main(["--lengths", *LENGTHS, "--windows", "5", "--short-lengths", "512", "700", "--check-windows", "2",
+                       "--trials", "1", "--passkey-lengths", "1024", "--passkey-methods", "yarn4", "--threads", "1",
+                       "--json", str(out_json)]) == 0
+    saved = json.loads(out_json.read_text())
+    counts = {s["method"]: s["windows"] for s in saved["short"]["summary"]}
+    assert counts == {"native": 5, "YaRN s=4": 5, **{bench.METHODS[k].name: 2 for k in bench.NATIVE_WHEN_SHORT}}
+    assert all(512 <= w["length"] <= 700 for w in saved["short"]["windows"])
+    ran = {(c["method"], c["length"]) for c in saved["long"] if c["passkey"] is not None}
+    assert ran == {("YaRN s=4", 1024)}
+    assert "| native | - | - |" in capsys.readouterr().out  # its passkey row: not run, and said so
+    with pytest.raises(SystemExit):  # those rows are native only while every window is within w and L
+        bench.main(["--lengths", "512", "--windows", "2", "--short-lengths", "512", "4096", "--check-windows", "1"])
