@@ -318,11 +318,17 @@ class VllmServer:
                 if not isinstance(error, subprocess.TimeoutExpired):
                     raise
         self.returncode = process.returncode
-        try:  # an engine process its server left behind (the session is the one started above)
+        for _ in range(150):  # its helpers (engine core, resource tracker) finish their own shutdown: up to 15 s
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:  # still there: killed (the session is the one started above)
+            survivors = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(process.pid)], capture_output=True,
+                                       text=True).stdout.strip()
             os.killpg(process.pid, signal.SIGKILL)
-            log(f"server {self.name}: a process of its session outlived it, killed")
-        except ProcessLookupError:
-            pass
+            log(f"server {self.name}: processes of its session still up 15 s after it exited, killed:\n{survivors}")
         if self.returncode != 0:
             log(f"server {self.name} exited with {self.returncode}; log {self.log_path}")
 
