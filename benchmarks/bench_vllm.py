@@ -127,17 +127,24 @@ def parse_args(argv=None):
     return args
 
 
-def checkpoints(workdir: Path, names) -> dict[str, Path]:
-    """SmolLM2 written with each method (hf.patch + save_pretrained), converted from the GGUF once."""
+def checkpoints(workdir: Path, names, methods=None, *, tokenizer: bool = False) -> dict[str, Path]:
+    """SmolLM2 written with each method (hf.patch + save_pretrained), converted from the GGUF once.
+
+    ``methods``: name -> (scaling method or None, hf.patch keyword arguments), default :func:`_methods`;
+    ``tokenizer``: save the tokenizer beside each (an OpenAI-compatible server needs one to detokenize)."""
+    methods = _methods() if methods is None else methods
     paths = {name: workdir / name for name in names}
-    missing = [name for name, path in paths.items() if not (path / "config.json").is_file()]
+    missing = [name for name, path in paths.items() if not (path / "config.json").is_file()
+               or tokenizer and not (path / "tokenizer_config.json").is_file()]
     if missing:
         from ropescale import hf, realmodel
 
-        model = realmodel.dequantised(realmodel.load_gguf()[0])
-        methods = _methods()
+        gguf_model, gguf_tokenizer = realmodel.load_gguf()
+        model = realmodel.dequantised(gguf_model)
         for name in missing:
             method, kwargs = methods[name]
+            if tokenizer:
+                gguf_tokenizer.save_pretrained(paths[name])
             if method is None and not kwargs:
                 model.save_pretrained(paths[name])
                 continue
