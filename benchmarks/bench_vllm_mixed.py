@@ -33,9 +33,12 @@ sent to the last answer (--repeats R: R loaded runs, the median). Then the same 
 the servers --solo names (default: the per-request one), before that server is stopped.
 
 Checks (the per-request server; "reference" rows are measurements that pass or fail nothing):
-  load = solo    every request under load equals its solo run: tokens equal, logprobs within 1e-5 (--solo native
-                 yarn adds the same comparison for stock vLLM's servers, as references: its own batch variance)
-  short = native every short request (P + N <= L) equals the native server's: tokens equal, logprobs within 1e-5
+  load = solo    every request under load equals its solo run: tokens equal, logprobs within 1e-5, or within twice
+                 stock vLLM's own load/solo difference on the same requests where it was measured (--solo native
+                 yarn: references; float32 batched on a CPU moves logprobs by ~1e-5 on this model, the linear
+                 layers adding in another order for another batch)
+  short = native every short request (P + N <= L) equals the native server's: tokens equal, logprobs within the
+                 same tolerance (two attention implementations: ropescale's pre-RoPE backend and vLLM's own)
   long = hf      --check-long K long requests (the shortest and the longest first, then spread; default 2) against
                  transformers + ropescale.hf.patch(model, YaRN(factor=(P+N)/L, original_max_position=L)) run alone
                  on the native checkpoint: one forward over the prompt and the served tokens (teacher forcing: the
@@ -437,6 +440,14 @@ def compare(name: str, ours: Output, ref: Output, tol: float) -> dict:
             if same == len(ours.tokens) else same, "max_gen_diff": gen, "max_prompt_diff": prompt}
 
 
+def engine_tolerance(references: list[dict]) -> float:
+    """SAME_TOL, or twice the largest logprob difference stock vLLM's own reference checks measured (summarise's
+    dicts; a difference not measured, None or NaN, counts for nothing)."""
+    measured = [d for c in references for d in (c.get("max_gen_diff"), c.get("max_prompt_diff"))
+                if d is not None and math.isfinite(d)]
+    return max([SAME_TOL] + [2 * d for d in measured])
+
+
 def long_picks(requests: list[Request], k: int) -> list[Request]:
     """k long requests: the shortest and the longest, then spread evenly between them."""
     longs = sorted((r for r in requests if r.kind == "long"), key=lambda r: r.planned)
@@ -648,16 +659,27 @@ def main(argv=None) -> int:
                               "log": str(server.log_path), "exit": server.returncode}
 
     checks = []
-    for name in args.servers:
-        if f"{name}/solo" in outputs:
-            checks.append(summarise(f"{title(args, name)}: load = solo",
-                                    [compare(r.name, outputs[name][r.name], outputs[f"{name}/solo"][r.name], SAME_TOL)
-                                     for r in requests], SAME_TOL, reference=name != "per_request"))
-    if "per_request" in outputs and "native" in outputs and short:
-        checks.append(summarise("short (P+N <= L): per-request = native server",
-                                [compare(r.name, outputs["per_request"][r.name], outputs["native"][r.name], SAME_TOL)
-                                 for r in short], SAME_TOL))
+    # Stock vLLM's own load/solo variance first: float32 batched on a CPU moves logprobs (the linear layers add
+    # in another order for another batch), so the per-request server is held to max(SAME_TOL, twice what stock vLLM
+    # does on the same requests) where a reference was run (--solo native yarn): the project's rule, precision
+    # judged against the engine's own error, never a looser constant.
+    stock_solo = [summarise(f"{title(args, name)}: load = solo",
+                            [compare(r.name, outputs[name][r.name], outputs[f"{name}/solo"][r.name], SAME_TOL)
+                             for r in requests], SAME_TOL, reference=True)
+                  for name in args.servers if name != "per_request" and f"{name}/solo" in outputs]
+    checks += stock_solo
+    solo_tol = engine_tolerance(stock_solo)
+    if "per_request/solo" in outputs:
+        checks.append(summarise(f"{title(args, 'per_request')}: load = solo",
+                                [compare(r.name, outputs["per_request"][r.name], outputs["per_request/solo"][r.name],
+                                         solo_tol) for r in requests], solo_tol))
     short_picks = sorted(short, key=lambda r: r.planned)[::-1][:args.check_short]
+    if "per_request" in outputs and "native" in outputs and short:
+        # two engines' attention (ropescale's pre-RoPE backend, vLLM's own): held to SAME_TOL, or twice the larger of
+        # the two stock servers' load/solo variance where that was measured
+        checks.append(summarise("short (P+N <= L): per-request = native server",
+                                [compare(r.name, outputs["per_request"][r.name], outputs["native"][r.name], solo_tol)
+                                 for r in short], solo_tol))
     long_checked = long_picks(requests, args.check_long) if "per_request" in outputs else []
     reference = None
     if short_picks and ("per_request" in outputs or "native" in outputs) or long_checked:
