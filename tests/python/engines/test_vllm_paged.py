@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
+from support.vllm_testing import (HEAD, ORIGINAL, assert_same, require_vllm, served_llama,  # noqa: E402
+                                  transformers_request)
 
 require_vllm()
 
@@ -344,19 +345,7 @@ def reference(path, batch):
     """transformers + ropescale (``hf.patch`` on the reload) on the saved checkpoint, one prompt at a time."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.patch(model)
-    model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: exactly NEW_TOKENS tokens
-    out = []
-    for prompt in batch:
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            logprobs = model(x).logits[0].double().log_softmax(-1)
-            generated = model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                       output_logits=True, return_dict_in_generate=True)
-        tokens = generated.sequences[0, len(prompt):]
-        out.append({"tokens": tokens.tolist(),
-                    "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist(),
-                    "logprobs": [step[0].double().log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens)]})
-    return out
+    return [transformers_request(model, prompt, NEW_TOKENS) for prompt in batch]
 
 
 LONG = [SERVED - NEW_TOKENS - 3, 37]  # past L (64) and many windows; and a short one

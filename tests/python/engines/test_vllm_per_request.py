@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
+from support.vllm_testing import (ORIGINAL, assert_same, require_vllm, served_llama,  # noqa: E402
+                                  transformers_request)
 
 require_vllm()
 
@@ -102,21 +103,8 @@ def batch(requests, seed, prompt_logprobs=True):
 
 def reference(model_for, batch_):
     """transformers + hf.patch, each request alone, with the static table its scale gives."""
-    out = []
-    for prompt, each in zip(batch_["prompts"], batch_["params_each"]):
-        new = each["max_tokens"]
-        model = model_for(len(prompt) + new)
-        model.generation_config.eos_token_id = None
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            logprobs = model(x).logits[0].double().log_softmax(-1)
-            generated = model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
-                                       return_dict_in_generate=True)
-        tokens = generated.sequences[0, len(prompt):]
-        out.append({"tokens": tokens.tolist(),
-                    "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist(),
-                    "logprobs": [s[0].double().log_softmax(-1)[t].item() for s, t in zip(generated.logits, tokens)]})
-    return out
+    return [transformers_request(model_for(len(prompt) + each["max_tokens"]), prompt, each["max_tokens"])
+            for prompt, each in zip(batch_["prompts"], batch_["params_each"])]
 
 
 def static_model(length):

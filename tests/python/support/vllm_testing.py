@@ -52,3 +52,18 @@ def assert_same(served, expected, what, atol=1e-5):
             want_lp = torch.tensor(want_lp, dtype=torch.float64)
             torch.testing.assert_close(got_lp, want_lp, atol=atol, rtol=1e-6, msg=(
                 f"{what}, request {i}, {name} logprobs: max |diff| {(got_lp - want_lp).abs().max():.2e}"))
+
+
+def transformers_request(model, prompt: list[int], new_tokens: int) -> dict:
+    """One request as vLLM's engine runner reports it (support/vllm_engine.py), computed by transformers alone: the
+    greedy tokens, the prompt logprobs (one forward over the prompt) and the generated tokens' logprobs."""
+    model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: exactly new_tokens tokens
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        logprobs = model(x).logits[0].double().log_softmax(-1)
+        generated = model.generate(x, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_logits=True,
+                                   return_dict_in_generate=True)
+    tokens = generated.sequences[0, len(prompt):]
+    return {"tokens": tokens.tolist(),
+            "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist(),
+            "logprobs": [step[0].double().log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens)]}
