@@ -311,14 +311,35 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
     return RopeConfig(method, base, recorded=method_params is not None)
 
 
-def base_of(config) -> float:
-    """The RoPE base of a transformers-style config before any method: ``rope_theta``, or the base an
-    NTK-aware method recorded in the ``ropescale`` entry scaled it from."""
+def layer_type_parameters(config, layer_type: str | None = None) -> Mapping[str, Any]:
+    """The ``rope_parameters`` of one layer type (a per-layer-type config such as Gemma 3's keys them by
+    ``config.layer_types``), or the config's one dict when ``layer_type`` is None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is None:
+        return params
+    if layer_type not in params or not isinstance(params[layer_type], Mapping):
+        raise ValueError(f"rope_parameters has no entry for layer type {layer_type!r} (it has {sorted(params)})")
+    return params[layer_type]
+
+
+def per_layer_type(config) -> bool:
+    """Whether ``config.rope_parameters`` is keyed by layer type (Gemma 3: ``{"full_attention": {...},
+    "sliding_attention": {...}}``) rather than one dict for every layer."""
+    params = getattr(config, "rope_parameters", None)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    return (isinstance(params, Mapping) and bool(params) and "rope_type" not in params
+            and set(params) <= layer_types | {"full_attention", "sliding_attention"})
+
+
+def base_of(config, layer_type: str | None = None) -> float:
+    """The RoPE base of a transformers-style config (of one layer type's parameters, for a per-layer-type
+    config) before any method: ``rope_theta``, or the base an NTK-aware method recorded in the ``ropescale``
+    entry scaled it from."""
     entry = getattr(config, CONFIG_KEY, None)
     recorded = entry.get(METHOD_KEY) if isinstance(entry, Mapping) else None
     if isinstance(recorded, Mapping) and "rope_theta" in recorded:
         return float(recorded["rope_theta"])
-    return float(config.rope_parameters.get("rope_theta", 10000.0))
+    return float(layer_type_parameters(config, layer_type).get("rope_theta", 10000.0))
 
 
 def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
@@ -328,9 +349,9 @@ def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> i
     return int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
 
 
-def read_config(config) -> RopeConfig:
-    """:func:`read` on a transformers-style config object (``rope_parameters``, ``max_position_embeddings``
-    and the ``ropescale`` attribute)."""
-    params = getattr(config, "rope_parameters", None)
+def read_config(config, layer_type: str | None = None) -> RopeConfig:
+    """:func:`read` on a transformers-style config object (``rope_parameters``, of ``layer_type`` for a
+    per-layer-type config, ``max_position_embeddings`` and the ``ropescale`` attribute)."""
+    params = layer_type_parameters(config, layer_type) if layer_type is not None else getattr(config, "rope_parameters", None)
     return read(params, getattr(config, "max_position_embeddings", None), getattr(config, CONFIG_KEY, None),
                 rotary_dim_of(config, params or {}))

@@ -705,9 +705,14 @@ class LongRoPE(RopeScaling):
         return params
 
 
+#: Keys of a model family's rope LAYOUT, not of its method (partial rotary; Qwen-VL's multimodal sections, plain
+#: or interleaved; Ministral 3's position-dependent query temperature): every type may carry them, and a patch
+#: keeps them when it writes another method.
+LAYOUT_KEYS = frozenset({"partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta"})
+
 # Keys every type may carry that are not scaling parameters: the caller passes base and rotary dim
 # to inv_freq(); ``resonance: true`` is the same as the ``resonance_`` prefix.
-_COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor", "resonance"})
+_COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "resonance"}) | LAYOUT_KEYS
 
 
 def _number(value):

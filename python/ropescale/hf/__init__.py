@@ -8,10 +8,10 @@ Supported transformers: 5.x (CI tests 5.23.0).
 
 from . import checkpoint
 from .cache import PreRopeCache
-from .patch import SUPPORTED_ATTENTION, is_patched, patch, request, unpatch
+from .patch import SUPPORTED_ARCHITECTURES, is_patched, patch, request, unpatch
 from .rope_types import ROPESCALE_ROPE_TYPES, register_rope_types
 
 register_rope_types()
 
-__all__ = ["patch", "unpatch", "is_patched", "request", "PreRopeCache", "SUPPORTED_ATTENTION", "ROPESCALE_ROPE_TYPES",
+__all__ = ["patch", "unpatch", "is_patched", "request", "PreRopeCache", "SUPPORTED_ARCHITECTURES", "ROPESCALE_ROPE_TYPES",
            "register_rope_types", "checkpoint"]

@@ -32,6 +32,9 @@ class PreRopeLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         self._store: _TokenStore | None = None
+        # the positions of the step a patched model is running (set by its rotary module before any layer caches
+        # a key), for an ``update`` that passes none: the model's own attention forward
+        self.pending_positions: torch.Tensor | None = None
         super().__init__(**kwargs)
 
     # CacheLayerMixin.__init__ sets keys/values to None; nothing else may assign them.
@@ -73,6 +76,8 @@ class PreRopeLayer(DynamicLayer):
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, **kwargs):
         positions = (cache_kwargs or {}).get("positions")
+        if positions is None:
+            positions = self.pending_positions
         if positions is None:
             raise RuntimeError(
                 "PreRopeCache stores un-rotated keys with their positions: use it with a model patched by "

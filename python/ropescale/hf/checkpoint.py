@@ -42,9 +42,10 @@ def restore(config, saved: dict[str, Any]) -> None:
             setattr(config, name, copy.deepcopy(value))
 
 
-def saved_attention(config) -> dict[str, Any] | None:
-    """The attention side recorded in ``config`` (None when there is none), checked."""
-    params = getattr(config, "rope_parameters", None)
+def saved_attention(config, layer_type: str | None = None) -> dict[str, Any] | None:
+    """The attention side recorded in ``config`` (None when there is none), checked. ``layer_type``: the
+    extended layer type of a per-layer-type config."""
+    params = config_lib.layer_type_parameters(config, layer_type) if layer_type else getattr(config, "rope_parameters", None)
     _, rerope = table_parameters(params)
     rope_type = (params or {}).get("rope_type", "default")
     try:
@@ -57,7 +58,8 @@ def saved_attention(config) -> dict[str, Any] | None:
 
 
 def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", window: int | None = None,
-           leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None) -> None:
+           leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None,
+           layer_types: tuple[str, ...] | None = None) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
     marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
     vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
@@ -66,8 +68,13 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
     ``model_max_length`` so that vLLM derives it as ``max_model_len`` (``ropescale.config``); the table keeps
     the original length. Refused for a static table (set for its own length: ``factor x original``).
     Without it, a new method drops a served length the config had (the method's own length holds), and
-    ``method=None`` keeps it while the checkpoint stays pre-RoPE."""
-    old = dict(config.rope_parameters)
+    ``method=None`` keeps it while the checkpoint stays pre-RoPE.
+
+    ``layer_types``: a per-layer-type config (Gemma 3) gets the method in those layer types' parameters only
+    (they must share their base and rotary dim); the others keep theirs, and so the config says which layers
+    the method extends."""
+    layer_type = layer_types[0] if layer_types else None
+    old = dict(config_lib.layer_type_parameters(config, layer_type))
     rerope = attention == "rerope"
     length, original = config.max_position_embeddings, None
     if method is None:
@@ -78,7 +85,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
         if saved_method is not None:  # the table is the recorded NTK-aware one: keep what names it
             entry = {**(entry or {}), METHOD_KEY: saved_method}
     else:
-        base, rotary_dim = config_lib.base_of(config), config_lib.rotary_dim_of(config, old)
+        base, rotary_dim = config_lib.base_of(config, layer_type), config_lib.rotary_dim_of(config, old)
         if target == "vllm" and attention == "sdpa":
             written = config_lib.write_longrope(method, base, rotary_dim, config.max_position_embeddings)
             if "partial_rotary_factor" in old:
@@ -88,6 +95,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
                 method, base, rotary_dim, config.max_position_embeddings, attention=attention, window=window,
                 leaky_k=leaky_k, logn_length=logn_length, partial_rotary_factor=old.get("partial_rotary_factor"))
         params, entry, length = written.rope_parameters, written.entry, written.max_position_embeddings
+        params.update({key: old[key] for key in scaling.LAYOUT_KEYS if key in old and key not in params})
         original = getattr(method, "original_max_position", None)
     served = _served_length(config, params, entry, length, method is None, max_length)
     config.max_position_embeddings = length
@@ -99,7 +107,10 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
             delattr(config, config_lib.SERVED_LENGTH_KEY)
     else:
         setattr(config, config_lib.SERVED_LENGTH_KEY, served)
-    config.rope_parameters = params
+    if layer_types:
+        config.rope_parameters = {**config.rope_parameters, **{t: copy.deepcopy(params) for t in layer_types}}
+    else:
+        config.rope_parameters = params
     if entry is None:
         if CONFIG_KEY in config.__dict__:
             delattr(config, CONFIG_KEY)

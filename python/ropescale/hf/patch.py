@@ -1,35 +1,46 @@
-"""``patch(model, scaling)``: one line turns a Llama-family model into YaRN, Resonance, Dynamic or ReRoPE.
+"""``patch(model, scaling)``: one line turns a transformers model into YaRN, Resonance, Dynamic or ReRoPE.
 
-What changes (per model instance, undone by ``unpatch``):
-- the rotary module's forward: cos/sin from ropescale's table for the method, with angles computed
-  in double precision (accurate at long positions), times the method's attention factor;
-- every attention module's forward:
-  * static methods with ``attention="sdpa"``: q and k rotated by the fused ``apply_rotary_qk`` kernel,
-    then the model's own attention function (SDPA, eager, ...) and cache, as before;
-  * dynamic methods (Dynamic NTK, Dynamic YaRN), a ``PreRopeCache``, or ``attention="rerope"``: keys are
-    cached BEFORE rotation with their positions, and rotated at attention time with the table for the
-    current length (largest position + 1), which keeps every key's ROTATION exact at every decoding
-    step when the table changes (the whole model is exact for one layer only: deeper layers' cached
-    keys and values were computed under an earlier scale); ReRoPE runs ``rerope_attention`` on the
-    un-rotated q/k. In a batch each row gets the table of ITS OWN length (its largest position + 1):
-    rows are grouped by length and each group is rotated with its table, so a short prompt batched
-    with a long one (left padding) gets the same scale as alone.
+The families it knows, and what each one's layers can take, are declared in ``ropescale.hf.architectures``.
+It works through transformers' own extension points (no re-implemented attention forward); what changes,
+per model instance, undone by ``unpatch``:
+
+- the rotary module: for a static method, cos/sin from ropescale's table times the method's attention factor
+  (in transformers' Llama layout ropescale computes them, angles in double precision, accurate at long
+  positions; other layouts (multimodal sections, half width) run the model's own forward with ropescale's
+  table in its buffers); for a pre-RoPE method, the identity rotation, so the model's own attention forward
+  caches raw keys. A per-layer-type config (Gemma 3) extends the layer types named (its full-attention layers by
+  default); the other layers keep their own rope, untouched;
+- the attention implementation (``AttentionInterface``): ``config._attn_implementation`` X becomes
+  ``ropescale_X``, which calls X unchanged for a static method and, for a pre-RoPE method (dynamic methods,
+  a ``PreRopeCache``, ``attention="rerope"``):
+
+  * rotates q and every cached key at attention time with the table for the current length (largest position
+    + 1), which keeps every key's ROTATION exact at every decoding step when the table changes (the whole
+    model is exact for one layer only: deeper layers' cached keys and values were computed under an earlier
+    scale), then calls X (sinks, soft-capping and the rest of X's arguments pass through); ReRoPE runs
+    ``rerope_attention`` on the un-rotated q/k. In a batch each row gets the table of ITS OWN length: rows
+    are grouped by length and each group is rotated with its table, so a short prompt batched with a long one
+    (left padding) gets the same scale as alone;
   * a dynamic method with ``per="request"``: each row takes, in every layer and step, the table of its
     request's planned length, fixed at its first forward: the prompt (the row's largest position + 1) plus
     the tokens it may generate (``generate``'s ``max_new_tokens``, or its ``max_length`` less the input; a
     manual loop states it with :class:`request`; a forward outside both is a whole request). So a request
     runs the static model of its scale from first token to last (the whole model exact), a request that
-    fits the trained length runs the native model, and a batched row equals its solo run.
+    fits the trained length runs the native model, and a batched row equals its solo run;
   * ReRoPE reads padding from the attention mask of every mask format transformers builds for
     ``eager``, ``sdpa``, ``flex_attention`` (a BlockMask) and ``flash_attention_*`` (the 2-D mask);
-    other implementations (paged, custom ones) are refused with a clear error.
+    other implementations (paged, custom ones) are refused with a clear error;
   * length-dependent tables (dynamic methods) pick the table from the current length, a value read
     off the data: ``torch.compile(model)`` breaks the graph there and works; ``fullgraph=True`` fails
-    with ropescale's message saying so (use a static method such as ``scaling.YaRN`` for a full graph).
+    with ropescale's message saying so (use a static method such as ``scaling.YaRN`` for a full graph);
+- the base model's forward (a pre-hook): for a pre-RoPE method the cache's layers of extended attention layers
+  become :class:`PreRopeLayer` (keys with their positions); transformers' ``DynamicCache`` (what ``generate``
+  and ``use_cache=True`` make) is converted while empty, so a patched model needs no special cache argument.
 
 What is recorded (in ``model.config``, so ``save_pretrained`` writes it; see ``ropescale.hf.checkpoint``):
-the method as ``rope_parameters``, ``max_position_embeddings`` for it, and for ReRoPE the attention
-side. ``unpatch`` restores the config exactly; ``patch(model)`` on a reloaded model re-applies it.
+the method as ``rope_parameters`` (of the extended layer types, for a per-layer-type config),
+``max_position_embeddings`` for it, and for ReRoPE the attention side. ``unpatch`` restores the config
+exactly; ``patch(model)`` on a reloaded model re-applies it.
 
 Patching a model twice raises an error; ``unpatch`` first to change the method.
 """
@@ -37,29 +48,25 @@ Patching a model twice raises an error; ``unpatch`` first to change the method.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 import types
 from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from torch.nn.attention.flex_attention import BlockMask
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .. import config as config_lib, ops, scaling as scaling_lib, serving
-from . import checkpoint
+from . import architectures, checkpoint
 from .cache import PreRopeCache, PreRopeLayer
-from .rope_types import rotary_dim_of
 
-# Attention classes whose forward ropescale re-implements (they share one code path: projections,
-# optional per-head q/k RMSNorm (Qwen3), rotation, cache, attention function, o_proj).
-SUPPORTED_ATTENTION = {
-    "LlamaAttention": "Llama",
-    "MistralAttention": "Mistral",
-    "Qwen2Attention": "Qwen2",
-    "Qwen3Attention": "Qwen3",
-}
+#: The families ``patch`` knows (``ropescale.hf.architectures``), by name.
+SUPPORTED_ARCHITECTURES = tuple(arch.name for arch in architectures.ARCHITECTURES)
 
 # rerope_attention never attends a key at a negative position: how padding keys are masked out.
 _PADDING_POSITION = -1
@@ -68,6 +75,9 @@ _PADDING_POSITION = -1
 # 4-D masks of eager and sdpa, flex's BlockMask, and the 2-D padding mask flash attention gets.
 REROPE_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
                           "flash_attention_4")
+
+# ``config._attn_implementation`` X of a patched model is ``ropescale_X`` (registered on first use).
+_WRAPPED = "ropescale_"
 
 
 @dataclasses.dataclass
@@ -79,21 +89,35 @@ class _PatchState:
     logn_length: int
     rotary_dim: int
     base: float
+    architecture: architectures.Architecture
     rotary_modules: list[nn.Module]
     attention_modules: list[nn.Module]
+    base_model: nn.Module
+    layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
     config: Any = None
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
+    saved_buffers: list = dataclasses.field(default_factory=list)  # (module, name, value) unpatch puts back
+    saved_implementations: list = dataclasses.field(default_factory=list)  # (config, X) unpatch puts back
+    hooks: list = dataclasses.field(default_factory=list)
     tables: serving.TableCache | None = None
     # per="request": whether a ``generate`` / ``request`` is open, the tokens each of its rows may generate (a
     # generate call's arrives when transformers has resolved its length), the planned lengths its first forward fixed
     in_request: bool = False
     new_tokens: int | None = None
     planned: torch.Tensor | None = None
+    # this forward (set by the base model's pre-hook and the rotary module, cleared after it): whether it runs
+    # pre-RoPE, its cache, its positions and (per request) its planned lengths
+    step_pre_rope: bool = False
+    step_cache: Any = None
+    step_positions: torch.Tensor | None = None
+    step_planned: torch.Tensor | None = None
 
     def __post_init__(self):
         window = self.window if self.attention == "rerope" else serving.NO_WINDOW
         self.tables = serving.TableCache(serving.PreRopePlan(self.method, self.base, self.rotary_dim, window,
                                                              self.leaky_k, self.logn_length))
+        self.step_pre_rope = self.pre_rope
+        self.extended_layers = [m.layer_idx for m in self.attention_modules if self.extends(m)]
 
     @property
     def pre_rope(self) -> bool:
@@ -109,6 +133,10 @@ class _PatchState:
     def per_request(self) -> bool:
         return self.tables.plan.per_request
 
+    def extends(self, module: nn.Module) -> bool:
+        """Whether the method applies to this attention module (every layer, or its layer type's)."""
+        return self.layer_types is None or _layer_type(module) in self.layer_types
+
     def request(self, max_new_tokens: int) -> "_Request":
         """The context of one request per row that may generate ``max_new_tokens`` (:func:`request`)."""
         return _Request(self, max_new_tokens)
@@ -118,9 +146,9 @@ class _PatchState:
         return self.tables.table(seq_len, device)
 
 
-def _as_method(scaling, config) -> scaling_lib.RopeScaling:
+def _as_method(scaling, config, layer_type: str | None) -> scaling_lib.RopeScaling:
     if scaling is None:
-        return config_lib.read_config(config).method
+        return config_lib.read_config(config, layer_type).method
     if isinstance(scaling, scaling_lib.RopeScaling):
         return scaling
     if isinstance(scaling, Mapping):
@@ -128,16 +156,56 @@ def _as_method(scaling, config) -> scaling_lib.RopeScaling:
     raise TypeError(f"patch: scaling must be a ropescale.scaling method, a rope_parameters dict or None, got {type(scaling).__name__}")
 
 
+def _layer_type(module: nn.Module) -> str | None:
+    layer_type = getattr(module, "layer_type", None)
+    if layer_type is None:
+        layer_types = getattr(module.config, "layer_types", None)
+        layer_type = layer_types[module.layer_idx] if layer_types else None
+    return layer_type
+
+
 def _find_modules(model: nn.Module):
-    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    unsupported = sorted({type(m).__name__ for m in attention} - set(SUPPORTED_ATTENTION))
-    if unsupported or not attention or not rotary:
-        found = ", ".join(unsupported) or type(model).__name__
+    """The text config, its family, its rotary modules, attention modules and base model (the rotary's owner)."""
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    architecture = architectures.find(config)
+    if architecture is None:
         raise TypeError(
-            f"patch: unsupported model ({found}); ropescale patches {', '.join(SUPPORTED_ATTENTION.values())} models"
-        )
-    return rotary, attention
+            f"patch: unsupported model ({type(model).__name__}, model_type "
+            f"{getattr(config, 'model_type', None)!r}); ropescale patches {architectures.names()} models")
+    rotary = [m for m in model.modules()
+              if type(m).__name__.endswith("RotaryEmbedding") and getattr(m, "config", None) is config]
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")
+                 and getattr(m, "config", None) is config and hasattr(m, "layer_idx")]
+    owners = [m for m in model.modules() if any(child is rotary[0] for child in m.children())] if rotary else []
+    if not attention or len(rotary) != 1 or not owners:
+        raise TypeError(f"patch: {type(model).__name__} ({architecture.name}) has {len(rotary)} text rotary modules "
+                        f"and {len(attention)} attention modules; ropescale expects one rotary module that its base "
+                        "model calls, and attention layers")
+    return config, architecture, rotary, attention, owners[0]
+
+
+def _extended_layer_types(config, layer_types) -> tuple[str, ...] | None:
+    """The layer types a per-layer-type config extends (None: a config with one rope for every layer)."""
+    if not config_lib.per_layer_type(config):
+        if layer_types is not None:
+            raise ValueError(f"patch: layer_types={layer_types!r} is for configs whose rope_parameters are per layer "
+                             "type (Gemma 3); this model has one rope for every layer")
+        return None
+    known = tuple(config.rope_parameters)
+    if layer_types is None:  # the layers that see past the sliding window: Gemma 3's global layers
+        layer_types = tuple(t for t in known if t != "sliding_attention")
+    if isinstance(layer_types, str):
+        layer_types = (layer_types,)
+    layer_types = tuple(layer_types)
+    unknown = [t for t in layer_types if t not in known]
+    if not layer_types or unknown:
+        raise ValueError(f"patch: layer_types must name some of this config's layer types {list(known)}, "
+                         f"got {list(layer_types)}")
+    params = [config.rope_parameters[t] for t in layer_types]
+    if len({(p.get("rope_theta"), p.get("partial_rotary_factor")) for p in params}) > 1:
+        raise ValueError(f"patch: the layer types {list(layer_types)} have different rope_theta or "
+                         "partial_rotary_factor; patch them one type at a time")
+    return layer_types
 
 
 def patch(
@@ -148,22 +216,27 @@ def patch(
     window: int | None = None,
     leaky_k: float | None = None,
     logn_length: int | None = None,
+    layer_types: tuple[str, ...] | str | None = None,
 ) -> nn.Module:
-    """Swap ropescale's frequencies and kernels into a transformers Llama/Mistral/Qwen2/Qwen3 model,
-    and record the method in ``model.config`` (``save_pretrained`` then writes it).
+    """Swap ropescale's frequencies and kernels into a transformers model of a family ropescale knows
+    (``ropescale.hf.architectures``), and record the method in ``model.config`` (``save_pretrained`` then
+    writes it).
 
     ``scaling``: a ``ropescale.scaling`` method, a transformers-style ``rope_parameters`` dict, or None
     to keep the model's own rope settings. ``attention="rerope"`` needs ``window`` (and optionally
     ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). ``attention=None`` (the
     default) takes the attention side the config records (a reloaded ReRoPE checkpoint), else "sdpa";
-    so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. Returns the model.
+    so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. ``layer_types``: for a config
+    whose rope parameters are per layer type (Gemma 3), the types the method extends (default: all but
+    ``sliding_attention``). Returns the model.
     """
     if getattr(model, "_ropescale_patch", None) is not None:
         raise RuntimeError("patch: this model is already patched by ropescale; call ropescale.hf.unpatch(model) first")
-    rotary_modules, attention_modules = _find_modules(model)
-    config = attention_modules[0].config
+    config, architecture, rotary_modules, attention_modules, base_model = _find_modules(model)
+    layer_types = _extended_layer_types(config, layer_types)
+    layer_type = layer_types[0] if layer_types else None
     if attention is None:
-        saved = checkpoint.saved_attention(config) or {"attention": "sdpa"}
+        saved = checkpoint.saved_attention(config, layer_type) or {"attention": "sdpa"}
         attention = saved["attention"]
         if attention == "rerope":
             window = saved.get("window") if window is None else window
@@ -173,30 +246,39 @@ def patch(
     if attention == "rerope":
         _check_rerope_implementation(config)
 
-    params = config.rope_parameters
+    params = config_lib.layer_type_parameters(config, layer_type)
     state = _PatchState(
-        method=_as_method(scaling, config),
+        method=_as_method(scaling, config, layer_type),
         attention=attention,
         window=window,
         leaky_k=float(leaky_k or 0.0),
         logn_length=int(logn_length or 0),
-        rotary_dim=rotary_dim_of(config, params),
-        base=config_lib.base_of(config),
+        rotary_dim=config_lib.rotary_dim_of(config, params),
+        base=config_lib.base_of(config, layer_type),
+        architecture=architecture,
         rotary_modules=rotary_modules,
         attention_modules=attention_modules,
+        base_model=base_model,
+        layer_types=layer_types,
         config=config,
     )
-    if state.pre_rope and any(_sliding_window(m) for m in attention_modules):
-        raise ValueError("patch: pre-RoPE attention (dynamic methods, ReRoPE) does not support sliding-window layers")
+    _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
-                      state.logn_length)
+                      state.logn_length, layer_types=layer_types)
+    _check_written_config(state)
     for module in rotary_modules:
-        module.forward = types.MethodType(_rotary_forward, module)
+        if architecture.cat_layout:
+            module.forward = types.MethodType(_rotary_forward, module)
+        else:
+            _set_rotary_buffers(state, module)
         module._ropescale_patch = state
     for module in attention_modules:
-        module.forward = types.MethodType(_attention_forward, module)
         module._ropescale_patch = state
+    _wrap_implementations(state)
+    base_model._ropescale_patch = state
+    state.hooks = [base_model.register_forward_pre_hook(_base_model_pre_hook, with_kwargs=True),
+                   base_model.register_forward_hook(_base_model_hook, always_call=True)]
     if state.per_request and hasattr(model, "generate"):
         if not hasattr(model, _GENERATED_LENGTH):
             raise TypeError(f"patch: per='request' reads generate's length from {_GENERATED_LENGTH}, which this "
@@ -205,6 +287,50 @@ def patch(
         setattr(model, _GENERATED_LENGTH, types.MethodType(_prepare_generated_length, model))
     model._ropescale_patch = state
     return model
+
+
+def _check_written_config(state: _PatchState) -> None:
+    """The config the patch wrote, validated by the family's own config class (Phi-3's takes ``default`` and
+    ``longrope`` only): a method it refuses would save a checkpoint that never reloads. Refused, config restored."""
+    validate = getattr(state.config, "validate_rope", None)
+    if validate is None:
+        return
+    try:
+        validate()
+    except (ValueError, KeyError, TypeError) as err:
+        checkpoint.restore(state.config, state.saved_config)
+        raise ValueError(f"patch: {state.architecture.name}'s config class ({type(state.config).__name__}) refuses "
+                         f"the rope_parameters this method writes, so its checkpoint would not reload: {err}") from None
+
+
+def _check_layers(state: _PatchState, scaling) -> None:
+    """What the family's layers cannot take, refused before the model is touched, naming the layer kind."""
+    arch, name = state.architecture, state.architecture.name
+    if scaling is not None and arch.fixed_method:
+        raise ValueError(f"patch: {name} takes only the method its config holds (patch(model)): {arch.fixed_method}")
+    if state.pre_rope and arch.pre_rope:
+        raise ValueError(f"patch: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {name}: {arch.pre_rope}")
+    if state.attention == "rerope":
+        if arch.rerope:
+            raise ValueError(f"patch: ReRoPE cannot patch {name}: {arch.rerope}")
+        if getattr(state.config, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"patch: ReRoPE cannot patch this {name} model: {architectures.SOFTCAP}")
+    if state.pre_rope:
+        sliding = sorted({str(_layer_type(m)) for m in state.attention_modules
+                          if state.extends(m) and _sliding_window(m)})
+        if sliding:
+            kind = "every layer" if sliding == ["None"] else f"layer type {', '.join(sliding)}"
+            raise ValueError(f"patch: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {name}'s sliding-window "
+                             f"layers ({kind}): {architectures.SHARED_SLIDING}")
+    params = config_lib.layer_type_parameters(state.config, state.layer_types[0] if state.layer_types else None)
+    if "llama_4_scaling_beta" in params and getattr(state.method, "original_max_position", None) is None:
+        raise ValueError(f"patch: {name}'s query temperature (llama_4_scaling_beta) reads "
+                         "original_max_position_embeddings from rope_parameters, which "
+                         f"{type(state.method).__name__} has none of: use a method with an original length (YaRN, "
+                         "Llama 3, LongRoPE, Dynamic YaRN)")
+    if not arch.cat_layout and state.length_dependent:
+        raise ValueError(f"patch: {type(state.method).__name__} switches its table with the length; {name}'s rope "
+                         "layout takes one fixed table (use a static method such as scaling.YaRN)")
 
 
 # transformers' GenerationMixin resolves how long a generate call may run here (max_new_tokens, max_length, the
@@ -272,8 +398,14 @@ def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
         raise ValueError(f"patch: {err}") from None
 
 
-def _check_rerope_implementation(config) -> None:
+def _base_implementation(config) -> str:
+    """The attention implementation the model runs (``X`` of a patched model's ``ropescale_X``)."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
+    return implementation[len(_WRAPPED):] if implementation.startswith(_WRAPPED) else implementation
+
+
+def _check_rerope_implementation(config) -> None:
+    implementation = _base_implementation(config)
     if implementation not in REROPE_IMPLEMENTATIONS:
         raise ValueError(
             f"patch: ReRoPE attention reads padding from the attention mask, and ropescale knows the masks of "
@@ -287,9 +419,16 @@ def unpatch(model: nn.Module) -> nn.Module:
     state = getattr(model, "_ropescale_patch", None)
     if state is None:
         raise RuntimeError("unpatch: this model is not patched by ropescale")
-    for module in state.rotary_modules + state.attention_modules:
-        del module.forward  # the class's forward shows through again
-        del module._ropescale_patch
+    for module in state.rotary_modules + state.attention_modules + [state.base_model]:
+        if "forward" in vars(module):
+            del module.forward  # the class's forward shows through again
+        vars(module).pop("_ropescale_patch", None)
+    for module, name, value in state.saved_buffers:
+        setattr(module, name, value)
+    for config, implementation in state.saved_implementations:
+        config._attn_implementation_internal = implementation
+    for hook in state.hooks:
+        hook.remove()
     for name in ("generate", _GENERATED_LENGTH):
         if name in vars(model):
             delattr(model, name)
@@ -371,9 +510,16 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache, first_l
 
 @torch.no_grad()
 def _rotary_forward(self, x, position_ids, layer_type=None):
-    """cos/sin in transformers' full-width layout for the patched method's table (each row with the
-    table of its own length when the table depends on it)."""
+    """cos/sin in transformers' Llama layout: for a static method, of ropescale's table (each row with the table
+    of its own length when the table depends on it); for a pre-RoPE forward, the identity (the attention
+    function rotates). A layer type the patch does not extend gets the model's own."""
     state: _PatchState = self._ropescale_patch
+    if state.layer_types is not None and layer_type not in state.layer_types:
+        return type(self).forward(self, x, position_ids, layer_type)
+    if state.step_pre_rope:
+        _start_pre_rope_step(state, position_ids, x.shape[0])
+        ones = torch.ones(*position_ids.shape, state.rotary_dim, dtype=x.dtype, device=x.device)
+        return ones, torch.zeros_like(ones)
     groups = _groups(state, position_ids)
     if groups[0][0] is not None:  # rows of different lengths: per-row angles and factors
         angles = position_ids.new_empty(*position_ids.shape, state.rotary_dim // 2, dtype=torch.float64)
@@ -393,107 +539,209 @@ def _rotary_forward(self, x, position_ids, layer_type=None):
     return cos, sin
 
 
+def _set_rotary_buffers(state: _PatchState, module: nn.Module) -> None:
+    """A rotary module of another layout keeps its forward and runs it on ropescale's (static) table: its
+    ``inv_freq`` and ``attention_scaling`` (per extended layer type), its ``rope_type`` made ``default`` so
+    that transformers' dynamic update leaves them alone. ``unpatch`` puts all back."""
+    inv_freq, factor = state.table(None, torch.device("cpu"))
+    prefixes = [f"{t}_" for t in state.layer_types] if state.layer_types else [""]
+    for prefix in prefixes:
+        for name in (f"{prefix}inv_freq", f"{prefix}original_inv_freq"):
+            old = getattr(module, name, None)
+            if old is None:
+                continue
+            if old.shape != inv_freq.shape:
+                raise ValueError(f"patch: {state.architecture.name}'s rotary table {name} has {old.shape[-1]} "
+                                 f"frequencies, ropescale's method {inv_freq.shape[-1]}")
+            state.saved_buffers.append((module, name, old))
+            setattr(module, name, inv_freq.to(device=old.device, dtype=old.dtype))
+        name = f"{prefix}attention_scaling"
+        state.saved_buffers.append((module, name, getattr(module, name)))
+        setattr(module, name, factor)
+    rope_type = module.rope_type
+    state.saved_buffers.append((module, "rope_type", rope_type))
+    module.rope_type = ({t: ("default" if t in state.layer_types else v) for t, v in rope_type.items()}
+                        if isinstance(rope_type, dict) else "default")
+
+
+# ---------------------------------------------------------------------------------------------
+# A pre-RoPE forward: the base model's hooks, the cache, the attention function
+
+
+def _base_model_pre_hook(module, args, kwargs):
+    """Before the base model runs: whether this forward is pre-RoPE (the method, or a ``PreRopeCache`` given),
+    the cache it will use (made here as the model would, so that its layers can hold raw keys), and the
+    attention implementation still wrapped (the user may have changed it since ``patch``)."""
+    state: _PatchState = module._ropescale_patch
+    _wrap_implementations(state)
+    bound = _bound_arguments(module, args, kwargs)
+    cache = bound.get("past_key_values")
+    state.step_pre_rope = state.pre_rope or isinstance(cache, PreRopeCache)
+    state.step_cache, state.step_positions, state.step_planned = None, None, None
+    if not state.step_pre_rope:
+        return None
+    if cache is None and _uses_cache(module, bound.get("use_cache")):
+        cache = DynamicCache(config=state.config)
+        kwargs["past_key_values"] = cache
+        if "past_key_values" in bound.get("_positional", ()):
+            raise RuntimeError("ropescale: pass past_key_values by keyword to a pre-RoPE patched model")
+    if cache is not None:
+        _pre_rope_layers(state, cache)
+    state.step_cache = cache
+    return args, kwargs
+
+
+def _base_model_hook(module, args, kwargs_or_output, output=None):
+    state: _PatchState = module._ropescale_patch
+    if state.step_cache is not None:
+        for layer in state.step_cache.layers:
+            if isinstance(layer, PreRopeLayer):
+                layer.pending_positions = None
+    # the rotation this forward used stays the default one for a recomputation (gradient checkpointing)
+    state.step_pre_rope, state.step_cache, state.step_positions, state.step_planned = state.pre_rope, None, None, None
+
+
+def _bound_arguments(module, args, kwargs) -> dict:
+    """The base model's arguments by name (positional ones included, named in ``_positional``)."""
+    if not args:
+        return kwargs
+    names = list(inspect.signature(type(module).forward).parameters)[1:]
+    bound = dict(kwargs)
+    bound.update(zip(names, args))
+    bound["_positional"] = tuple(names[:len(args)])
+    return bound
+
+
+def _uses_cache(module, use_cache) -> bool:
+    """Whether the base model will make a cache (transformers' ``merge_with_config_defaults`` rule)."""
+    if use_cache is None:
+        use_cache = getattr(module.config, "use_cache", None)
+    if use_cache and getattr(module, "gradient_checkpointing", False) and module.training:
+        use_cache = False
+    return bool(use_cache)
+
+
+def _pre_rope_layers(state: _PatchState, cache) -> None:
+    """The layers of ``cache`` of extended attention layers as pre-RoPE layers. transformers' ``DynamicCache``
+    (made by ``generate``, by ``use_cache=True`` and by this hook) is converted while its layers are empty; a
+    layer already holding rotated keys cannot be."""
+    layers = cache.layers
+    for idx in state.extended_layers:
+        while len(layers) <= idx and getattr(cache, "layer_class_to_replicate", None) in (DynamicLayer, PreRopeLayer):
+            layers.append(cache.layer_class_to_replicate())
+        if idx < len(layers) and type(layers[idx]) is DynamicLayer and not layers[idx].is_initialized:
+            layers[idx] = PreRopeLayer()
+        if idx >= len(layers) or not isinstance(layers[idx], PreRopeLayer):
+            raise TypeError(
+                "ropescale: this patch caches keys before rotation, but the cache given holds rotated keys "
+                f"({type(cache).__name__}); pass past_key_values=ropescale.hf.PreRopeCache()")
+
+
+def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: int) -> None:
+    """The rotary module's part of a pre-RoPE forward (it sees the positions first, before any layer caches a
+    key): the positions each pre-RoPE cache layer stores, and a per-request method's planned lengths."""
+    if state.step_positions is not None:  # a per-layer-type rotary module runs once per type
+        return
+    positions = position_ids.to(torch.int64).expand(batch, -1)
+    state.step_positions = positions
+    cache = state.step_cache
+    if cache is not None:
+        for layer in cache.layers:
+            if isinstance(layer, PreRopeLayer):
+                layer.pending_positions = positions
+    if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
+        if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
+            vars(cache).pop(_PLANNED, None)  # a new request in this cache
+        state.step_planned = _planned_lengths(state, positions, cache, True)
+
+
+def _wrap_implementations(state: _PatchState) -> None:
+    """Every attention config's implementation X as ``ropescale_X`` (registered on first use, with X's mask)."""
+    configs = {id(m.config): m.config for m in state.attention_modules}
+    for config in configs.values():
+        implementation = getattr(config, "_attn_implementation", None) or "eager"
+        if implementation.startswith(_WRAPPED):
+            continue
+        if state.attention == "rerope" and implementation not in REROPE_IMPLEMENTATIONS:
+            _check_rerope_implementation(config)
+        name = _WRAPPED + implementation
+        if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+            AttentionInterface.register(name, _attention_function(implementation))
+            if implementation in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+        # unpatch restores the implementation the user chose last (set_attn_implementation after patch included)
+        state.saved_implementations = [(c, i) for c, i in state.saved_implementations if c is not config]
+        state.saved_implementations.append((config, config._attn_implementation_internal))
+        config._attn_implementation_internal = name
+
+
+def _attention_function(implementation: str):
+    """``ropescale_<implementation>``: the model's own ``implementation``, after ropescale's rotation (or
+    ReRoPE) in a pre-RoPE forward of an extended layer."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if implementation == "eager":
+            function = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[implementation]
+        state: _PatchState | None = getattr(module, "_ropescale_patch", None)
+        if state is None or not state.step_pre_rope or not state.extends(module):
+            return function(module, query, key, value, attention_mask, **kwargs)
+        return _pre_rope_attention(state, function, module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"ropescale_{implementation}"
+    return attention
+
+
+def _pre_rope_attention(state: _PatchState, function, module, query, key, value, attention_mask, **kwargs):
+    # The model's identity rotation multiplied q and k by cos/sin of the hidden states' dtype: under autocast a
+    # bf16 projection came back float32, exactly (x * 1 - y * 0). They go on in the projection's dtype, as v.
+    query, key = query.to(value.dtype), key.to(value.dtype)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = state.step_positions
+    if positions is None:
+        raise RuntimeError("ropescale: pre-RoPE attention needs the positions of the step (call the model, not its "
+                           "layers)")
+    positions = positions.to(torch.int64).expand(query.shape[0], -1)
+    key_positions = positions
+    cache = state.step_cache
+    if cache is not None and module.layer_idx < len(cache.layers):
+        key_positions = cache.layers[module.layer_idx].positions
+    if key_positions.shape[-1] != key.shape[-2]:
+        raise RuntimeError(f"ropescale: layer {module.layer_idx} attends {key.shape[-2]} keys but knows the positions "
+                           f"of {key_positions.shape[-1]}: its cache was not made by this patched model's forward")
+    planned = state.step_planned if state.per_request else None
+    if state.per_request and planned is None:
+        planned = _planned_lengths(state, positions, None, True)
+    groups = _groups(state, key_positions, planned)
+    if state.attention == "rerope":
+        return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
+                       kwargs), None
+    query, key = _rotate_groups(state, groups, query, key, positions, key_positions)
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
 def _sliding_window(module):
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     return getattr(module.config, "sliding_window", None)
 
 
-def _project(module, hidden_states):
-    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(shape)
-    key = module.k_proj(hidden_states).view(shape)
-    if hasattr(module, "q_norm"):  # Qwen3: per-head RMSNorm before rotation
-        query, key = module.q_norm(query), module.k_norm(key)
-    value = module.v_proj(hidden_states).view(shape)
-    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-
-
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                       past_key_values=None, **kwargs):
-    state: _PatchState = self._ropescale_patch
-    input_shape = hidden_states.shape[:-1]
-    query, key, value = _project(self, hidden_states)
-    pre_rope = state.pre_rope or isinstance(past_key_values, PreRopeCache)
-
-    if not pre_rope:
-        cos, sin = position_embeddings
-        query, key = ops.apply_rotary_qk(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        out, weights = _model_attention(self, query, key, value, attention_mask, **kwargs)
-    else:
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            raise RuntimeError("ropescale: pre-RoPE attention needs position_ids from the model")
-        positions = positions.to(torch.int64).expand(query.shape[0], -1)
-        key_positions = positions
-        planned = None
-        if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
-            if past_key_values is not None and self.layer_idx == 0 and past_key_values.get_seq_length() == 0:
-                vars(past_key_values).pop(_PLANNED, None)  # a new request in this cache
-            planned = _planned_lengths(state, positions, past_key_values, self.layer_idx == 0)
-        if past_key_values is not None:
-            layer = _pre_rope_layer(past_key_values, self.layer_idx)
-            key, value = past_key_values.update(key, value, self.layer_idx, {"positions": positions})
-            key_positions = layer.positions
-        groups = _groups(state, key_positions, planned)
-        if state.attention == "rerope":
-            out = _rerope(self, state, groups, query, key, value, positions, key_positions, attention_mask)
-            weights = None
-        else:
-            query, key = _rotate_groups(state, groups, query, key, positions, key_positions)
-            out, weights = _model_attention(self, query, key, value, attention_mask, **kwargs)
-
-    out = out.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(out), weights
-
-
 def _rotate_groups(state, groups, query, key, positions, key_positions):
-    """q and k rotated, each group of rows with the table (and attention factor) of its own length."""
+    """q and k rotated, each group of rows with the table (and attention factor) of its own length, in the
+    family's pair layout."""
+    interleaved = state.architecture.interleaved
     if groups[0][0] is None:
         inv_freq, factor = state.table(groups[0][1], query.device)
-        return (ops.apply_rotary_pos(query, positions, inv_freq, factor),
-                ops.apply_rotary_pos(key, key_positions, inv_freq, factor))
+        return (ops.apply_rotary_pos(query, positions, inv_freq, factor, interleaved),
+                ops.apply_rotary_pos(key, key_positions, inv_freq, factor, interleaved))
     rotated_q, rotated_k = torch.empty_like(query), torch.empty_like(key)
     for rows, seq_len in groups:
         inv_freq, factor = state.table(seq_len, query.device)
-        rotated_q[rows] = ops.apply_rotary_pos(query[rows], positions[rows], inv_freq, factor)
-        rotated_k[rows] = ops.apply_rotary_pos(key[rows], key_positions[rows], inv_freq, factor)
+        rotated_q[rows] = ops.apply_rotary_pos(query[rows], positions[rows], inv_freq, factor, interleaved)
+        rotated_k[rows] = ops.apply_rotary_pos(key[rows], key_positions[rows], inv_freq, factor, interleaved)
     return rotated_q, rotated_k
-
-
-def _pre_rope_layer(cache, layer_idx) -> PreRopeLayer:
-    """The cache layer for ``layer_idx`` as a pre-RoPE layer. transformers creates a DynamicCache when
-    none is passed (``use_cache=True``, ``generate()``): its still-empty dynamic layers are swapped for
-    pre-RoPE ones, so a patched model needs no special cache argument. A layer already holding rotated
-    keys cannot be converted."""
-    layers = cache.layers
-    if layer_idx >= len(layers) and getattr(cache, "layer_class_to_replicate", None) in (DynamicLayer, PreRopeLayer):
-        while len(layers) <= layer_idx:
-            layers.append(PreRopeLayer())
-    elif type(layers[layer_idx]) is DynamicLayer and not layers[layer_idx].is_initialized:
-        layers[layer_idx] = PreRopeLayer()
-    if layer_idx >= len(layers) or not isinstance(layers[layer_idx], PreRopeLayer):
-        raise TypeError(
-            "ropescale: this patch caches keys before rotation, but the cache given holds rotated keys "
-            f"({type(cache).__name__}); pass past_key_values=ropescale.hf.PreRopeCache()"
-        )
-    return layers[layer_idx]
-
-
-def _model_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own attention function (sdpa, eager, flash, ...), called as its forward does."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
-    return interface(
-        module, query, key, value, attention_mask,
-        dropout=0.0 if not module.training else module.attention_dropout,
-        scaling=module.scaling,
-        sliding_window=_sliding_window(module),
-        **kwargs,
-    )
 
 
 def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int):
@@ -520,8 +768,13 @@ def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int
                     f"{type(attention_mask).__name__}; use attn_implementation='sdpa'")
 
 
-def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask):
+def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask, kwargs):
     _check_rerope_implementation(module.config)  # the implementation can change after patching
+    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(f"ropescale: ReRoPE cannot run layer {module.layer_idx}: its attention has sinks or "
+                         "soft-capped logits")
+    softmax_scale = kwargs.get("scaling")
+    softmax_scale = module.scaling if softmax_scale is None else softmax_scale
     pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
     if pad is not None and bool(pad.any()):
         key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
@@ -535,7 +788,8 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
         # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
         out, _lse = attention(
             q, k, v, q_pos, k_pos, inv_freq, state.window,
-            leaky_k=state.leaky_k, scale=module.scaling * factor * factor, logn_length=state.logn_length,
+            leaky_k=state.leaky_k, scale=softmax_scale * factor * factor, logn_length=state.logn_length,
+            interleaved=state.architecture.interleaved,
         )
         return out
 

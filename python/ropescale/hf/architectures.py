@@ -1,0 +1,83 @@
+"""The transformers model families ``hf.patch`` knows, declared once: how each one's rope is laid out and
+which of ropescale's methods its layers can take.
+
+``hf.patch`` works through transformers' own extension points, so a family needs no re-implemented forward:
+
+- the rotary module: for a static method it returns ropescale's table (times the method's attention factor)
+  in the family's own layout; for a pre-RoPE method (ReRoPE, Dynamic NTK / YaRN) it returns the identity
+  rotation, so the model's own attention forward caches raw keys;
+- the attention interface (``AttentionInterface``): the model's attention implementation is wrapped as
+  ``ropescale_<implementation>``, which rotates q and the cached keys at attention time (or runs ReRoPE) and
+  calls the implementation the model had;
+- the base model's forward (a pre-hook): the cache's layers of extended attention layers become
+  :class:`ropescale.hf.PreRopeLayer`.
+
+No family in this table needs a forward of its own. A family is found from its text config's ``model_type``;
+adding one is an entry here and a tiny config in ``tests/python/adapters/test_architectures.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Why a layer kind cannot take pre-RoPE methods: each reason names the layer kind, and is the refusal's text.
+SINKS = "its attention layers have attention sinks (a learned logit per head), which ropescale's ReRoPE kernels lack"
+SHARED_SLIDING = ("its sliding-window layers share the one rope table of its full layers, so a length-dependent "
+                  "table would change them too; ropescale leaves sliding layers native only where they have rope "
+                  "parameters of their own (Gemma 3)")
+MLA = ("its multi-head latent attention (MLA) rotates a decoupled rope head and caches the latent, not raw keys "
+       "per head")
+MROPE = ("its multimodal rope takes three position streams (time, height, width) per token, which ropescale's "
+         "attention-time rotation does not read")
+SOFTCAP = "attention logits soft-capped (attn_logit_softcapping), which ropescale's ReRoPE kernels lack"
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How ``hf.patch`` handles one family.
+
+    ``cat_layout``: the rotary module returns transformers' Llama layout, ``cat(angles, angles)`` over
+    ``[batch, seq]`` positions (ropescale computes it, angles in double). False: another layout (multimodal
+    sections, half width, MLA's rope head): the model's own rotary forward runs with ropescale's table and
+    attention factor in its buffers. ``interleaved``: at attention time the pairs are ``(2i, 2i+1)`` (GLM),
+    else ``(i, i + rotary_dim/2)``. ``pre_rope`` / ``rerope``: why those methods are refused (None: they run).
+    ``fixed_method``: why only the config's own method can be patched (the model derives more than the rope
+    from ``rope_parameters`` when it is built)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    cat_layout: bool = True
+    interleaved: bool = False
+    pre_rope: str | None = None
+    rerope: str | None = None
+    fixed_method: str | None = None
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("Llama", ("llama",)),
+    Architecture("Mistral", ("mistral",)),
+    Architecture("Ministral 3", ("ministral3",)),
+    Architecture("Qwen2", ("qwen2",)),
+    Architecture("Qwen3", ("qwen3",)),
+    Architecture("Qwen3-MoE", ("qwen3_moe",)),
+    Architecture("Phi-3 / Phi-4-mini", ("phi3",)),
+    Architecture("GLM-4", ("glm4",), interleaved=True),
+    Architecture("Gemma 3", ("gemma3_text",)),
+    Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, pre_rope=f"{SINKS}, and {SHARED_SLIDING}"),
+    Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA,
+                 fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
+                              "built: write the method into the config (ropescale extend) and load the model from it"),
+    Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, pre_rope=MROPE),
+    Architecture("Qwen3-VL (text)", ("qwen3_vl_text", "qwen3_vl"), cat_layout=False, pre_rope=MROPE),
+)
+
+_BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}
+
+
+def find(config) -> Architecture | None:
+    """The family of a (text) config, by ``model_type``; None when ropescale does not know it."""
+    return _BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+
+
+def names() -> str:
+    return ", ".join(arch.name for arch in ARCHITECTURES)

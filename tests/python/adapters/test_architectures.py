@@ -1,0 +1,322 @@
+"""Every family of ``ropescale.hf.architectures`` on a tiny random model built from its config class (no
+downloads): ropescale's static methods equal transformers' own model of that method; pre-RoPE methods equal the
+static model they must be (per-request Dynamic YaRN is the static YaRN of its scale, through the cache); ReRoPE
+equals a float64 reference of the layer; a checkpoint round-trips through plain transformers + ``import
+ropescale.hf``; and what a family's layers cannot take is refused naming the layer kind. README's architecture
+table is these tests' result."""
+
+import importlib
+import re
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropescale import hf, ops, scaling  # noqa: E402
+from ropescale.hf import architectures  # noqa: E402
+
+from support.attention import rot64  # noqa: E402
+from support.methods import instance, registered  # noqa: E402
+
+VOCAB, ORIGINAL, LENGTH = 101, 16, 40
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+MOE = dict(num_experts_per_tok=2)
+
+# The test config of each family (architecture name: config class, model class, fields beyond COMMON). The two
+# layers of a family with layer types are one sliding and one full layer.
+TINY = {
+    "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "Mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),  # Mistral 7B v0.2 on
+    "Ministral 3": ("Ministral3Config", "Ministral3ForCausalLM", dict(llama_4_scaling_beta=0.1)),
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(MOE, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1)),
+    "Phi-3 / Phi-4-mini": ("Phi3Config", "Phi3ForCausalLM",  # its original length outside rope_parameters too
+                           dict(partial_rotary_factor=0.75, pad_token_id=0, original_max_position_embeddings=ORIGINAL)),
+    "GLM-4": ("Glm4Config", "Glm4ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0)),
+    "Gemma 3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(MOE, num_local_experts=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(MOE, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         moe_intermediate_size=32)),
+    "Qwen2.5-VL (text)": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", dict(mrope_section=[2, 3, 3])),
+    "Qwen3-VL (text)": ("Qwen3VLTextConfig", "Qwen3VLTextModel", dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
+}
+ARCHS = {arch.name: arch for arch in architectures.ARCHITECTURES}
+PRE_ROPE = sorted(name for name, arch in ARCHS.items() if arch.pre_rope is None)
+# Keys of a family's rope layout that its test config puts in rope_parameters.
+LAYOUT = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")
+
+
+def test_every_family_has_a_test_config():
+    assert set(TINY) == set(ARCHS)
+
+
+def _base_rope(name):
+    fields = TINY[name][2]
+    base = {"rope_type": "default", "rope_theta": 10000.0, **{k: fields[k] for k in LAYOUT if k in fields}}
+    if "llama_4_scaling_beta" in base:  # Ministral 3's query temperature needs an original length
+        base.update(rope_type="yarn", factor=1.0, original_max_position_embeddings=ORIGINAL)
+    return base
+
+
+def refused_by_transformers(name, params) -> bool:
+    """Whether transformers itself refuses (or cannot run) the family with these rope parameters."""
+    try:
+        output(build(name, params), ids(batch=1, length=4))
+    except Exception:  # noqa: BLE001 (the config class's validators raise their own error types)
+        return True
+    return False
+
+
+def build(name, rope_parameters=None, seed=0, **overrides):
+    """The family's tiny model (eval, sharpened weights) with ``rope_parameters`` (of its full-attention layers
+    for a per-layer-type family; its sliding layers keep their own)."""
+    config_name, model_name, fields = TINY[name]
+    fields = {k: v for k, v in fields.items() if k not in LAYOUT}
+    params = _base_rope(name)
+    if rope_parameters is not None:  # the method's keys, the family's layout keys
+        params = {"rope_theta": 10000.0, **{k: params[k] for k in LAYOUT if k in params}, **rope_parameters}
+    if name == "Gemma 3":
+        params = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = getattr(transformers, config_name)(**{**COMMON, **fields, **overrides}, rope_parameters=params)
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for parameter_name, p in model.named_parameters():
+            if "proj" in parameter_name:
+                p.mul_(4.0)
+    return model
+
+
+def same_weights(model, like):
+    model.load_state_dict(like.state_dict())
+    return model
+
+
+def ids(batch=2, length=LENGTH, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def output(model, x, **kwargs):
+    with torch.no_grad():
+        out = model(x, **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def pairs(name):
+    fields = {**COMMON, **TINY[name][2]}
+    dim = fields.get("qk_rope_head_dim", fields["head_dim"])
+    return int(dim * fields.get("partial_rotary_factor", 1.0)) // 2
+
+
+def static_cases():
+    """(family, method name, rope_parameters): every static table transformers implements, on every family."""
+    cases = []
+    for name in sorted(TINY):
+        for method, cls in sorted(registered(transformers_native=True, dynamic=False).items()):
+            cases.append((name, method, instance(cls, pairs=pairs(name), original=ORIGINAL).to_hf()))
+        cases.append((name, "yarn_truncate_mscale", {"rope_type": "yarn", "factor": 4.0, "truncate": False,
+                                                     "original_max_position_embeddings": ORIGINAL, "mscale": 0.707,
+                                                     "mscale_all_dim": 1.0}))
+    return cases
+
+
+@pytest.mark.parametrize("name,method,params", static_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_static_method_equals_transformers_own_model(name, method, params):
+    arch = ARCHS[name]
+    if refused_by_transformers(name, params):  # Phi-3's config takes default and longrope only; Ministral 3's
+        with pytest.raises(ValueError, match=re.escape(f"patch: {name}")):  # temperature needs an original length
+            hf.patch(build(name), scaling.from_hf(params, 64))
+        return
+    native = build(name, params)
+    x = ids()
+    if arch.fixed_method:  # the model is built from its config: patch(model) keeps it, another method is refused
+        with pytest.raises(ValueError, match=f"{name} takes only the method its config holds"):
+            hf.patch(same_weights(build(name), native), scaling.from_hf(params, 64))
+        model, method_to_patch = native, None
+    else:
+        model, method_to_patch = same_weights(build(name), native), scaling.from_hf(params, 64)
+    before = output(model, x)
+    method_obj = scaling.from_hf(params, 64)
+    if not arch.cat_layout and method_obj.length_dependent:
+        with pytest.raises(ValueError, match="switches its table with the length"):
+            hf.patch(model, method_to_patch)
+        return
+    hf.patch(model, method_to_patch)
+    torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)
+    if method_to_patch is not None and method != "default":  # the test can fail: the method changes the model
+        assert (output(model, x) - before).abs().max() > 1e-4
+    hf.unpatch(model)
+    torch.testing.assert_close(output(model, x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_cache(name):
+    """A request of P + N tokens through the model's own cache (raw keys) is transformers' own model with static
+    YaRN at s = (P + N)/L, at every step: the identity rotation, the attention-time rotation, the cached keys'
+    positions, the extended layer types (Gemma 3: its full layers only; its sliding layers keep their rope)."""
+    prompt, new = 24, 8
+    factor = (prompt + new) / ORIGINAL
+    if refused_by_transformers(name, {"rope_type": "yarn", "factor": factor,
+                                      "original_max_position_embeddings": ORIGINAL}):
+        with pytest.raises(ValueError, match="refuses the rope_parameters this method writes"):
+            hf.patch(build(name), scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+        return
+    reference = build(name, {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": ORIGINAL})
+    model = hf.patch(same_weights(build(name), reference),
+                     scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+    x = ids(batch=1, length=prompt + new)
+    full = output(reference, x)
+    with torch.no_grad(), hf.request(model, max_new_tokens=new):
+        cache = transformers.DynamicCache(config=model.config)
+        out = model(x[:, :prompt], past_key_values=cache)
+        torch.testing.assert_close(out.logits, full[:, :prompt], rtol=1e-5, atol=2e-5)
+        for t in range(prompt, prompt + new):
+            step = model(x[:, t:t + 1], past_key_values=cache).logits[:, 0]
+            torch.testing.assert_close(step, full[:, t], rtol=1e-5, atol=2e-5)
+    assert (full - output(hf.unpatch(model), x)).abs().max() > 1e-3  # the scale matters at these lengths
+
+
+def _attention_layer(model):
+    """The family's first attention module of a full (not sliding) layer."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx"):
+            if getattr(module, "sliding_window", None) is None:
+                return module
+    raise AssertionError("no full attention layer")
+
+
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_rerope_layer_equals_float64_reference(name):
+    """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64 on the layer's own
+    q, k, v (captured before rotation), in the family's pair layout."""
+    window = 6
+    if name == "Phi-3 / Phi-4-mini":  # Phi3Config takes the rope types default and longrope only
+        with pytest.raises(ValueError, match="refuses the rope_parameters this method writes"):
+            hf.patch(build(name), None, attention="rerope", window=window)
+        return
+    model = hf.patch(build(name), None, attention="rerope", window=window)
+    layer = _attention_layer(model)
+    captured = {}
+
+    def capture(module, args, kwargs, result):
+        captured["out"] = result[0]
+
+    handle = layer.register_forward_hook(capture, with_kwargs=True)
+    seen = {}
+
+    x = ids(batch=1, length=20)
+    patch_module = importlib.import_module("ropescale.hf.patch")
+    original = patch_module._rerope
+
+    def spy(module, state, groups, query, key, value, positions, key_positions, mask, kwargs):
+        if module is layer:
+            seen.update(q=query, k=key, v=value, positions=positions, key_positions=key_positions,
+                        scale=kwargs.get("scaling"))
+        return original(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
+
+    patch_module._rerope = spy
+    try:
+        output(model, x)
+    finally:
+        patch_module._rerope = original
+        handle.remove()
+    q, k, v = seen["q"].double(), seen["k"].double(), seen["v"].double()
+    inv_freq = ops.default_inv_freq(2 * pairs(name), 10000.0, dtype=torch.float64)
+    interleaved = ARCHS[name].interleaved
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    pos = seen["positions"]
+    n = pos.shape[-1]
+    dist = pos[0][:, None] - seen["key_positions"][0][None, :]
+    inside = (dist >= 0) & (dist < window)
+    plain = rot64(q, pos, inv_freq, interleaved) @ rot64(k, seen["key_positions"], inv_freq, interleaved).transpose(-1, -2)
+    fixed = torch.full_like(pos, window)
+    at_window = rot64(q, fixed, inv_freq, interleaved) @ k.transpose(-1, -2)
+    scores = torch.where(inside, plain, at_window) * seen["scale"]
+    scores = scores.masked_fill(dist < 0, float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, -1)
+    expected_out = torch.nn.functional.linear(expected.float(), layer.o_proj.weight, layer.o_proj.bias)
+    torch.testing.assert_close(captured["out"], expected_out, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_checkpoint_round_trips_through_plain_transformers(name, tmp_path):
+    """patch, save_pretrained, reload with plain transformers + ``import ropescale.hf``, patch(model): equal."""
+    arch = ARCHS[name]
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    if name == "Phi-3 / Phi-4-mini":  # its config class takes longrope only
+        params = instance(registered()["longrope"], pairs=pairs(name), original=ORIGINAL).to_hf()
+        model = hf.patch(build(name), scaling.from_hf(params, 64))
+    elif arch.fixed_method:
+        model = hf.patch(build(name, params))
+    else:
+        method = (scaling.DynamicYaRN(original_max_position=ORIGINAL) if arch.pre_rope is None
+                  else scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+        model = hf.patch(build(name), method)
+    x = ids()
+    expected = output(model, x, use_cache=False)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = getattr(transformers, TINY[name][1]).from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(output(hf.patch(reloaded), x, use_cache=False), expected, rtol=0, atol=1e-6)
+    assert reloaded.config._attn_implementation.startswith("ropescale_")
+    assert "ropescale_" not in (tmp_path / "config.json").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(name for name, arch in ARCHS.items() if arch.pre_rope))
+@pytest.mark.parametrize("method", ("dynamic_yarn", "rerope"))
+def test_pre_rope_methods_are_refused_naming_the_layer_kind(name, method):
+    model = build(name)
+    reason = ARCHS[name].pre_rope
+    kwargs = ({"scaling": scaling.DynamicYaRN(original_max_position=ORIGINAL)} if method == "dynamic_yarn"
+              else {"scaling": None, "attention": "rerope", "window": 8})
+    with pytest.raises(ValueError, match=re.escape(f"patch: {name}") + "|" + re.escape(f"cannot patch {name}")) as err:
+        hf.patch(model, **kwargs)
+    assert reason in str(err.value) or ARCHS[name].fixed_method in str(err.value)
+    assert not hf.is_patched(model)
+
+
+def test_gemma3_extends_only_the_layer_types_named():
+    """Gemma 3: the full-attention layers by default, said in the config written; a type it does not have, and
+    sliding layers under a pre-RoPE method, refused."""
+    model = hf.patch(build("Gemma 3"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    params = model.config.rope_parameters
+    assert params["full_attention"]["rope_type"] == "yarn" and params["sliding_attention"]["rope_type"] == "default"
+    hf.unpatch(model)
+    with pytest.raises(ValueError, match="layer_types must name some of this config's layer types"):
+        hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), layer_types="global")
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL), layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="layer_types=.* is for configs whose rope_parameters are per layer type"):
+        hf.patch(build("Llama"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), layer_types="x")
+
+
+def test_gemma3_rerope_with_soft_capped_logits_is_refused():
+    model = build("Gemma 3", attn_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="soft-capped"):
+        hf.patch(model, None, attention="rerope", window=8)
+
+
+def test_a_patched_model_whose_implementation_changes_is_wrapped_again():
+    """set_attn_implementation after patch: the next forward wraps the new implementation (never a silently
+    unrotated attention)."""
+    model = hf.patch(build("Qwen3"), scaling.DynamicYaRN(original_max_position=ORIGINAL))
+    x = ids()
+    expected = output(model, x)
+    model.set_attn_implementation("eager")
+    torch.testing.assert_close(output(model, x), expected, rtol=1e-5, atol=2e-5)
+    assert model.config._attn_implementation == "ropescale_eager"
+    hf.unpatch(model)
+    assert model.config._attn_implementation == "eager"
