@@ -67,8 +67,8 @@ void check_distance(const char* op, const char* name, int64_t value) {
               " (2^31 - 1: beyond it m * theta loses accuracy, and the loop would run for days), got ", value);
 }
 
-void check_dim(const char* op, int64_t dim) {
-  TORCH_CHECK(dim > 0 && dim % 2 == 0, op, ": dim must be a positive even number, got ", dim);
+void check_dim(const char* op, int64_t dim, const char* name = "dim") {
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, op, ": ", name, " must be a positive even number, got ", dim);
 }
 
 void check_base(const char* op, double base) {
@@ -123,6 +123,16 @@ at::Tensor linear_inv_freq(int64_t dim, double base, double factor, std::optiona
   check_base("linear_inv_freq", base);
   check_factor("linear_inv_freq", factor);
   return to_tensor(freq::linear_inv_freq(dim, base, factor), dtype);
+}
+
+at::Tensor proportional_inv_freq(int64_t head_dim, double base, double factor, double partial_rotary_factor,
+                                 std::optional<at::ScalarType> dtype) {
+  check_dim("proportional_inv_freq", head_dim, "head_dim");
+  check_base("proportional_inv_freq", base);
+  check_factor("proportional_inv_freq", factor);
+  TORCH_CHECK(std::isfinite(partial_rotary_factor) && partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0,
+              "proportional_inv_freq: partial_rotary_factor must be in (0, 1], got ", partial_rotary_factor);
+  return to_tensor(freq::proportional_inv_freq(head_dim, base, factor, partial_rotary_factor), dtype);
 }
 
 at::Tensor ntk_inv_freq(int64_t dim, double base, double factor, std::optional<at::ScalarType> dtype) {

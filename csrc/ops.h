@@ -14,6 +14,8 @@ namespace ropescale {
 // ---- frequencies.cpp: inv_freq tables (CPU, double precision inside) ----
 at::Tensor default_inv_freq(int64_t dim, double base, std::optional<at::ScalarType> dtype);
 at::Tensor linear_inv_freq(int64_t dim, double base, double factor, std::optional<at::ScalarType> dtype);
+at::Tensor proportional_inv_freq(int64_t head_dim, double base, double factor, double partial_rotary_factor,
+                                 std::optional<at::ScalarType> dtype);
 at::Tensor ntk_inv_freq(int64_t dim, double base, double factor, std::optional<at::ScalarType> dtype);
 at::Tensor dynamic_ntk_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position,
                                 int64_t seq_len, std::optional<at::ScalarType> dtype);

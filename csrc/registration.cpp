@@ -22,6 +22,10 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("default_inv_freq(int dim, float base, *, ScalarType? dtype=None) -> Tensor");
   // Position interpolation: theta_i / factor.
   m.def("linear_inv_freq(int dim, float base, float factor, *, ScalarType? dtype=None) -> Tensor");
+  // Proportional (Gemma 4): theta_i / factor over head_dim for the first floor(p*head_dim/2) pairs, 0 after.
+  m.def(
+      "proportional_inv_freq(int head_dim, float base, float factor, float partial_rotary_factor, *, "
+      "ScalarType? dtype=None) -> Tensor");
   // NTK-aware: the default table at base * factor^(dim/(dim-2)).
   m.def("ntk_inv_freq(int dim, float base, float factor, *, ScalarType? dtype=None) -> Tensor");
   // Dynamic NTK: NTK with the factor grown to the current length (default table while seq_len <= L).
@@ -130,6 +134,7 @@ TORCH_LIBRARY(ropescale, m) {
 TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   m.impl("default_inv_freq", &ropescale::default_inv_freq);
   m.impl("linear_inv_freq", &ropescale::linear_inv_freq);
+  m.impl("proportional_inv_freq", &ropescale::proportional_inv_freq);
   m.impl("ntk_inv_freq", &ropescale::ntk_inv_freq);
   m.impl("dynamic_ntk_inv_freq", &ropescale::dynamic_ntk_inv_freq);
   m.impl("yarn_inv_freq", &ropescale::yarn_inv_freq);

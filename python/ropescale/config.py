@@ -55,7 +55,7 @@ from . import scaling
 
 __all__ = [
     "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
-    "write", "base_of", "table_parameters", "vllm_max_model_len", "served_length_value",
+    "write", "base_of", "table_parameters", "vllm_max_model_len", "served_length_value", "rotary_dim",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
@@ -177,9 +177,14 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
           attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
           partial_rotary_factor: float | None = None) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
-    (original) ``max_position_embeddings``, with the attention side given."""
+    (original) ``max_position_embeddings``, with the attention side given. ``partial_rotary_factor``: the
+    model's, kept in the written parameters (refused where the method carries its own and it differs)."""
     params, entry_method = method.stock_parameters(base, rotary_dim)
     if partial_rotary_factor is not None:
+        own = params.get("partial_rotary_factor")  # a method's own parameter (proportional): never overwritten
+        if own is not None and float(own) != float(partial_rotary_factor):
+            raise ValueError(f"{type(method).__name__} has partial_rotary_factor {own}, the model "
+                             f"{partial_rotary_factor}: the written config would change one of them")
         params["partial_rotary_factor"] = partial_rotary_factor
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], attention == "rerope")
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
@@ -202,7 +207,11 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
         raise ValueError(f"write_longrope: this {type(method).__name__} has a table that differs between lengths "
                          "(distinct short and long factors); write it as it is")
     default = scaling.Default().inv_freq(rotary_dim, base, dtype=torch.float64)
-    factors = (default / method.inv_freq(rotary_dim, base, seq_len=None, dtype=torch.float64)).tolist()
+    table = method.inv_freq(rotary_dim, base, seq_len=None, dtype=torch.float64)
+    if bool((table == 0).any()):
+        raise ValueError(f"write_longrope: this {type(method).__name__} leaves pairs unrotated (frequency 0), which no "
+                         "longrope factor gives; write it as it is")
+    factors = (default / table).tolist()
     original = int(getattr(method, "original_max_position", None) or max_position_embeddings)
     length = _written_length(method, "longrope", None, int(max_position_embeddings))
     attention = float(method.attention_factor)
@@ -342,11 +351,20 @@ def base_of(config, layer_type: str | None = None) -> float:
     return float(layer_type_parameters(config, layer_type).get("rope_theta", 10000.0))
 
 
+def rotary_dim(head_dim: int, rope_parameters: Mapping[str, Any] | None) -> int:
+    """The rotary dim (``inv_freq``'s ``dim``) of heads of ``head_dim`` features under ``rope_parameters``: what the
+    method of its rope type declares (``scaling.RopeScaling.rotary_dim_for``): ``head_dim * partial_rotary_factor``,
+    or the whole head for a table that spans it (``proportional``). A type no method has: transformers' rule."""
+    params, _ = table_parameters(rope_parameters)
+    method = scaling.RopeType.parse(params["rope_type"]).method or scaling.Default
+    return method.rotary_dim_for(head_dim, params.get("partial_rotary_factor", 1.0))
+
+
 def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
-    """The rotary dim of a transformers-style config (head dim times ``partial_rotary_factor``)."""
+    """The rotary dim of a transformers-style config (:func:`rotary_dim` of its head dim)."""
     rope_parameters = rope_parameters if rope_parameters is not None else config.rope_parameters
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+    return rotary_dim(head_dim, rope_parameters)
 
 
 def read_config(config, layer_type: str | None = None) -> RopeConfig:

@@ -23,6 +23,7 @@ _ops = torch.ops.ropescale
 __all__ = [
     "default_inv_freq",
     "linear_inv_freq",
+    "proportional_inv_freq",
     "ntk_inv_freq",
     "dynamic_ntk_inv_freq",
     "yarn_inv_freq",
@@ -50,6 +51,15 @@ def default_inv_freq(dim: int, base: float, *, dtype: torch.dtype | None = None)
 def linear_inv_freq(dim: int, base: float, factor: float, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Position interpolation (Chen et al.): the default table divided by ``factor``."""
     return _ops.linear_inv_freq(dim, base, factor, dtype=dtype)
+
+
+def proportional_inv_freq(
+    head_dim: int, base: float, factor: float, partial_rotary_factor: float, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """transformers' ``proportional`` (Gemma 4): ``head_dim / 2`` entries whatever ``partial_rotary_factor``
+    is, ``base ** (-2i / head_dim) / factor`` (the exponent over the FULL head dim) for the first
+    ``floor(partial_rotary_factor * head_dim / 2)`` pairs and 0 (not rotated) for the rest."""
+    return _ops.proportional_inv_freq(head_dim, base, factor, partial_rotary_factor, dtype=dtype)
 
 
 def ntk_inv_freq(dim: int, base: float, factor: float, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -187,8 +197,8 @@ def _register_table_fake(name: str) -> None:
 
 
 # Every op that makes an inv_freq table from scalars (a new method's table op is one more name here).
-TABLE_OPS = ("default_inv_freq", "linear_inv_freq", "ntk_inv_freq", "dynamic_ntk_inv_freq", "yarn_inv_freq",
-             "llama3_inv_freq", "longrope_inv_freq")
+TABLE_OPS = ("default_inv_freq", "linear_inv_freq", "proportional_inv_freq", "ntk_inv_freq", "dynamic_ntk_inv_freq",
+             "yarn_inv_freq", "llama3_inv_freq", "longrope_inv_freq")
 for _name in TABLE_OPS:
     _register_table_fake(_name)
 

@@ -15,7 +15,9 @@ Each method declares everything about itself in one place, its class, and is reg
 - whether its table depends on the length (``dynamic``: the scale follows each sequence;
   ``length_dependent``: the table differs at some length, which LongRoPE's also does);
 - what stock engines do with it (``stock``), which length they derive from its config
-  (``stock_length_is_scaled``), whether transformers has it natively, and vLLM's rotary class for it.
+  (``stock_length_is_scaled``), whether transformers has it natively, and vLLM's rotary class for it;
+- the rotary dim its table is made for (``head_dim_table``: the whole head whatever ``partial_rotary_factor``
+  says, transformers' ``proportional``; else ``head_dim * partial_rotary_factor``): ``rotary_dim_for``.
 
 :class:`RopeType` owns the naming scheme of rope types: ``resonance`` / ``resonance_<type>`` for
 Resonance on a method, ``rerope`` / ``rerope_<table type>`` for ReRoPE attention over a table, and each
@@ -41,6 +43,7 @@ __all__ = [
     "RopeScaling",
     "Default",
     "Linear",
+    "Proportional",
     "NTK",
     "DynamicNTK",
     "YaRN",
@@ -169,6 +172,7 @@ class Declaration:
     vllm_rotary_class: str | None = None
     vllm_owns_name: bool = False
     cli_names: tuple[str, ...] | None = None  # None: the rope type alone
+    head_dim_table: bool = False
 
     def __post_init__(self):
         if self.stock not in ("plain", "same", "refused"):
@@ -328,6 +332,10 @@ class RopeScaling:
     vllm_owns_name: ClassVar[bool] = False
     #: The names the command line's ``--method`` offers for it.
     cli_names: ClassVar[tuple[str, ...]] = ("default", "resonance")
+    #: Its table covers the whole head (``head_dim / 2`` pairs) whatever the config's ``partial_rotary_factor``:
+    #: the method reads that factor itself and gives the pairs past it frequency 0 (transformers' ``proportional``).
+    #: Otherwise its table is for the first ``head_dim * partial_rotary_factor`` features. See ``rotary_dim_for``.
+    head_dim_table: ClassVar[bool] = False
 
     _parameters: ClassVar[tuple[Parameter, ...]] = ()
 
@@ -351,6 +359,16 @@ class RopeScaling:
         tokens it may generate: ``per="request"`` of the dynamic methods), instead of the table of each step's
         length (``per="step"``, the paper's rule)."""
         return getattr(self, "per", "step") == "request"
+
+    @classmethod
+    def rotary_dim_for(cls, head_dim: int, partial_rotary_factor: float = 1.0) -> int:
+        """The rotary dim (``inv_freq``'s ``dim``) of this method's table on heads of ``head_dim`` features under a
+        config's ``partial_rotary_factor``: ``head_dim * partial_rotary_factor`` (transformers' rule), or
+        ``head_dim`` itself for a method whose table covers the whole head (``head_dim_table``). The one place
+        that decides it: ``config.rotary_dim`` asks here for every adapter."""
+        if cls.head_dim_table:
+            return int(head_dim)
+        return int(head_dim * partial_rotary_factor)
 
     def check_rotary_dim(self, dim: int) -> None:
         """Raise ValueError when the method cannot make a table for rotary dim ``dim`` (before a model is touched)."""
@@ -449,6 +467,35 @@ class Linear(RopeScaling):
 
     def _table(self, dim, base, seq_len, dtype):
         return ops.linear_inv_freq(dim, base, self.factor, dtype=dtype)
+
+
+# transformers' ``proportional`` (Gemma 4's full-attention layers): its table spans the whole head (head_dim_table),
+# the pairs past partial_rotary_factor at frequency 0 (identity). Resonance on it is well defined: the op leaves a zero
+# frequency (infinite wavelength) alone and rounds the rotated pairs' wavelengths, so resonance_proportional is kept.
+@register("proportional", stock="same", transformers_native=True, head_dim_table=True)
+@dataclass(frozen=True)
+class Proportional(RopeScaling):
+    """transformers' ``proportional`` (Gemma 4): on heads of ``d`` features, ``b^(-2i/d) / factor`` (the exponent over
+    the FULL head dim) for the first ``floor(partial_rotary_factor * d / 2)`` pairs and 0 (not rotated) for the
+    rest; ``d / 2`` entries whatever ``partial_rotary_factor`` is, so ``inv_freq`` takes the head dim as ``dim``
+    (``rotary_dim_for``). ``partial_rotary_factor`` is a parameter of the method here, not the caller's rotary dim.
+    Attention factor 1; ``partial_rotary_factor=1`` is ``linear``."""
+
+    # transformers' init function reads ``factor`` but its validator does not list it (5.23 warns "Unrecognized keys"
+    # and still uses it): a ropescale key, so the validators of ropescale's types (resonance_/rerope_proportional)
+    # ignore it and ``to_hf`` writes it only when it scales (a Gemma 4 config, factor 1, is written as it was).
+    factor: float = parameter(1.0, cli="--factor", help=_FACTOR_HELP, ropescale_key=True)
+    partial_rotary_factor: float = parameter(1.0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_float(self, "factor", minimum=1.0)
+        value = self.partial_rotary_factor
+        if not _is_number(value) or not math.isfinite(value) or not 0.0 < value <= 1.0:
+            _fail(self, "partial_rotary_factor", "a finite number > 0 and <= 1")
+
+    def _table(self, dim, base, seq_len, dtype):
+        return ops.proportional_inv_freq(dim, base, self.factor, self.partial_rotary_factor, dtype=dtype)
 
 
 # Stock engines serve it as ``default`` with the scaled base; vLLM's own ``ntk`` is another formula (base b*s,

@@ -33,6 +33,38 @@ TEST_CASE("NTK-aware base interpolates the lowest frequency by exactly s", "[fre
   }
 }
 
+TEST_CASE("proportional: base^(-2i/head_dim)/s on the first floor(p*head_dim/2) pairs, 0 after", "[proportional]") {
+  // Gemma 4's full-attention layers: head_dim 256 (here also 8 and 64), p = 0.25.
+  for (int64_t head_dim : {8, 64, 256}) {
+    for (double p : {0.25, 0.5, 1.0}) {
+      for (double s : {1.0, 8.0}) {
+        const auto t = proportional_inv_freq(head_dim, 1e6, s, p);
+        REQUIRE(t.size() == static_cast<size_t>(head_dim / 2));  // the full head, whatever p is
+        const auto rotated = static_cast<size_t>(p * head_dim / 2);  // p*head_dim/2 is an integer here
+        CHECK(proportional_rotated_pairs(head_dim, p) == static_cast<int64_t>(rotated));
+        for (size_t i = 0; i < t.size(); ++i) {
+          if (i < rotated) {
+            // The exponent runs over the full head_dim, not over the 2*rotated features.
+            CHECK(t[i] == Approx(std::exp(-std::log(1e6) * 2.0 * i / head_dim) / s).epsilon(1e-14));
+          } else {
+            CHECK(t[i] == 0.0);
+          }
+        }
+      }
+    }
+  }
+  // p = 1 is linear scaling.
+  const auto linear = linear_inv_freq(64, 1e4, 4.0);
+  const auto full = proportional_inv_freq(64, 1e4, 4.0, 1.0);
+  for (size_t i = 0; i < full.size(); ++i) CHECK(full[i] == linear[i]);
+  // transformers' int(p * head_dim // 2): the floor (0.3 * 10 = 3 -> 1 pair; 0.3 * 6 = 1.8 -> none).
+  CHECK(proportional_rotated_pairs(10, 0.3) == 1);
+  CHECK(proportional_rotated_pairs(6, 0.3) == 0);
+  CHECK(proportional_rotated_pairs(256, 0.25) == 32);
+  const auto none = proportional_inv_freq(6, 1e4, 1.0, 0.3);
+  for (double theta : none) CHECK(theta == 0.0);
+}
+
 TEST_CASE("dynamic NTK is the default table up to the original length", "[frequencies]") {
   CHECK(dynamic_ntk_base(128, 1e4, 4.0, 4096, 100) == 1e4);
   CHECK(dynamic_ntk_base(128, 1e4, 4.0, 4096, 4096) == 1e4);

@@ -44,6 +44,23 @@ inline std::vector<double> linear_inv_freq(int64_t dim, double base, double fact
   return inv_freq;
 }
 
+// transformers' `proportional` (Gemma 4): over a head of head_dim features, the first
+// floor(p * head_dim / 2) pairs take theta_i = base^(-2i/head_dim) (the exponent over the FULL head
+// dim, not over the rotated part) and the remaining pairs frequency 0 (not rotated: cos 1, sin 0);
+// the whole table is divided by the factor. Always head_dim/2 entries.
+inline int64_t proportional_rotated_pairs(int64_t head_dim, double partial_rotary_factor) {
+  // transformers: int(partial_rotary_factor * head_dim // 2), the floor of the double product over 2.
+  return static_cast<int64_t>(std::floor(partial_rotary_factor * static_cast<double>(head_dim) / 2.0));
+}
+
+inline std::vector<double> proportional_inv_freq(int64_t head_dim, double base, double factor,
+                                                 double partial_rotary_factor) {
+  std::vector<double> inv_freq = default_inv_freq(head_dim, base);
+  const int64_t rotated = proportional_rotated_pairs(head_dim, partial_rotary_factor);
+  for (int64_t i = 0; i < head_dim / 2; ++i) inv_freq[i] = i < rotated ? inv_freq[i] / factor : 0.0;
+  return inv_freq;
+}
+
 // NTK-aware (bloc97): base b * s^(d/(d-2)), so the lowest frequency is interpolated by exactly s
 // and the highest is unchanged.
 inline double ntk_base(int64_t dim, double base, double factor) {

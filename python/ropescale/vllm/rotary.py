@@ -110,7 +110,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         return _stock_get_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, *args, **kwargs)
     if args or any(v is not None for k, v in kwargs.items() if k != "mrope_positions_factor"):
         raise NotImplementedError(f"ropescale.vllm: rope_type {rope_type!r} with {sorted(kwargs)} is not supported")
-    rotary_dim = int(params.get("rope_dim") or head_size * params.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(params.get("rope_dim") or config_lib.rotary_dim(head_size, params))
     try:
         parsed = config_lib.read(params, max_position, entry, rotary_dim)
     except ValueError as err:

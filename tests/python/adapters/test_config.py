@@ -25,6 +25,8 @@ WRITTEN = [
     (scaling.NTK(factor=4.0, resonance=True), "resonance_ntk", 64),
     (scaling.YaRN(factor=4.0, original_max_position=L, resonance=True), "resonance_yarn", L),
     (scaling.Llama3(factor=8.0, original_max_position=L, resonance=True), "resonance_llama3", L),
+    (scaling.Proportional(factor=4.0, partial_rotary_factor=0.5), "proportional", 64),  # vLLM multiplies by factor
+    (scaling.Proportional(factor=4.0, partial_rotary_factor=0.5, resonance=True), "resonance_proportional", 64),
 ]
 
 
@@ -134,6 +136,7 @@ EXPORTABLE = [
     scaling.YaRN(factor=4.0, original_max_position=L, resonance=True),
     scaling.Llama3(factor=8.0, original_max_position=L, resonance=True),
     scaling.Default(resonance=True),
+    scaling.Proportional(factor=4.0, partial_rotary_factor=1.0),  # every pair rotated: linear
 ]
 
 
@@ -160,6 +163,26 @@ def test_longrope_export_is_the_same_table_in_stock_transformers(method):
 def test_longrope_export_refuses_dynamic_tables():
     with pytest.raises(ValueError, match="write_longrope: DynamicYaRN is dynamic"):
         config.write_longrope(scaling.DynamicYaRN(original_max_position=L), 1e4, DIM, 64)
+
+
+def test_longrope_export_refuses_unrotated_pairs():
+    # proportional below partial_rotary_factor 1 leaves pairs at frequency 0: no longrope factor gives that
+    with pytest.raises(ValueError, match="write_longrope: this Proportional leaves pairs unrotated"):
+        config.write_longrope(scaling.Proportional(factor=4.0, partial_rotary_factor=0.5), 1e4, DIM, 64)
+
+
+def test_a_method_that_owns_partial_rotary_factor_keeps_it():
+    # The model's partial_rotary_factor is written beside every other method; proportional carries its own, which
+    # a different model value would overwrite: refused. The same value, or none, writes the method's.
+    method = scaling.Proportional(factor=2.0, partial_rotary_factor=0.25)
+    for model_value in (None, 0.25):
+        written = config.write(method, 1e6, DIM, 64, partial_rotary_factor=model_value)
+        assert written.rope_parameters["partial_rotary_factor"] == 0.25
+        assert config.read(written.rope_parameters, 64, written.entry, DIM).method == method
+    with pytest.raises(ValueError, match="Proportional has partial_rotary_factor 0.25, the model 0.5"):
+        config.write(method, 1e6, DIM, 64, partial_rotary_factor=0.5)
+    assert config.write(scaling.Linear(factor=2.0), 1e4, DIM, 64,
+                        partial_rotary_factor=0.5).rope_parameters["partial_rotary_factor"] == 0.5
 
 
 def test_extend_target_vllm_writes_the_longrope_export(tmp_path, capsys):

@@ -18,6 +18,15 @@ BAD_FIELDS = [
     (scaling.Linear, {"factor": 0.5}, "Linear: factor must be a finite number >= 1, got 0.5"),
     (scaling.Linear, {"factor": INF}, "Linear: factor must be a finite number >= 1, got inf"),
     (scaling.Linear, {"factor": "4"}, "Linear: factor must be a finite number >= 1, got '4'"),
+    (scaling.Proportional, {"factor": 0.5}, "Proportional: factor must be a finite number >= 1, got 0.5"),
+    (scaling.Proportional, {"partial_rotary_factor": 0.0},
+     "Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got 0.0"),
+    (scaling.Proportional, {"partial_rotary_factor": 1.5},
+     "Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got 1.5"),
+    (scaling.Proportional, {"partial_rotary_factor": NAN},
+     "Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got nan"),
+    (scaling.Proportional, {"partial_rotary_factor": "0.25"},
+     "Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got '0.25'"),
     (scaling.NTK, {"factor": NAN}, "NTK: factor must be a finite number >= 1, got nan"),
     (scaling.DynamicNTK, {"factor": 0.0}, "DynamicNTK: factor must be a finite number >= 1, got 0.0"),
     (scaling.DynamicNTK, {"original_max_position": 0}, "DynamicNTK: original_max_position must be an integer >= 1, got 0"),
@@ -92,6 +101,10 @@ BAD_HF = [
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "shortfactor": [1.0]}, 64,
      "did you mean 'short_factor'?"),
     ({"rope_type": "default", "factor": 2.0}, 64, "rope_type 'default' has no parameter 'factor'"),
+    ({"rope_type": "proportional", "partial_rotary_fator": 0.25}, 64,
+     "rope_type 'proportional' has no parameter 'partial_rotary_fator' (did you mean 'partial_rotary_factor'?)"),
+    ({"rope_type": "resonance_proportional", "partial_rotary_factor": 2.0}, 64,
+     "rope_type 'proportional': Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got 2.0"),
     ({"rope_type": "resonance_yarn", "factor": 0.5, "original_max_position_embeddings": 16}, 64,
      "rope_type 'yarn': YaRN: factor must be a finite number >= 1, got 0.5"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16.5}, 64,
@@ -119,6 +132,9 @@ def test_from_hf_accepts_what_transformers_writes():
     assert method == scaling.YaRN(factor=4.0, original_max_position=16)
     assert scaling.from_hf({"type": "dynamic", "factor": 2}, 32) == scaling.DynamicNTK(factor=2.0, original_max_position=32)
     assert scaling.from_hf({"rope_type": "dynamic_yarn"}, 32) == scaling.DynamicYaRN(original_max_position=32)
+    # Gemma 4's full-attention layers: partial_rotary_factor is proportional's own parameter, factor defaults to 1
+    assert scaling.from_hf({"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}) == \
+        scaling.Proportional(factor=1.0, partial_rotary_factor=0.25)
     longrope = scaling.from_hf({"rope_type": "longrope", "short_factor": [1, 1], "long_factor": [2, 2],
                                 "original_max_position_embeddings": 16}, 64)
     assert longrope.factor == 4.0 and math.isclose(longrope.attention_factor, math.sqrt(1 + math.log(4) / math.log(16)))

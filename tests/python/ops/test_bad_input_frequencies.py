@@ -35,6 +35,14 @@ ROWS = [
     row("longrope short", R.longrope_inv_freq, 8, 1e4, [1.0], [1.0] * 4, 16, 8,
         message="short_factor must have dim/2 = 4 entries, got 1"),
     row("integer dtype", R.default_inv_freq, 64, 1e4, dtype=torch.int64, message="inv_freq tables are floating point"),
+    # proportional's own argument: a fraction of the head in (0, 1]
+    *(row(f"proportional partial_rotary_factor {shown}", R.proportional_inv_freq, 64, 1e4, 2.0, p,
+          message=re.escape(f"proportional_inv_freq: partial_rotary_factor must be in (0, 1], got {shown}"))
+      for p, shown in ((0.0, "0"), (-0.5, "-0.5"), (1.5, "1.5"), (nan, "nan"), (inf, "inf"))),
+    row("head_dim 0", R.proportional_inv_freq, 0, 1e4, 1.0, 0.25,
+        message="proportional_inv_freq: head_dim must be a positive even number, got 0"),
+    row("factor 0.5 proportional", R.proportional_inv_freq, 64, 1e4, 0.5, 0.25,
+        message="proportional_inv_freq: factor must be >= 1, got 0.5"),
     # the inv_freq-taking ops: metadata
     row("inv_freq 2-D", R.similarity_decay, f[None], 10, message="similarity_decay: inv_freq must be 1-D"),
     row("int inv_freq", R.feature_gap, f.long(), 4, 8, message="feature_gap: inv_freq must be floating point"),
@@ -61,8 +69,9 @@ ROWS = [
 # messages as the rows above, from the checks the table ops share.
 _VALID = {"dim": 64, "base": 1e4, "factor": 2.0, "original_max_position": 128, "seq_len": 256, "beta_fast": 32.0,
           "beta_slow": 1.0, "truncate": True, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
+          "short_factor": [1.0] * 32, "long_factor": [2.0] * 32, "head_dim": 64, "partial_rotary_factor": 0.25}
 _HOSTILE = {"dim": (63, "dim must be a positive even number, got 63"), "base": (nan, "base must be > 1, got nan"),
+            "head_dim": (63, "head_dim must be a positive even number, got 63"),
             "factor": (nan, "factor must be >= 1, got nan"),
             "original_max_position": (0, "original_max_position must be > 0, got 0")}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from ropescale import ops, scaling
+from ropescale import config as config_lib, ops, scaling
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -28,6 +28,16 @@ FACTORS = (1.5, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 def ref_default(dim, base):
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+def ref_proportional(head_dim, base, factor, partial_rotary_factor):
+    """transformers' proportional (Gemma 4), from its definition: on a head of ``head_dim`` features the first
+    ``floor(p * head_dim / 2)`` pairs turn at ``base^(-2i/head_dim)`` (the exponent over the whole head), the rest
+    not at all (frequency 0); everything divided by the factor. ``head_dim / 2`` entries."""
+    rotated = math.floor(partial_rotary_factor * head_dim / 2)
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    theta = torch.where(i < rotated, base ** (-2 * i / head_dim), torch.zeros((), dtype=torch.float64))
+    return theta / factor
 
 
 def ref_ntk(dim, base, factor):
@@ -145,6 +155,68 @@ def test_matches_transformers(head_dim, params, mpe, seq_len):
     assert got.dtype == torch.float32 and got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     assert method.attention_factor_for(seq_len) == pytest.approx(expected_factor, rel=1e-12)
+
+
+# proportional (Gemma 4): the table spans the whole head whatever partial_rotary_factor is, so the rotary dim the
+# registry gives it (config.rotary_dim_of) is the head dim, not head_dim * partial_rotary_factor.
+PROPORTIONAL_GRID = list(itertools.product((8, 64, 256), (0.25, 0.5, 1.0), (1.0, 8.0), (1e4, 1e6)))
+
+
+@pytest.mark.parametrize("head_dim,partial,factor,base", PROPORTIONAL_GRID)
+def test_proportional_matches_transformers(head_dim, partial, factor, base):
+    params = {"rope_type": "proportional", "factor": factor, "partial_rotary_factor": partial, "rope_theta": base}
+    config = _config(head_dim, params, 4096)
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
+    method = scaling.from_hf(config.rope_parameters, config.max_position_embeddings)
+    assert method == scaling.Proportional(factor=factor, partial_rotary_factor=partial)
+    assert config_lib.rotary_dim_of(config) == head_dim
+    got = method.inv_freq(config_lib.rotary_dim_of(config), base)
+    assert got.dtype == torch.float32 and got.shape == expected.shape == (head_dim // 2,)
+    rotated = int(partial * head_dim // 2)
+    assert torch.equal(got[rotated:], torch.zeros(head_dim // 2 - rotated)) and bool((got[:rotated] > 0).all())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # transformers computes in float32
+    assert method.attention_factor_for(None) == expected_factor == 1.0
+    # the op itself against the float64 reference
+    torch.testing.assert_close(ops.proportional_inv_freq(head_dim, base, factor, partial, dtype=torch.float64),
+                               ref_proportional(head_dim, base, factor, partial), rtol=1e-15, atol=0)
+
+
+def test_proportional_exponent_runs_over_the_head_not_the_rotated_part():
+    # Gemma 4's full-attention layers: head 256, a quarter rotated. The rotated pairs are NOT a default table of
+    # 64 features (base^(-2i/64)), and p = 1 is linear scaling.
+    got = ops.proportional_inv_freq(256, 1e6, 1.0, 0.25, dtype=torch.float64)
+    torch.testing.assert_close(got[:32], ref_default(256, 1e6)[:32], rtol=1e-15, atol=0)
+    assert not torch.allclose(got[:32], ref_default(64, 1e6))
+    assert torch.equal(ops.proportional_inv_freq(64, 1e4, 4.0, 1.0), ops.linear_inv_freq(64, 1e4, 4.0))
+    # transformers' int(p * head_dim // 2) floors: 0.3 * 10 / 2 = 1.5 -> 1 pair; 0.3 * 6 / 2 = 0.9 -> none
+    assert ops.proportional_inv_freq(10, 1e4, 1.0, 0.3).count_nonzero() == 1
+    assert ops.proportional_inv_freq(6, 1e4, 1.0, 0.3).count_nonzero() == 0
+
+
+def test_proportional_reads_and_writes_gemma4_parameters():
+    gemma4 = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    method = scaling.from_hf(gemma4)
+    assert method == scaling.Proportional(factor=1.0, partial_rotary_factor=0.25)
+    assert method.to_hf(base=1e6) == gemma4  # factor 1 is not written (transformers' validator does not list it)
+    scaled = scaling.Proportional(factor=8.0, partial_rotary_factor=0.25)
+    assert scaled.to_hf(base=1e6) == {**gemma4, "factor": 8.0}
+    assert scaling.from_hf(scaled.to_hf(base=1e6)) == scaled
+    # every other type's rotary dim is head_dim * partial_rotary_factor; proportional's is the head
+    assert config_lib.rotary_dim(256, gemma4) == 256
+    assert config_lib.rotary_dim(256, {**gemma4, "rope_type": "resonance_proportional"}) == 256
+    assert config_lib.rotary_dim(256, {**gemma4, "rope_type": "linear", "factor": 8.0}) == 64
+    assert config_lib.rotary_dim(256, {**gemma4, "rope_type": "unknown"}) == 64
+
+
+def test_resonance_proportional_rounds_the_rotated_pairs_and_keeps_zeros():
+    method = scaling.from_hf({"rope_type": "resonance_proportional", "factor": 2.0, "partial_rotary_factor": 0.5})
+    assert method == scaling.Proportional(factor=2.0, partial_rotary_factor=0.5, resonance=True)
+    got = method.inv_freq(64, 1e4, dtype=torch.float64)
+    plain = ref_proportional(64, 1e4, 2.0, 0.5)
+    assert torch.equal(got[16:], torch.zeros(16))  # infinite wavelength: never rounded, still not rotated
+    torch.testing.assert_close(got[:16], ref_resonance(plain[:16]), rtol=1e-15, atol=0)
+    wavelen = 2 * math.pi / got[:16]
+    assert (wavelen - wavelen.round()).abs().max() < 1e-9
 
 
 def test_roundtrip_through_hf_dict():
@@ -362,6 +434,8 @@ def test_base_lower_bound_32k_is_fast_and_matches_the_paper():
 OPCHECK_CASES = [
     (torch.ops.ropescale.default_inv_freq.default, (64, 1e4), {}),
     (torch.ops.ropescale.linear_inv_freq.default, (64, 1e4, 2.0), {"dtype": torch.float64}),
+    (torch.ops.ropescale.proportional_inv_freq.default, (64, 1e6, 8.0, 0.25), {}),
+    (torch.ops.ropescale.proportional_inv_freq.default, (256, 1e4, 1.0, 1.0), {"dtype": torch.float64}),
     (torch.ops.ropescale.ntk_inv_freq.default, (64, 1e4, 2.0), {}),
     (torch.ops.ropescale.dynamic_ntk_inv_freq.default, (64, 1e4, 2.0, 128, 300), {}),
     (torch.ops.ropescale.yarn_inv_freq.default, (64, 1e4, 8.0, 512), {}),
@@ -396,6 +470,15 @@ BAD_INPUT = [
     (lambda: ops.default_inv_freq(64, 1.0), "default_inv_freq: base must be > 1, got 1"),
     (lambda: ops.linear_inv_freq(64, 1e4, 0.5), "linear_inv_freq: factor must be >= 1, got 0.5"),
     (lambda: ops.ntk_inv_freq(2, 1e4, 2.0), "ntk_inv_freq: dim must be > 2"),
+    (lambda: ops.proportional_inv_freq(63, 1e4, 1.0, 0.25), "proportional_inv_freq: head_dim must be a positive even number, got 63"),
+    (lambda: ops.proportional_inv_freq(-8, 1e4, 1.0, 0.25), "head_dim must be a positive even number, got -8"),
+    (lambda: ops.proportional_inv_freq(64, 0.0, 1.0, 0.25), "proportional_inv_freq: base must be > 1, got 0"),
+    (lambda: ops.proportional_inv_freq(64, float("inf"), 1.0, 0.25), "proportional_inv_freq: base must be > 1, got inf"),
+    (lambda: ops.proportional_inv_freq(64, 1e4, float("nan"), 0.25), "proportional_inv_freq: factor must be >= 1, got nan"),
+    (lambda: ops.proportional_inv_freq(64, 1e4, -2.0, 0.25), "proportional_inv_freq: factor must be >= 1, got -2"),
+    (lambda: ops.proportional_inv_freq(64, 1e4, 1.0, 0.0), "partial_rotary_factor must be in (0, 1], got 0"),
+    (lambda: ops.proportional_inv_freq(64, 1e4, 1.0, 1.25), "partial_rotary_factor must be in (0, 1], got 1.25"),
+    (lambda: ops.proportional_inv_freq(64, 1e4, 1.0, float("nan")), "partial_rotary_factor must be in (0, 1], got nan"),
     (lambda: ops.dynamic_ntk_inv_freq(64, 1e4, 2.0, 0, 10), "original_max_position must be > 0, got 0"),
     (lambda: ops.dynamic_ntk_inv_freq(64, 1e4, 2.0, 10, -1), "seq_len must be >= 0, got -1"),
     (lambda: ops.yarn_inv_freq(64, 1e4, 8.0, 4096, 1.0, 32.0), "beta_fast must be > beta_slow"),

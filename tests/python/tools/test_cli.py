@@ -450,6 +450,8 @@ METHOD_NAMES = {
     "default": ([], scaling.Default()),
     "resonance": ([], scaling.Default(resonance=True)),
     "linear": (["--factor", "2"], scaling.Linear(factor=2.0)),
+    # no flag for partial_rotary_factor: the command line's proportional rotates every pair
+    "proportional": (["--factor", "2"], scaling.Proportional(factor=2.0)),
     "ntk": (["--factor", "2", "--resonance"], scaling.NTK(factor=2.0, resonance=True)),
     "dynamic": (["--factor", "2", "--seq-len", "9000"], scaling.DynamicNTK(factor=2.0, original_max_position=4096)),
     "dynamic_ntk": (["--factor", "3", "--seq-len", "9000", "--original-max-position", "1000"],
