@@ -120,11 +120,15 @@ def pairs(name):
 
 
 def static_cases():
-    """(family, method name, rope_parameters): every static table transformers implements, on every family."""
+    """(family, method name, rope_parameters): every static table transformers implements, Resonance on YaRN (a
+    type ``import ropescale.hf`` registers), YaRN with ``truncate=False`` and DeepSeek's mscale pair, on every
+    family."""
     cases = []
     for name in sorted(TINY):
         for method, cls in sorted(registered(transformers_native=True, dynamic=False).items()):
             cases.append((name, method, instance(cls, pairs=pairs(name), original=ORIGINAL).to_hf()))
+        cases.append((name, "resonance_yarn", {"rope_type": "resonance_yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": ORIGINAL}))
         cases.append((name, "yarn_truncate_mscale", {"rope_type": "yarn", "factor": 4.0, "truncate": False,
                                                      "original_max_position_embeddings": ORIGINAL, "mscale": 0.707,
                                                      "mscale_all_dim": 1.0}))
