@@ -247,13 +247,15 @@ def patch(
         _check_rerope_implementation(config)
 
     params = config_lib.layer_type_parameters(config, layer_type)
+    method = _as_method(scaling, config, layer_type)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     state = _PatchState(
-        method=_as_method(scaling, config, layer_type),
+        method=method,
         attention=attention,
         window=window,
         leaky_k=float(leaky_k or 0.0),
         logn_length=int(logn_length or 0),
-        rotary_dim=config_lib.rotary_dim_of(config, params),
+        rotary_dim=method.rotary_dim_for(head_dim, params.get("partial_rotary_factor", 1.0)),  # the method's table
         base=config_lib.base_of(config, layer_type),
         architecture=architecture,
         rotary_modules=rotary_modules,
@@ -264,8 +266,12 @@ def patch(
     )
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
-    checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
-                      state.logn_length, layer_types=layer_types)
+    try:
+        checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
+                          state.logn_length, layer_types=layer_types)
+    except ValueError as err:
+        checkpoint.restore(config, state.saved_config)
+        raise ValueError(f"patch: {architecture.name}: {err}") from None
     _check_written_config(state)
     for module in rotary_modules:
         if architecture.cat_layout:
