@@ -363,8 +363,12 @@ def rotary_dim(head_dim: int, rope_parameters: Mapping[str, Any] | None) -> int:
 def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
     """The rotary dim of a transformers-style config (:func:`rotary_dim` of its head dim)."""
     rope_parameters = rope_parameters if rope_parameters is not None else config.rope_parameters
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return rotary_dim(head_dim, rope_parameters)
+    return rotary_dim(head_dim_of(config), rope_parameters)
+
+
+def head_dim_of(config) -> int:
+    """The attention head dim of a transformers-style config (``head_dim``, else hidden size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def read_config(config, layer_type: str | None = None) -> RopeConfig:

@@ -45,7 +45,7 @@ def restore(config, saved: dict[str, Any]) -> None:
 def saved_attention(config, layer_type: str | None = None) -> dict[str, Any] | None:
     """The attention side recorded in ``config`` (None when there is none), checked. ``layer_type``: the
     extended layer type of a per-layer-type config."""
-    params = config_lib.layer_type_parameters(config, layer_type) if layer_type else getattr(config, "rope_parameters", None)
+    params = config_lib.layer_type_parameters(config, layer_type)
     _, rerope = table_parameters(params)
     rope_type = (params or {}).get("rope_type", "default")
     try:

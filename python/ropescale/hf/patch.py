@@ -248,14 +248,13 @@ def patch(
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     state = _PatchState(
         method=method,
         attention=attention,
         window=window,
         leaky_k=float(leaky_k or 0.0),
         logn_length=int(logn_length or 0),
-        rotary_dim=method.rotary_dim_for(head_dim, params.get("partial_rotary_factor", 1.0)),  # the method's table
+        rotary_dim=method.rotary_dim_for(config_lib.head_dim_of(config), params.get("partial_rotary_factor", 1.0)),
         base=config_lib.base_of(config, layer_type),
         architecture=architecture,
         rotary_modules=rotary_modules,
@@ -483,7 +482,7 @@ _PLANNED = "_ropescale_planned"  # a cache's per-request planned lengths, fixed 
 
 
 @torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache, first_layer: bool) -> torch.Tensor:
+def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torch.Tensor:
     """Each row's planned length under a per-request method (see the module's docstring): fixed at the
     request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
     forward itself without a cache) as the row's length then (its largest position + 1: this forward's
@@ -504,7 +503,7 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache, first_l
             setattr(cache, _PLANNED, planned)
     else:
         planned = current
-    if first_layer and bool((current > planned).any()):
+    if bool((current > planned).any()):
         row = int(torch.nonzero(current > planned)[0, 0])
         raise ValueError(
             f"ropescale: {type(state.method).__name__}(per='request') fixes each request's scale at its first "
@@ -597,7 +596,7 @@ def _base_model_pre_hook(module, args, kwargs):
     return args, kwargs
 
 
-def _base_model_hook(module, args, kwargs_or_output, output=None):
+def _base_model_hook(module, args, output):
     state: _PatchState = module._ropescale_patch
     if state.step_cache is not None:
         for layer in state.step_cache.layers:
@@ -658,7 +657,7 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
     if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
         if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
             vars(cache).pop(_PLANNED, None)  # a new request in this cache
-        state.step_planned = _planned_lengths(state, positions, cache, True)
+        state.step_planned = _planned_lengths(state, positions, cache)
 
 
 def _wrap_implementations(state: _PatchState) -> None:
@@ -668,7 +667,7 @@ def _wrap_implementations(state: _PatchState) -> None:
         implementation = getattr(config, "_attn_implementation", None) or "eager"
         if implementation.startswith(_WRAPPED):
             continue
-        if state.attention == "rerope" and implementation not in REROPE_IMPLEMENTATIONS:
+        if state.attention == "rerope":  # at patch and at every forward: the implementation can change after patch
             _check_rerope_implementation(config)
         name = _WRAPPED + implementation
         if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
@@ -719,7 +718,7 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
                            f"of {key_positions.shape[-1]}: its cache was not made by this patched model's forward")
     planned = state.step_planned if state.per_request else None
     if state.per_request and planned is None:
-        planned = _planned_lengths(state, positions, None, True)
+        planned = _planned_lengths(state, positions, None)
     groups = _groups(state, key_positions, planned)
     if state.attention == "rerope":
         return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
@@ -775,7 +774,6 @@ def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int
 
 
 def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask, kwargs):
-    _check_rerope_implementation(module.config)  # the implementation can change after patching
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
         raise ValueError(f"ropescale: ReRoPE cannot run layer {module.layer_idx}: its attention has sinks or "
                          "soft-capped logits")

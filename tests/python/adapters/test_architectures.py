@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from ropescale import hf, ops, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
 
-from support.attention import rot64  # noqa: E402
+from support.attention import reference  # noqa: E402
 from support.methods import instance, registered  # noqa: E402
 
 VOCAB, ORIGINAL, LENGTH = 101, 16, 40
@@ -201,9 +201,10 @@ def _attention_layer(model):
 
 
 @pytest.mark.parametrize("name", PRE_ROPE)
-def test_rerope_layer_equals_float64_reference(name):
-    """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64 on the layer's own
-    q, k, v (captured before rotation), in the family's pair layout."""
+def test_rerope_layer_equals_float64_reference(name, monkeypatch):
+    """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64
+    (``support.attention.reference``) on the layer's own q, k, v (as they reach ReRoPE), in the family's pair
+    layout, through its o_proj."""
     window = 6
     if name == "Phi-3 / Phi-4-mini":  # Phi3Config takes the rope types default and longrope only
         with pytest.raises(ValueError, match="refuses the rope_parameters this method writes"):
@@ -211,47 +212,25 @@ def test_rerope_layer_equals_float64_reference(name):
         return
     model = hf.patch(build(name), None, attention="rerope", window=window)
     layer = _attention_layer(model)
-    captured = {}
-
-    def capture(module, args, kwargs, result):
-        captured["out"] = result[0]
-
-    handle = layer.register_forward_hook(capture, with_kwargs=True)
     seen = {}
-
-    x = ids(batch=1, length=20)
+    handle = layer.register_forward_hook(lambda module, args, result: seen.update(out=result[0]))
     patch_module = importlib.import_module("ropescale.hf.patch")
-    original = patch_module._rerope
+    rerope = patch_module._rerope
 
     def spy(module, state, groups, query, key, value, positions, key_positions, mask, kwargs):
         if module is layer:
-            seen.update(q=query, k=key, v=value, positions=positions, key_positions=key_positions,
-                        scale=kwargs.get("scaling"))
-        return original(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
+            seen.update(q=query, k=key, v=value, qp=positions, kp=key_positions, scale=kwargs["scaling"])
+        return rerope(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
 
-    patch_module._rerope = spy
-    try:
-        output(model, x)
-    finally:
-        patch_module._rerope = original
-        handle.remove()
-    q, k, v = seen["q"].double(), seen["k"].double(), seen["v"].double()
+    monkeypatch.setattr(patch_module, "_rerope", spy)
+    output(model, ids(batch=1, length=20))
+    handle.remove()
     inv_freq = ops.default_inv_freq(2 * pairs(name), 10000.0, dtype=torch.float64)
-    interleaved = ARCHS[name].interleaved
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    pos = seen["positions"]
-    n = pos.shape[-1]
-    dist = pos[0][:, None] - seen["key_positions"][0][None, :]
-    inside = (dist >= 0) & (dist < window)
-    plain = rot64(q, pos, inv_freq, interleaved) @ rot64(k, seen["key_positions"], inv_freq, interleaved).transpose(-1, -2)
-    fixed = torch.full_like(pos, window)
-    at_window = rot64(q, fixed, inv_freq, interleaved) @ k.transpose(-1, -2)
-    scores = torch.where(inside, plain, at_window) * seen["scale"]
-    scores = scores.masked_fill(dist < 0, float("-inf"))
-    expected = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, -1)
-    expected_out = torch.nn.functional.linear(expected.float(), layer.o_proj.weight, layer.o_proj.bias)
-    torch.testing.assert_close(captured["out"], expected_out, rtol=1e-5, atol=2e-5)
+    expected, _ = reference(seen["q"], seen["k"], seen["v"], seen["qp"], seen["kp"], inv_freq, window,
+                            scale=seen["scale"], interleaved=ARCHS[name].interleaved)
+    expected = expected.transpose(1, 2).flatten(2).float()
+    torch.testing.assert_close(seen["out"], torch.nn.functional.linear(expected, layer.o_proj.weight, layer.o_proj.bias),
+                               rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
