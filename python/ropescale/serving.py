@@ -64,6 +64,23 @@ class PreRopePlan:
             return None
         return cls.of(parsed, config_lib.rotary_dim_of(config, params), True)
 
+    def check_head_dim(self, head_dim: int, what: str) -> None:
+        """ropescale's attention ops multiply a row's whole score by its attention factor squared. transformers puts
+        the factor on the cos and sin of the ROTATED dims only, so the two agree when every dim is rotated or the
+        factor is 1. A partial-rotary head (``rotary_dim < head_dim``: Phi-3, GLM-4) under a table whose factor can
+        differ from 1 (YaRN, LongRoPE, Dynamic YaRN) would be served silently wrong: refused, naming ``what``."""
+        if self.rotary_dim >= head_dim:
+            return
+        original = int(getattr(self.method, "original_max_position", None) or 4096)
+        lengths = (None, original, 2 * original, 8 * original, 64 * original)
+        factors = sorted({float(self.method.attention_factor_for(n)) for n in lengths})
+        if factors != [1.0]:
+            raise ValueError(
+                f"{what}: {type(self.method).__name__}'s attention factor ({', '.join(f'{f:.4g}' for f in factors)}) "
+                f"on a partial-rotary head ({self.rotary_dim} of {head_dim} dims rotated): ropescale's attention "
+                "kernels scale the whole score by it where transformers scales the rotated dims only. Serve it with "
+                "the rotation at the model (a static table), or a method whose factor is 1 (Dynamic NTK, linear)")
+
     @property
     def length_dependent(self) -> bool:
         """Each request needs the table of its own length (``RopeScaling.length_dependent``)."""

@@ -264,6 +264,8 @@ def patch(
         config=config,
     )
     _check_layers(state, scaling)
+    if attention == "rerope":  # the ReRoPE op scales whole scores; the rotation path scales the rotated dims
+        state.tables.plan.check_head_dim(config_lib.head_dim_of(config), f"patch: ReRoPE on {architecture.name}")
     state.saved_config = checkpoint.snapshot(config)
     try:
         checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,

@@ -149,8 +149,9 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
     """``get_rope``'s answer for a pre-RoPE checkpoint (refused unless ropescale's backend will run)."""
     what = ("ReRoPE attention" if parsed.attention == "rerope"
             else f"a dynamic method ({type(parsed.method).__name__})")
-    check_backend(vllm_config, what)
     plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
+    plan.check_head_dim(head_size, f"ropescale.vllm: {what}")
+    check_backend(vllm_config, what)
     _record(plan, vllm_config)
     if plan.length_dependent:
         install_prompt_lengths()

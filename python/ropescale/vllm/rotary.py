@@ -100,6 +100,12 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     ours = serving.ropescale_rotary(params, entry)
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
+    if ours and config_lib.per_layer_type(hf_config):
+        # Each layer gets its own type's parameters with the model's one entry; the plugin reads them as one model.
+        raise NotImplementedError(
+            "ropescale.vllm: rope parameters per layer type (Gemma 3) written by ropescale are not served by the "
+            "plugin yet; a static table (YaRN, linear, Llama 3, LongRoPE) is exact in stock vLLM: serve it with "
+            "ROPESCALE_VLLM=0. Pre-RoPE methods on such a model are not served by vLLM")
     if not ours:
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")

@@ -303,3 +303,33 @@ def test_a_patched_model_whose_implementation_changes_is_wrapped_again():
     assert model.config._attn_implementation == "ropescale_eager"
     hf.unpatch(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("method,refused", [
+    (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), True),
+    (scaling.DynamicYaRN(original_max_position=ORIGINAL), True),
+    (scaling.LongRoPE(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_max_position=ORIGINAL, factor=4.0), True),
+    (scaling.DynamicNTK(original_max_position=ORIGINAL), False),
+    (scaling.Linear(factor=4.0), False),
+])
+def test_partial_rotary_with_an_attention_factor_is_refused_where_the_kernels_scale_whole_scores(method, refused):
+    """ropescale's attention ops scale a row's whole score by the factor squared; transformers scales the rotated
+    dims only. On a partial-rotary head (8 of 16 dims) a factor other than 1 is refused (the vLLM plugin and hf's
+    ReRoPE run those ops; vLLM served Phi-3 and GLM-4 LongRoPE 0.13 and 0.27 nats off before), a factor of 1 runs;
+    every dim rotated runs whatever the factor."""
+    from ropescale import serving
+
+    plan = serving.PreRopePlan(method, 10000.0, 8, serving.NO_WINDOW)
+    if refused:
+        with pytest.raises(ValueError, match="partial-rotary head \\(8 of 16 dims rotated\\)"):
+            plan.check_head_dim(16, "here")
+    else:
+        plan.check_head_dim(16, "here")
+    plan.check_head_dim(8, "here")  # every dim rotated
+
+
+def test_rerope_on_a_partial_rotary_family_refuses_a_table_with_an_attention_factor():
+    model = build("GLM-4", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL})
+    with pytest.raises(ValueError, match="patch: ReRoPE on GLM-4: YaRN's attention factor"):
+        hf.patch(model, None, attention="rerope", window=8)
+    assert not hf.is_patched(model)

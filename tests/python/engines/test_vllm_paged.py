@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, _ATTN_OVERRIDES  # noqa: E402
 
-from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
+from ropescale import config as config_lib, hf, ops, scaling, serving  # noqa: E402
 from ropescale.vllm import attention, rotary  # noqa: E402
 
 SERVED = 256  # the length the engines serve (VLLM_ALLOW_LONG_MAX_MODEL_LEN: ReRoPE's point is to go past L)
@@ -479,3 +479,33 @@ def test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cud
     for name, (served_long, served_mixed) in zip(paths, results):
         assert_same(served_long, reference(paths[name], long), f"{name} on CUDA, CUSTOM backend, graphs", atol=1e-4)
         assert_same(served_mixed, reference(paths[name], mixed), f"{name} on CUDA, 8 mixed requests", atol=1e-4)
+
+
+def test_pre_rope_partial_rotary_with_an_attention_factor_is_refused_at_get_rope():
+    """A partial-rotary head (Phi-3, GLM-4: 24 of 32 dims rotated) under a table whose attention factor is not 1:
+    the paged op scales the whole score by it, transformers the rotated dims only. Served, Phi-3's LongRoPE was
+    0.13 nats off transformers and GLM-4's 0.27 (tokens differing): refused at model build, before the backend."""
+    params = {**scaling.DynamicYaRN(original_max_position=16).to_hf(base=10000.0), "partial_rotary_factor": 0.75}
+    parsed = config_lib.read(params, 64, None, 24)
+    with pytest.raises(ValueError, match=r"ropescale.vllm: a dynamic method \(DynamicYaRN\): DynamicYaRN's attention "
+                                         r"factor .* \(24 of 32 dims rotated\)"):
+        attention.pass_through(32, 24, 64, True, parsed, None)
+    ntk = config_lib.read({**scaling.DynamicNTK(original_max_position=16).to_hf(base=10000.0),
+                           "partial_rotary_factor": 0.75}, 64, None, 24)
+    serving.PreRopePlan.of(ntk, 24, True).check_head_dim(32, "a factor of 1 runs")
+
+
+def test_a_per_layer_type_checkpoint_is_refused_by_the_plugin_with_the_way_out(tmp_path, monkeypatch):
+    """Gemma 3 patched with YaRN on its full layers: the plugin, which reads one model's rope, refuses it by name
+    (it gave each sliding layer the full layers' entry: 'config was edited by hand'); stock vLLM serves the static
+    table exactly (4.9e-7 from transformers, probed on a head-dim-32 Gemma 3)."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    hf.checkpoint.record(config, scaling.YaRN(factor=4.0, original_max_position=16), layer_types=("full_attention",))
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config))
+    for layer_type in ("full_attention", "sliding_attention"):
+        with pytest.raises(NotImplementedError, match="rope parameters per layer type .* ROPESCALE_VLLM=0"):
+            rotary.get_rope(32, 64, True, dict(config.rope_parameters[layer_type]), torch.float32)
