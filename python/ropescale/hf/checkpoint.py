@@ -24,7 +24,7 @@ from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, ta
 
 # Every config attribute a patch may write: unpatch puts back exactly what was there (or nothing).
 _RECORDED = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY,
-             config_lib.SERVED_LENGTH_KEY)
+             config_lib.SERVED_LENGTH_KEY, "llama_4_scaling")
 _ABSENT = object()
 
 
@@ -111,6 +111,11 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
         config.rope_parameters = {**config.rope_parameters, **{t: copy.deepcopy(params) for t in layer_types}}
     else:
         config.rope_parameters = params
+    if "llama_4_scaling_beta" in params and "original_max_position_embeddings" in params:
+        # Ministral 3's query temperature, 1 + beta ln(1 + floor(p / original)), as vLLM's Mistral reads it: its
+        # conversion of a transformers config leaves it out, and vLLM served the model without it (0.07 nats off).
+        config.llama_4_scaling = {"original_max_position_embeddings": params["original_max_position_embeddings"],
+                                  "beta": params["llama_4_scaling_beta"]}
     if entry is None:
         if CONFIG_KEY in config.__dict__:
             delattr(config, CONFIG_KEY)

@@ -101,11 +101,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
     if ours and config_lib.per_layer_type(hf_config):
-        # Each layer gets its own type's parameters with the model's one entry; the plugin reads them as one model.
-        raise NotImplementedError(
-            "ropescale.vllm: rope parameters per layer type (Gemma 3) written by ropescale are not served by the "
-            "plugin yet; a static table (YaRN, linear, Llama 3, LongRoPE) is exact in stock vLLM: serve it with "
-            "ROPESCALE_VLLM=0. Pre-RoPE methods on such a model are not served by vLLM")
+        ours = _extended_layer_type(params, hf_config, entry, max_position, head_size)
     if not ours:
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")
@@ -138,6 +134,34 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         _layers[key] = RopescaleRotaryEmbedding(head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,
                                                 parsed.method)
     return _layers[key]
+
+
+def _extended_layer_type(params, hf_config, entry, max_position, head_size) -> bool:
+    """For a config with rope parameters per layer type (Gemma 3), whether this layer's are the ones ropescale
+    extended: ``hf.patch`` writes its method into some layer types only (``checkpoint.record(layer_types=)``)
+    beside the model's one ``ropescale`` entry, so a layer is ropescale's when its parameters read with that
+    entry, and vLLM's own (a sliding layer's table) when they do not. Pre-RoPE methods are refused: ropescale's
+    attention backend serves one plan for every layer of a model."""
+    def reads(layer_params) -> bool:
+        try:
+            config_lib.read(layer_params, max_position, entry, config_lib.rotary_dim(head_size, layer_params))
+        except ValueError:
+            return False
+        return True
+
+    extended = [dict(p) for p in hf_config.rope_parameters.values() if reads(p)]
+    if not extended:
+        raise ValueError("ropescale.vllm: no layer type's rope_parameters match the config's ropescale entry (the "
+                         "config was edited by hand?): rewrite it with hf.patch + save_pretrained")
+    if dict(params) not in extended:
+        return False
+    if serving.needs_pre_rope(config_lib.read(params, max_position, entry)):
+        raise NotImplementedError(
+            "ropescale.vllm: a pre-RoPE method (dynamic, ReRoPE) on some layer types of a per-layer-type config "
+            "(Gemma 3) is not served by vLLM: ropescale's attention backend serves one plan for every layer, and "
+            "the other types' layers are rotated at the model. Serve a static table (YaRN, linear, Llama 3), or "
+            "use transformers + ropescale.hf")
+    return True
 
 
 get_rope.__wrapped__ = _stock_get_rope  # type: ignore[attr-defined]

@@ -495,17 +495,29 @@ def test_pre_rope_partial_rotary_with_an_attention_factor_is_refused_at_get_rope
     serving.PreRopePlan.of(ntk, 24, True).check_head_dim(32, "a factor of 1 runs")
 
 
-def test_a_per_layer_type_checkpoint_is_refused_by_the_plugin_with_the_way_out(tmp_path, monkeypatch):
-    """Gemma 3 patched with YaRN on its full layers: the plugin, which reads one model's rope, refuses it by name
-    (it gave each sliding layer the full layers' entry: 'config was edited by hand'); stock vLLM serves the static
-    table exactly (4.9e-7 from transformers, probed on a head-dim-32 Gemma 3)."""
+def test_a_per_layer_type_checkpoint_takes_ropescales_table_on_its_extended_layer_types_only(tmp_path, monkeypatch):
+    """Gemma 3 patched with YaRN on its full layers: the plugin gives those layers ropescale's table and its sliding
+    layers vLLM's own (each layer's get_rope call carries its type's parameters, the model one entry); a pre-RoPE
+    method on some layer types, and parameters no type of which matches the entry, are refused by name."""
     from transformers import Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                              sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    hf.checkpoint.record(config, scaling.YaRN(factor=4.0, original_max_position=16), layer_types=("full_attention",))
-    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config))
-    for layer_type in ("full_attention", "sliding_attention"):
-        with pytest.raises(NotImplementedError, match="rope parameters per layer type .* ROPESCALE_VLLM=0"):
-            rotary.get_rope(32, 64, True, dict(config.rope_parameters[layer_type]), torch.float32)
+    def config_with(method):
+        config = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                  max_position_embeddings=64, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"])
+        hf.checkpoint.record(config, method, layer_types=("full_attention",))
+        monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=64))
+        return config
+
+    config = config_with(scaling.YaRN(factor=4.0, original_max_position=16))
+    full = rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
+    sliding = rotary.get_rope(32, 64, True, dict(config.rope_parameters["sliding_attention"]), torch.float32)
+    assert isinstance(full, rotary.RopescaleRotaryEmbedding) and isinstance(full.method, scaling.YaRN)
+    assert not isinstance(sliding, rotary.RopescaleRotaryEmbedding)
+    config.rope_parameters["full_attention"]["factor"] = 8.0  # edited by hand: no type matches the entry
+    with pytest.raises(ValueError, match="no layer type's rope_parameters match"):
+        rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
+    config = config_with(scaling.DynamicYaRN(original_max_position=16))
+    with pytest.raises(NotImplementedError, match="pre-RoPE method .* per-layer-type config \\(Gemma 3\\)"):
+        rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)

@@ -67,3 +67,47 @@ def build(name, rope_parameters=None, seed=0, **overrides):
             if "proj" in parameter_name:
                 p.mul_(4.0)
     return model
+
+
+# What a family's model needs beyond TINY to be served by vLLM's CPU backend: head dim 32 (its attention takes no
+# less), and for the multimodal families the whole vision-language model (vLLM serves no text-only class of them;
+# text prompts take the text positions on all three rope streams).
+SERVED = dict(hidden_size=128, head_dim=32)
+SERVED_FIELDS = {
+    # vLLM's CPU MLA kernel takes V3's latent only (kv_lora_rank 512 + rope head 64); heads and topk_method as V3's
+    # config (MLA has as many KV heads as query heads; vLLM then loads the gate's correction bias).
+    "DeepSeek-V3": dict(num_key_value_heads=4, head_dim=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                        kv_lora_rank=512, topk_method="noaux_tc"),
+}
+VISION = {
+    "Qwen2.5-VL (text)": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                          dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128,
+                               fullatt_block_indexes=[0])),
+    "Qwen3-VL (text)": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                        dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128,
+                             deepstack_visual_indexes=[0], num_position_embeddings=16)),
+}
+
+
+def build_served(name, rope_parameters=None, seed=0):
+    """The family's tiny model at vLLM's sizes (SERVED), as the class vLLM serves: its causal LM, or the
+    vision-language model around its text model."""
+    if name not in VISION:
+        return build(name, rope_parameters, seed, **{**SERVED, **SERVED_FIELDS.get(name, {})})
+    config_name, model_name, vision = VISION[name]
+    params = base_rope(name)
+    params["mrope_section"] = [4, 6, 6]  # of 16 pairs
+    if rope_parameters is not None:
+        params = {**{k: params[k] for k in LAYOUT if k in params}, "rope_theta": 10000.0, **rope_parameters}
+    text = {**COMMON, **SERVED, "rope_parameters": params}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = getattr(transformers, config_name)(text_config=text, vision_config=vision, bos_token_id=None,
+                                                    eos_token_id=None)
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for parameter_name, p in model.named_parameters():
+            if "proj" in parameter_name and "visual" not in parameter_name:
+                p.mul_(4.0)
+    return model
