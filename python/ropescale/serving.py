@@ -64,22 +64,55 @@ class PreRopePlan:
             return None
         return cls.of(parsed, config_lib.rotary_dim_of(config, params), True)
 
-    def check_head_dim(self, head_dim: int, what: str) -> None:
-        """ropescale's attention ops multiply a row's whole score by its attention factor squared. transformers puts
-        the factor on the cos and sin of the ROTATED dims only, so the two agree when every dim is rotated or the
-        factor is 1. A partial-rotary head (``rotary_dim < head_dim``: Phi-3, GLM-4) under a table whose factor can
-        differ from 1 (YaRN, LongRoPE, Dynamic YaRN) would be served silently wrong: refused, naming ``what``."""
-        if self.rotary_dim >= head_dim:
-            return
-        original = int(getattr(self.method, "original_max_position", None) or 4096)
-        lengths = (None, original, 2 * original, 8 * original, 64 * original)
-        factors = sorted({float(self.method.attention_factor_for(n)) for n in lengths})
-        if factors != [1.0]:
-            raise ValueError(
-                f"{what}: {type(self.method).__name__}'s attention factor ({', '.join(f'{f:.4g}' for f in factors)}) "
-                f"on a partial-rotary head ({self.rotary_dim} of {head_dim} dims rotated): ropescale's attention "
-                "kernels scale the whole score by it where transformers scales the rotated dims only. Serve it with "
-                "the rotation at the model (a static table), or a method whose factor is 1 (Dynamic NTK, linear)")
+    @property
+    def attention_factor_varies(self) -> bool:
+        """Whether the method's attention factor can differ from 1 (it has its own ``attention_factor_for``: YaRN,
+        Dynamic YaRN, LongRoPE); Dynamic NTK's, linear's and the default table's is 1 at every length."""
+        return type(self.method).attention_factor_for is not scaling.RopeScaling.attention_factor_for
+
+    def attention_arguments(self, query: torch.Tensor, head_dim: int, scale: float, factor: float = 1.0,
+                            scale_factors: torch.Tensor | None = None,
+                            query_start_loc: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+        """``(query, scale, scale_factors)`` for a ReRoPE attention op (``rerope_attention``, its training and
+        paged forms) that rotates the raw ``query`` under this plan's table, with the attention factor squared
+        ``factor`` (a static table's, every row) or ``scale_factors`` ``[S]`` (segment s's, for the rows
+        ``query_start_loc[s]:query_start_loc[s+1]`` along query's first dim, as the paged op takes them);
+        ``scale`` is the plain softmax scale.
+
+        transformers puts the attention factor ``m`` on cos and sin, that is on the ROTATED dims of q and k:
+        ``score = scale * (m^2 q_rot . k_rot + q_pass . k_pass)``, while the ops multiply a row's whole score
+        by ``scale * factor`` (and its ``scale_factors`` entry). The two agree when every dim is rotated
+        (``rotary_dim >= head_dim``): the arguments are then passed on as they are, ``scale * factor``, the
+        query untouched. A partial-rotary head (Phi-3, GLM-4) whose factor can differ from 1 gets a copy of the
+        query with the first ``rotary_dim`` dims of each head (the dims both pair layouts rotate) times its
+        row's factor, and the plain ``scale`` with no ``scale_factors``: the op's rotation is linear, so this
+        is transformers' score exactly (the op's log-n scaling multiplies the whole query, before or after).
+
+        ``query`` is ``[..., H * head_dim]`` or ``[..., head_dim]``; per-segment factors need its rows on dim 0
+        (``[T, H, D]`` or ``[T, H * D]``), rows past ``query_start_loc[-1]`` (padding) taking the last
+        segment's. Whether to copy depends on the plan, the shapes and a static ``factor``, never on the
+        values of ``scale_factors`` (no host sync; a CUDA graph captured on one step's factors replays
+        correctly on another's). The product is formed in float32 (float64 for float64) and rounded once to
+        the query's dtype; differentiable in ``query``."""
+        per_row = scale_factors is not None and self.attention_factor_varies
+        if self.rotary_dim >= head_dim or (factor == 1.0 and not per_row):
+            return query, scale * factor, scale_factors
+        if per_row and query_start_loc is None:
+            raise ValueError("attention_arguments: per-segment scale_factors need the query_start_loc of their rows")
+        heads = query.unflatten(-1, (-1, head_dim))
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        multiplier: torch.Tensor | float = factor
+        if per_row:
+            rows = heads.shape[0]
+            ends = query_start_loc[1:].contiguous()
+            row = torch.arange(rows, dtype=ends.dtype, device=ends.device)
+            segment = torch.searchsorted(ends, row, right=True).clamp_(max=max(scale_factors.shape[0] - 1, 0))
+            multiplier = scale_factors.to(compute).index_select(0, segment) * factor
+            multiplier = multiplier.view(rows, *([1] * (heads.dim() - 1)))
+        rotated = (heads[..., : self.rotary_dim].to(compute) * multiplier).to(query.dtype)
+        folded = torch.cat((rotated, heads[..., self.rotary_dim:]), dim=-1)
+        return folded.reshape(query.shape), scale, None
 
     @property
     def length_dependent(self) -> bool:

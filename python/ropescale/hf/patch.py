@@ -264,8 +264,6 @@ def patch(
         config=config,
     )
     _check_layers(state, scaling)
-    if attention == "rerope":  # the ReRoPE op scales whole scores; the rotation path scales the rotated dims
-        state.tables.plan.check_head_dim(config_lib.head_dim_of(config), f"patch: ReRoPE on {architecture.name}")
     state.saved_config = checkpoint.snapshot(config)
     try:
         checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
@@ -791,10 +789,12 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
 
     def attend(q, k, v, q_pos, k_pos, seq_len):
         inv_freq, factor = state.table(seq_len, q.device)
-        # The attention factor multiplies cos and sin of both q and k: factor^2 on every score.
+        # The attention factor multiplies cos and sin of both q and k: factor^2 on the rotated dims' part of every
+        # score (the whole score on a fully rotated head; folded into q on a partial-rotary one).
+        q, scale, _ = state.tables.plan.attention_arguments(q, q.shape[-1], softmax_scale, factor * factor)
         out, _lse = attention(
             q, k, v, q_pos, k_pos, inv_freq, state.window,
-            leaky_k=state.leaky_k, scale=softmax_scale * factor * factor, logn_length=state.logn_length,
+            leaky_k=state.leaky_k, scale=scale, logn_length=state.logn_length,
             interleaved=state.architecture.interleaved,
         )
         return out

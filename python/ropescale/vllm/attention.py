@@ -150,7 +150,6 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
     what = ("ReRoPE attention" if parsed.attention == "rerope"
             else f"a dynamic method ({type(parsed.method).__name__})")
     plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
-    plan.check_head_dim(head_size, f"ropescale.vllm: {what}")
     check_backend(vllm_config, what)
     _record(plan, vllm_config)
     if plan.length_dependent:
@@ -396,10 +395,14 @@ class PreRopeLayer:
         if tables.segments is not None:  # requests cut where their rows take different tables (cut_segments)
             block_table = block_table.index_select(0, tables.segments.request)
             seq_lens, query_start_loc = tables.segments.seq_lens, tables.segments.query_start_loc
+        # The attention factor on the rotated dims only (transformers' rule): on a partial-rotary head it is folded
+        # into a copy of the query, elsewhere it scales the whole score in the op (serving.PreRopePlan).
+        q, scale, scale_factors = plan.attention_arguments(query[:n], self.head_size, self.scale,
+                                                           tables.scale_factor, tables.scale_factors, query_start_loc)
         out, _lse = ops.rerope_attention_paged(
-            query[:n], key_cache, value_cache, block_table, seq_lens,
+            q, key_cache, value_cache, block_table, seq_lens,
             query_start_loc, tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
-            scale=self.scale * tables.scale_factor, scale_factors=tables.scale_factors,
+            scale=scale, scale_factors=scale_factors,
             logn_length=plan.logn_length, interleaved=plan.interleaved, workspace=self.workspace)
         output[:n].copy_(out)
         return output

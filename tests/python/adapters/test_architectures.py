@@ -246,31 +246,58 @@ def test_a_patched_model_whose_implementation_changes_is_wrapped_again():
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("method,refused", [
-    (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), True),
-    (scaling.DynamicYaRN(original_max_position=ORIGINAL), True),
-    (scaling.LongRoPE(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_max_position=ORIGINAL, factor=4.0), True),
-    (scaling.DynamicNTK(original_max_position=ORIGINAL), False),
-    (scaling.Linear(factor=4.0), False),
-])
-def test_partial_rotary_with_an_attention_factor_is_refused_where_the_kernels_scale_whole_scores(method, refused):
-    """ropescale's attention ops scale a row's whole score by the factor squared; transformers scales the rotated
-    dims only. On a partial-rotary head (8 of 16 dims) a factor other than 1 is refused (the vLLM plugin and hf's
-    ReRoPE run those ops; vLLM served Phi-3 and GLM-4 LongRoPE 0.13 and 0.27 nats off before), a factor of 1 runs;
-    every dim rotated runs whatever the factor."""
-    from ropescale import serving
-
-    plan = serving.PreRopePlan(method, 10000.0, 8, serving.NO_WINDOW)
-    if refused:
-        with pytest.raises(ValueError, match="partial-rotary head \\(8 of 16 dims rotated\\)"):
-            plan.check_head_dim(16, "here")
-    else:
-        plan.check_head_dim(16, "here")
-    plan.check_head_dim(8, "here")  # every dim rotated
+# A partial-rotary family (GLM-4: 8 of 16 dims rotated, pairs (2i, 2i+1)) under a table whose attention factor m is
+# not 1: transformers puts m on cos and sin, the rotated dims of q and k only. (Phi-3's config class takes no ReRoPE
+# type: test_rerope_layer_equals_float64_reference; the vLLM plugin serves its LongRoPE: test_vllm_paged.)
+PARTIAL_ROTARY = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "longrope": instance(registered()["longrope"], pairs=pairs("GLM-4"), original=ORIGINAL).to_hf(),
+}
 
 
-def test_rerope_on_a_partial_rotary_family_refuses_a_table_with_an_attention_factor():
-    model = build("GLM-4", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL})
-    with pytest.raises(ValueError, match="patch: ReRoPE on GLM-4: YaRN's attention factor"):
-        hf.patch(model, None, attention="rerope", window=8)
-    assert not hf.is_patched(model)
+@pytest.mark.parametrize("table", sorted(PARTIAL_ROTARY))
+def test_rerope_on_a_partial_rotary_head_puts_the_attention_factor_on_the_rotated_dims(table, monkeypatch):
+    """ReRoPE (window 6) over the config's own table: one full-attention layer's output equals the float64
+    reference of transformers' rule, ``scale * (m^2 q_rot . k_rot + q_pass . k_pass)`` (m on cos and sin), in the
+    family's pair layout, through its o_proj. ropescale's op scales whole scores: hf.patch folds m^2 into the
+    query's rotated dims (serving.PreRopePlan.attention_arguments)."""
+    window, length = 6, 20
+    params = PARTIAL_ROTARY[table]
+    name = "GLM-4"
+    model = hf.patch(build(name, params), None, attention="rerope", window=window)
+    method = scaling.from_hf(params, 64)
+    factor = method.attention_factor_for(length)
+    assert abs(factor - 1.0) > 0.05  # the test can fail: the factor matters
+    assert pairs(name) * 2 < 16  # a partial-rotary head
+    layer = _attention_layer(model)
+    seen = {}
+    handle = layer.register_forward_hook(lambda module, args, result: seen.update(out=result[0]))
+    patch_module = importlib.import_module("ropescale.hf.patch")
+    rerope = patch_module._rerope
+
+    def spy(module, state, groups, query, key, value, positions, key_positions, mask, kwargs):
+        if module is layer:
+            seen.update(q=query, k=key, v=value, qp=positions, kp=key_positions, scale=kwargs["scaling"])
+        return rerope(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
+
+    monkeypatch.setattr(patch_module, "_rerope", spy)
+    output(model, ids(batch=1, length=length))
+    handle.remove()
+    inv_freq = method.inv_freq(2 * pairs(name), 10000.0, seq_len=length, dtype=torch.float64)
+    expected, _ = reference(seen["q"], seen["k"], seen["v"], seen["qp"], seen["kp"], inv_freq, window,
+                            scale=seen["scale"], interleaved=ARCHS[name].interleaved, factor=factor)
+    expected = expected.transpose(1, 2).flatten(2).float()
+    torch.testing.assert_close(seen["out"], torch.nn.functional.linear(expected, layer.o_proj.weight, layer.o_proj.bias),
+                               rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("table", sorted(PARTIAL_ROTARY))
+def test_rerope_past_every_distance_on_a_partial_rotary_head_is_transformers_own_model(table):
+    """ReRoPE with a window past every distance is RoPE attention: the patched model (the attention factor folded
+    into the query's rotated dims) equals transformers' own model of the same table, whose rotary module puts the
+    factor on cos and sin, at every position of a batch."""
+    params = PARTIAL_ROTARY[table]
+    native = build("GLM-4", params)
+    model = hf.patch(same_weights(build("GLM-4", params), native), None, attention="rerope", window=1 << 20)
+    x = ids(length=30)
+    torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)

@@ -481,18 +481,82 @@ def test_cuda_engines_serve_pre_rope_checkpoints_with_the_custom_backend_and_cud
         assert_same(served_mixed, reference(paths[name], mixed), f"{name} on CUDA, 8 mixed requests", atol=1e-4)
 
 
-def test_pre_rope_partial_rotary_with_an_attention_factor_is_refused_at_get_rope():
-    """A partial-rotary head (Phi-3, GLM-4: 24 of 32 dims rotated) under a table whose attention factor is not 1:
-    the paged op scales the whole score by it, transformers the rotated dims only. Served, Phi-3's LongRoPE was
-    0.13 nats off transformers and GLM-4's 0.27 (tokens differing): refused at model build, before the backend."""
+# Partial-rotary heads (Phi-3: 24 of 32 dims rotated, half-split; GLM-4: 16 of 32, pairs (2i, 2i+1)) under a table
+# whose attention factor m is not 1: transformers puts m on cos and sin (the rotated dims of q and k only), the
+# paged op scales whole scores, so the layer folds m^2 into the query's rotated dims (PreRopePlan.attention_arguments).
+# Served before with the factor on the whole score, Phi-3's LongRoPE was 0.13 nats off transformers and GLM-4's 0.27.
+PARTIAL = {  # name: (method, rotary dim of a 32-dim head, interleaved, window)
+    "phi3_longrope": (scaling.LongRoPE(short_factor=tuple(1.0 + 0.02 * i for i in range(12)),
+                                       long_factor=tuple(1.0 + 0.25 * i for i in range(12)),
+                                       original_max_position=16, factor=4.0), 24, False, serving.NO_WINDOW),
+    "glm_dynamic_yarn": (scaling.DynamicYaRN(original_max_position=16), 16, True, serving.NO_WINDOW),
+    "glm_rerope_yarn": (scaling.YaRN(factor=4.0, original_max_position=16), 16, True, 6),
+}
+
+
+def test_pre_rope_partial_rotary_with_an_attention_factor_gets_the_pass_through():
+    """get_rope's pass-through is given to a partial-rotary head whatever its attention factor (it was refused
+    while the op's whole-score factor was all the backend had)."""
+    attention.register_backends()
+    vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace())
     params = {**scaling.DynamicYaRN(original_max_position=16).to_hf(base=10000.0), "partial_rotary_factor": 0.75}
     parsed = config_lib.read(params, 64, None, 24)
-    with pytest.raises(ValueError, match=r"ropescale.vllm: a dynamic method \(DynamicYaRN\): DynamicYaRN's attention "
-                                         r"factor .* \(24 of 32 dims rotated\)"):
-        attention.pass_through(32, 24, 64, True, parsed, None)
-    ntk = config_lib.read({**scaling.DynamicNTK(original_max_position=16).to_hf(base=10000.0),
-                           "partial_rotary_factor": 0.75}, 64, None, 24)
-    serving.PreRopePlan.of(ntk, 24, True).check_head_dim(32, "a factor of 1 runs")
+    layer = attention.pass_through(32, 24, 64, True, parsed, vllm_config)
+    assert isinstance(layer, attention.PreRopeRotary) and layer.rotary_dim == 24
+    assert attention.current_plan() == serving.PreRopePlan.of(parsed, 24, True)
+    assert attention.current_plan().attention_factor_varies
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_layer_on_a_partial_rotary_head_puts_the_attention_factor_on_the_rotated_dims(name):
+    """One layer's write + attention over scattered pages (a chunk of a long prefill, a decode row, a recompute
+    crossing its prompt's end: segments with different factors), every row equal to the float64 reference of
+    transformers' rule: its table and factor m at its length, m on the rotated dims of q and k only."""
+    from support.attention import reference
+
+    method, rotary_dim, interleaved, window = PARTIAL[name]
+    head = 32
+    plan = serving.PreRopePlan(method, 10000.0, rotary_dim, window, interleaved=interleaved)
+    attention._plan.update(plan=plan)
+    layer = attention.PreRopeLayer(2, 1, head, head ** -0.5)
+    block_size, blocks = 16, 24
+    kv_cache = torch.full((blocks, 1, block_size, 2 * head), float("nan"))
+    g = torch.Generator().manual_seed(3)
+    seq_lens, q_lens, prompt_lens = [150, 41, 90], [30, 1, 12], [200, 20, 84]
+    pages = [[7, 2, 9, 0, 11, 13, 15, 17, 19, 21], [4, 8, 23], [1, 3, 5, 6, 10, 12]]
+    keys = [torch.randn(n, 1, head, generator=g) for n in seq_lens]
+    values = [torch.randn(n, 1, head, generator=g) for n in seq_lens]
+    for r, n in enumerate(seq_lens):
+        slots = torch.tensor([pages[r][j // block_size] * block_size + j % block_size for j in range(n)])
+        layer.write(keys[r], values[r], kv_cache, slots)
+    queries = torch.randn(sum(q_lens) + 2, 2, head, generator=g)  # 2 padded rows past num_actual_tokens
+    block_table = torch.zeros(4, 12, dtype=torch.int32)
+    for r, p in enumerate(pages):
+        block_table[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    starts = [0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)]
+    cache = attention.TableCache(plan)
+    tables = cache.step(seq_lens, q_lens, prompt_lens)
+    metadata = types.SimpleNamespace(
+        num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts + [sum(q_lens)], dtype=torch.int32),
+        block_table=block_table, rope_tables=tables)
+    output = torch.zeros_like(queries)
+    layer.attend(queries, kv_cache, metadata, output)
+    factors = set()
+    for r, n in enumerate(seq_lens):
+        for i in range(q_lens[r]):
+            position = n - q_lens[r] + i
+            table, factor = cache.table(max(prompt_lens[r], position + 1))
+            factors.add(round(factor, 6))
+            row = starts[r] + i
+            k_pos = torch.arange(position + 1)[None]
+            want, _ = reference(queries[row: row + 1].transpose(0, 1)[None], keys[r][: position + 1].transpose(0, 1)[None],
+                                values[r][: position + 1].transpose(0, 1)[None], k_pos[:, -1:], k_pos, table.double(),
+                                window, scale=head ** -0.5, interleaved=interleaved, factor=factor)
+            torch.testing.assert_close(output[row: row + 1].double(), want[0].transpose(0, 1), atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"request {r}, row {i}: {m}")
+    assert min(abs(f - 1.0) for f in factors) > 0.05  # the test can fail: every row's factor matters
+    assert torch.equal(output[sum(q_lens):], torch.zeros(2, 2, head))  # padded rows untouched
 
 
 def test_a_per_layer_type_checkpoint_takes_ropescales_table_on_its_extended_layer_types_only(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ request's gathered pages (the two-matrix reference of support/attention.py), low
 against SDPA's own error, batches mixing decode, chunked-prefill, full-prefill and empty requests,
 shuffled pages, the dense op's equality, the write op, opcheck, torch.compile, ROPESCALE_KERNELS=reference."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from ropescale import ops
+from ropescale import ops, scaling, serving
 from ropescale.rerope import rerope_attention_paged_composite, rerope_cache_write_composite
 from support import TESTS
 from support.attention import BASE, SDPA_ERROR_FACTOR, sdpa_error
@@ -382,3 +383,58 @@ def test_reference_kernels_route_both_ops():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "reference-ok reference" in result.stdout
+
+
+# A partial-rotary head (Phi-3, GLM-4) under a method whose attention factor m is not 1: transformers puts m on cos
+# and sin, so the rotated dims' part of a score is times m^2 and the rest is not; the op scales whole scores, so
+# the engines pass it a query whose rotated dims are times m^2 (serving.PreRopePlan.attention_arguments).
+PARTIAL_REQUESTS = [(5, 30), (1, 41), (0, 7), (3, 12)]  # a chunk of a prefill, a decode row, an empty request
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("window,leaky_k,logn_length", [(6, 0.0, 0), (6, 2.0, 10)], ids=["rerope", "leaky_logn"])
+def test_partial_rotary_attention_factor_on_the_rotated_dims_only(interleaved, window, leaky_k, logn_length):
+    """Head dim 16, rotary dim 8, both pair layouts, a factor per request (segment) and a static one: the op fed
+    by attention_arguments equals the float64 reference of transformers' rule (m on the rotated dims of q and k);
+    a fully rotated head's arguments pass through untouched."""
+    head_dim, rotary_dim = 16, 8
+    inputs, dense = make_paged(PARTIAL_REQUESTS, 4, 2, head_dim, 16, seed=21)
+    q, key_cache, value_cache, block_table, seq_lens, starts = inputs
+    starts = starts.int()
+    inv_freq = torch.stack([ops.dynamic_ntk_inv_freq(rotary_dim, BASE, 2.0, 16, max(seq, 1))
+                            for _, seq in PARTIAL_REQUESTS])
+    factors = torch.tensor([1.25, 0.8, 1.0, 1.4], dtype=torch.float64)  # m per request
+    plan = serving.PreRopePlan(scaling.DynamicYaRN(original_max_position=16), BASE, rotary_dim, window, leaky_k,
+                               logn_length, interleaved)
+    scale = head_dim ** -0.5
+    dynamic_q, dynamic_scale, dynamic_factors = plan.attention_arguments(
+        q, head_dim, scale, 1.0, (factors ** 2).float(), starts)
+    static = 1.3
+    static_q, static_scale, static_factors = plan.attention_arguments(q, head_dim, scale, static ** 2)
+    common = dict(leaky_k=leaky_k, logn_length=logn_length, interleaved=interleaved)
+    for got_q, got_scale, got_factors, table, m in (
+            (dynamic_q, dynamic_scale, dynamic_factors, inv_freq, factors),
+            (static_q, static_scale, static_factors, inv_freq[0], torch.full((len(PARTIAL_REQUESTS),), static))):
+        out, lse = ops.rerope_attention_paged(got_q, key_cache, value_cache, block_table, seq_lens, starts, table,
+                                              window, scale=got_scale, scale_factors=got_factors, **common)
+        ref_out, ref_lse = reference_paged(q, dense, PARTIAL_REQUESTS, table, window, scale=scale, factors=m, **common)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-6)
+    assert dynamic_scale == static_scale == scale and dynamic_factors is None and static_factors is None
+    flat_q, *_ = plan.attention_arguments(q.flatten(1), head_dim, scale, 1.0, (factors ** 2).float(), starts)
+    assert torch.equal(flat_q.view_as(q), dynamic_q)  # [T, H * D] as [T, H, D]
+    # Rows past the last segment (a padded batch) take the last segment's factor; the pass-through dims stay.
+    padded = torch.cat((q, q[-1:], q[-1:]))
+    padded_q, *_ = plan.attention_arguments(padded, head_dim, scale, 1.0, (factors ** 2).float(), starts)
+    assert torch.equal(padded_q[: q.shape[0]], dynamic_q) and torch.equal(padded_q[-1], dynamic_q[-1])
+    assert torch.equal(dynamic_q[..., rotary_dim:], q[..., rotary_dim:])
+    # Every dim rotated: the op's whole-score factor is transformers' rule, the arguments pass through as given.
+    full = dataclasses.replace(plan, rotary_dim=head_dim)
+    factors32 = (factors ** 2).float()
+    got = full.attention_arguments(q, head_dim, scale, 1.0, factors32, starts)
+    assert got[0] is q and got[1] == scale and got[2] is factors32
+    assert full.attention_arguments(q, head_dim, scale, static ** 2)[1] == scale * static ** 2
+    # A method whose factor is 1 at every length (Dynamic NTK): no copy on a partial-rotary head either.
+    ntk = dataclasses.replace(plan, method=scaling.DynamicNTK(original_max_position=16))
+    ones = torch.ones(len(PARTIAL_REQUESTS))
+    assert ntk.attention_arguments(q, head_dim, scale, 1.0, ones, starts)[0] is q

@@ -38,19 +38,30 @@ def logn_factor(qp, logn_length):
 
 
 def reference(q, k, v, qp, kp, inv_freq, window, leaky_k=0.0, scale=None, logn_length=0, causal=True,
-              interleaved=False):
-    """(out, lse) in float64. Negative positions are padding; a row with no visible key gives 0 / -inf."""
+              interleaved=False, factor=1.0):
+    """(out, lse) in float64. Negative positions are padding; a row with no visible key gives 0 / -inf.
+
+    ``factor``: a method's attention factor m as transformers applies it, on cos and sin: every rotated dim
+    (the first ``2 * len(inv_freq)``) of q and of k times m, the rest as they are, so the rotated dims' part of
+    each score is times m^2 and the rest is not (the whole score only on a fully rotated head)."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     q = q * logn_factor(qp, logn_length)[:, None, :, None]
-    a_near = rot64(q, qp, inv_freq, interleaved) @ rot64(k, kp, inv_freq, interleaved).transpose(-1, -2)
+    rotated = 2 * inv_freq.numel()
+
+    def scaled(x):  # the rotated dims times the factor (transformers: cos and sin times it)
+        return x if factor == 1.0 else torch.cat((x[..., :rotated] * factor, x[..., rotated:]), -1)
+
+    def rot(x, positions):
+        return scaled(rot64(x, positions, inv_freq, interleaved))
+
+    a_near = rot(q, qp) @ rot(k, kp).transpose(-1, -2)
     if leaky_k:
-        a_far = rot64(q, window + (qp.double() - window) / leaky_k, inv_freq, interleaved) @ rot64(
-            k, kp.double() / leaky_k, inv_freq, interleaved).transpose(-1, -2)
+        a_far = rot(q, window + (qp.double() - window) / leaky_k) @ rot(k, kp.double() / leaky_k).transpose(-1, -2)
     else:
-        a_far = rot64(q, torch.full_like(qp, window), inv_freq, interleaved) @ k.transpose(-1, -2)
+        a_far = rot(q, torch.full_like(qp, window)) @ scaled(k).transpose(-1, -2)
     dist = qp[:, :, None] - kp[:, None, :]
     scores = torch.where((dist < window)[:, None], a_near, a_far) * scale
     visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)

@@ -61,8 +61,10 @@ def make_paged(requests, q_heads, kv_heads, dim, block_size, dtype=torch.float32
 
 
 def reference_paged(q, dense, requests, inv_freq, window, leaky_k=0.0, scale=None, scale_factors=None,
-                    logn_length=0, interleaved=False):
-    """(out [T, Hq, D], lse [T, Hq]) in float64, one dense reference call per request."""
+                    logn_length=0, interleaved=False, factors=None):
+    """(out [T, Hq, D], lse [T, Hq]) in float64, one dense reference call per request. ``scale_factors`` [R]
+    multiply each request's whole score (the op's argument); ``factors`` [R] are attention factors as
+    transformers applies them (support.attention.reference's ``factor``: the rotated dims only)."""
     total, q_heads, dim = q.shape
     out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
     lse = torch.full((total, q_heads), -math.inf, dtype=torch.float64)
@@ -74,7 +76,8 @@ def reference_paged(q, dense, requests, inv_freq, window, leaky_k=0.0, scale=Non
             base_scale = 1 / math.sqrt(dim) if scale is None else scale
             factor = 1.0 if scale_factors is None else float(scale_factors[r])
             o, l = reference(q[start : start + q_len].transpose(0, 1)[None], k[None], v[None], kp[:, seq - q_len :],
-                             kp, table, window, leaky_k, base_scale * factor, logn_length, True, interleaved)
+                             kp, table, window, leaky_k, base_scale * factor, logn_length, True, interleaved,
+                             1.0 if factors is None else float(factors[r]))
             out[start : start + q_len] = o[0].transpose(0, 1)
             lse[start : start + q_len] = l[0].transpose(0, 1)
         start += q_len
