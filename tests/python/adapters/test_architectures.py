@@ -301,3 +301,66 @@ def test_rerope_past_every_distance_on_a_partial_rotary_head_is_transformers_own
     model = hf.patch(same_weights(build("GLM-4", params), native), None, attention="rerope", window=1 << 20)
     x = ids(length=30)
     torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)
+
+
+def test_ministral3_checkpoints_carry_the_query_temperature_as_vllm_reads_it(tmp_path):
+    """Ministral 3: ``llama_4_scaling`` is written beside rope_parameters (vLLM's Mistral reads the temperature from
+    it; from a transformers config vLLM served the model without it, 0.07 nats off), and unpatch takes it back."""
+    model = hf.patch(build("Ministral 3"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    assert model.config.llama_4_scaling == {"original_max_position_embeddings": ORIGINAL, "beta": 0.1}
+    model.save_pretrained(tmp_path)
+    assert '"llama_4_scaling": {' in (tmp_path / "config.json").read_text()
+    hf.unpatch(model)
+    assert not hasattr(model.config, "llama_4_scaling")
+    assert not hasattr(hf.patch(build("Llama"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)).config,
+                       "llama_4_scaling")
+
+
+def _training_case(name):
+    """(transformers' own model of the method, ropescale's patched model with the same weights): Dynamic YaRN per
+    step (the table of the batch's length, LENGTH / ORIGINAL) against static YaRN of that scale where the family
+    takes pre-RoPE methods; else the static method itself (Phi-3: LongRoPE; DeepSeek: its config's own)."""
+    yarn = {"rope_type": "yarn", "factor": LENGTH / ORIGINAL, "original_max_position_embeddings": ORIGINAL}
+    if name == "Phi-3 / Phi-4-mini":
+        params = instance(registered()["longrope"], pairs=pairs(name), original=ORIGINAL).to_hf()
+        native = build(name, params)
+        return native, hf.patch(same_weights(build(name), native), scaling.from_hf(params, 64))
+    native = build(name, yarn)
+    if ARCHS[name].fixed_method:
+        return native, hf.patch(same_weights(build(name, yarn), native))
+    method = (scaling.DynamicYaRN(original_max_position=ORIGINAL) if ARCHS[name].pre_rope is None
+              else scaling.YaRN(factor=LENGTH / ORIGINAL, original_max_position=ORIGINAL))
+    return native, hf.patch(same_weights(build(name), native), method)
+
+
+def _loss_and_grads(model, x, dtype):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        out = model(x, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        token_logprobs = logits.float().log_softmax(-1)[:, :-1].gather(-1, x[:, 1:, None] % logits.shape[-1])
+    token_logprobs.mean().neg().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return token_logprobs.detach().double().flatten(), grads.double()
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_training_under_autocast_is_as_close_to_float32_as_transformers_own_model(name, dtype):
+    """A training step (every token's logprob, every gradient) of the patched model under CPU autocast is as close
+    to its float32 step as transformers' own model of the method is to its own: relative error within twice that
+    model's (plus float32 rounding). The pre-RoPE families run ropescale's identity rotation and attention-time rotation."""
+    native, patched = _training_case(name)
+    native.train(), patched.train()
+    x = ids(batch=2, length=LENGTH)
+    native_lp, native_grads = _loss_and_grads(native, x, None)
+    lp, grads = _loss_and_grads(patched, x, None)
+    torch.testing.assert_close(lp, native_lp, rtol=1e-5, atol=2e-5)  # the same model in float32
+    native_lp_ac, native_grads_ac = _loss_and_grads(native, x, dtype)
+    lp_ac, grads_ac = _loss_and_grads(patched, x, dtype)
+    assert torch.isfinite(lp_ac).all() and torch.isfinite(grads_ac).all()
+    for what, got, want, native_got, native_want in (("token logprobs", lp_ac, lp, native_lp_ac, native_lp),
+                                                     ("gradients", grads_ac, grads, native_grads_ac, native_grads)):
+        error = (got - want).norm() / want.norm()
+        native_error = (native_got - native_want).norm() / native_want.norm()
+        assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
