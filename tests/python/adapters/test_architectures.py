@@ -141,17 +141,10 @@ def _attention_layer(model):
     raise AssertionError("no full attention layer")
 
 
-@pytest.mark.parametrize("name", PRE_ROPE)
-def test_rerope_layer_equals_float64_reference(name, monkeypatch):
-    """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64
-    (``support.attention.reference``) on the layer's own q, k, v (as they reach ReRoPE), in the family's pair
-    layout, through its o_proj."""
-    window = 6
-    if name == "Phi-3 / Phi-4-mini":  # Phi3Config takes the rope types default and longrope only
-        with pytest.raises(ValueError, match="refuses the rope_parameters this method writes"):
-            hf.patch(build(name), None, attention="rerope", window=window)
-        return
-    model = hf.patch(build(name), None, attention="rerope", window=window)
+def _assert_rerope_layer_is_the_reference(model, name, window, length, inv_freq, factor, monkeypatch):
+    """A forward of ``length`` tokens: the first full-attention layer's output equals Su's two-matrix rule in float64
+    (``support.attention.reference``, the attention factor on the rotated dims) on the layer's own q, k, v as they
+    reach ReRoPE, in the family's pair layout, through its o_proj."""
     layer = _attention_layer(model)
     seen = {}
     handle = layer.register_forward_hook(lambda module, args, result: seen.update(out=result[0]))
@@ -164,14 +157,28 @@ def test_rerope_layer_equals_float64_reference(name, monkeypatch):
         return rerope(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
 
     monkeypatch.setattr(patch_module, "_rerope", spy)
-    output(model, ids(batch=1, length=20))
+    output(model, ids(batch=1, length=length))
     handle.remove()
-    inv_freq = ops.default_inv_freq(2 * pairs(name), 10000.0, dtype=torch.float64)
     expected, _ = reference(seen["q"], seen["k"], seen["v"], seen["qp"], seen["kp"], inv_freq, window,
-                            scale=seen["scale"], interleaved=ARCHS[name].interleaved)
+                            scale=seen["scale"], interleaved=ARCHS[name].interleaved, factor=factor)
     expected = expected.transpose(1, 2).flatten(2).float()
     torch.testing.assert_close(seen["out"], torch.nn.functional.linear(expected, layer.o_proj.weight, layer.o_proj.bias),
                                rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_rerope_layer_equals_float64_reference(name, monkeypatch):
+    """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64
+    (``support.attention.reference``) on the layer's own q, k, v (as they reach ReRoPE), in the family's pair
+    layout, through its o_proj."""
+    window = 6
+    if name == "Phi-3 / Phi-4-mini":  # Phi3Config takes the rope types default and longrope only
+        with pytest.raises(ValueError, match="refuses the rope_parameters this method writes"):
+            hf.patch(build(name), None, attention="rerope", window=window)
+        return
+    model = hf.patch(build(name), None, attention="rerope", window=window)
+    inv_freq = ops.default_inv_freq(2 * pairs(name), 10000.0, dtype=torch.float64)
+    _assert_rerope_layer_is_the_reference(model, name, window, 20, inv_freq, 1.0, monkeypatch)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -269,26 +276,8 @@ def test_rerope_on_a_partial_rotary_head_puts_the_attention_factor_on_the_rotate
     factor = method.attention_factor_for(length)
     assert abs(factor - 1.0) > 0.05  # the test can fail: the factor matters
     assert pairs(name) * 2 < 16  # a partial-rotary head
-    layer = _attention_layer(model)
-    seen = {}
-    handle = layer.register_forward_hook(lambda module, args, result: seen.update(out=result[0]))
-    patch_module = importlib.import_module("ropescale.hf.patch")
-    rerope = patch_module._rerope
-
-    def spy(module, state, groups, query, key, value, positions, key_positions, mask, kwargs):
-        if module is layer:
-            seen.update(q=query, k=key, v=value, qp=positions, kp=key_positions, scale=kwargs["scaling"])
-        return rerope(module, state, groups, query, key, value, positions, key_positions, mask, kwargs)
-
-    monkeypatch.setattr(patch_module, "_rerope", spy)
-    output(model, ids(batch=1, length=length))
-    handle.remove()
     inv_freq = method.inv_freq(2 * pairs(name), 10000.0, seq_len=length, dtype=torch.float64)
-    expected, _ = reference(seen["q"], seen["k"], seen["v"], seen["qp"], seen["kp"], inv_freq, window,
-                            scale=seen["scale"], interleaved=ARCHS[name].interleaved, factor=factor)
-    expected = expected.transpose(1, 2).flatten(2).float()
-    torch.testing.assert_close(seen["out"], torch.nn.functional.linear(expected, layer.o_proj.weight, layer.o_proj.bias),
-                               rtol=1e-5, atol=2e-5)
+    _assert_rerope_layer_is_the_reference(model, name, window, length, inv_freq, factor, monkeypatch)
 
 
 @pytest.mark.parametrize("table", sorted(PARTIAL_ROTARY))

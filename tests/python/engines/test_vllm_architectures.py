@@ -152,16 +152,23 @@ def outputs(result, log):
     return [{"tokens": r["tokens"], "prompt_logprobs": r["prompt_logprobs"]} for r in result["batches"][0]]
 
 
+def served_static(engines, name):
+    """The family's static checkpoint as an engine process served it; a documented skip where vLLM does not run
+    the family here, or runs it but not as transformers does even unpatched (served, then skipped)."""
+    if name in NOT_RUN:
+        pytest.skip(f"vLLM 0.32 does not run {name} here: {NOT_RUN[name]}")
+    results, log = engines
+    served = outputs(results[f"static/{name}"], log)
+    if name in NOT_COMPARABLE:
+        pytest.skip(f"{name}: {NOT_COMPARABLE[name]}")
+    return served, log
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_stock_vllm_serves_each_familys_static_checkpoint_as_transformers_does(stock, checkpoints, name):
-    if name in NOT_RUN:
-        pytest.skip(f"vLLM 0.32 does not run {name} here: {NOT_RUN[name]}")
-    results, log = stock
-    if name in NOT_COMPARABLE:
-        outputs(results[f"static/{name}"], log)  # served, not refused
-        pytest.skip(f"{name}: {NOT_COMPARABLE[name]}")
-    served, expected = outputs(results[f"static/{name}"], log), reference(checkpoints[("static", name)])
+    served, _ = served_static(stock, name)
+    expected = reference(checkpoints[("static", name)])
     exact = STOCK_EXACT_ONLY.get(name, range(len(served)))
     assert_same([served[i] for i in exact], [expected[i] for i in exact], f"{name}, stock vLLM")
     for i in set(range(len(served))) - set(exact):
@@ -172,15 +179,9 @@ def test_stock_vllm_serves_each_familys_static_checkpoint_as_transformers_does(s
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_plugin_serves_each_familys_static_checkpoint_as_transformers_does(plugin, checkpoints, name):
-    if name in NOT_RUN:
-        pytest.skip(f"vLLM 0.32 does not run {name} here: {NOT_RUN[name]}")
-    results, log = plugin
+    served, log = served_static(plugin, name)
     assert "plugin active" in log, log[-3000:]
-    if name in NOT_COMPARABLE:
-        outputs(results[f"static/{name}"], log)  # served, not refused
-        pytest.skip(f"{name}: {NOT_COMPARABLE[name]}")
-    assert_same(outputs(results[f"static/{name}"], log), reference(checkpoints[("static", name)]),
-                f"{name}, vLLM + plugin")
+    assert_same(served, reference(checkpoints[("static", name)]), f"{name}, vLLM + plugin")
 
 
 @pytest.mark.slow

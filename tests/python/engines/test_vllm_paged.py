@@ -17,6 +17,7 @@ original length (64), which short prompts cross many times, and every engine ste
 requests on 2 shared CPU cores (before the native paged kernel lands, through the plain-PyTorch form).
 """
 
+import itertools
 import json
 import os
 import types
@@ -235,6 +236,23 @@ def reference_attention(plan, q, k, v, q_pos, k_pos, scale, table, factor):
     return out[0].transpose(0, 1)
 
 
+def attend_step(layer, plan, kv_cache, queries, pages, seq_lens, q_lens, prompt_lens, width):
+    """One step of ``layer.attend`` as vLLM's metadata gives it (a block table one row wider than the requests, as
+    vLLM's buffers, ``width`` pages per row): (output, the step's tables)."""
+    block_table = torch.zeros(len(pages) + 1, width, dtype=torch.int32)
+    for r, p in enumerate(pages):
+        block_table[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    starts = [0, *itertools.accumulate(q_lens)]
+    tables = attention.TableCache(plan).step(seq_lens, q_lens, prompt_lens)
+    metadata = types.SimpleNamespace(
+        num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts + [sum(q_lens)], dtype=torch.int32),
+        block_table=block_table, rope_tables=tables)
+    output = torch.zeros_like(queries)
+    layer.attend(queries, kv_cache, metadata, output)
+    return output, tables
+
+
 @pytest.mark.parametrize("name", ["leaky_logn", "dynamic_yarn"])
 def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     """Two requests (a chunk of a long prefill and a decode) over scattered pages of one vLLM-shaped cache."""
@@ -260,18 +278,8 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     new_slots = torch.cat([slots[r][n - q_lens[r]:] for r, n in enumerate(seq_lens)] + [torch.tensor([-1])])
     layer.write(new_k, new_v, kv_cache, new_slots)
     queries = torch.randn(sum(q_lens) + 2, 2, HEAD, generator=g)  # 2 padded rows past num_actual_tokens
-    block_table = torch.zeros(4, 8, dtype=torch.int32)  # one more row than requests, as vLLM's buffers
-    for r, p in enumerate(pages):
-        block_table[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    starts = [0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)]
-    tables = attention.TableCache(plan).step(seq_lens, q_lens, prompt_lens)
+    output, tables = attend_step(layer, plan, kv_cache, queries, pages, seq_lens, q_lens, prompt_lens, width=8)
     assert (tables.segments is not None) == plan.length_dependent  # the recompute is cut into segments
-    metadata = types.SimpleNamespace(
-        num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts + [sum(q_lens)], dtype=torch.int32),
-        block_table=block_table, rope_tables=tables)
-    output = torch.zeros_like(queries)
-    layer.attend(queries, kv_cache, metadata, output)
     state = model._ropescale_patch
     # Each row on its own, as transformers + hf.patch compute it: a prompt row under the whole prompt's table,
     # a later row under its own length's, over the keys up to it.
@@ -281,7 +289,7 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
             length = max(prompt_lens[r], position + 1)
             table, factor = state.table(length if plan.length_dependent else None, torch.device("cpu"))
             k_pos = torch.arange(position + 1)
-            row = starts[r] + i
+            row = sum(q_lens[:r]) + i
             want = reference_attention(plan, queries[row: row + 1], keys[r][: position + 1],
                                        values[r][: position + 1], k_pos[-1:], k_pos, HEAD ** -0.5, table, factor)
             torch.testing.assert_close(output[row: row + 1], want, atol=2e-6, rtol=0, msg=f"request {r}, row {i}")
@@ -530,25 +538,15 @@ def test_layer_on_a_partial_rotary_head_puts_the_attention_factor_on_the_rotated
         slots = torch.tensor([pages[r][j // block_size] * block_size + j % block_size for j in range(n)])
         layer.write(keys[r], values[r], kv_cache, slots)
     queries = torch.randn(sum(q_lens) + 2, 2, head, generator=g)  # 2 padded rows past num_actual_tokens
-    block_table = torch.zeros(4, 12, dtype=torch.int32)
-    for r, p in enumerate(pages):
-        block_table[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    starts = [0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)]
-    cache = attention.TableCache(plan)
-    tables = cache.step(seq_lens, q_lens, prompt_lens)
-    metadata = types.SimpleNamespace(
-        num_actual_tokens=sum(q_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts + [sum(q_lens)], dtype=torch.int32),
-        block_table=block_table, rope_tables=tables)
-    output = torch.zeros_like(queries)
-    layer.attend(queries, kv_cache, metadata, output)
+    output, tables = attend_step(layer, plan, kv_cache, queries, pages, seq_lens, q_lens, prompt_lens, width=12)
+    cache = attention.TableCache(plan)  # the reference's tables, each length's own
     factors = set()
     for r, n in enumerate(seq_lens):
         for i in range(q_lens[r]):
             position = n - q_lens[r] + i
             table, factor = cache.table(max(prompt_lens[r], position + 1))
             factors.add(round(factor, 6))
-            row = starts[r] + i
+            row = sum(q_lens[:r]) + i
             k_pos = torch.arange(position + 1)[None]
             want, _ = reference(queries[row: row + 1].transpose(0, 1)[None], keys[r][: position + 1].transpose(0, 1)[None],
                                 values[r][: position + 1].transpose(0, 1)[None], k_pos[:, -1:], k_pos, table.double(),
