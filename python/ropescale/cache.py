@@ -28,7 +28,8 @@ class PreRopeCache:
     """Un-rotated keys and values of one attention layer, with their positions.
 
     ``append(k, v, positions)`` adds ``T`` tokens (``k``, ``v``: ``[B, Hkv, T, D]``, positions
-    integer ``[B, T]``; a negative position marks a padding slot that attention ignores) and
+    integer ``[B, T]``, or ``[B, T, S]`` for a multimodal rope's S position streams per token; a negative
+    position marks a padding slot that attention ignores) and
     returns the views of everything cached so far. The views (:attr:`keys`, :attr:`values`
     ``[B, Hkv, L, D]``, :attr:`positions` int64 ``[B, L]``) are slices of buffers that grow by
     doubling, so a decoding step copies only its own tokens and the kernels read the cache in place.
@@ -73,7 +74,7 @@ class PreRopeCache:
 
     @property
     def positions(self) -> torch.Tensor:
-        """Positions of the cached tokens, int64 ``[B, L]`` (a view)."""
+        """Positions of the cached tokens, int64 ``[B, L]`` (``[B, L, S]`` for S streams; a view)."""
         self._require_data()
         return self._positions[:, : self._length]
 
@@ -85,11 +86,14 @@ class PreRopeCache:
         if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
             raise ValueError(f"PreRopeCache.append: positions must be an integer tensor, got {positions.dtype}")
         batch, heads, tokens, dim = k.shape
-        if tuple(positions.shape) != (batch, tokens):
-            raise ValueError(f"PreRopeCache.append: positions must be [B, T] = [{batch}, {tokens}], got "
-                             f"{tuple(positions.shape)}")
+        streams = tuple(positions.shape[2:])
+        if tuple(positions.shape[:2]) != (batch, tokens) or len(streams) > 1 or (
+                self._positions is not None and streams != tuple(self._positions.shape[2:])):
+            held = "" if self._positions is None else f" (the cache holds {tuple(self._positions.shape[2:])} per token)"
+            raise ValueError(f"PreRopeCache.append: positions must be [B, T] = [{batch}, {tokens}] or [B, T, S], got "
+                             f"{tuple(positions.shape)}{held}")
         if self._keys is None:
-            self._allocate(k, v, batch, max(self._initial_capacity, tokens))
+            self._allocate(k, v, batch, max(self._initial_capacity, tokens), streams)
         elif (batch, heads, dim) != (self._keys.shape[0], self._keys.shape[1], self._keys.shape[3]) or (
             k.dtype, v.dtype, k.device) != (self._keys.dtype, self._values.dtype, self._keys.device):
             raise ValueError(
@@ -137,7 +141,7 @@ class PreRopeCache:
             raise IndexError(f"PreRopeCache.index_select: indices must be in [0, {batch}) (the batch size), got "
                              f"values in [{int(indices.min())}, {int(indices.max())}]")
         keys, values, positions = self.keys, self.values, self.positions
-        self._allocate(keys, values, indices.numel(), self.capacity)
+        self._allocate(keys, values, indices.numel(), self.capacity, tuple(positions.shape[2:]))
         length = self._length
         if torch.is_grad_enabled():  # out= does not record autograd; the new buffers are fresh, so this is safe
             self._keys[:, :, :length] = keys.index_select(0, indices)
@@ -170,15 +174,15 @@ class PreRopeCache:
         """Forgets every token (the buffers are kept for reuse)."""
         self._length = 0
 
-    def _allocate(self, k, v, batch, capacity):
+    def _allocate(self, k, v, batch, capacity, streams=()):
         heads, dim = k.shape[1], k.shape[3]
         self._keys = k.new_empty(batch, heads, capacity, dim)
         self._values = v.new_empty(batch, heads, capacity, dim)
-        self._positions = torch.empty(batch, capacity, dtype=torch.int64, device=k.device)
+        self._positions = torch.empty(batch, capacity, *streams, dtype=torch.int64, device=k.device)
 
     def _grow(self, capacity):
         keys, values, positions = self._keys, self._values, self._positions
-        self._allocate(keys, values, keys.shape[0], capacity)
+        self._allocate(keys, values, keys.shape[0], capacity, tuple(positions.shape[2:]))
         self._keys[:, :, : self._length] = keys[:, :, : self._length]
         self._values[:, :, : self._length] = values[:, :, : self._length]
         self._positions[:, : self._length] = positions[:, : self._length]

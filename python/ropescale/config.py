@@ -360,6 +360,28 @@ def rotary_dim(head_dim: int, rope_parameters: Mapping[str, Any] | None) -> int:
     return method.rotary_dim_for(head_dim, params.get("partial_rotary_factor", 1.0))
 
 
+def mrope_pair_streams(rope_parameters: Mapping[str, Any] | None, pairs: int) -> list[int] | None:
+    """Under a multimodal rope (``mrope_section``: pairs per position stream, time, height, width), the stream each
+    of the ``pairs`` rotary pairs turns with: Qwen3-VL's ``mrope_interleaved`` pattern (pair j takes height where
+    j % 3 == 1 and j < 3 x its section, width where j % 3 == 2 and j < 3 x its section, time elsewhere), else
+    Qwen2-VL's contiguous sections. None for a rope with one position per token."""
+    section = (rope_parameters or {}).get("mrope_section")
+    if not section:
+        return None
+    section = [int(n) for n in section]
+    if len(section) != 3 or min(section) < 0:
+        raise ValueError(f"mrope_section must be 3 counts of rotary pairs (time, height, width), got {section}")
+    if (rope_parameters or {}).get("mrope_interleaved"):
+        streams = [0] * pairs
+        for stream in (1, 2):
+            for j in range(stream, min(3 * section[stream], pairs), 3):
+                streams[j] = stream
+        return streams
+    if sum(section) != pairs:
+        raise ValueError(f"mrope_section {section} has {sum(section)} rotary pairs, the head {pairs}")
+    return [stream for stream, n in enumerate(section) for _ in range(n)]
+
+
 def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
     """The rotary dim of a transformers-style config (:func:`rotary_dim` of its head dim)."""
     rope_parameters = rope_parameters if rope_parameters is not None else config.rope_parameters

@@ -27,8 +27,8 @@ SHARED_SLIDING = ("its sliding-window layers share the one rope table of its ful
                   "parameters of their own (Gemma 3)")
 MLA = ("its multi-head latent attention (MLA) rotates a decoupled rope head and caches the latent, not raw keys "
        "per head")
-MROPE = ("its multimodal rope takes three position streams (time, height, width) per token, which ropescale's "
-         "attention-time rotation does not read")
+MROPE = ("its multimodal rope turns each rotary pair at one of three positions per token (time, height, width), "
+         "so no one distance between a query and a key exists for ReRoPE's window")
 SOFTCAP = "attention logits soft-capped (attn_logit_softcapping), which ropescale's ReRoPE kernels lack"
 
 
@@ -67,8 +67,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
                               "built: write the method into the config (ropescale extend) and load the model from it"),
-    Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, pre_rope=MROPE),
-    Architecture("Qwen3-VL (text)", ("qwen3_vl_text", "qwen3_vl"), cat_layout=False, pre_rope=MROPE),
+    Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, rerope=MROPE),
+    Architecture("Qwen3-VL (text)", ("qwen3_vl_text", "qwen3_vl"), cat_layout=False, rerope=MROPE),
 )
 
 _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}

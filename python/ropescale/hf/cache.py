@@ -22,7 +22,8 @@ _INITIAL_CAPACITY = 256
 
 
 class PreRopeLayer(DynamicLayer):
-    """One layer: un-rotated keys and values ``[B, Hkv, S, D]`` and int64 positions ``[B, S]``.
+    """One layer: un-rotated keys and values ``[B, Hkv, S, D]`` and int64 positions ``[B, S]`` (``[B, S, 3]`` under
+    a multimodal rope: a position per stream).
 
     ``keys``, ``values`` and ``positions`` are read-only views of the layer's
     :class:`ropescale.cache.PreRopeCache` (None before the first update); every method transformers
@@ -66,12 +67,13 @@ class PreRopeLayer(DynamicLayer):
             f"PreRopeLayer.{name} is a view of the layer's pre-RoPE cache and cannot be assigned; change the "
             "layer through update, crop, reorder_cache, batch_select_indices, batch_repeat_interleave or reset")
 
-    def lazy_initialization(self, key_states, value_states):
+    def lazy_initialization(self, key_states, value_states, streams: tuple[int, ...] = ()):
+        """``streams``: the position streams per token of a multimodal rope (``(3,)``), none for one position."""
         self.dtype, self.device = key_states.dtype, key_states.device
         batch = key_states.shape[0]
         self._store = _TokenStore(capacity=max(_INITIAL_CAPACITY, key_states.shape[-2]))
         self._store.append(key_states[:, :, :0], value_states[:, :, :0],
-                           torch.empty(batch, 0, dtype=torch.int64, device=key_states.device))
+                           torch.empty(batch, 0, *streams, dtype=torch.int64, device=key_states.device))
         self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, **kwargs):
@@ -83,9 +85,12 @@ class PreRopeLayer(DynamicLayer):
                 "PreRopeCache stores un-rotated keys with their positions: use it with a model patched by "
                 "ropescale.hf.patch (the unpatched attention would cache rotated keys)"
             )
+        positions = positions.to(device=key_states.device, dtype=torch.int64)
+        if positions.dim() == 1:
+            positions = positions[None]
+        positions = positions.expand(key_states.shape[0], *positions.shape[1:])
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        positions = positions.to(device=key_states.device, dtype=torch.int64).expand(key_states.shape[0], -1)
+            self.lazy_initialization(key_states, value_states, tuple(positions.shape[2:]))
         keys, values, _ = self._store.append(key_states, value_states, positions)
         return keys, values
 

@@ -95,6 +95,8 @@ class _PatchState:
     base_model: nn.Module
     layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
     config: Any = None
+    # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
+    pair_streams: torch.Tensor | None = None
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
     saved_buffers: list = dataclasses.field(default_factory=list)  # (module, name, value) unpatch puts back
     saved_implementations: list = dataclasses.field(default_factory=list)  # (config, X) unpatch puts back
@@ -263,6 +265,8 @@ def patch(
         layer_types=layer_types,
         config=config,
     )
+    streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
+    state.pair_streams = None if streams is None else torch.tensor(streams, dtype=torch.int64)
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     try:
@@ -277,6 +281,8 @@ def patch(
             module.forward = types.MethodType(_rotary_forward, module)
         else:
             _set_rotary_buffers(state, module)
+            if architecture.pre_rope is None:  # the identity in its own layout, for a pre-RoPE forward
+                module.forward = types.MethodType(_own_layout_rotary_forward, module)
         module._ropescale_patch = state
     for module in attention_modules:
         module._ropescale_patch = state
@@ -333,7 +339,7 @@ def _check_layers(state: _PatchState, scaling) -> None:
                          "original_max_position_embeddings from rope_parameters, which "
                          f"{type(state.method).__name__} has none of: use a method with an original length (YaRN, "
                          "Llama 3, LongRoPE, Dynamic YaRN)")
-    if not arch.cat_layout and state.length_dependent:
+    if not arch.cat_layout and state.length_dependent and not state.pre_rope:
         raise ValueError(f"patch: {type(state.method).__name__} switches its table with the length; {name}'s rope "
                          "layout takes one fixed table (use a static method such as scaling.YaRN)")
 
@@ -569,6 +575,18 @@ def _set_rotary_buffers(state: _PatchState, module: nn.Module) -> None:
                         if isinstance(rope_type, dict) else "default")
 
 
+def _own_layout_rotary_forward(self, x, position_ids, *args, **kwargs):
+    """A rotary module of another layout that takes pre-RoPE methods (multimodal sections): its own forward on
+    ropescale's static table (``_set_rotary_buffers``), or for a pre-RoPE forward the identity in its own output
+    layout (the attention function rotates, each pair at its stream's position)."""
+    state: _PatchState = self._ropescale_patch
+    cos, sin = type(self).forward(self, x, position_ids, *args, **kwargs)
+    if not state.step_pre_rope:
+        return cos, sin
+    _start_pre_rope_step(state, position_ids, x.shape[0])
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
 # ---------------------------------------------------------------------------------------------
 # A pre-RoPE forward: the base model's hooks, the cache, the attention function
 
@@ -581,6 +599,9 @@ def _base_model_pre_hook(module, args, kwargs):
     _wrap_implementations(state)
     bound = _bound_arguments(module, args, kwargs)
     cache = bound.get("past_key_values")
+    if isinstance(cache, PreRopeCache) and state.architecture.pre_rope:
+        raise ValueError(f"ropescale: a PreRopeCache (raw keys, rotated at attention time) cannot serve "
+                         f"{state.architecture.name}: {state.architecture.pre_rope}")
     state.step_pre_rope = state.pre_rope or isinstance(cache, PreRopeCache)
     state.step_cache, state.step_positions, state.step_planned = None, None, None
     if not state.step_pre_rope:
@@ -647,7 +668,10 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
     key): the positions each pre-RoPE cache layer stores, and a per-request method's planned lengths."""
     if state.step_positions is not None:  # a per-layer-type rotary module runs once per type
         return
-    positions = position_ids.to(torch.int64).expand(batch, -1)
+    if state.pair_streams is not None:  # [streams, B, T] (or [B, T]: every stream at the text position)
+        streams = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
+        position_ids = streams.permute(1, 2, 0)
+    positions = _batch_positions(position_ids, batch)
     state.step_positions = positions
     cache = state.step_cache
     if cache is not None:
@@ -657,7 +681,22 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
     if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
         if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
             vars(cache).pop(_PLANNED, None)  # a new request in this cache
-        state.step_planned = _planned_lengths(state, positions, cache)
+        state.step_planned = _planned_lengths(state, _token_positions(positions), cache)
+
+
+def _batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """int64 positions ``[batch, T]`` (``[batch, T, streams]`` under a multimodal rope) from ``[T]``, ``[1, T]``
+    or ``[batch, T]`` (and their stream forms)."""
+    positions = positions.to(torch.int64)
+    if positions.dim() == 1:
+        positions = positions[None]
+    return positions.expand(batch, *positions.shape[1:])
+
+
+def _token_positions(positions: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each token's position for lengths (a multimodal rope's largest stream, as transformers' dynamic
+    update takes the largest position id)."""
+    return positions.amax(dim=-1) if positions.dim() == 3 else positions
 
 
 def _wrap_implementations(state: _PatchState) -> None:
@@ -702,24 +741,25 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
     # The model's identity rotation multiplied q and k by cos/sin of the hidden states' dtype: under autocast a
     # bf16 projection came back float32, exactly (x * 1 - y * 0). They go on in the projection's dtype, as v.
     query, key = query.to(value.dtype), key.to(value.dtype)
-    positions = kwargs.get("position_ids")
+    # A multimodal rope's layers get the text positions: the streams are the rotary module's (step_positions).
+    positions = kwargs.get("position_ids") if state.pair_streams is None else None
     if positions is None:
         positions = state.step_positions
     if positions is None:
         raise RuntimeError("ropescale: pre-RoPE attention needs the positions of the step (call the model, not its "
                            "layers)")
-    positions = positions.to(torch.int64).expand(query.shape[0], -1)
+    positions = _batch_positions(positions, query.shape[0])
     key_positions = positions
     cache = state.step_cache
     if cache is not None and module.layer_idx < len(cache.layers):
         key_positions = cache.layers[module.layer_idx].positions
-    if key_positions.shape[-1] != key.shape[-2]:
+    if key_positions.shape[1] != key.shape[-2]:
         raise RuntimeError(f"ropescale: layer {module.layer_idx} attends {key.shape[-2]} keys but knows the positions "
-                           f"of {key_positions.shape[-1]}: its cache was not made by this patched model's forward")
+                           f"of {key_positions.shape[1]}: its cache was not made by this patched model's forward")
     planned = state.step_planned if state.per_request else None
     if state.per_request and planned is None:
-        planned = _planned_lengths(state, positions, None)
-    groups = _groups(state, key_positions, planned)
+        planned = _planned_lengths(state, _token_positions(positions), None)
+    groups = _groups(state, _token_positions(key_positions), planned)
     if state.attention == "rerope":
         return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
                        kwargs), None
@@ -736,17 +776,31 @@ def _sliding_window(module):
 def _rotate_groups(state, groups, query, key, positions, key_positions):
     """q and k rotated, each group of rows with the table (and attention factor) of its own length, in the
     family's pair layout."""
-    interleaved = state.architecture.interleaved
     if groups[0][0] is None:
         inv_freq, factor = state.table(groups[0][1], query.device)
-        return (ops.apply_rotary_pos(query, positions, inv_freq, factor, interleaved),
-                ops.apply_rotary_pos(key, key_positions, inv_freq, factor, interleaved))
+        return _rotate(state, query, positions, inv_freq, factor), _rotate(state, key, key_positions, inv_freq, factor)
     rotated_q, rotated_k = torch.empty_like(query), torch.empty_like(key)
     for rows, seq_len in groups:
         inv_freq, factor = state.table(seq_len, query.device)
-        rotated_q[rows] = ops.apply_rotary_pos(query[rows], positions[rows], inv_freq, factor, interleaved)
-        rotated_k[rows] = ops.apply_rotary_pos(key[rows], key_positions[rows], inv_freq, factor, interleaved)
+        rotated_q[rows] = _rotate(state, query[rows], positions[rows], inv_freq, factor)
+        rotated_k[rows] = _rotate(state, key[rows], key_positions[rows], inv_freq, factor)
     return rotated_q, rotated_k
+
+
+def _rotate(state, x, positions, inv_freq, factor):
+    """``x`` ``[B, H, T, D]`` rotated at ``positions`` in the family's pair layout. Under a multimodal rope each
+    pair turns at its own stream's position: rotations of disjoint pairs commute, so one rotation per stream with
+    the other pairs' frequencies zero (an identity on them), the attention factor in the last one only (it scales
+    a zero-frequency pair too), so that every pair takes it once."""
+    interleaved = state.architecture.interleaved
+    if state.pair_streams is None:
+        return ops.apply_rotary_pos(x, positions, inv_freq, factor, interleaved)
+    streams = state.pair_streams.to(inv_freq.device)
+    last = positions.shape[-1] - 1
+    for stream in range(last + 1):
+        x = ops.apply_rotary_pos(x, positions[..., stream], inv_freq * (streams == stream),
+                                 factor if stream == last else 1.0, interleaved)
+    return x
 
 
 def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int):

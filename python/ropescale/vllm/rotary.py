@@ -17,6 +17,7 @@ import torch
 
 import vllm.model_executor.layers.rotary_embedding as _rope_package
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
 from .. import config as config_lib, ops, scaling, serving
 
@@ -73,10 +74,36 @@ class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
         super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
-        inv_freq = self.method.inv_freq(self.rotary_dim, self.base).to(torch.float64)
-        factor = self.method.attention_factor
-        angles = torch.arange(self.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq
-        return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
+        return _cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, method={self.method}"
+
+
+def _cos_sin_cache(method, rotary_dim: int, base: float, rows: int) -> torch.Tensor:
+    """vLLM's ``cos_sin_cache`` ``[rows, rotary_dim]`` of a static method: ropescale's float32 inv_freq, angles in
+    double, the attention factor on cos and sin (what ``hf.patch`` feeds transformers)."""
+    inv_freq = method.inv_freq(rotary_dim, base).to(torch.float64)
+    factor = method.attention_factor
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
+
+
+class RopescaleMRotaryEmbedding(MRotaryEmbedding):
+    """A static method's table under a multimodal rope: vLLM's ``MRotaryEmbedding`` (three position streams, its
+    sections, plain or interleaved) over ropescale's cos/sin cache. vLLM's own computes YaRN with its correction
+    range at ``positions_factor`` times the original length (the cache's length; 4 by default), which is not
+    transformers' table."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method, mrope_section, mrope_interleaved: bool, positions_factor: int) -> None:
+        self.method = method
+        super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype,
+                         mrope_section=list(mrope_section), mrope_interleaved=bool(mrope_interleaved),
+                         positions_factor=positions_factor)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return _cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method}"
@@ -119,6 +146,13 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         raise ValueError(f"ropescale.vllm: {err}") from None
     from . import attention
 
+    multimodal = "mrope_section" in params
+    if multimodal and attention.needs_pre_rope(parsed):
+        raise NotImplementedError(
+            f"ropescale.vllm: {type(parsed.method).__name__}{' with ReRoPE' if parsed.attention == 'rerope' else ''} "
+            "on a multimodal rope (mrope_section) is not served by vLLM: ropescale's pre-RoPE attention backend "
+            "rotates each key at one position, a multimodal rope at three. Serve a static table (YaRN), or use "
+            "transformers + ropescale.hf")
     if attention.needs_pre_rope(parsed):
         # Pre-RoPE: raw keys in vLLM's cache, rotated by ropescale's attention backend (attention.py).
         from vllm.config import get_current_vllm_config
@@ -129,6 +163,15 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     # Every position vLLM may serve: its max_model_len, derived from max_position_embeddings and factor.
     rows = max(int(max_position), int(getattr(model_config, "max_model_len", 0) or 0),
                int(math.ceil(max_position * float(params.get("factor", 1.0) or 1.0))))
+    if multimodal:  # vLLM's layer over ropescale's table; its cache spans positions_factor x rows (video positions)
+        positions_factor = int(kwargs.get("mrope_positions_factor") or 4)
+        key = (head_size, rotary_dim, rows, is_neox_style, parsed, dtype, tuple(params["mrope_section"]),
+               bool(params.get("mrope_interleaved")), positions_factor)
+        if key not in _layers:
+            _layers[key] = RopescaleMRotaryEmbedding(
+                head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,
+                parsed.method, params["mrope_section"], params.get("mrope_interleaved", False), positions_factor)
+        return _layers[key]
     key = (head_size, rotary_dim, rows, is_neox_style, parsed, dtype)
     if key not in _layers:
         _layers[key] = RopescaleRotaryEmbedding(head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,

@@ -24,6 +24,10 @@ from support.methods import instance, registered  # noqa: E402
 LENGTH = 40
 ARCHS = {arch.name: arch for arch in architectures.ARCHITECTURES}
 PRE_ROPE = sorted(name for name, arch in ARCHS.items() if arch.pre_rope is None)
+RE_ROPE = [name for name in PRE_ROPE if ARCHS[name].rerope is None]
+# (family, method) pairs a family's layers refuse
+REFUSED = sorted([(name, "dynamic_yarn") for name, arch in ARCHS.items() if arch.pre_rope]
+                 + [(name, "rerope") for name, arch in ARCHS.items() if arch.pre_rope or arch.rerope])
 
 
 def test_every_family_has_a_test_config():
@@ -109,7 +113,8 @@ def test_static_method_equals_transformers_own_model(name, method, params):
 def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_cache(name):
     """A request of P + N tokens through the model's own cache (raw keys) is transformers' own model with static
     YaRN at s = (P + N)/L, at every step: the identity rotation, the attention-time rotation, the cached keys'
-    positions, the extended layer types (Gemma 3: its full layers only; its sliding layers keep their rope)."""
+    positions, the extended layer types (Gemma 3: its full layers only; its sliding layers keep their rope), a
+    multimodal rope's three position streams (each pair at its own stream's)."""
     prompt, new = 24, 8
     factor = (prompt + new) / ORIGINAL
     if refused_by_transformers(name, {"rope_type": "yarn", "factor": factor,
@@ -121,15 +126,30 @@ def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_ca
     model = hf.patch(same_weights(build(name), reference),
                      scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
     x = ids(batch=1, length=prompt + new)
-    full = output(reference, x)
+    streams = stream_positions(name, prompt + new)
+    at = ({} if streams is None else {"position_ids": streams})
+    full = output(reference, x, **at)
+
+    def step(start, end):  # the tokens [start, end) and their positions (every stream's, under a multimodal rope)
+        return {"position_ids": streams[..., start:end]} if streams is not None else {}
+
     with torch.no_grad(), hf.request(model, max_new_tokens=new):
         cache = transformers.DynamicCache(config=model.config)
-        out = model(x[:, :prompt], past_key_values=cache)
-        torch.testing.assert_close(out.logits, full[:, :prompt], rtol=1e-5, atol=2e-5)
+        out = output(model, x[:, :prompt], past_key_values=cache, **step(0, prompt))
+        torch.testing.assert_close(out, full[:, :prompt], rtol=1e-5, atol=2e-5)
         for t in range(prompt, prompt + new):
-            step = model(x[:, t:t + 1], past_key_values=cache).logits[:, 0]
-            torch.testing.assert_close(step, full[:, t], rtol=1e-5, atol=2e-5)
-    assert (full - output(hf.unpatch(model), x)).abs().max() > 1e-3  # the scale matters at these lengths
+            out = output(model, x[:, t:t + 1], past_key_values=cache, **step(t, t + 1))[:, 0]
+            torch.testing.assert_close(out, full[:, t], rtol=1e-5, atol=2e-5)
+    assert (full - output(hf.unpatch(model), x, **at)).abs().max() > 1e-3  # the scale matters at these lengths
+
+
+def stream_positions(name, length):
+    """For a multimodal-rope family, position ids ``[3, 1, length]`` whose streams differ (as around an image: height
+    and width behind time, time the largest, as Qwen-VL's get_rope_index makes them), else None."""
+    if "mrope_section" not in TINY[name][2]:
+        return None
+    t = torch.arange(length)
+    return torch.stack((t, t - t // 4, t // 2))[:, None]
 
 
 def _attention_layer(model):
@@ -166,7 +186,7 @@ def _assert_rerope_layer_is_the_reference(model, name, window, length, inv_freq,
                                rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", PRE_ROPE)
+@pytest.mark.parametrize("name", RE_ROPE)
 def test_rerope_layer_equals_float64_reference(name, monkeypatch):
     """One full-attention layer's output under ReRoPE equals Su's two-matrix rule in float64
     (``support.attention.reference``) on the layer's own q, k, v (as they reach ReRoPE), in the family's pair
@@ -206,11 +226,10 @@ def test_checkpoint_round_trips_through_plain_transformers(name, tmp_path):
     assert "ropescale_" not in (tmp_path / "config.json").read_text()
 
 
-@pytest.mark.parametrize("name", sorted(name for name, arch in ARCHS.items() if arch.pre_rope))
-@pytest.mark.parametrize("method", ("dynamic_yarn", "rerope"))
+@pytest.mark.parametrize("name,method", REFUSED)
 def test_pre_rope_methods_are_refused_naming_the_layer_kind(name, method):
     model = build(name)
-    reason = ARCHS[name].pre_rope
+    reason = ARCHS[name].pre_rope or ARCHS[name].rerope
     kwargs = ({"scaling": scaling.DynamicYaRN(original_max_position=ORIGINAL)} if method == "dynamic_yarn"
               else {"scaling": None, "attention": "rerope", "window": 8})
     with pytest.raises(ValueError, match=re.escape(f"patch: {name}") + "|" + re.escape(f"cannot patch {name}")) as err:
@@ -353,3 +372,14 @@ def test_training_under_autocast_is_as_close_to_float32_as_transformers_own_mode
         error = (got - want).norm() / want.norm()
         native_error = (native_got - native_want).norm() / native_want.norm()
         assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
+
+
+@pytest.mark.parametrize("name", sorted(name for name, arch in ARCHS.items() if arch.pre_rope))
+def test_a_pre_rope_cache_is_refused_naming_the_layer_kind(name):
+    """A family whose layers cannot take raw keys, patched with a static method, given a ``PreRopeCache``: refused
+    with the reason (not served with keys rotated twice, nor the cache's generic message)."""
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    model = (hf.patch(build(name, params)) if ARCHS[name].fixed_method
+             else hf.patch(build(name), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)))
+    with pytest.raises(ValueError, match=re.escape(f"cannot serve {name}: {ARCHS[name].pre_rope}")):
+        output(model, ids(batch=1, length=8), past_key_values=hf.PreRopeCache())

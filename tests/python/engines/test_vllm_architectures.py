@@ -13,6 +13,7 @@ Ministral 3's query temperature.
 
 import importlib.util
 import json
+import types
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ require_vllm()
 
 import transformers  # noqa: E402
 
-from ropescale import hf, scaling  # noqa: E402
+from ropescale import config as config_lib, hf, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
+from ropescale.vllm import rotary  # noqa: E402
 
 ARCHS = {arch.name: arch for arch in architectures.ARCHITECTURES}
 COVERED_ELSEWHERE = ("Llama", "Mistral", "Qwen2", "Qwen3")  # test_vllm.py, test_vllm_paged.py
@@ -74,6 +76,92 @@ def static_checkpoint(name):
 def pre_rope_checkpoint(name):
     """Per-request Dynamic YaRN: vLLM must cache raw keys and rotate each request at its own scale."""
     return hf.patch(build_served(name), scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+
+
+# ---------------------------------------------------------------------------------------------
+# No engine: what the plugin's get_rope gives a multimodal rope (vLLM's VL modules do not run on this leg)
+
+MULTIMODAL = [name for name in sorted(ARCHS) if name.endswith("-VL (text)")]
+
+
+def mrope_reference(x, streams, pair_streams, inv_freq, factor):
+    """``x`` ``[T, H*D]`` (NeoX pairs, every dim rotated) rotated in float64, pair i at position
+    ``streams[pair_streams[i], t]`` of its own stream, cos and sin times the attention factor."""
+    head = 2 * len(inv_freq)
+    x = x.double().view(x.shape[0], -1, head)
+    position = streams.double()[torch.tensor(pair_streams)].T  # [T, pairs]
+    angles = position * inv_freq.double()
+    cos, sin = (angles.cos() * factor)[:, None], (angles.sin() * factor)[:, None]
+    a, b = x[..., : head // 2], x[..., head // 2:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(1)
+
+
+@pytest.mark.parametrize("name", MULTIMODAL)
+@pytest.mark.parametrize("method", ("yarn", "resonance_yarn", "dynamic_yarn"))
+def test_plugin_rotates_a_multimodal_rope_with_ropescales_table_or_refuses_it(monkeypatch, name, method):
+    """A checkpoint ``hf.patch`` wrote for a multimodal rope: the plugin gives vLLM's multimodal rotary over
+    ropescale's table, which rotates three position streams as transformers + ropescale do (float32 cos/sin:
+    within 2e-4); a pre-RoPE method is refused by name (ropescale's backend rotates a key at one position). Stock
+    vLLM's own YaRN on mRoPE puts its correction range at 4x the original length: another table."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    methods = {"yarn": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL),
+               "resonance_yarn": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True),
+               "dynamic_yarn": scaling.DynamicYaRN(original_max_position=ORIGINAL)}
+    config = hf.patch(build_served(name), methods[method]).config.get_text_config()
+    params = dict(config.rope_parameters)
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=64))
+    head = config.head_dim
+    with set_current_vllm_config(VllmConfig()):
+        if method == "dynamic_yarn":
+            with pytest.raises(NotImplementedError, match="on a multimodal rope \\(mrope_section\\) is not served"):
+                rotary.get_rope(head, config.max_position_embeddings, True, params, torch.float32)
+            return
+        layer = rotary.get_rope(head, config.max_position_embeddings, True, params, torch.float32)
+        stock = rotary._stock_get_rope(head, config.max_position_embeddings, True, params, torch.float32) \
+            if method == "yarn" else None
+    assert isinstance(layer, rotary.RopescaleMRotaryEmbedding)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(40, 2 * head, generator=g), torch.randn(40, head, generator=g)
+    t = torch.arange(40)
+    streams = torch.stack((t, t - t // 4, t // 2))  # as around an image: height and width behind time
+    rq, rk = layer.forward_native(streams, q.clone(), k.clone())
+    pair_streams = config_lib.mrope_pair_streams(params, head // 2)
+    table = methods[method]
+    inv_freq, factor = table.inv_freq(head, 10000.0), table.attention_factor
+    expected_q = mrope_reference(q, streams, pair_streams, inv_freq, factor)
+    torch.testing.assert_close(rq.double(), expected_q, atol=2e-4, rtol=0)
+    torch.testing.assert_close(rk.double(), mrope_reference(k, streams, pair_streams, inv_freq, factor), atol=2e-4,
+                               rtol=0)
+    if stock is not None:  # vLLM's own: another table (kept true here, so that a fixed vLLM is noticed)
+        assert (stock.forward_native(streams, q.clone(), k.clone())[0].double() - expected_q).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("factor", (1.0, 2.0))
+def test_proportional_in_stock_vllm_and_the_plugin(monkeypatch, factor):
+    """Gemma 4's ``proportional`` (a quarter of a 64-dim head rotated, the exponent over the whole head): vLLM's own
+    (Gemma4RotaryEmbedding) is ropescale's table at factor 1, and ignores ``factor`` (another table at 2: kept
+    true here, so that a fixed vLLM is noticed); the plugin, for a checkpoint ropescale wrote, gives ropescale's
+    table at both (float32 cos/sin from double angles)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    head, rows, base = 64, 128, 1e6
+    method = scaling.Proportional(factor=factor, partial_rotary_factor=0.25)
+    params, entry = method.stock_parameters(base, head)
+    config = types.SimpleNamespace(rope_parameters=params, max_position_embeddings=rows,
+                                   **({} if entry is None else {config_lib.CONFIG_KEY: {config_lib.METHOD_KEY: entry}}))
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=rows))
+    inv_freq = method.inv_freq(head, base).double()
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
+    expected = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    with set_current_vllm_config(VllmConfig()):
+        stock = rotary._stock_get_rope(head, rows, True, dict(params), torch.float32)
+        layer = rotary.get_rope(head, rows, True, dict(params), torch.float32)
+    stock_error = (stock.cos_sin_cache.double() - expected).abs().max()
+    assert stock_error < 2e-4 if factor == 1.0 else stock_error > 0.1
+    assert isinstance(layer, rotary.RopescaleRotaryEmbedding) == (entry is not None)
+    torch.testing.assert_close(layer.cos_sin_cache[:rows].double(), expected, atol=2e-4 if entry is None else 1e-7,
+                               rtol=0)
 
 
 # The pre-RoPE families (their attention takes pre-RoPE methods) whose config takes the method's type.

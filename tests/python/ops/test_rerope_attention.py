@@ -472,6 +472,33 @@ def test_pre_rope_cache_repeat_interleave():
     _assert_holds(cache, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), p.repeat_interleave(2, 0))
 
 
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_pre_rope_cache_keeps_a_position_per_stream(grad_mode):
+    """A multimodal rope's positions ``[B, T, 3]`` (one per stream) through append, growth, crop, index_select and
+    repeat_interleave, kept with their tokens; one position per token after streams (or the reverse) refused."""
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 1, 9, 4, generator=g), torch.randn(2, 1, 9, 4, generator=g)
+    p = torch.randint(0, 50, (2, 9, 3), generator=g)
+    cache = PreRopeCache(capacity=2)
+    with torch.set_grad_enabled(grad_mode):
+        cache.append(k[:, :, :4], v[:, :, :4], p[:, :4])
+        keys, values, positions = cache.append(k[:, :, 4:], v[:, :, 4:], p[:, 4:])  # grows past its capacity
+        assert torch.equal(keys, k) and torch.equal(values, v) and torch.equal(positions, p)
+        with pytest.raises(ValueError, match=r"\[B, T, S\].*the cache holds \(3,\) per token"):
+            cache.append(k[:, :, :1], v[:, :, :1], p[:, :1, 0])
+        cache.crop(7)
+        cache.index_select(torch.tensor([1, 0, 1]))
+        cache.repeat_interleave(2)
+    rows = torch.tensor([1, 1, 0, 0, 1, 1])
+    _assert_holds(cache, k[rows, :, :7], v[rows, :, :7], p[rows, :7])
+    flat = PreRopeCache()
+    flat.append(k[:, :, :1], v[:, :, :1], p[:, :1, 0])
+    with pytest.raises(ValueError, match="positions must be"):
+        flat.append(k[:, :, 1:2], v[:, :, 1:2], p[:, 1:2])
+    with pytest.raises(ValueError, match="positions must be"):
+        PreRopeCache().append(k, v, p[..., None])  # [B, T, S, 1]
+
+
 def test_pre_rope_cache_bad_input_to_crop_index_select_repeat_interleave():
     empty = PreRopeCache()
     empty.crop(0)  # nothing cached, nothing to crop
