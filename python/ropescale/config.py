@@ -382,14 +382,20 @@ def mrope_pair_streams(rope_parameters: Mapping[str, Any] | None, pairs: int) ->
     return [stream for stream, n in enumerate(section) for _ in range(n)]
 
 
-def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None) -> int:
-    """The rotary dim of a transformers-style config (:func:`rotary_dim` of its head dim)."""
+def rotary_dim_of(config, rope_parameters: Mapping[str, Any] | None = None, layer_type: str | None = None) -> int:
+    """The rotary dim of a transformers-style config (:func:`rotary_dim` of its head dim, of ``layer_type``'s
+    layers where given: :func:`head_dim_of`)."""
     rope_parameters = rope_parameters if rope_parameters is not None else config.rope_parameters
-    return rotary_dim(head_dim_of(config), rope_parameters)
+    return rotary_dim(head_dim_of(config, layer_type), rope_parameters)
 
 
-def head_dim_of(config) -> int:
-    """The attention head dim of a transformers-style config (``head_dim``, else hidden size / heads)."""
+def head_dim_of(config, layer_type: str | None = None) -> int:
+    """The attention head dim of a transformers-style config (``head_dim``, else hidden size / heads). A config
+    with per-layer overrides (transformers' ``per_layer_config``: Gemma 4's full-attention layers have a head dim
+    of their own) gives ``layer_type``'s (every layer of a type shares it; transformers raises where they differ,
+    and reading the global ``head_dim`` of such a config raises)."""
+    if layer_type is not None and getattr(config, "is_heterogeneous", False):
+        config = config.per_layer_config[layer_type]
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -398,4 +404,4 @@ def read_config(config, layer_type: str | None = None) -> RopeConfig:
     per-layer-type config, ``max_position_embeddings`` and the ``ropescale`` attribute)."""
     params = layer_type_parameters(config, layer_type) if layer_type is not None else getattr(config, "rope_parameters", None)
     return read(params, getattr(config, "max_position_embeddings", None), getattr(config, CONFIG_KEY, None),
-                rotary_dim_of(config, params or {}))
+                rotary_dim_of(config, params or {}, layer_type))

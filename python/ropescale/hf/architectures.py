@@ -30,6 +30,12 @@ MLA = ("its multi-head latent attention (MLA) rotates a decoupled rope head and 
 MROPE = ("its multimodal rope turns each rotary pair at one of three positions per token (time, height, width), "
          "so no one distance between a query and a key exists for ReRoPE's window")
 SOFTCAP = "attention logits soft-capped (attn_logit_softcapping), which ropescale's ReRoPE kernels lack"
+BIDIRECTIONAL = ("its attention is bidirectional (use_bidirectional_attention='all'), and ropescale's ReRoPE kernels "
+                 "are causal")
+# Why a table narrower than the head (a method under partial_rotary_factor < 1) is refused.
+WHOLE_HEAD = ("its attention applies cos/sin to every feature of the head (no partial-rotary slice), so a narrower "
+              "table does not fit (transformers' own model fails on it too); scaling.Proportional spans the head, "
+              "its pairs past partial_rotary_factor at frequency 0 (the config's proportional, with a factor)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +48,8 @@ class Architecture:
     attention factor in its buffers. ``interleaved``: at attention time the pairs are ``(2i, 2i+1)`` (GLM),
     else ``(i, i + rotary_dim/2)``. ``pre_rope`` / ``rerope``: why those methods are refused (None: they run).
     ``fixed_method``: why only the config's own method can be patched (the model derives more than the rope
-    from ``rope_parameters`` when it is built)."""
+    from ``rope_parameters`` when it is built). ``narrow_table``: why a table narrower than the extended layers'
+    head is refused (None: the attention rotates the table's width)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -51,6 +58,7 @@ class Architecture:
     pre_rope: str | None = None
     rerope: str | None = None
     fixed_method: str | None = None
+    narrow_table: str | None = None
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -63,6 +71,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Phi-3 / Phi-4-mini", ("phi3",)),
     Architecture("GLM-4", ("glm4",), interleaved=True),
     Architecture("Gemma 3", ("gemma3_text",)),
+    # Gemma 4: per-layer-type rope (proportional on the full layers), their own head dim (per_layer_config); its
+    # KV-shared layers attend the keys of their source layer, rotated there at attention time with its positions.
+    Architecture("Gemma 4", ("gemma4_text",), narrow_table=WHOLE_HEAD),
     Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, pre_rope=f"{SINKS}, and {SHARED_SLIDING}"),
     Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "

@@ -85,7 +85,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
         if saved_method is not None:  # the table is the recorded NTK-aware one: keep what names it
             entry = {**(entry or {}), METHOD_KEY: saved_method}
     else:
-        base, rotary_dim = config_lib.base_of(config, layer_type), config_lib.rotary_dim_of(config, old)
+        base, rotary_dim = config_lib.base_of(config, layer_type), config_lib.rotary_dim_of(config, old, layer_type)
         if target == "vllm" and attention == "sdpa":
             written = config_lib.write_longrope(method, base, rotary_dim, config.max_position_embeddings)
             if "partial_rotary_factor" in old:

@@ -119,7 +119,13 @@ class _PatchState:
         self.tables = serving.TableCache(serving.PreRopePlan(self.method, self.base, self.rotary_dim, window,
                                                              self.leaky_k, self.logn_length))
         self.step_pre_rope = self.pre_rope
-        self.extended_layers = [m.layer_idx for m in self.attention_modules if self.extends(m)]
+        # A KV-shared layer (Gemma 4's last num_kv_shared_layers) has no cache of its own: it attends the keys that
+        # its source layer (the last earlier layer of its type: kv_sharing_modes "store") cached, at their positions.
+        extended = [m for m in self.attention_modules if self.extends(m)]
+        sources = {_layer_type(m): m.layer_idx for m in extended if getattr(m, "store_full_length_kv", False)}
+        self.kv_sources = {m.layer_idx: sources[_layer_type(m)] for m in extended
+                           if getattr(m, "is_kv_shared_layer", False)}
+        self.extended_layers = [m.layer_idx for m in extended if m.layer_idx not in self.kv_sources]
 
     @property
     def pre_rope(self) -> bool:
@@ -203,10 +209,11 @@ def _extended_layer_types(config, layer_types) -> tuple[str, ...] | None:
     if not layer_types or unknown:
         raise ValueError(f"patch: layer_types must name some of this config's layer types {list(known)}, "
                          f"got {list(layer_types)}")
-    params = [config.rope_parameters[t] for t in layer_types]
-    if len({(p.get("rope_theta"), p.get("partial_rotary_factor")) for p in params}) > 1:
-        raise ValueError(f"patch: the layer types {list(layer_types)} have different rope_theta or "
-                         "partial_rotary_factor; patch them one type at a time")
+    tables = {(config.rope_parameters[t].get("rope_theta"), config.rope_parameters[t].get("partial_rotary_factor"),
+               config_lib.head_dim_of(config, t)) for t in layer_types}
+    if len(tables) > 1:
+        raise ValueError(f"patch: the layer types {list(layer_types)} have different rope_theta, "
+                         "partial_rotary_factor or head dim; patch them one type at a time")
     return layer_types
 
 
@@ -256,7 +263,8 @@ def patch(
         window=window,
         leaky_k=float(leaky_k or 0.0),
         logn_length=int(logn_length or 0),
-        rotary_dim=method.rotary_dim_for(config_lib.head_dim_of(config), params.get("partial_rotary_factor", 1.0)),
+        rotary_dim=method.rotary_dim_for(config_lib.head_dim_of(config, layer_type),
+                                         params.get("partial_rotary_factor", 1.0)),
         base=config_lib.base_of(config, layer_type),
         architecture=architecture,
         rotary_modules=rotary_modules,
@@ -302,13 +310,21 @@ def patch(
 
 def _check_written_config(state: _PatchState) -> None:
     """The config the patch wrote, validated by the family's own config class (Phi-3's takes ``default`` and
-    ``longrope`` only): a method it refuses would save a checkpoint that never reloads. Refused, config restored."""
+    ``longrope`` only; transformers' ``longrope`` validator reads the global ``head_dim``, which a config with
+    per-layer head dims (Gemma 4) refuses to give, a RuntimeError): a method it refuses would save a checkpoint
+    that never reloads. Refused, config restored."""
+    params = config_lib.layer_type_parameters(state.config, state.layer_types[0]) if state.layer_types else {}
+    if params.get("rope_type") == "yarn" and params.get("truncate", True) is False:
+        checkpoint.restore(state.config, state.saved_config)
+        raise ValueError(f"patch: {state.architecture.name}: transformers' yarn reads truncate from the top level of "
+                         "rope_parameters, which a per-layer-type config keys by layer type, so transformers' own model "
+                         "(and a reload of the checkpoint) would run truncate=True: use YaRN with truncate=True here")
     validate = getattr(state.config, "validate_rope", None)
     if validate is None:
         return
     try:
         validate()
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
         checkpoint.restore(state.config, state.saved_config)
         raise ValueError(f"patch: {state.architecture.name}'s config class ({type(state.config).__name__}) refuses "
                          f"the rope_parameters this method writes, so its checkpoint would not reload: {err}") from None
@@ -326,6 +342,15 @@ def _check_layers(state: _PatchState, scaling) -> None:
             raise ValueError(f"patch: ReRoPE cannot patch {name}: {arch.rerope}")
         if getattr(state.config, "attn_logit_softcapping", None) is not None:
             raise ValueError(f"patch: ReRoPE cannot patch this {name} model: {architectures.SOFTCAP}")
+        if any(getattr(m, "is_causal", True) is False for m in state.attention_modules if state.extends(m)):
+            raise ValueError(f"patch: ReRoPE cannot patch this {name} model: {architectures.BIDIRECTIONAL}")
+    layer_type = state.layer_types[0] if state.layer_types else None
+    head_dim = config_lib.head_dim_of(state.config, layer_type)
+    if arch.narrow_table and state.rotary_dim != head_dim:
+        partial = config_lib.layer_type_parameters(state.config, layer_type).get("partial_rotary_factor")
+        raise ValueError(f"patch: {type(state.method).__name__} under partial_rotary_factor {partial} makes a table for "
+                         f"{state.rotary_dim} of the {head_dim} features of {name}'s heads (layer type {layer_type}): "
+                         f"{arch.narrow_table}")
     if state.pre_rope:
         sliding = sorted({str(_layer_type(m)) for m in state.attention_modules
                           if state.extends(m) and _sliding_window(m)})
@@ -748,11 +773,14 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
     if positions is None:
         raise RuntimeError("ropescale: pre-RoPE attention needs the positions of the step (call the model, not its "
                            "layers)")
-    positions = _batch_positions(positions, query.shape[0])
-    key_positions = positions
+    # A KV-shared layer may run the last queries only (Gemma 4 slices them to generate's logits_to_keep) while its
+    # keys, those of its source layer, are the whole step's.
+    key_positions = _batch_positions(positions, query.shape[0])
+    positions = key_positions[:, -query.shape[-2]:]
     cache = state.step_cache
-    if cache is not None and module.layer_idx < len(cache.layers):
-        key_positions = cache.layers[module.layer_idx].positions
+    layer_idx = state.kv_sources.get(module.layer_idx, module.layer_idx)
+    if cache is not None and layer_idx < len(cache.layers):
+        key_positions = cache.layers[layer_idx].positions
     if key_positions.shape[1] != key.shape[-2]:
         raise RuntimeError(f"ropescale: layer {module.layer_idx} attends {key.shape[-2]} keys but knows the positions "
                            f"of {key_positions.shape[1]}: its cache was not made by this patched model's forward")

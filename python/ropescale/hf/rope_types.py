@@ -60,7 +60,7 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
     # The table only: the attention side is hf.patch's business (and the warning above).
     method = config_lib.read(table, config.max_position_embeddings).method
     seq_len = None if seq_len is None else int(seq_len)
-    inv_freq = method.inv_freq(rotary_dim_of(config, params), params["rope_theta"], seq_len=seq_len)
+    inv_freq = method.inv_freq(rotary_dim_of(config, params, layer_type), params["rope_theta"], seq_len=seq_len)
     return inv_freq.to(device), method.attention_factor_for(seq_len)
 
 

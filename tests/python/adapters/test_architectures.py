@@ -18,7 +18,7 @@ from ropescale import hf, ops, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
 
 from support.attention import reference  # noqa: E402
-from support.families import COMMON, ORIGINAL, TINY, VOCAB, build  # noqa: E402
+from support.families import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build  # noqa: E402
 from support.methods import instance, registered  # noqa: E402
 
 LENGTH = 40
@@ -43,6 +43,12 @@ def refused_by_transformers(name, params) -> bool:
     return False
 
 
+def misread_by_transformers(name, params) -> bool:
+    """Whether transformers' own model runs other parameters than these: its yarn reads ``truncate`` from the top
+    level of rope_parameters, which a per-layer-type config keys by layer type (hf.patch refuses it there)."""
+    return name in PER_LAYER_TYPE and params.get("rope_type") == "yarn" and params.get("truncate") is False
+
+
 def same_weights(model, like):
     model.load_state_dict(like.state_dict())
     return model
@@ -59,8 +65,9 @@ def output(model, x, **kwargs):
 
 
 def pairs(name):
+    """The rotary pairs of the family's extended layers (Gemma 4's full layers have a head dim of their own)."""
     fields = {**COMMON, **TINY[name][2]}
-    dim = fields.get("qk_rope_head_dim", fields["head_dim"])
+    dim = fields.get("qk_rope_head_dim", fields.get("global_head_dim", fields["head_dim"]))
     return int(dim * fields.get("partial_rotary_factor", 1.0)) // 2
 
 
@@ -83,8 +90,10 @@ def static_cases():
 @pytest.mark.parametrize("name,method,params", static_cases(), ids=lambda v: v if isinstance(v, str) else "")
 def test_static_method_equals_transformers_own_model(name, method, params):
     arch = ARCHS[name]
-    if refused_by_transformers(name, params):  # Phi-3's config takes default and longrope only; Ministral 3's
-        with pytest.raises(ValueError, match=re.escape(f"patch: {name}")):  # temperature needs an original length
+    # Phi-3's config takes default and longrope only; Ministral 3's temperature needs an original length; Gemma 4's
+    # config refuses longrope (its validator reads the global head_dim); per-layer-type configs lose yarn's truncate
+    if refused_by_transformers(name, params) or misread_by_transformers(name, params):
+        with pytest.raises(ValueError, match=re.escape(f"patch: {name}")):
             hf.patch(build(name), scaling.from_hf(params, 64))
         return
     native = build(name, params)
@@ -257,6 +266,97 @@ def test_gemma3_rerope_with_soft_capped_logits_is_refused():
     model = build("Gemma 3", attn_logit_softcapping=30.0)
     with pytest.raises(ValueError, match="soft-capped"):
         hf.patch(model, None, attention="rerope", window=8)
+
+
+# Gemma 4's full layers as its checkpoints have them: proportional, a quarter of the pairs rotated, base 1e6.
+GEMMA4_FULL = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+
+
+def test_gemma4_full_layers_take_their_own_head_dim():
+    """The extended (full-attention) layers' table is made for THEIR head dim (32: per_layer_config), not the
+    config's (16, the sliding layers'): the patched model equals transformers' own, and the table has 16 pairs."""
+    from ropescale import config as config_lib
+    native = build("Gemma 4", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL})
+    model = hf.patch(same_weights(build("Gemma 4"), native), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    assert config_lib.head_dim_of(model.config, "full_attention") == 32
+    assert config_lib.head_dim_of(model.config, "sliding_attention") == 16
+    assert model._ropescale_patch.rotary_dim == 32
+    assert model.model.rotary_emb.full_attention_inv_freq.shape == (16,)
+    x = ids()
+    torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)
+
+
+def test_gemma4_proportional_layout():
+    """A Gemma 4 whose full layers hold transformers' proportional (partial_rotary_factor 0.25: 4 of 16 pairs
+    rotated, the rest at frequency 0): ``patch(model)`` keeps it (equal to the unpatched model); a proportional with
+    a factor (interpolation of the rotated pairs) equals transformers' own model of it; a method whose table is
+    narrower than the head (YaRN, Dynamic YaRN under partial_rotary_factor 0.25: transformers' own Gemma 4 fails on
+    it) is refused saying why."""
+    native = build("Gemma 4", GEMMA4_FULL)
+    x = ids()
+    before = output(native, x)
+    model = hf.patch(build("Gemma 4", GEMMA4_FULL))
+    torch.testing.assert_close(output(model, x), before, rtol=1e-5, atol=2e-5)
+    assert model.config.rope_parameters["full_attention"] == GEMMA4_FULL
+    hf.unpatch(model)
+    scaled = {**GEMMA4_FULL, "factor": 4.0}
+    native = build("Gemma 4", scaled)
+    model = hf.patch(same_weights(build("Gemma 4", GEMMA4_FULL), native), scaling.from_hf(scaled, 64))
+    torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)
+    assert (output(model, x) - before).abs().max() > 1e-3
+    assert model.config.rope_parameters["full_attention"] == {**scaled, "rope_type": "proportional"}
+    assert refused_by_transformers("Gemma 4", {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.25,
+                                               "original_max_position_embeddings": ORIGINAL})
+    for method in (scaling.YaRN(factor=4.0, original_max_position=ORIGINAL),
+                   scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")):
+        model = build("Gemma 4", GEMMA4_FULL)
+        with pytest.raises(ValueError, match=r"makes a table for 8 of the 32 features of Gemma 4's heads .*"
+                                             r"applies cos/sin to every feature"):
+            hf.patch(model, method)
+        assert not hf.is_patched(model) and model.config.rope_parameters["full_attention"] == GEMMA4_FULL
+
+
+def test_gemma4_rerope_on_the_proportional_table_equals_float64_reference(monkeypatch):
+    """ReRoPE over Gemma 4's own proportional table (zero-frequency pairs included): one full layer equals the float64
+    reference; with a window past every distance the whole model is transformers' own."""
+    window = 6
+    model = hf.patch(build("Gemma 4", GEMMA4_FULL), None, attention="rerope", window=window)
+    inv_freq = scaling.Proportional(partial_rotary_factor=0.25).inv_freq(32, 1e6, dtype=torch.float64)
+    assert int(inv_freq.count_nonzero()) == 4
+    _assert_rerope_layer_is_the_reference(model, "Gemma 4", window, 20, inv_freq, 1.0, monkeypatch)
+    native = build("Gemma 4", GEMMA4_FULL)
+    model = hf.patch(same_weights(build("Gemma 4", GEMMA4_FULL), native), None, attention="rerope", window=1 << 20)
+    x = ids(length=30)
+    torch.testing.assert_close(output(model, x), output(native, x), rtol=1e-5, atol=2e-5)
+
+
+def test_gemma4_kv_shared_layers_under_generate():
+    """Gemma 4's KV-shared layers (2 and 3) attend the keys of layers 0 and 1; generate runs them on the last query
+    only (logits_to_keep=1). Per-request Dynamic YaRN through generate is transformers' own static YaRN of its
+    scale at every step: layer 3 rotates layer 1's raw keys with layer 1's cached positions."""
+    prompt, new = 24, 8
+    reference = build("Gemma 4", {"rope_type": "yarn", "factor": (prompt + new) / ORIGINAL,
+                                  "original_max_position_embeddings": ORIGINAL})
+    model = hf.patch(same_weights(build("Gemma 4"), reference),
+                     scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+    assert model._ropescale_patch.kv_sources == {3: 1}
+    queries = []
+    handle = model.model.layers[3].self_attn.register_forward_hook(
+        lambda module, args, kwargs, result: queries.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    x = ids(batch=1, length=prompt)
+    settings = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got = model.generate(x, **settings)
+        want = reference.generate(x, **settings)
+    handle.remove()
+    assert queries[0] == 1  # the prompt's KV-shared layers ran its last query only
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=2e-5)
+
+
+def test_gemma4_rerope_with_bidirectional_attention_is_refused():
+    with pytest.raises(ValueError, match="bidirectional"):
+        hf.patch(build("Gemma 4", use_bidirectional_attention="all"), None, attention="rerope", window=8)
 
 
 def test_a_patched_model_whose_implementation_changes_is_wrapped_again():

@@ -11,8 +11,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 MOE = dict(num_experts_per_tok=2)
 
-# The test config of each family (architecture name: config class, model class, fields beyond COMMON). The two
-# layers of a family with layer types are one sliding and one full layer.
+# The test config of each family (architecture name: config class, model class, fields beyond COMMON). The
+# layers of a family with layer types are sliding and full layers in turn.
 TINY = {
     "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "Mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),  # Mistral 7B v0.2 on
@@ -26,6 +26,12 @@ TINY = {
     "GLM-4": ("Glm4Config", "Glm4ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0)),
     "Gemma 3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                 dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)),
+    # Gemma 4: its full layers' own head dim (32, the sliding layers' 16: per_layer_config), keys as values there
+    # (attention_k_eq_v), the last two layers KV-shared (attending the keys of layers 0 and 1), per-layer inputs.
+    "Gemma 4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4,
+                     global_head_dim=32, attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                     vocab_size_per_layer_input=VOCAB)),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(MOE, num_local_experts=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
@@ -35,6 +41,8 @@ TINY = {
     "Qwen2.5-VL (text)": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", dict(mrope_section=[2, 3, 3])),
     "Qwen3-VL (text)": ("Qwen3VLTextConfig", "Qwen3VLTextModel", dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
 }
+# The families whose rope_parameters are per layer type: build's rope_parameters are their full layers'.
+PER_LAYER_TYPE = ("Gemma 3", "Gemma 4")
 # Keys of a family's rope layout that its test config puts in rope_parameters.
 LAYOUT = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")
 
@@ -55,7 +63,7 @@ def build(name, rope_parameters=None, seed=0, **overrides):
     params = base_rope(name)
     if rope_parameters is not None:  # the method's keys, the family's layout keys
         params = {"rope_theta": 10000.0, **{k: params[k] for k in LAYOUT if k in params}, **rope_parameters}
-    if name == "Gemma 3":
+    if name in PER_LAYER_TYPE:
         params = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
