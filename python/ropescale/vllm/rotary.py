@@ -201,9 +201,9 @@ def _extended_layer_type(params, hf_config, entry, max_position, head_size) -> b
     if serving.needs_pre_rope(config_lib.read(params, max_position, entry)):
         raise NotImplementedError(
             "ropescale.vllm: a pre-RoPE method (dynamic, ReRoPE) on some layer types of a per-layer-type config "
-            "(Gemma 3) is not served by vLLM: ropescale's attention backend serves one plan for every layer, and "
-            "the other types' layers are rotated at the model. Serve a static table (YaRN, linear, Llama 3), or "
-            "use transformers + ropescale.hf")
+            "(Gemma 3, Gemma 4) is not served by vLLM: ropescale's attention backend serves one plan for every "
+            "layer, and the other types' layers are rotated at the model. Serve a static table (YaRN, linear, "
+            "Llama 3), or use transformers + ropescale.hf")
     return True
 
 

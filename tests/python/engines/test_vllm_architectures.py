@@ -53,8 +53,8 @@ STOCK_EXACT_ONLY = {
     "Phi-3 / Phi-4-mini": (0,),
 }
 # Per family: why the plugin refuses its pre-RoPE checkpoint at engine start (the error must say it).
-PLUGIN_REFUSES_PRE_ROPE = {"Gemma 3": "a pre-RoPE method (dynamic, ReRoPE) on some layer types of a per-layer-type "
-                                      "config (Gemma 3) is not served by vLLM"}
+PLUGIN_REFUSES_PRE_ROPE = dict.fromkeys(("Gemma 3", "Gemma 4"), "a pre-RoPE method (dynamic, ReRoPE) on some layer "
+                                        "types of a per-layer-type config (Gemma 3, Gemma 4) is not served by vLLM")
 
 
 def static_checkpoint(name):
@@ -165,8 +165,8 @@ def test_proportional_in_stock_vllm_and_the_plugin(monkeypatch, factor):
 
 
 # The pre-RoPE families (their attention takes pre-RoPE methods) whose config takes the method's type.
-PRE_ROPE = [name for name in FAMILIES if ARCHS[name].pre_rope is None and name != "Phi-3 / Phi-4-mini"]
 SERVED = [name for name in FAMILIES if name not in NOT_RUN]
+PRE_ROPE = [name for name in SERVED if ARCHS[name].pre_rope is None and name != "Phi-3 / Phi-4-mini"]
 
 
 @pytest.fixture(scope="module")

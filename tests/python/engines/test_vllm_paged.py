@@ -581,5 +581,5 @@ def test_a_per_layer_type_checkpoint_takes_ropescales_table_on_its_extended_laye
     with pytest.raises(ValueError, match="no layer type's rope_parameters match"):
         rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
     config = config_with(scaling.DynamicYaRN(original_max_position=16))
-    with pytest.raises(NotImplementedError, match="pre-RoPE method .* per-layer-type config \\(Gemma 3\\)"):
+    with pytest.raises(NotImplementedError, match="pre-RoPE method .* per-layer-type config \\(Gemma 3, Gemma 4\\)"):
         rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
