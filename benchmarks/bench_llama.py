@@ -4,8 +4,10 @@
     python benchmarks/bench_llama.py --quick    # 512 and 2k
 
 Model: 4 layers, d_model 512, 8 heads of 64, GQA 8/4, fp32. Methods: YaRN x4 (a static method: the
-patch swaps in the fused rotary kernel and double-precision angles) and Dynamic NTK (pre-RoPE cache
-on the ropescale side; transformers' own dynamic path on the native side). Prefill: one forward over
+patch's rotary module gives ropescale's table, angles in double, and the model's own apply_rotary_pos_emb
+rotates) and Dynamic NTK (pre-RoPE: the identity rotation at the model, q and the raw cached keys rotated
+by ropescale's kernel in the wrapped attention implementation; transformers' own dynamic path on the native
+side). Prefill: one forward over
 the prompt. Decode: 16 greedy steps after the prompt, per token (the prefilled cache copied before each run). Ratios > 1 mean ropescale is faster.
 """
 
