@@ -1,5 +1,6 @@
 """The float64 references of ReRoPE attention the op tests share (test_rerope_attention, test_rerope_paged,
 test_rerope_training, test_cuda_kernels): Su's two-matrix form and its IEEE variant for non-finite inputs,
+the per-region forms of Self-Extend and Dual Chunk Attention (test_self_extend_dca_reference),
 random inputs with prefill positions and left padding, operand layouts, and the low-precision bound (the
 error PyTorch's own SDPA makes in that dtype on the same inputs)."""
 
@@ -71,6 +72,77 @@ def reference(q, k, v, qp, kp, inv_freq, window, leaky_k=0.0, scale=None, logn_l
     lse = torch.logsumexp(scores, -1)
     probs = torch.exp(scores - torch.where(lse.isfinite(), lse, 0)[..., None])
     return probs @ v, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references of the other raw-key methods (docs/DESIGN.md, "Self-Extend and Dual Chunk
+# Attention"): one full score matrix per region, each with that region's query and key rotations,
+# selected per (query, key) pair by region, then one softmax (what merging the regions' attentions by
+# log-sum-exp computes).
+
+
+def _per_pair_attention(scores, qp, kp, v, causal):
+    """(out, lse) of the selected scores [B, H, Lq, Lk] (already scaled): padding (a negative position)
+    and, when causal, keys after the query masked; a row with no visible key gives 0 / -inf."""
+    visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+    if causal:
+        visible &= kp[:, None, :] <= qp[:, :, None]
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - torch.where(lse.isfinite(), lse, 0)[..., None])
+    return probs @ v, lse
+
+
+def _raw_inputs(q, k, v, scale):
+    q, k, v = q.double(), k.double(), v.double()
+    heads = q.shape[1] // k.shape[1]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return q, k.repeat_interleave(heads, 1), v.repeat_interleave(heads, 1), scale
+
+
+def reference_self_extend(q, k, v, qp, kp, inv_freq, window, group, scale=None, causal=True, interleaved=False):
+    """Self-Extend (Jin et al. 2024) in float64, (out, lse). Neighbour region ``qp - kp < window``: q at qp,
+    k at kp (plain RoPE). Grouped region ``qp - kp >= window``: q at ``qp // group + window - window //
+    group``, k at ``kp // group`` (floors of the absolute positions; the paper's integer shift). Keys after
+    the query (``causal=False``) fall in the neighbour region, as in ReRoPE's reference. Negative positions
+    are padding."""
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (window, group)):
+        raise ValueError(f"window and group must be integers > 0, got {window!r}, {group!r}")
+    q, k, v, scale = _raw_inputs(q, k, v, scale)
+    qp, kp = qp.long(), kp.long()
+    a_near = rot64(q, qp, inv_freq, interleaved) @ rot64(k, kp, inv_freq, interleaved).transpose(-1, -2)
+    shift = window - window // group
+    a_group = rot64(q, torch.div(qp, group, rounding_mode="floor") + shift, inv_freq, interleaved) @ rot64(
+        k, torch.div(kp, group, rounding_mode="floor"), inv_freq, interleaved).transpose(-1, -2)
+    dist = qp[:, :, None] - kp[:, None, :]
+    scores = torch.where((dist < window)[:, None], a_near, a_group) * scale
+    return _per_pair_attention(scores, qp, kp, v, causal)
+
+
+def reference_dual_chunk(q, k, v, qp, kp, inv_freq, chunk_size, local_size, scale=None, causal=True,
+                         interleaved=False):
+    """Dual Chunk Attention (An et al. 2024) with Qwen's parameters, in float64, (out, lse). Chunks of
+    ``n = chunk_size - local_size`` positions; chunk ``p // n``, offset ``p % n``. Every key at its offset.
+    The query: at its offset for keys of its own chunk (intra), at ``min(n + offset, chunk_size)`` for
+    keys of the previous chunk (successive), at ``min(2n - 1, chunk_size)`` for keys of earlier chunks
+    (inter). Causal only (vLLM refuses causal=False too). Negative positions are padding."""
+    if not (all(isinstance(x, int) and not isinstance(x, bool) for x in (chunk_size, local_size))
+            and 0 <= local_size < chunk_size):
+        raise ValueError(f"need integers 0 <= local_size < chunk_size, got {chunk_size!r}, {local_size!r}")
+    if not causal:
+        raise ValueError("Dual Chunk Attention is defined for causal attention only")
+    q, k, v, scale = _raw_inputs(q, k, v, scale)
+    qp, kp = qp.long(), kp.long()
+    n = chunk_size - local_size
+    q_off, k_off = torch.remainder(qp, n), torch.remainder(kp, n)
+    k_rot = rot64(k, k_off, inv_freq, interleaved).transpose(-1, -2)
+    a_intra = rot64(q, q_off, inv_freq, interleaved) @ k_rot
+    a_succ = rot64(q, (q_off + n).clamp(max=chunk_size), inv_freq, interleaved) @ k_rot
+    a_inter = rot64(q, torch.full_like(qp, min(2 * n - 1, chunk_size)), inv_freq, interleaved) @ k_rot
+    apart = (torch.div(qp, n, rounding_mode="floor")[:, :, None]
+             - torch.div(kp, n, rounding_mode="floor")[:, None, :])[:, None]
+    scores = torch.where(apart == 0, a_intra, torch.where(apart == 1, a_succ, a_inter)) * scale
+    return _per_pair_attention(scores, qp, kp, v, causal)
 
 
 def make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype=torch.float32, pad=0, offset=0, seed=0,
