@@ -128,7 +128,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
     if ours and config_lib.per_layer_type(hf_config):
-        ours = _extended_layer_type(params, hf_config, entry, max_position, head_size)
+        ours = _extended_layer_type(params, hf_config, entry, max_position)
     if not ours:
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")
@@ -179,20 +179,21 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     return _layers[key]
 
 
-def _extended_layer_type(params, hf_config, entry, max_position, head_size) -> bool:
+def _extended_layer_type(params, hf_config, entry, max_position) -> bool:
     """For a config with rope parameters per layer type (Gemma 3), whether this layer's are the ones ropescale
     extended: ``hf.patch`` writes its method into some layer types only (``checkpoint.record(layer_types=)``)
     beside the model's one ``ropescale`` entry, so a layer is ropescale's when its parameters read with that
     entry, and vLLM's own (a sliding layer's table) when they do not. Pre-RoPE methods are refused: ropescale's
     attention backend serves one plan for every layer of a model."""
-    def reads(layer_params) -> bool:
+    def reads(layer_type, layer_params) -> bool:  # at that type's own rotary dim (Gemma 4's differ by type)
         try:
-            config_lib.read(layer_params, max_position, entry, config_lib.rotary_dim(head_size, layer_params))
+            config_lib.read(layer_params, max_position, entry,
+                            config_lib.rotary_dim_of(hf_config, layer_params, layer_type))
         except ValueError:
             return False
         return True
 
-    extended = [dict(p) for p in hf_config.rope_parameters.values() if reads(p)]
+    extended = [dict(p) for t, p in hf_config.rope_parameters.items() if reads(t, p)]
     if not extended:
         raise ValueError("ropescale.vllm: no layer type's rope_parameters match the config's ropescale entry (the "
                          "config was edited by hand?): rewrite it with hf.patch + save_pretrained")

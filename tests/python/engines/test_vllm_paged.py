@@ -580,6 +580,22 @@ def test_a_per_layer_type_checkpoint_takes_ropescales_table_on_its_extended_laye
     config.rope_parameters["full_attention"]["factor"] = 8.0  # edited by hand: no type matches the entry
     with pytest.raises(ValueError, match="no layer type's rope_parameters match"):
         rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
+    # Gemma 4: the full layers' own head dim (64, the sliding layers' 32); NTK-aware's written base depends on the
+    # rotary dim, so each type's parameters are read at their own (a sliding layer's call must not refuse the model).
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+                              max_position_embeddings=64, sliding_window=8, vocab_size_per_layer_input=101,
+                              hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    hf.checkpoint.record(config, scaling.NTK(factor=4.0), layer_types=("full_attention",))
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=64))
+    sliding = rotary.get_rope(32, 64, True, dict(config.rope_parameters["sliding_attention"]), torch.float32)
+    full = rotary.get_rope(64, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
+    assert not isinstance(sliding, rotary.RopescaleRotaryEmbedding)
+    assert isinstance(full, rotary.RopescaleRotaryEmbedding) and isinstance(full.method, scaling.NTK)
     config = config_with(scaling.DynamicYaRN(original_max_position=16))
     with pytest.raises(NotImplementedError, match="pre-RoPE method .* per-layer-type config \\(Gemma 3, Gemma 4\\)"):
         rotary.get_rope(32, 64, True, dict(config.rope_parameters["full_attention"]), torch.float32)
