@@ -136,14 +136,6 @@ def longlm_self_extend(q, k, v, inv_freq, window, group):
     return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
 
-@pytest.mark.parametrize("window, group", [(4, 2), (5, 2), (7, 3), (1, 4)])
-def test_self_extend_matches_authors_algorithm(window, group):
-    q, k, v, qp, kp = make_inputs(1, 2, 2, 30, 30, 8, torch.float64, seed=4)
-    inv_freq = inv_freq_of(8)
-    assert_same(reference_self_extend(q, k, v, qp, kp, inv_freq, window, group),
-                longlm_self_extend(q, k, v, inv_freq, window, group))
-
-
 def test_self_extend_grouped_positions_join_the_window():
     """Every grouped pair sees a relative position >= W and the largest is i // G + W - W // G at key 0:
     with G | W, length (L - W) * G + W keeps every position <= L - 1 (the paper's extended length)."""
@@ -284,12 +276,18 @@ def chunkllama_dual_chunk(q, k, v, inv_freq, chunk_size, local_size):
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-@pytest.mark.parametrize("chunk_size, local_size", [(9, 3), (12, 4), (10, 6), (8, 0)])
-def test_dual_chunk_matches_authors_algorithm(chunk_size, local_size):
-    q, k, v, qp, kp = make_inputs(1, 2, 2, 40, 40, 8, torch.float64, seed=8)
+@pytest.mark.parametrize("method, parameters", [
+    *(("self_extend", wg) for wg in [(4, 2), (5, 2), (7, 3), (1, 4)]),  # (window, group)
+    *(("dual_chunk", cl) for cl in [(9, 3), (12, 4), (10, 6), (8, 0)]),  # (chunk_size, local_size)
+])
+def test_reference_matches_the_authors_algorithm(method, parameters):
+    """Each reference against a re-implementation of its authors' algorithm (LongLM's grouped attention,
+    ChunkLlama's three chunk regions)."""
+    reference, authors, length, seed = {"self_extend": (reference_self_extend, longlm_self_extend, 30, 4),
+                                        "dual_chunk": (reference_dual_chunk, chunkllama_dual_chunk, 40, 8)}[method]
+    q, k, v, qp, kp = make_inputs(1, 2, 2, length, length, 8, torch.float64, seed=seed)
     inv_freq = inv_freq_of(8)
-    assert_same(reference_dual_chunk(q, k, v, qp, kp, inv_freq, chunk_size, local_size),
-                chunkllama_dual_chunk(q, k, v, inv_freq, chunk_size, local_size))
+    assert_same(reference(q, k, v, qp, kp, inv_freq, *parameters), authors(q, k, v, inv_freq, *parameters))
 
 
 def test_dual_chunk_refuses_bad_parameters():
