@@ -246,6 +246,9 @@ def main(argv=None) -> None:
     if args.output_dir and (rank == 0 or sharded):
         save(model, args, device, rank, sharded)
     if world > 1 and dist.is_initialized():
+        # every rank waits for rank 0's save before the group goes: a rank tearing gloo down while another still
+        # works aborted at exit under load ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 
