@@ -96,7 +96,8 @@ class _PatchState:
     layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
     config: Any = None
     # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
-    pair_streams: torch.Tensor | None = None
+    pair_streams: list[int] | None = None
+    stream_masks: dict = dataclasses.field(default_factory=dict)  # device: [streams, pairs], 1 where a pair turns
     saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
     saved_buffers: list = dataclasses.field(default_factory=list)  # (module, name, value) unpatch puts back
     saved_implementations: list = dataclasses.field(default_factory=list)  # (config, X) unpatch puts back
@@ -273,8 +274,7 @@ def patch(
         layer_types=layer_types,
         config=config,
     )
-    streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
-    state.pair_streams = None if streams is None else torch.tensor(streams, dtype=torch.int64)
+    state.pair_streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     try:
@@ -823,10 +823,14 @@ def _rotate(state, x, positions, inv_freq, factor):
     interleaved = state.architecture.interleaved
     if state.pair_streams is None:
         return ops.apply_rotary_pos(x, positions, inv_freq, factor, interleaved)
-    streams = state.pair_streams.to(inv_freq.device)
+    masks = state.stream_masks.get(inv_freq.device)
+    if masks is None:  # once per device, not per layer and step
+        streams = torch.tensor(state.pair_streams)
+        masks = torch.stack([streams == s for s in range(3)]).to(inv_freq.device)  # time, height, width
+        state.stream_masks[inv_freq.device] = masks
     last = positions.shape[-1] - 1
     for stream in range(last + 1):
-        x = ops.apply_rotary_pos(x, positions[..., stream], inv_freq * (streams == stream),
+        x = ops.apply_rotary_pos(x, positions[..., stream], inv_freq * masks[stream],
                                  factor if stream == last else 1.0, interleaved)
     return x
 

@@ -18,7 +18,7 @@ from ropescale import hf, ops, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
 
 from support.attention import reference  # noqa: E402
-from support.families import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build  # noqa: E402
+from support.families import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build, stream_positions  # noqa: E402
 from support.methods import instance, registered  # noqa: E402
 
 LENGTH = 40
@@ -135,7 +135,7 @@ def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_ca
     model = hf.patch(same_weights(build(name), reference),
                      scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
     x = ids(batch=1, length=prompt + new)
-    streams = stream_positions(name, prompt + new)
+    streams = multimodal_positions(name, prompt + new)
     at = ({} if streams is None else {"position_ids": streams})
     full = output(reference, x, **at)
 
@@ -152,13 +152,10 @@ def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_ca
     assert (full - output(hf.unpatch(model), x, **at)).abs().max() > 1e-3  # the scale matters at these lengths
 
 
-def stream_positions(name, length):
-    """For a multimodal-rope family, position ids ``[3, 1, length]`` whose streams differ (as around an image: height
-    and width behind time, time the largest, as Qwen-VL's get_rope_index makes them), else None."""
-    if "mrope_section" not in TINY[name][2]:
-        return None
-    t = torch.arange(length)
-    return torch.stack((t, t - t // 4, t // 2))[:, None]
+def multimodal_positions(name, length):
+    """For a multimodal-rope family, position ids ``[3, 1, length]`` whose streams differ
+    (``support.families.stream_positions``), else None."""
+    return stream_positions(length)[:, None] if "mrope_section" in TINY[name][2] else None
 
 
 def _attention_layer(model):

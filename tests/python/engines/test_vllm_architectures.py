@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from support.families import ORIGINAL, build_served
+from support.families import ORIGINAL, TINY, build_served, stream_positions
 from support.vllm_engine import run_engines
 from support.vllm_testing import assert_same, require_vllm
 
@@ -81,7 +81,7 @@ def pre_rope_checkpoint(name):
 # ---------------------------------------------------------------------------------------------
 # No engine: what the plugin's get_rope gives a multimodal rope (vLLM's VL modules do not run on this leg)
 
-MULTIMODAL = [name for name in sorted(ARCHS) if name.endswith("-VL (text)")]
+MULTIMODAL = sorted(name for name in ARCHS if "mrope_section" in TINY[name][2])
 
 
 def mrope_reference(x, streams, pair_streams, inv_freq, factor):
@@ -123,8 +123,7 @@ def test_plugin_rotates_a_multimodal_rope_with_ropescales_table_or_refuses_it(mo
     assert isinstance(layer, rotary.RopescaleMRotaryEmbedding)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(40, 2 * head, generator=g), torch.randn(40, head, generator=g)
-    t = torch.arange(40)
-    streams = torch.stack((t, t - t // 4, t // 2))  # as around an image: height and width behind time
+    streams = stream_positions(40)
     rq, rk = layer.forward_native(streams, q.clone(), k.clone())
     pair_streams = config_lib.mrope_pair_streams(params, head // 2)
     table = methods[method]

@@ -119,3 +119,10 @@ def build_served(name, rope_parameters=None, seed=0):
             if "proj" in parameter_name and "visual" not in parameter_name:
                 p.mul_(4.0)
     return model
+
+
+def stream_positions(length):
+    """Position ids ``[3, length]`` of a multimodal rope whose streams differ, as around an image (Qwen-VL's
+    get_rope_index): height and width behind time, time the largest."""
+    t = torch.arange(length)
+    return torch.stack((t, t - t // 4, t // 2))
