@@ -86,23 +86,26 @@ TORCH_LIBRARY(ropescale, m) {
   // apply_rotary_pos_qk, in place.
   m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
         "bool interleaved=False, *, bool conjugate=False) -> ()");
-  // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse).
+  // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse); with
+  // group > 0 Self-Extend, with chunk_size > 0 Dual Chunk Attention (window = its local_size).
   m.def(
       "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
-      "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False) "
-      "-> (Tensor out, Tensor lse)");
+      "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False, "
+      "*, int group=0, int chunk_size=0) -> (Tensor out, Tensor lse)");
   // The engine form: requests packed along T, raw keys/values read through vLLM's paged cache, positions
   // implicit (key slot j at j, the q_len queries last), a rotation table and scale factor per request.
   m.def(
       "rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False) -> (Tensor out, Tensor lse)");
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0) "
+      "-> (Tensor out, Tensor lse)");
   // The same over the caller's CUDA scratch (uint8, rerope_paged_workspace_bytes), reserved once by an engine
   // (an overload: a mutated argument; the default overload stays functional, with its autograd refusal).
   m.def(
       "rerope_attention_paged.workspace(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, Tensor(a!) workspace) "
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0, "
+      "Tensor(a!) workspace) "
       "-> (Tensor out, Tensor lse)");
   // Bytes of rerope_attention_paged's workspace for up to `tokens` query rows per call (0 where CUDA needs
   // none: fp32, head dims off the tensor cores), with room to pre-rotate `max_keys` keys (-1: the default).
@@ -121,10 +124,11 @@ TORCH_LIBRARY(ropescale, m) {
   // allow_float64: rerope_attention_composite also takes float64 (gradcheck, references).
   m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
         "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "
-        "bool allow_float64=False) -> ()");
+        "bool allow_float64=False, *, int group=0, int chunk_size=0, bool causal=True) -> ()");
   m.def("_check_rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-        "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False, Tensor? workspace=None) -> ()");
+        "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False, Tensor? workspace=None, *, "
+        "int group=0, int chunk_size=0) -> ()");
   m.def("_check_rerope_cache_write(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, "
         "Tensor slot_mapping) -> ()");
 }

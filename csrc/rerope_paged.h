@@ -9,6 +9,8 @@
 #include <optional>
 #include <tuple>
 
+#include "ropescale/rerope_math.h"
+
 namespace ropescale {
 
 struct ReropePagedArgs {
@@ -23,8 +25,8 @@ struct ReropePagedArgs {
   int64_t tokens = 0, requests = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_pairs = 0;
   int64_t num_blocks = 0, block_size = 0, max_blocks = 0;
   bool per_request_inv_freq = false;  // inv_freq has one row per request
-  int64_t window = 0, logn_length = 0;
-  double leaky_inv = 0.0;      // 1/k, 0 for plain ReRoPE
+  int64_t logn_length = 0;
+  RegionRule rule;             // ReRoPE / Leaky ReRoPE, Self-Extend or Dual Chunk (rerope_math.h)
   double inv_log_train = 0.0;  // 1/ln(logn_length), 0 when log-n is off
   float scale = 0.0f;          // softmax scale (1/sqrt(D) when the caller passed -1)
   bool interleaved = false;
@@ -37,7 +39,8 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                              double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
-                             int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace);
+                             int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace,
+                             int64_t group, int64_t chunk_size);
 
 // The data checks (CPU tensors only; on CUDA they would cost a host sync per call, so there they are
 // the caller's contract and the kernel guards its reads): query_start_loc[0] == 0, non-decreasing,
@@ -52,7 +55,8 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                         const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                         const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-                                        bool interleaved, const std::optional<at::Tensor>& workspace);
+                                        bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group,
+                                        int64_t chunk_size);
 
 // rerope_cache_write_'s checks (metadata; slot range on CPU): key/value [T, Hkv, D] matching the
 // cache's heads and D, slot_mapping integer [T], slots < num_blocks * block_size.
@@ -65,12 +69,12 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved);
+    bool interleaved, int64_t group, int64_t chunk_size);
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, const at::Tensor& workspace);
+    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace);
 void rerope_cache_write_meta_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
 
@@ -82,6 +86,6 @@ void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_
                                      const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                                      double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
                                      int64_t logn_length, bool allow_float64,
-                                     const std::optional<at::Tensor>& workspace);
+                                     const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size);
 
 }  // namespace ropescale

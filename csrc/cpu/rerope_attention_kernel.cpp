@@ -13,15 +13,16 @@
 //
 // Two plans share the tile classification, the masking and the online softmax:
 // * prefill (more than kDecodeRows query rows): compute-bound. The key blocks some tile needs are
-//   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; Leaky far side: at
-//   p/k; ReRoPE far side: raw; gathered from their pages), then one task per (problem, q head, query
+//   prepared once as transposed panels [D x kBlockK] (near side: rotated at p; far side at the region
+//   rule's far key position: Leaky p/k, Self-Extend floor(p/G), Dual Chunk p mod n; ReRoPE far side:
+//   raw; gathered from their pages), then one task per (problem, q head, query
 //   block), heaviest first: scores and P.V by BLAS, the online softmax with a vectorised exp.
 // * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
 //   GQA group share one pass over their kv head, so every key and value is read once; the keys are
 //   split into chunks over the threads and the chunks' partial softmax states merged by their lse
 //   (flash-decoding); keys are read where they lie and only the window's (near and band tiles) are
-//   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE also rotates far keys,
-//   at p/k).
+//   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE, Self-Extend and Dual
+//   Chunk also rotate far keys).
 //
 // Non-finite inputs (DESIGN.md, the shared rule of every path): a MASKED pair (causal, padding)
 // never contributes, whatever q/k/v hold; a row with no visible key (decided from the positions,
@@ -313,15 +314,15 @@ void online_softmax_update(float* scores, int64_t rows, int64_t cols, int64_t ld
 // Scores of a band tile: the near product where the pair is inside the window, the far one outside;
 // -inf where the pair is masked (causal edge, padding).
 void select_band_and_mask(float* near_scores, const float* far_scores, int64_t rows, int64_t cols, int64_t ld,
-                          const int64_t* q_pos, const int64_t* k_pos, int64_t window, bool causal, bool band,
+                          const int64_t* q_pos, const int64_t* k_pos, const RegionRule& rule, bool causal, bool band,
                           bool mask) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = near_scores + r * ld;
     const float* s_far = far_scores + r * ld;
-    const int64_t pq = q_pos[r];
+    const int64_t pq = q_pos[r], near_start = rule.near_start(pq);
     if (band)
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) s[c] = rerope_is_near(pq, k_pos[c], window) ? s[c] : s_far[c];
+      for (int64_t c = 0; c < cols; ++c) s[c] = k_pos[c] >= near_start ? s[c] : s_far[c];
     if (mask)
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) s[c] = rerope_visible(pq, k_pos[c], causal) ? s[c] : kNegInf;
@@ -368,15 +369,16 @@ inline void load_row(const scalar_t* src, int64_t dim, float* dst) {
 
 // What every problem of a call shares.
 struct AttentionShape {
-  int64_t q_heads = 0, kv_heads = 0, head_dim = 0, rotary_pairs = 0, window = 0, logn_length = 0;
-  double leaky_inv = 0.0, inv_log_train = 0.0;
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0, rotary_pairs = 0, logn_length = 0;
+  RegionRule rule;
+  double inv_log_train = 0.0;
   bool causal = true, interleaved = false;
 };
 
 // The shape both ops share, from their normalised arguments (ReropeArgs, ReropePagedArgs name it alike).
 template <class Args>
 AttentionShape attention_shape(const Args& a, bool causal) {
-  return {a.q_heads, a.kv_heads, a.head_dim, a.rotary_pairs, a.window, a.logn_length, a.leaky_inv,
+  return {a.q_heads, a.kv_heads, a.head_dim, a.rotary_pairs, a.logn_length, a.rule,
           a.inv_log_train, causal, a.interleaved};
 }
 
@@ -525,16 +527,17 @@ constexpr size_t kCachedRotationBytes = size_t{64} << 20;
 
 std::shared_ptr<const KeyRotations> key_rotations(const std::vector<uint8_t>& flagged,
                                                   const std::vector<Problem>& problems, const ProblemOffsets& off,
-                                                  int64_t pairs, bool far, double leaky_inv) {
+                                                  int64_t pairs, bool far, const RegionRule& rule) {
   const auto compute = [&] {
     if (!far)
       return std::make_shared<const KeyRotations>(flagged, problems, off, pairs,
                                                   [](int64_t p) { return static_cast<double>(p); });
     return std::make_shared<const KeyRotations>(flagged, problems, off, pairs,
-                                                [&](int64_t p) { return rerope_far_key_position(p, leaky_inv); });
+                                                [&](int64_t p) { return rule.far_key_position(p); });
   };
   if (std::find(flagged.begin(), flagged.end(), uint8_t{1}) == flagged.end()) return compute();  // nothing to do
-  std::vector<int64_t> key{pairs, std::bit_cast<int64_t>(far ? leaky_inv : -1.0)};
+  std::vector<int64_t> key{pairs, -1, 0, 0, 0};  // the far side's: its rule too
+  if (far) key = {pairs, static_cast<int64_t>(rule.kind), rule.group, rule.chunk, std::bit_cast<int64_t>(rule.leaky_inv)};
   key.insert(key.end(), flagged.begin(), flagged.end());
   for (const Problem& pr : problems) {
     key.push_back(pr.k_len);
@@ -887,7 +890,7 @@ PrefillTiles classify_prefill_tiles(const AttentionShape& s, const std::vector<P
     for (int64_t qb = 0; qb < n_qb; ++qb)
       for (int64_t kb = 0; kb < n_kb; ++kb) {
         const int64_t gq = off.q_blocks[p] + qb, gk = off.k_blocks[p] + kb;
-        const TileClass tc = rerope_classify_tile(q_ranges[gq], k_ranges[gk], s.window, s.causal);
+        const TileClass tc = rerope_classify_tile(q_ranges[gq], k_ranges[gk], s.rule, s.causal);
         tiles[off.tiles[p] + qb * n_kb + kb] = tc;
         needs_near[gk] |= tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
         needs_far[gk] |= tc.kind == TileKind::kFar || tc.kind == TileKind::kBand;
@@ -906,17 +909,17 @@ struct QueryRotations {
 QueryRotations query_rotations(const AttentionShape& s, const std::vector<Problem>& problems,
                                const ProblemOffsets& off) {
   const int64_t P = s.rotary_pairs;
-  const bool leaky = s.leaky_inv != 0.0;
+  const bool per_row = s.rule.far_query_varies();
   const int64_t n_problems = static_cast<int64_t>(problems.size());
   const int64_t total_rows = off.rows.back();
   QueryRotations result{std::vector<float>(2 * total_rows * P),
-                        std::vector<float>(2 * (leaky ? total_rows : n_problems) * P), std::vector<float>(total_rows)};
+                        std::vector<float>(2 * (per_row ? total_rows : n_problems) * P), std::vector<float>(total_rows)};
   std::vector<float>& q_near_cs = result.near_cs;
   std::vector<float>& q_far_cs = result.far_cs;
   std::vector<float>& row_factor = result.row_factor;
-  if (!leaky)
+  if (!per_row)
     for (int64_t p = 0; p < n_problems; ++p)
-      rotary_cos_sin_cpu(static_cast<double>(s.window), problems[p].inv_freq, P, &q_far_cs[2 * p * P],
+      rotary_cos_sin_cpu(s.rule.far_query_position(0), problems[p].inv_freq, P, &q_far_cs[2 * p * P],
                          &q_far_cs[(2 * p + 1) * P]);
   at::parallel_for(0, total_rows, 256, [&](int64_t begin, int64_t end) {
     int64_t p = off.problem_of_row(begin);
@@ -926,8 +929,8 @@ QueryRotations query_rotations(const AttentionShape& s, const std::vector<Proble
       const int64_t pos = pr.q_pos[row - off.rows[p]];
       rotary_cos_sin_cpu(static_cast<double>(pos), pr.inv_freq, P, &q_near_cs[2 * row * P],
                          &q_near_cs[(2 * row + 1) * P]);
-      if (leaky)
-        rotary_cos_sin_cpu(rerope_far_query_position(pos, s.window, s.leaky_inv), pr.inv_freq, P,
+      if (per_row)
+        rotary_cos_sin_cpu(s.rule.far_query_position(pos), pr.inv_freq, P,
                            &q_far_cs[2 * row * P], &q_far_cs[(2 * row + 1) * P]);
       row_factor[row] = pr.scale * rerope_logn_scale(pos, s.logn_length, s.inv_log_train);
     }
@@ -957,13 +960,12 @@ KeyPanels<scalar_t> prepare_key_panels(const AttentionShape& s, const std::vecto
                                        const ProblemOffsets& off, const PrefillTiles& tile_classes,
                                        const Layout& layout) {
   const int64_t Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs;
-  const bool leaky = s.leaky_inv != 0.0;
   const int64_t total_kb = off.k_blocks.back();
   const std::vector<uint8_t>& needs_near = tile_classes.needs_near;
   const std::vector<uint8_t>& needs_far = tile_classes.needs_far;
-  const auto near_rot = key_rotations(needs_near, problems, off, P, false, 0.0);
-  const auto far_rot = key_rotations(leaky ? needs_far : std::vector<uint8_t>(total_kb, 0), problems, off, P, true,
-                                     s.leaky_inv);
+  const auto near_rot = key_rotations(needs_near, problems, off, P, false, s.rule);
+  const auto far_rot = key_rotations(s.rule.far_key_rotated() ? needs_far : std::vector<uint8_t>(total_kb, 0),
+                                     problems, off, P, true, s.rule);
   using lp_t = packed_t<scalar_t>;
   const at::ScalarType lp_dtype = c10::CppTypeToScalarType<lp_t>::value;
   const bool packed = use_packed_gemm<scalar_t>(D);
@@ -1057,7 +1059,7 @@ void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& prob
                        const QueryRotations& queries, const KeyPanels<scalar_t>& panels,
                        const std::vector<int64_t>& tasks, const Layout& layout) {
   const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = s.leaky_inv != 0.0;
+  const bool per_row = s.rule.far_query_varies();
   using lp_t = packed_t<scalar_t>;
   const std::vector<TileClass>& tiles = tile_classes.tiles;
   const std::vector<float>& q_near_cs = queries.near_cs;
@@ -1090,7 +1092,7 @@ void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& prob
       for (int64_t r = 0; r < rows; ++r) {
         load_row(layout.q_row(pr.index, h, i0 + r), D, q_row.data());
         const float* near_cs = &q_near_cs[2 * (row0 + r) * P];
-        const float* far_cs = &q_far_cs[2 * (leaky ? row0 + r : p) * P];
+        const float* far_cs = &q_far_cs[2 * (per_row ? row0 + r : p) * P];
         rotate_row(q_row.data(), near_cs, near_cs + P, P, D, s.interleaved, &q_near[r * D]);
         rotate_row(q_row.data(), far_cs, far_cs + P, P, D, s.interleaved, &q_far[r * D]);
       }
@@ -1125,7 +1127,7 @@ void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& prob
         if (tc.kind != TileKind::kNear)
           scores_of(q_far.data(), q_far_lp.data(), far_panels, far_packed, band ? far_scores.data() : scores.data());
         if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, key_pos, s.window,
+          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos, key_pos, s.rule,
                                s.causal, band, tc.needs_mask);
         scalar_t* probs_out = nullptr;
         if constexpr (std::is_same_v<scalar_t, lp_t>)
@@ -1182,18 +1184,18 @@ void rerope_prefill_plan(const AttentionShape& s, const std::vector<Problem>& pr
 // have their keys rotated: the near side's (near and band tiles), Leaky ReRoPE's far side's.
 struct DecodeTiles {
   std::vector<TileClass> tiles;                        // per key block
-  std::vector<uint8_t> near_blocks, leaky_far_blocks;  // per key block
+  std::vector<uint8_t> near_blocks, far_rotated_blocks;  // per key block
 };
 
 DecodeTiles classify_decode_tiles(const AttentionShape& s, const std::vector<Problem>& problems,
                                   const ProblemOffsets& off) {
-  const bool leaky = s.leaky_inv != 0.0;
+  const bool far_rotated = s.rule.far_key_rotated();
   const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
   DecodeTiles result{std::vector<TileClass>(total_kb), std::vector<uint8_t>(total_kb, 0),
                      std::vector<uint8_t>(total_kb, 0)};
   std::vector<TileClass>& tiles = result.tiles;
   std::vector<uint8_t>& near_blocks = result.near_blocks;
-  std::vector<uint8_t>& leaky_far_blocks = result.leaky_far_blocks;
+  std::vector<uint8_t>& far_rotated_blocks = result.far_rotated_blocks;
   for (int64_t p = 0; p < n_problems; ++p) {
     const Problem& pr = problems[p];
     PositionRange queries;
@@ -1202,10 +1204,10 @@ DecodeTiles classify_decode_tiles(const AttentionShape& s, const std::vector<Pro
       PositionRange keys;
       for (int64_t j = kb * kBlockK; j < std::min(pr.k_len, (kb + 1) * kBlockK); ++j) keys.add(pr.k_pos[j]);
       const int64_t block = off.k_blocks[p] + kb;
-      const TileClass tc = rerope_classify_tile(queries, keys, s.window, s.causal);
+      const TileClass tc = rerope_classify_tile(queries, keys, s.rule, s.causal);
       tiles[block] = tc;
       near_blocks[block] = tc.kind == TileKind::kNear || tc.kind == TileKind::kBand;
-      leaky_far_blocks[block] = leaky && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
+      far_rotated_blocks[block] = far_rotated && (tc.kind == TileKind::kFar || tc.kind == TileKind::kBand);
     }
   }
   return result;
@@ -1246,7 +1248,7 @@ void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& pr
                          const DecodeTiles& tile_classes, const std::shared_ptr<const KeyRotations>& near_rot,
                          const std::shared_ptr<const KeyRotations>& far_rot, const Layout& layout, DecodeUnits& u) {
   const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
-  const bool leaky = s.leaky_inv != 0.0;
+  const bool far_rotated = s.rule.far_key_rotated();
   const std::vector<TileClass>& tiles = tile_classes.tiles;
   const int64_t chunk_blocks = u.chunk_blocks, max_rows = u.max_rows, units = u.unit_begin.back();
   const std::vector<int64_t>& unit_begin = u.unit_begin;
@@ -1274,7 +1276,7 @@ void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& pr
         load_row(layout.q_row(pr.index, h, i), D, scratch.data());
         rotary_cos_sin_cpu(static_cast<double>(pos), pr.inv_freq, P, cs.data(), cs.data() + P);
         rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_near[r * D]);
-        rotary_cos_sin_cpu(rerope_far_query_position(pos, s.window, s.leaky_inv), pr.inv_freq, P, cs.data(),
+        rotary_cos_sin_cpu(s.rule.far_query_position(pos), pr.inv_freq, P, cs.data(),
                            cs.data() + P);
         rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_far[r * D]);
       }
@@ -1305,7 +1307,7 @@ void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& pr
         }
         if (tc.kind != TileKind::kNear) {
           float* far_dst = band ? far_scores.data() : scores.data();
-          if (!leaky) {  // ReRoPE's far keys are the stored keys: read in place
+          if (!far_rotated) {  // ReRoPE's far keys are the stored keys: read in place
             row_scores(q_far.data(), rows, D, key_at, cols, far_dst, kBlockK);
           } else {
             load_key_rows<scalar_t>(key_at, cols, D, far_rot->rows(block), P, s.interleaved, scratch.data(),
@@ -1315,7 +1317,7 @@ void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& pr
         }
         if (band || tc.needs_mask)
           select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(), key_pos,
-                               s.window, s.causal, band, tc.needs_mask);
+                               s.rule, s.causal, band, tc.needs_mask);
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, row_factor.data(), row_max, row_sum,
                                         acc, D);
         row_accumulate(scores.data(), rows, cols, kBlockK, value_at, D, acc, row_pos.data(), key_pos, s.causal,
@@ -1372,8 +1374,8 @@ template <typename scalar_t, typename Layout>
 void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& problems, const Layout& layout) {
   const ProblemOffsets off(problems);
   const DecodeTiles tiles = classify_decode_tiles(s, problems, off);
-  const auto near_rot = key_rotations(tiles.near_blocks, problems, off, s.rotary_pairs, false, 0.0);
-  const auto far_rot = key_rotations(tiles.leaky_far_blocks, problems, off, s.rotary_pairs, true, s.leaky_inv);
+  const auto near_rot = key_rotations(tiles.near_blocks, problems, off, s.rotary_pairs, false, s.rule);
+  const auto far_rot = key_rotations(tiles.far_rotated_blocks, problems, off, s.rotary_pairs, true, s.rule);
   DecodeUnits units = decode_units(s, problems, off);
   attend_decode_units<scalar_t>(s, problems, off, tiles, near_rot, far_rot, layout, units);
   const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);

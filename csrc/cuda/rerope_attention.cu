@@ -63,7 +63,7 @@ void launch_simt(const ReropeArgs& a, ReropeParams p, cudaStream_t stream, int m
                 "rerope_attention: too many queries per k/v head for one launch (", a.q_len, " x ",
                 a.q_heads / a.kv_heads, " heads); split the queries into chunks");
     at::Tensor k_near = at::empty({a.batch, a.kv_heads, a.k_len, a.head_dim}, f32);
-    at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
+    at::Tensor k_far = a.rule.far_key_rotated() ? at::empty_like(k_near) : at::Tensor();
     p.k_near = k_near.data_ptr<float>();
     p.k_far = k_far.defined() ? k_far.data_ptr<float>() : nullptr;
     rerope_cuda::launch_rerope_prefill<T, Shape>(p, stream, ThrowOnLaunchError{});
@@ -91,7 +91,7 @@ void launch_tensor_core(const ReropeArgs& a, ReropeParams p, cudaStream_t stream
   p.k_stride_b = k.stride(0), p.k_stride_h = k.stride(1), p.k_stride_l = k.stride(2);
   p.v_stride_b = v.stride(0), p.v_stride_h = v.stride(1), p.v_stride_l = v.stride(2);
   at::Tensor k_near = at::empty({a.batch, a.kv_heads, a.k_len, a.head_dim}, a.q.options());
-  at::Tensor k_far = a.leaky_inv != 0.0 ? at::empty_like(k_near) : at::Tensor();
+  at::Tensor k_far = a.rule.far_key_rotated() ? at::empty_like(k_near) : at::Tensor();
   p.k_near = k_near.data_ptr();
   p.k_far = k_far.defined() ? k_far.data_ptr() : nullptr;
   at::Tensor q_rotation = at::empty({rerope_cuda::rerope_tc_query_rotation_floats(p)}, a.q.options().dtype(at::kFloat));
@@ -137,9 +137,10 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
                                                          const at::Tensor& v, const at::Tensor& q_positions,
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
-                                                         int64_t logn_length, bool causal, bool interleaved) {
+                                                         int64_t logn_length, bool causal, bool interleaved,
+                                                         int64_t group, int64_t chunk_size) {
   const ReropeArgs a = check_rerope_attention_args(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
-                                                   scale, logn_length, causal, interleaved);
+                                                   scale, logn_length, causal, interleaved, group, chunk_size);
   TORCH_CHECK(a.q.is_cuda(), "rerope_attention: the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out, lse;
@@ -167,8 +168,8 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
   p.kv_heads = static_cast<int>(a.kv_heads), p.q_len = static_cast<int>(a.q_len);
   p.k_len = static_cast<int>(a.k_len), p.head_dim = static_cast<int>(a.head_dim);
   p.rotary_pairs = static_cast<int>(a.rotary_pairs);
-  p.window = a.window, p.logn_length = a.logn_length;
-  p.leaky_inv = a.leaky_inv, p.inv_log_train = a.inv_log_train;
+  p.rule = a.rule, p.logn_length = a.logn_length;
+  p.inv_log_train = a.inv_log_train;
   p.scale = a.scale, p.causal = a.causal, p.interleaved = a.interleaved;
   // The keys' turn rates (turn_angles.h), written by each launch's first kernel: no FP64 per key.
   at::Tensor key_rates = at::empty({a.rotary_pairs * static_cast<int64_t>(sizeof(KeyRate) / sizeof(int64_t))},

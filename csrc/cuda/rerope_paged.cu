@@ -183,10 +183,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, const std::optional<at::Tensor>& workspace) {
+    bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size) {
   const ReropePagedArgs a = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
                                                     query_start_loc, inv_freq, window, leaky_k, scale, scale_factors,
-                                                    logn_length, interleaved, workspace);
+                                                    logn_length, interleaved, workspace, group, chunk_size);
   TORCH_CHECK(a.q.is_cuda(), kPagedOp, ": the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out = at::empty({a.tokens, a.q_heads, a.head_dim}, a.q.options());
@@ -220,8 +220,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   p.batch = 1, p.q_heads = static_cast<int>(a.q_heads), p.kv_heads = static_cast<int>(a.kv_heads);
   p.q_len = static_cast<int>(a.tokens), p.k_len = 0;
   p.head_dim = static_cast<int>(a.head_dim), p.rotary_pairs = static_cast<int>(a.rotary_pairs);
-  p.window = a.window, p.logn_length = a.logn_length;
-  p.leaky_inv = a.leaky_inv, p.inv_log_train = a.inv_log_train;
+  p.rule = a.rule, p.logn_length = a.logn_length;
+  p.inv_log_train = a.inv_log_train;
   p.scale = a.scale, p.causal = true, p.interleaved = a.interleaved;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -239,18 +239,18 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved) {
+    bool interleaved, int64_t group, int64_t chunk_size) {
   return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
-                         scale, scale_factors, logn_length, interleaved, std::nullopt);
+                         scale, scale_factors, logn_length, interleaved, std::nullopt, group, chunk_size);
 }
 
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, const at::Tensor& workspace) {
+    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace) {
   return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
-                         scale, scale_factors, logn_length, interleaved, workspace);
+                         scale, scale_factors, logn_length, interleaved, workspace, group, chunk_size);
 }
 
 void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,

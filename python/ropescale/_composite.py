@@ -11,10 +11,15 @@ Rotation: :func:`cos_sin` forms the angles (in float64, as the native kernels do
 :func:`rotate_with_tables` rotates; everything that rotates in plain PyTorch (the rotary ops' twins,
 :func:`rotate`, the ReRoPE composites, the training path's Python rotations, ``ropescale check``'s references)
 calls these two.
+
+The family's region rule (ReRoPE, Leaky ReRoPE, Self-Extend, Dual Chunk Attention: which (query, key) pairs are
+near, where the far side rotates q and k) is :class:`RegionRule`, the one Python statement of it: the composites,
+the naive form and the training path read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -100,13 +105,87 @@ def schema_scale(scale):
     return -1.0 if scale is None else float(scale)
 
 
-def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved):
-    """Everything both plain-PyTorch paths share: the op's own check, then the scaled and rotated
-    operands of each side and the visibility / near masks ``[B, Lq, Lk]``."""
+# ---------------------------------------------------------------------------------------------
+# The region rule of the ReRoPE family (docs/DESIGN.md, "Self-Extend and Dual Chunk Attention"): each (query
+# position i, key position j) pair is near or far; near pairs rotate q at i and k at j, far pairs at the rule's
+# far positions. The one Python statement of it: the composites, the naive form and the training path read it.
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionRule:
+    """Which pairs are near and where the far side rotates its operands, from the op's ``window``,
+    ``leaky_k``, ``group`` and ``chunk_size`` (validated by the op's checks, not here):
+
+    * ReRoPE / Leaky ReRoPE (``group = chunk_size = 0``): near iff ``j >= i - window + 1``; far q at
+      ``window`` (Leaky: ``window + (i - window) / leaky_k``), far k unrotated (Leaky: at ``j / leaky_k``);
+    * Self-Extend (``group = G >= 1``, ``window = W``): near as ReRoPE; far q at ``floor(i/G) + W - floor(W/G)``,
+      far k at ``floor(j/G)``;
+    * Dual Chunk Attention (``chunk_size = C >= 1``, ``window`` = Qwen's ``local_size`` ``S``, ``n = C - S``):
+      near iff ``j >= n floor(i/n) - (n if i mod n <= S else 0)``; far q at ``min(2n - 1, C)``, far k at ``j mod n``.
+
+    Positions are int64 tensors (negative: padding; rotated all the same, never attended)."""
+
+    window: int
+    leaky_k: float = 0.0
+    group: int = 0
+    chunk_size: int = 0
+
+    @property
+    def chunk(self) -> int:
+        """Dual Chunk Attention's chunk length ``n = chunk_size - local_size``."""
+        return self.chunk_size - self.window
+
+    def near_start(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """The first key position on the near side of each query position (later keys too: causal=False)."""
+        if not self.chunk_size:
+            return q_positions - (self.window - 1)
+        n = self.chunk
+        start = torch.div(q_positions, n, rounding_mode="floor") * n
+        return torch.where(q_positions - start <= self.window, start - n, start)
+
+    def near(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """``[B, Lq, Lk]``: whether each (query, key) pair is near (by positions ``[B, Lq]``, ``[B, Lk]``)."""
+        return k_positions[:, None, :] >= self.near_start(q_positions)[:, :, None]
+
+    def far_query_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """Where the far side rotates each query: int64, or float64 for Leaky ReRoPE (fractional)."""
+        if self.chunk_size:
+            return torch.full_like(q_positions, min(2 * self.chunk - 1, self.chunk_size))
+        if self.group:
+            return torch.div(q_positions, self.group, rounding_mode="floor") + (
+                self.window - self.window // self.group)
+        if self.leaky_k:
+            return self.window + (q_positions - self.window).to(torch.float64) / self.leaky_k
+        return torch.full_like(q_positions, self.window)
+
+    def far_key_positions(self, k_positions: torch.Tensor) -> torch.Tensor | None:
+        """Where the far side rotates each key: int64, float64 for Leaky ReRoPE, None for plain ReRoPE (the
+        key as it is)."""
+        if self.chunk_size:
+            return torch.remainder(k_positions, self.chunk)
+        if self.group:
+            return torch.div(k_positions, self.group, rounding_mode="floor")
+        if self.leaky_k:
+            return k_positions.to(torch.float64) / self.leaky_k
+        return None
+
+
+def check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
+                           group=0, chunk_size=0, causal=True):
+    """The op's own check (``ropescale::_check_rerope_attention``, float64 allowed): every plain-PyTorch path
+    refuses what the op refuses, with its message."""
     torch.ops.ropescale._check_rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), schema_scale(scale), logn_length,
-        allow_float64=True,
-    )
+        allow_float64=True, group=group, chunk_size=chunk_size, causal=causal)
+
+
+def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
+             group, chunk_size):
+    """Everything both plain-PyTorch paths share: the op's own check, then the scaled and rotated
+    operands of each side and the visibility / near masks ``[B, Lq, Lk]``."""
+    check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
+                           group, chunk_size, causal)
+    rule = RegionRule(int(window), float(leaky_k), int(group), int(chunk_size))
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale)
     qp = q_positions.to(torch.int64)
@@ -116,15 +195,13 @@ def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale
         factor = torch.where(n > logn_length, n.clamp_min(1).log() / math.log(logn_length), torch.ones_like(n))
         q = q * factor.to(q.dtype)[:, None, :, None]
     q_near, k_near = rotate(q, qp, inv_freq, interleaved), rotate(k, kp, inv_freq, interleaved)
-    if leaky_k:
-        q_far = rotate(q, window + (qp - window).to(torch.float64) / leaky_k, inv_freq, interleaved)
-        k_far = rotate(k, kp.to(torch.float64) / leaky_k, inv_freq, interleaved)
-    else:
-        q_far, k_far = rotate(q, torch.full_like(qp, window), inv_freq, interleaved), k
+    q_far = rotate(q, rule.far_query_positions(qp), inv_freq, interleaved)
+    far_k = rule.far_key_positions(kp)
+    k_far = k if far_k is None else rotate(k, far_k, inv_freq, interleaved)
     visible = (qp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
     if causal:
         visible = visible & (kp[:, None, :] <= qp[:, :, None])
-    near = (qp[:, :, None] - kp[:, None, :]) < window
+    near = rule.near(qp, kp)
     return scale, (q_near, k_near), (q_far, k_far), visible, near
 
 
@@ -179,12 +256,14 @@ def _scores(q, k, scale):
 
 def rerope_attention_naive(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False,
+    interleaved=False, *, group=0, chunk_size=0,
 ):
-    """Su's formulation: both score matrices in full, selected by ``p_q - p_k < window``, masked,
+    """Su's formulation: both score matrices in full, selected per pair by the region rule
+    (:class:`RegionRule`: ReRoPE's ``p_q - p_k < window``, Self-Extend's, Dual Chunk Attention's), masked,
     softmax. Runs in the inputs' dtype (float32 math for half types), O(Lq x Lk) memory."""
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
+        group, chunk_size
     )
     compute = compute_dtype(q.dtype)
     s_near = _scores(q_near.to(compute), k_near.to(compute), scale)
@@ -205,6 +284,8 @@ def _row_max(q, k, visible, scale, budget_bytes=64 << 20):
     so that no more than ``budget_bytes`` of scores exist at once. No gradient."""
     batch, q_heads, q_len, _ = q.shape
     k_len = k.shape[2]
+    if k_len == 0:  # no key: no visible score (amax has nothing to reduce)
+        return torch.full((batch, q_heads, q_len), float("-inf"), dtype=torch.float32, device=q.device)
     out = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
     chunk = max(1, budget_bytes // max(1, 4 * batch * q_heads * k_len))
     compute = compute_dtype(q.dtype)
@@ -258,21 +339,22 @@ def _sdpa_with_denominator(q, k, v, visible, shift, scale, key_excluded):
     return out[..., :dim] / w, (out[..., dim] / w[..., 0]), shift_eff
 
 
-# A function of the op's arguments returning, without gradient, a bound on each row's visible scores
-# ``[B, Hq, Lq]``: >= the largest one, NaN where one is NaN / +inf (the fused op's lse is one); or None
-# where it has none for these inputs.
+# A function of the op's arguments (its keyword-only ``group`` and ``chunk_size`` as keywords) returning,
+# without gradient, a bound on each row's visible scores ``[B, Hq, Lq]``: >= the largest one, NaN where one is
+# NaN / +inf (the fused op's lse is one); or None where it has none for these inputs.
 RowBound = Callable[..., torch.Tensor | None]
 
 
 def rerope_attention_composite(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False, *, row_bound: RowBound | None = None,
+    interleaved=False, *, group=0, chunk_size=0, row_bound: RowBound | None = None,
 ):
-    """ReRoPE / Leaky ReRoPE attention from two PyTorch SDPA calls, differentiable end to end.
+    """ReRoPE / Leaky ReRoPE / Self-Extend / Dual Chunk attention from two PyTorch SDPA calls, differentiable
+    end to end.
 
-    Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near band and the far
-    part each go through ``scaled_dot_product_attention`` with their own boolean mask; their partial
-    softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
+    Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near pairs and the far
+    ones (:class:`RegionRule`) each go through ``scaled_dot_product_attention`` with their own boolean mask;
+    their partial softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
     path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
     sentinel key and two value columns that make it return its softmax denominator too (see
     ``_sdpa_with_denominator``); the shift they need (at least the row's largest visible score) is
@@ -283,14 +365,16 @@ def rerope_attention_composite(
     """
     op_scale = scale
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
-        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved
+        q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
+        group, chunk_size
     )
     mask_near, mask_far = visible & near, visible & ~near
     with torch.no_grad():
         # The largest visible score of each row, or a bound above it: computed from the raw inputs, so
         # NaN where a visible score is NaN / +inf (the rule reads that below).
         row_stat = None if row_bound is None else row_bound(
-            q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, op_scale, logn_length, causal, interleaved)
+            q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, op_scale, logn_length, causal, interleaved,
+            group=group, chunk_size=chunk_size)
         if row_stat is None:
             row_stat = torch.maximum(_row_max(q_near, k_near, mask_near, scale),
                                      _row_max(q_far, k_far, mask_far, scale))
@@ -323,7 +407,8 @@ def _int64_list(t: torch.Tensor) -> list[int]:
 
 def rerope_attention_paged_composite(
     q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
-    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, row_bound: RowBound | None = None,
+    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0,
+    row_bound: RowBound | None = None,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
     lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages
@@ -331,7 +416,8 @@ def rerope_attention_paged_composite(
     so it refuses what the op refuses and never indexes outside the cache."""
     torch.ops.ropescale._check_rerope_attention_paged(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
-        schema_scale(scale), scale_factors, logn_length, allow_float64=True, workspace=workspace)
+        schema_scale(scale), scale_factors, logn_length, allow_float64=True, workspace=workspace, group=group,
+        chunk_size=chunk_size)
     total, q_heads, head_dim = q.shape
     block_size = key_cache.shape[2]
     starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)
@@ -353,7 +439,7 @@ def rerope_attention_paged_composite(
         o, l = rerope_attention_composite(
             q[begin:end].transpose(0, 1)[None], k[None], v[None], q_positions, k_positions, table, window,
             leaky_k=leaky_k, scale=default_scale * factor, logn_length=logn_length, interleaved=interleaved,
-            row_bound=row_bound)
+            group=group, chunk_size=chunk_size, row_bound=row_bound)
         out[begin:end] = o[0].transpose(0, 1)
         lse[begin:end] = l[0].transpose(0, 1)
     return out, lse

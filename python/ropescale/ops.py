@@ -498,6 +498,9 @@ def rerope_attention(
     logn_length: int = 0,
     causal: bool = True,
     interleaved: bool = False,
+    *,
+    group: int = 0,
+    chunk_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReRoPE attention over un-rotated ``q`` ``[B, Hq, Lq, D]`` and ``k``/``v`` ``[B, Hkv, Lk, D]``.
 
@@ -519,12 +522,22 @@ def rerope_attention(
     non-finite, never zeros. One op serves prefill (``Lq = Lk``) and decoding against a
     :class:`ropescale.cache.PreRopeCache` (``Lq = 1``).
 
+    The other training-free methods over the same raw-key cache (docs/DESIGN.md, "Self-Extend and Dual Chunk
+    Attention") change only which pairs are near and where the far side rotates q and k (query position
+    ``i``, key position ``j``):
+
+    * Self-Extend, ``group = G >= 1`` (``window = W >= 1``, ``leaky_k = 0``): near ``i - j < W`` as ReRoPE; far
+      q at ``floor(i/G) + W - floor(W/G)``, far k at ``floor(j/G)``;
+    * Dual Chunk Attention, ``chunk_size = C >= 1`` with ``window`` = Qwen's ``local_size`` ``S`` in ``[0, C)``
+      (``leaky_k = 0``, causal only), chunks of ``n = C - S``: near when the key is in the query's chunk, or in
+      the previous one while ``i mod n <= S``; far q at ``min(2n - 1, C)``, far k at ``j mod n``.
+
     The fused kernels have no backward pass: train through :func:`rerope_attention_train` (same
     arguments, same result, differentiable, at the memory of PyTorch's fused attention kernels).
     """
     return _ops.rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
-        -1.0 if scale is None else float(scale), logn_length, causal, interleaved,
+        -1.0 if scale is None else float(scale), logn_length, causal, interleaved, group=group, chunk_size=chunk_size,
     )
 
 
@@ -562,6 +575,9 @@ def rerope_attention_paged(
     logn_length: int = 0,
     interleaved: bool = False,
     workspace: torch.Tensor | None = None,
+    *,
+    group: int = 0,
+    chunk_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReRoPE attention of packed requests over a paged cache of raw keys (vLLM's layout and metadata).
 
@@ -570,7 +586,8 @@ def rerope_attention_paged(
     ``[R]``. Key slot j of request r has position j; its queries are the last ``q_len`` positions
     (``seq_lens[r] - q_len + i``). ``inv_freq`` ``[P]`` or one table per request ``[R, P]``;
     ``scale_factors`` ``[R]`` multiplies each request's softmax scale. The rest as
-    :func:`rerope_attention`. Returns ``(out [T, Hq, D], lse float32 [T, Hq])``.
+    :func:`rerope_attention` (``group``: Self-Extend, ``chunk_size``: Dual Chunk Attention, by each request's
+    positions). Returns ``(out [T, Hq, D], lse float32 [T, Hq])``.
 
     On CPU tensors the metadata values are checked (pages inside the cache, ``q_len <= seq_len <=``
     the pages' capacity, ``query_start_loc`` from 0 to T, non-decreasing): an error names the request.
@@ -586,8 +603,8 @@ def rerope_attention_paged(
     args = (q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
             -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved)
     if workspace is None:
-        return _ops.rerope_attention_paged(*args)
-    return _ops.rerope_attention_paged.workspace(*args, workspace=workspace)
+        return _ops.rerope_attention_paged(*args, group=group, chunk_size=chunk_size)
+    return _ops.rerope_attention_paged.workspace(*args, group=group, chunk_size=chunk_size, workspace=workspace)
 
 
 def rerope_paged_workspace_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -6,7 +6,8 @@ the variable before ``import ropescale`` and every kernel op runs as PyTorch cod
 * the rotary family (``apply_rotary``, ``apply_rotary_qk``, ``apply_rotary_pos``,
   ``apply_rotary_pos_qk`` and their in-place twins): the definition, with float32 math for
   half types (float64 for float64 inputs) and the angles of the positions ops formed in float64;
-* ``rerope_attention``: :func:`ropescale.rerope.rerope_attention_composite` (two SDPA calls).
+* ``rerope_attention``: :func:`ropescale.rerope.rerope_attention_composite` (two SDPA calls; every method of the
+  family: ReRoPE, Leaky, Self-Extend, Dual Chunk Attention).
 * ``rerope_attention_paged`` / ``rerope_cache_write_``: :func:`ropescale.rerope.rerope_attention_paged_composite`
   (the pages of each request gathered, then the composite) / :func:`ropescale.rerope.rerope_cache_write_composite`.
 
@@ -177,9 +178,9 @@ def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False
 
 
 def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0,
-                     causal=True, interleaved=False):
+                     causal=True, interleaved=False, *, group=0, chunk_size=0):
     _R._check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                               allow_float64=False)
+                               allow_float64=False, group=group, chunk_size=chunk_size, causal=causal)
     batch, q_heads, q_len, head_dim = q.shape
     if q.numel() == 0 or k.shape[2] == 0:  # as the native op: no key gives zeros and lse = -inf
         return (q.new_zeros(batch, q_heads, q_len, head_dim),
@@ -188,27 +189,30 @@ def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_
     # would round its softmax denominators to the dtype (lse off by ~2^-8). inv_freq in float32 as
     # the native op reads it; out in q's dtype, contiguous; lse float32.
     out, lse = rerope_attention_composite(q.float(), k.float(), v.float(), q_positions, k_positions,
-                                          inv_freq.float(), window, leaky_k, scale, logn_length, causal, interleaved)
+                                          inv_freq.float(), window, leaky_k, scale, logn_length, causal, interleaved,
+                                          group=group, chunk_size=chunk_size)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def rerope_attention_paged_workspace(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
                                      window, leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0,
-                                     interleaved=False, *, workspace):
+                                     interleaved=False, *, group=0, chunk_size=0, workspace):
     return rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
-                                  leaky_k, scale, scale_factors, logn_length, interleaved, workspace=workspace)
+                                  leaky_k, scale, scale_factors, logn_length, interleaved, workspace=workspace,
+                                  group=group, chunk_size=chunk_size)
 
 
 def rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                            leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0, interleaved=False,
-                           workspace=None):
+                           workspace=None, *, group=0, chunk_size=0):
     _R._check_rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
                                      window, leaky_k, scale, scale_factors, logn_length, allow_float64=False,
-                                     workspace=workspace)
+                                     workspace=workspace, group=group, chunk_size=chunk_size)
     # float32 math for half types, as the native kernels accumulate (see rerope_attention above).
     out, lse = rerope_attention_paged_composite(
         q.float(), key_cache.float(), value_cache.float(), block_table, seq_lens, query_start_loc, inv_freq.float(),
-        window, leaky_k, scale, None if scale_factors is None else scale_factors.float(), logn_length, interleaved)
+        window, leaky_k, scale, None if scale_factors is None else scale_factors.float(), logn_length, interleaved,
+        group=group, chunk_size=chunk_size)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 

@@ -7,7 +7,9 @@ Both take the arguments of ``torch.ops.ropescale.rerope_attention`` (q, k NOT ro
   oracle for the fused kernels: two calls to ``torch.nn.functional.scaled_dot_product_attention``,
   one over the near band (``p_q - p_k < window``, operands rotated at their own positions) and one
   over the far part (query rotated at ``window``, raw key; Leaky: the interpolated pair), merged by
-  their log-sum-exp. Gradients come from PyTorch's own SDPA backward.
+  their log-sum-exp. Gradients come from PyTorch's own SDPA backward. Self-Extend (``group``) and Dual
+  Chunk Attention (``chunk_size``) are the same two calls under their own region rule
+  (``_composite.RegionRule``: which pairs are near, where the far side rotates q and k).
 * :func:`rerope_attention_naive` is Su's reference formulation: two full ``Lq x Lk`` score
   matrices selected by the window rule, then a softmax. O(L^2) memory; the baseline the fused op
   is benchmarked against.
@@ -34,7 +36,7 @@ __all__ = ["rerope_attention_composite", "rerope_attention_naive", "rerope_atten
 
 
 def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
-               interleaved):
+               interleaved, *, group=0, chunk_size=0):
     """The fused op's lse (no gradient), or None where the op does not take these inputs (float64,
     mixed dtypes, head dims it does not compile, a device this build has no kernel for) or runs the
     composite itself (``ROPESCALE_KERNELS=reference``). The lse is >= every visible score of its row, so
@@ -49,19 +51,20 @@ def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, sca
         return None
     _, lse = torch.ops.ropescale.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window,
                                                   float(leaky_k), _composite.schema_scale(scale), logn_length,
-                                                  causal, interleaved)
+                                                  causal, interleaved, group=group, chunk_size=chunk_size)
     return lse
 
 
 def rerope_attention_composite(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False,
+    interleaved=False, *, group=0, chunk_size=0,
 ):
-    """ReRoPE / Leaky ReRoPE attention from two PyTorch SDPA calls, differentiable end to end.
+    """ReRoPE / Leaky ReRoPE / Self-Extend / Dual Chunk attention from two PyTorch SDPA calls, differentiable
+    end to end.
 
-    Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near band and the far
-    part each go through ``scaled_dot_product_attention`` with their own boolean mask; their partial
-    softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
+    Same arguments and semantics as :func:`ropescale.ops.rerope_attention`. The near pairs and the far ones
+    (``_composite.RegionRule``) each go through ``scaled_dot_product_attention`` with their own boolean mask;
+    their partial softmaxes are merged by log-sum-exp. ``lse`` is float32 (float64 for float64 inputs, which this
     path accepts for gradcheck and references). SDPA does not return the log-sum-exp, so each call gets a
     sentinel key and two value columns that make it return its softmax denominator too; the shift they
     need (at least the row's largest visible score) is the fused op's lse, computed first without
@@ -71,12 +74,12 @@ def rerope_attention_composite(
     """
     return _composite.rerope_attention_composite(
         q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
-        row_bound=_fused_lse)
+        group=group, chunk_size=chunk_size, row_bound=_fused_lse)
 
 
 def rerope_attention_paged_composite(
     q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
-    scale_factors=None, logn_length=0, interleaved=False, workspace=None,
+    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
     lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages.
@@ -84,4 +87,4 @@ def rerope_attention_paged_composite(
     refuses and never indexes outside the cache."""
     return _composite.rerope_attention_paged_composite(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k, scale,
-        scale_factors, logn_length, interleaved, workspace, row_bound=_fused_lse)
+        scale_factors, logn_length, interleaved, workspace, group=group, chunk_size=chunk_size, row_bound=_fused_lse)

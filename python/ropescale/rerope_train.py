@@ -7,9 +7,9 @@ matrix; every other input goes to the composite (see :func:`training_layout`).
 
 How (causal attention, key ``j`` at index distance ``d = i - j`` from query ``i``):
 
-* far part (``d >= window``): queries rotated at ``window`` (Leaky: at ``w + (p - w)/k``) against raw
-  keys (Leaky: rotated at ``p/k``): query rows ``window..L-1`` against key rows ``0..L-1-window``,
-  one ``is_causal`` call on a square problem;
+* far part (``d >= window``): queries rotated at ``window`` (Leaky: at ``w + (p - w)/k``; Self-Extend: at
+  ``floor(p/G) + w - floor(w/G)``) against raw keys (Leaky: rotated at ``p/k``; Self-Extend: at ``floor(p/G)``):
+  query rows ``window..L-1`` against key rows ``0..L-1-window``, one ``is_causal`` call on a square problem;
 * near band (``d < window``): the sequence in chunks of ``window`` (the last one zero-padded), folded
   into the batch: each chunk's queries against its own keys (``is_causal``), and against the
   previous chunk's keys whose index in the chunk is greater than the query's, which is causal once
@@ -46,7 +46,7 @@ import warnings
 
 import torch
 
-from ._composite import cos_sin, lse_dtype, non_finite_rule, rotate_with_tables, schema_scale
+from ._composite import RegionRule, check_rerope_attention, cos_sin, lse_dtype, non_finite_rule, rotate_with_tables
 from .rerope import rerope_attention_composite
 
 __all__ = ["rerope_attention_train", "training_layout"]
@@ -230,8 +230,11 @@ class _Plan:
     kernel: _Kernel
     dtype: torch.dtype
     finite: bool = False  # q, k, v hold no NaN / inf: no finite stand-ins, no non-finite rule
+    extend_group: int = 0  # Self-Extend's group G (0: ReRoPE / Leaky ReRoPE)
 
     def __post_init__(self):
+        # The far side's positions (the near side is d < window for every method this path takes)
+        self.rule = RegionRule(self.window, self.leaky_k, self.extend_group)
         self.shift = self.length - self.q_len
         self.far = self.window < self.length
         self.chunk = self.window if self.far else self.length
@@ -260,13 +263,19 @@ class _Plan:
         view.copy_(rotate_with_tables(view.to(self.compute), cos, sin, self.interleaved, half_width=True,
                                       conjugate=conjugate))
 
+    def far_query_positions(self, q_positions):
+        """Where the far part rotates its queries (those from ``first_far`` on): integers (ReRoPE: the
+        window; Self-Extend: ``floor(p/G) + W - floor(W/G)``), fractional for Leaky ReRoPE."""
+        return self.rule.far_query_positions(q_positions[:, self.first_far :])
+
+    def far_key_positions(self, k_positions):
+        """Where the far part rotates its keys (rows ``0..L-1-w``), or None: plain ReRoPE's raw keys."""
+        return self.rule.far_key_positions(k_positions[:, : self.far_len])
+
     def leaky_tables(self, q_positions, k_positions, inv_freq, device):
         """cos/sin of the Leaky far side (fractional positions), computed once and saved for backward."""
-        qpf = q_positions[:, self.first_far :].to(torch.float64)
-        kpf = k_positions[:, : self.far_len].to(torch.float64)
-        window = self.window
-        return (*_pair_tables(window + (qpf - window) / self.leaky_k, inv_freq, self.compute, device),
-                *_pair_tables(kpf / self.leaky_k, inv_freq, self.compute, device))
+        return (*_pair_tables(self.far_query_positions(q_positions), inv_freq, self.compute, device),
+                *_pair_tables(self.far_key_positions(k_positions), inv_freq, self.compute, device))
 
     def logn(self, q_positions):
         """The log-n factor of each query ``[B, Lq, 1, 1]`` (compute dtype), or None."""
@@ -322,14 +331,19 @@ class _Plan:
                 far_q.copy_(rotate_with_tables(qx[:, first:], *leaky[:2], self.interleaved, half_width=True))
                 kf[..., :D] = rotate_with_tables(kt[:, :Lf].to(self.compute), *leaky[2:], self.interleaved,
                                                  half_width=True)
-            else:  # q rotated at the window, raw keys
+            else:  # integer positions: ReRoPE's q at the window and raw keys, Self-Extend's grouped pair
+                far_positions = self.far_query_positions(q_positions)
                 if factor is None:
                     far_q.copy_(qt[:, first:])
-                    self.rotate_(far_q, torch.full_like(q_positions[:, first:], W, dtype=torch.int64), inv_freq)
+                    self.rotate_(far_q, far_positions, inv_freq)
                 else:
-                    far_q.copy_(rotate_with_tables(qx[:, first:], *_pair_tables(W, inv_freq, self.compute, device),
-                                                   self.interleaved, half_width=True))
+                    far_q.copy_(rotate_with_tables(
+                        qx[:, first:], *_pair_tables(far_positions, inv_freq, self.compute, device), self.interleaved,
+                        half_width=True))
                 kf[..., :D] = kt[:, :Lf]
+                key_positions = self.far_key_positions(k_positions)
+                if key_positions is not None:
+                    self.rotate_(kf[..., :D], key_positions, inv_freq)
             buffers.update(qf=qf, kf=kf)
         del qx
         if factor is None:
@@ -571,7 +585,10 @@ def _backward(ctx, grad_out, grad_lse):
             plan.rotate_(far_q, None, inv_freq, conjugate=True, tables=leaky[:2])
             plan.rotate_(far_k, None, inv_freq, conjugate=True, tables=leaky[2:])
         else:
-            plan.rotate_(far_q, torch.full_like(qp[:, first:], W), inv_freq, conjugate=True)
+            plan.rotate_(far_q, plan.far_query_positions(qp), inv_freq, conjugate=True)
+            key_positions = plan.far_key_positions(kp)
+            if key_positions is not None:
+                plan.rotate_(far_k, key_positions, inv_freq, conjugate=True)
         dq[:, first:] += far_q
         dk[:, :Lf] += far_k
     factor = plan.logn(qp)
@@ -588,9 +605,9 @@ def _backward(ctx, grad_out, grad_lse):
 
 def rerope_attention_train(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False,
+    interleaved=False, *, group=0, chunk_size=0,
 ):
-    """ReRoPE / Leaky ReRoPE attention for training, at the memory of PyTorch's fused attention.
+    """ReRoPE / Leaky ReRoPE / Self-Extend attention for training, at the memory of PyTorch's fused attention.
 
     Same arguments, semantics and results as :func:`ropescale.ops.rerope_attention` /
     :func:`ropescale.rerope.rerope_attention_composite` (``lse`` float32, float64 for float64 inputs;
@@ -600,31 +617,39 @@ def rerope_attention_train(
     and never builds an ``Lq x Lk`` tensor (see the module docstring). Other inputs (non-causal,
     other position patterns, float64 on CUDA, another device) take the composite, with a warning
     once per reason.
+
+    Self-Extend (``group``) has ReRoPE's structure (near ``d < window``, the far part ``d >= window``), only its
+    far positions differ (the grouped ones, integers: rotated by ropescale's kernel like the window). Dual Chunk
+    Attention (``chunk_size``) is refused: it is a training-free inference method with no training path here.
     """
-    torch.ops.ropescale._check_rerope_attention(
-        q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), schema_scale(scale), logn_length,
-        allow_float64=True,
-    )
+    check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
+                           group, chunk_size, causal)
+    if chunk_size:
+        raise NotImplementedError(
+            "rerope_attention_train: Dual Chunk Attention (chunk_size > 0) has no training path: it is a "
+            "training-free inference method; run it with ropescale.ops.rerope_attention (no backward), or, where a "
+            "gradient is really wanted, ropescale.ops.rerope_attention_composite (differentiable, Lq x Lk masks)")
     composite_args = (q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
                       interleaved)
+    method = dict(group=group)
     dtensor = sys.modules.get("torch.distributed.tensor")  # never imported here: it is heavy
     if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in (q, k, v)):
         _warn_once("DTensor activations (this path has no sharding rule)")
-        return rerope_attention_composite(*composite_args)
+        return rerope_attention_composite(*composite_args, **method)
     padded, finite = _layout(q_positions, k_positions, causal, (q, k, v))
     if padded is None:
         if q.requires_grad or k.requires_grad or v.requires_grad:
             _warn_once("not the training layout (causal, positions counting up, padding keys negative)")
-        return rerope_attention_composite(*composite_args)
+        return rerope_attention_composite(*composite_args, **method)
     head_dim = q.shape[-1]
     kernel = _kernel_for(q, head_dim + (1 if padded else 0))
     if kernel is None:
         _warn_once(f"no fused attention kernel takes {q.dtype} on {q.device.type}")
-        return rerope_attention_composite(*composite_args)
+        return rerope_attention_composite(*composite_args, **method)
     plan = _Plan(
         batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2], length=k.shape[2],
         head_dim=head_dim, window=int(window), leaky_k=float(leaky_k),
         scale=1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale),
         logn_length=int(logn_length), interleaved=bool(interleaved), padded=padded, kernel=kernel, dtype=q.dtype,
-        finite=finite)
+        finite=finite, extend_group=int(group))
     return _ReropeTrain.apply(q, k, v, q_positions, k_positions, inv_freq, plan)

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -23,26 +24,86 @@ TEST_CASE("relative position: exact inside the window, clipped or leaky outside"
 }
 
 TEST_CASE("far-side operand positions reproduce the rule: rot(q, a) . rot(k, b) sees a - b", "[rerope]") {
-  for (const double leaky_inv : {0.0, 1.0 / 16, 1.0 / 64, 1.0}) {
+  for (const double leaky_k : {0.0, 16.0, 64.0, 1.0}) {
     for (int64_t window : {1, 7, 64}) {
+      const RegionRule rule = make_region_rule(window, leaky_k, 0, 0);
+      const double leaky_inv = leaky_k == 0.0 ? 0.0 : 1.0 / leaky_k;
       for (int64_t pk = 0; pk < 200; pk += 13) {
         for (int64_t pq = pk + window; pq < pk + window + 300; pq += 17) {
-          const double seen = rerope_far_query_position(pq, window, leaky_inv) - rerope_far_key_position(pk, leaky_inv);
+          REQUIRE_FALSE(rule.is_near(pq, pk));
+          const double seen = rule.far_query_position(pq) - rule.far_key_position(pk);
           REQUIRE(seen == Approx(rerope_relative_position(pq - pk, window, leaky_inv)).margin(1e-9));
         }
       }
     }
   }
-  CHECK(rerope_far_key_position(12345, 0.0) == 0.0);  // ReRoPE: far keys are used as stored
-  CHECK(rerope_far_query_position(99, 8, 0.0) == 8.0);
+  const RegionRule rerope = make_region_rule(8, 0.0, 0, 0);
+  CHECK(rerope.far_key_position(12345) == 0.0);  // ReRoPE: far keys are used as stored
+  CHECK_FALSE(rerope.far_key_rotated());
+  CHECK_FALSE(rerope.far_query_varies());
+  CHECK(rerope.far_query_position(99) == 8.0);
 }
 
 TEST_CASE("near side: inside the window, including negative distances", "[rerope]") {
-  CHECK(rerope_is_near(10, 10, 1));
-  CHECK_FALSE(rerope_is_near(11, 10, 1));
-  CHECK(rerope_is_near(3, 10, 1));
-  CHECK(rerope_is_near(16, 10, 7));
-  CHECK_FALSE(rerope_is_near(17, 10, 7));
+  CHECK(make_region_rule(1, 0.0, 0, 0).is_near(10, 10));
+  CHECK_FALSE(make_region_rule(1, 0.0, 0, 0).is_near(11, 10));
+  CHECK(make_region_rule(1, 0.0, 0, 0).is_near(3, 10));
+  CHECK(make_region_rule(7, 0.0, 0, 0).is_near(16, 10));
+  CHECK_FALSE(make_region_rule(7, 0.0, 0, 0).is_near(17, 10));
+}
+
+// Self-Extend (DESIGN.md): neighbour d < W at the true distance; grouped d >= W at
+// floor(i/G) - floor(j/G) + W - floor(W/G), the paper's integer shift.
+TEST_CASE("Self-Extend: neighbour window exact, grouped positions floored and shifted", "[rerope][self_extend]") {
+  for (int64_t window : {1, 3, 8, 10}) {
+    for (int64_t group : {1, 2, 3, 4, 7}) {
+      const RegionRule rule = make_region_rule(window, 0.0, group, 0);
+      CHECK(rule.far_key_rotated());
+      CHECK(rule.far_query_varies());
+      for (int64_t pk = 0; pk < 70; ++pk)
+        for (int64_t pq = pk; pq < 90; ++pq) {
+          const int64_t d = pq - pk;
+          INFO("W " << window << " G " << group << " i " << pq << " j " << pk);
+          REQUIRE(rule.is_near(pq, pk) == (d < window));
+          if (d < window) continue;
+          const double seen = rule.far_query_position(pq) - rule.far_key_position(pk);
+          REQUIRE(seen == static_cast<double>(pq / group - pk / group + window - window / group));
+          REQUIRE(seen >= static_cast<double>(window) - 1.0 + (window % group == 0 ? 1.0 : 0.0));
+        }
+    }
+  }
+  // floor, not truncation, for padding positions (rotated, never attended).
+  CHECK(make_region_rule(4, 0.0, 3, 0).far_key_index(-1) == -1);
+}
+
+// Dual Chunk Attention with Qwen's chunk_size C and local_size S (DESIGN.md): the three regions
+// (intra, successive, inter-chunk; every key at j mod n), against the rule's two sides.
+TEST_CASE("Dual Chunk: the two-sided rule equals the three regions for every pair", "[rerope][dual_chunk]") {
+  for (int64_t chunk_size = 1; chunk_size <= 13; ++chunk_size) {
+    for (int64_t local = 0; local < chunk_size; ++local) {
+      const RegionRule rule = make_region_rule(local, 0.0, 0, chunk_size);
+      const int64_t n = chunk_size - local;
+      CHECK(rule.far_key_rotated());
+      CHECK_FALSE(rule.far_query_varies());
+      for (int64_t pk = 0; pk < 60; ++pk)
+        for (int64_t pq = pk; pq < 70; ++pq) {
+          const int64_t cq = pq / n, ck = pk / n, oq = pq % n, ok = pk % n;
+          int64_t expected;
+          if (cq == ck)
+            expected = oq - ok;
+          else if (cq - ck == 1)
+            expected = std::min(n + oq, chunk_size) - ok;
+          else
+            expected = std::min(2 * n - 1, chunk_size) - ok;
+          const double seen = rule.is_near(pq, pk)
+                                  ? static_cast<double>(pq - pk)
+                                  : rule.far_query_position(pq) - rule.far_key_position(pk);
+          INFO("C " << chunk_size << " S " << local << " i " << pq << " j " << pk);
+          REQUIRE(seen == static_cast<double>(expected));
+          REQUIRE(rule.near_start(pq) <= pq);  // the classification's premise
+        }
+    }
+  }
 }
 
 TEST_CASE("log-n scale: 1 up to the training length, ln(p+1)/ln(L) after, 1 for padding", "[rerope]") {
@@ -77,9 +138,13 @@ TEST_CASE("rotation pairs: rotate_half and interleaved layouts, partial rotary",
 TEST_CASE("tile classification is exact for arbitrary positions", "[rerope][tiles]") {
   std::mt19937 gen(5);
   std::uniform_int_distribution<int> pos(-3, 60), len(1, 6);
-  for (int trial = 0; trial < 20000; ++trial) {
+  for (int trial = 0; trial < 60000; ++trial) {
     const int64_t window = 1 + trial % 9;
-    const bool causal = trial % 2 == 0;
+    const int kind = (trial / 9) % 3;  // ReRoPE, Self-Extend, Dual Chunk
+    const bool causal = kind == 2 || trial % 2 == 0;
+    const RegionRule rule = kind == 0   ? make_region_rule(window, 0.0, 0, 0)
+                            : kind == 1 ? make_region_rule(window, 0.0, 1 + trial % 5, 0)
+                                        : make_region_rule(window - 1, 0.0, 0, window + trial % 4);
     std::vector<int64_t> qs(len(gen)), ks(len(gen));
     PositionRange qr, kr;
     for (auto& p : qs) qr.add(p = pos(gen));
@@ -91,9 +156,9 @@ TEST_CASE("tile classification is exact for arbitrary positions", "[rerope][tile
         any_masked |= !visible;
         if (!visible) continue;
         any_visible = true;
-        (rerope_is_near(pq, pk, window) ? any_near : any_far) = true;
+        (rule.is_near(pq, pk) ? any_near : any_far) = true;
       }
-    const TileClass tc = rerope_classify_tile(qr, kr, window, causal);
+    const TileClass tc = rerope_classify_tile(qr, kr, rule, causal);
     INFO("trial " << trial);
     if (tc.kind == TileKind::kSkip) {
       REQUIRE_FALSE(any_visible);
@@ -114,7 +179,7 @@ TEST_CASE("tile classification of sorted blocks: skip above the diagonal, band a
     for (int64_t p = first; p < first + count; ++p) r.add(p);
     return r;
   };
-  const int64_t w = 512;
+  const RegionRule w = make_region_rule(512, 0.0, 0, 0);
   CHECK(rerope_classify_tile(block(0, 64), block(128, 128), w, true).kind == TileKind::kSkip);
   const TileClass diagonal = rerope_classify_tile(block(128, 64), block(128, 128), w, true);
   CHECK((diagonal.kind == TileKind::kNear && diagonal.needs_mask));

@@ -125,7 +125,7 @@ TEST_CASE("turn rates: the fraction of a turn to 2^-64, for any sign and size of
   // Non-finite: 0 (the query side, rotated in double from the same table, carries the NaN).
   CHECK(ropescale::turn_rate(NAN, 1.0) == 0);
   CHECK(ropescale::turn_rate(INFINITY, 1.0) == 0);
-  const ropescale::KeyRate plain = ropescale::key_rate(0.5f, 0.0);
+  const ropescale::KeyRate plain = ropescale::key_rate(0.5f, false, 0.0);
   CHECK(plain.far == 0);
   CHECK(plain.near == ropescale::turn_rate(0.5f, 1.0));
 }

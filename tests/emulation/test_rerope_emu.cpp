@@ -2,7 +2,8 @@
 // tensor-core prefill of rerope_attention_tc.cuh), run on the CPU SIMT emulation against a
 // double-precision reference written from the definition:
 //   score(i, j) = scale * <rot(q_i * logn(p_i), r(p_i - p_j)), k_j>,
-//   r(d) = d for d < w, else w (ReRoPE) or w + (d - w)/k (Leaky ReRoPE),
+//   r(d) = d for d < w, else w (ReRoPE) or w + (d - w)/k (Leaky ReRoPE); Self-Extend and Dual Chunk
+//   Attention by their own definitions (DESIGN.md; reference_relative_position below),
 // masked where p_j > p_i (causal) or either position is negative (padding). Masked keys never
 // contribute, whatever they hold; visible ones follow IEEE arithmetic (a NaN or inf propagates), and
 // a row without a visible key is zeros with lse -inf (decided by the mask).
@@ -41,14 +42,40 @@ struct Case {
   int64_t logn_length;
   bool causal, interleaved;
   int pad;  // batch row b is left-padded by pad * b keys (position -1)
+  int64_t group = 0, chunk_size = 0;  // Self-Extend's G / Dual Chunk's C (window: its local_size): with_region
+  ropescale::RegionRule rule() const { return ropescale::make_region_rule(window, leaky_k, group, chunk_size); }
   std::string name() const {
     return "B" + std::to_string(batch) + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " Lq" +
            std::to_string(q_len) + " Lk" + std::to_string(k_len) + " D" + std::to_string(dim) + " R" +
            std::to_string(rotary_dim) + " w" + std::to_string(window) + " k" + std::to_string(leaky_k) + " logn" +
            std::to_string(logn_length) + (causal ? " causal" : " full") + (interleaved ? " interleaved" : "") +
-           " pad" + std::to_string(pad);
+           " pad" + std::to_string(pad) + " G" + std::to_string(group) + " C" + std::to_string(chunk_size);
   }
 };
+
+// The case as Self-Extend (group > 0) or Dual Chunk Attention (chunk_size > 0, its window the local size).
+template <class C>
+C with_region(C c, int64_t group, int64_t chunk_size) {
+  c.group = group;
+  c.chunk_size = chunk_size;
+  return c;
+}
+
+// The relative position of a visible pair, from each method's definition (not from RegionRule's two
+// sides): ReRoPE / Leaky ReRoPE, Self-Extend's floored groups, Dual Chunk's three regions.
+template <class C>
+double reference_relative_position(const C& c, int64_t pi, int64_t pj) {
+  const int64_t dist = pi - pj, w = c.window;
+  if (c.chunk_size > 0) {
+    const int64_t n = c.chunk_size - w, cq = pi / n, ck = pj / n, oq = pi % n, ok = pj % n;
+    if (cq == ck) return static_cast<double>(oq - ok);
+    if (cq - ck == 1) return static_cast<double>(std::min(n + oq, c.chunk_size) - ok);
+    return static_cast<double>(std::min(2 * n - 1, c.chunk_size) - ok);
+  }
+  if (dist < w) return static_cast<double>(dist);
+  if (c.group > 0) return static_cast<double>(pi / c.group - pj / c.group + w - w / c.group);
+  return c.leaky_k == 0 ? static_cast<double>(w) : w + (dist - w) / c.leaky_k;
+}
 
 struct Problem {
   Case c;
@@ -103,10 +130,7 @@ void reference(const Problem& pr, std::vector<double>& out, std::vector<double>&
           visible[j] = pi >= 0 && pj >= 0 && (!c.causal || pj <= pi);
           any_visible |= visible[j] != 0;
           if (!visible[j]) continue;
-          const int64_t dist = pi - pj;
-          const double r = dist < c.window ? static_cast<double>(dist)
-                                           : (c.leaky_k == 0 ? static_cast<double>(c.window)
-                                                             : c.window + (dist - c.window) / c.leaky_k);
+          const double r = reference_relative_position(c, pi, pj);
           for (int d = 0; d < c.dim; ++d) rotated[d] = q[d] * factor;
           for (int e = 0; e < pairs; ++e) {
             const int a = c.interleaved ? 2 * e : e, bb = c.interleaved ? 2 * e + 1 : e + pairs;
@@ -168,8 +192,7 @@ ReropeParams make_params(const Case& c, const Problem& pr) {
   p.key_rates = pr.key_rates.data();
   p.batch = c.batch, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = c.q_len, p.k_len = c.k_len;
   p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
-  p.window = c.window, p.logn_length = c.logn_length;
-  p.leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  p.rule = c.rule(), p.logn_length = c.logn_length;
   p.inv_log_train = c.logn_length > 0 ? 1.0 / std::log(static_cast<double>(c.logn_length)) : 0.0;
   p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
   p.causal = c.causal, p.interleaved = c.interleaved;
@@ -205,7 +228,7 @@ void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& ls
   const Case& c = pr.c;
   const int group = c.q_heads / c.kv_heads, D = c.dim;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))) * static_cast<float>(pr.scale_factor);
-  const double leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  const ropescale::RegionRule rule = c.rule();
   // Keys rotated once per side, rounded to T.
   std::vector<float> k_near(pr.k.size()), k_far(pr.k.size());
   for (int b = 0; b < c.batch; ++b)
@@ -214,7 +237,7 @@ void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& ls
         const size_t at = ((static_cast<size_t>(b) * c.kv_heads + h) * c.k_len + j) * D;
         const int64_t pj = pr.k_pos[static_cast<size_t>(b) * c.k_len + j];
         rotate_rounded<T>(c, pr.inv_freq, &pr.k[at], static_cast<double>(pj), 1.0, &k_near[at]);
-        rotate_rounded<T>(c, pr.inv_freq, &pr.k[at], static_cast<double>(pj) * leaky_inv, 1.0, &k_far[at]);
+        rotate_rounded<T>(c, pr.inv_freq, &pr.k[at], rule.far_key_position(pj), 1.0, &k_far[at]);
       }
   out.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len * D, 0.0f);
   lse.assign(static_cast<size_t>(c.batch) * c.q_heads * c.q_len, -INFINITY);
@@ -228,8 +251,7 @@ void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& ls
         if (c.logn_length > 0 && pi + 1 > c.logn_length)
           factor = std::log(static_cast<double>(pi + 1)) / std::log(static_cast<double>(c.logn_length));
         rotate_rounded<T>(c, pr.inv_freq, &pr.q[row * D], static_cast<double>(pi), factor, q_near.data());
-        rotate_rounded<T>(c, pr.inv_freq, &pr.q[row * D], c.window + static_cast<double>(pi - c.window) * leaky_inv,
-                          factor, q_far.data());
+        rotate_rounded<T>(c, pr.inv_freq, &pr.q[row * D], rule.far_query_position(pi), factor, q_far.data());
         float row_max = -INFINITY;
         for (int j = 0; j < c.k_len; ++j) {
           const int64_t pj = pr.k_pos[static_cast<size_t>(b) * c.k_len + j];
@@ -237,7 +259,7 @@ void sdpa_way(const Problem& pr, std::vector<float>& out, std::vector<float>& ls
             scores[j] = -INFINITY;
             continue;
           }
-          const bool near = pi - pj < c.window;
+          const bool near = rule.is_near(pi, pj);
           const float* qq = near ? q_near.data() : q_far.data();
           const float* kk = &(near ? k_near : k_far)[((static_cast<size_t>(b) * c.kv_heads + h / group) * c.k_len + j) * D];
           float dot = 0.0f;
@@ -336,7 +358,7 @@ void run_kernels(Problem pr, Plan plan, int splits, double atol) {
   p.k = k.data();
   p.v = v.data();
   p.k_near = k_near.data();
-  p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+  p.k_far = c.rule().far_key_rotated() ? k_far.data() : nullptr;
   p.out = out.data();
   p.lse = lse.data();
   p.partial_out = partial_out.data();
@@ -395,7 +417,7 @@ void run_tensor_core(Problem pr) {
   ReropeParams p = make_params(c, pr);
   p.q = q.data(), p.k = k.data(), p.v = v.data();
   p.k_near = k_near.data();
-  p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+  p.k_far = c.rule().far_key_rotated() ? k_far.data() : nullptr;
   std::vector<float> q_rotation(ropescale::rerope_cuda::rerope_tc_query_rotation_floats(p), NAN);
   p.q_rotation = q_rotation.data();
   p.out = out.data(), p.lse = lse.data();
@@ -558,7 +580,7 @@ void run_on(Problem& pr, Kernel kernel, int splits, std::vector<float>& out_f, s
       std::vector<ropescale::rerope_cuda::KeyTile> tiles(static_cast<size_t>(c.batch) *
                                                          ropescale::rerope_cuda::rerope_tc_key_tiles(c.k_len));
       p.k_near = k_near.data();
-      p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+      p.k_far = c.rule().far_key_rotated() ? k_far.data() : nullptr;
       std::vector<float> q_rotation(ropescale::rerope_cuda::rerope_tc_query_rotation_floats(p));
       p.q_rotation = q_rotation.data();
       launch_tc<T>(p, tiles.data());
@@ -567,7 +589,7 @@ void run_on(Problem& pr, Kernel kernel, int splits, std::vector<float>& out_f, s
     std::vector<float> k_near(k.size()), k_far(k.size());
     std::vector<float> partial_out(static_cast<size_t>(splits) * rows * c.dim), partial_lse(splits * rows);
     p.k_near = k_near.data();
-    p.k_far = c.leaky_k != 0 ? k_far.data() : nullptr;
+    p.k_far = c.rule().far_key_rotated() ? k_far.data() : nullptr;
     p.partial_out = partial_out.data(), p.partial_lse = partial_lse.data();
     launch_simt<T>(p, kernel == Kernel::kSimtPrefill ? Plan::kPrefill : Plan::kDecode, splits);
   }
@@ -711,13 +733,16 @@ struct PagedCase {
   int64_t logn_length;
   bool interleaved, per_request_tables;  // inv_freq row and scale factor per request
   int table_pages = 0;                   // block-table width at least (max_model_len / block_size)
+  int64_t group = 0, chunk_size = 0;     // Self-Extend / Dual Chunk: with_region
+  ropescale::RegionRule rule() const { return ropescale::make_region_rule(window, leaky_k, group, chunk_size); }
   std::string name() const {
     std::string s = "requests";
     for (auto [q_len, seq_len] : requests) s += " " + std::to_string(q_len) + "/" + std::to_string(seq_len);
     return s + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " D" + std::to_string(dim) +
            " R" + std::to_string(rotary_dim) + " bs" + std::to_string(block_size) + " w" + std::to_string(window) +
            " k" + std::to_string(leaky_k) + " logn" + std::to_string(logn_length) +
-           (interleaved ? " interleaved" : "") + (per_request_tables ? " per-request tables" : "");
+           (interleaved ? " interleaved" : "") + (per_request_tables ? " per-request tables" : "") + " G" +
+           std::to_string(group) + " C" + std::to_string(chunk_size);
   }
 };
 
@@ -771,7 +796,7 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
     // the table of its own length) and its attention factor squared as the scale factor.
     const double factor = c.per_request_tables ? 1.0 + 0.75 * r : 1.0;
     Case dc{1, c.q_heads, c.kv_heads, q_len, seq_len, c.dim, c.rotary_dim, c.window, c.leaky_k, c.logn_length,
-            true, c.interleaved, 0};
+            true, c.interleaved, 0, c.group, c.chunk_size};
     Problem pr{dc, {}, {}, {}, {}, {}, {}};
     pr.scale_factor = c.per_request_tables ? 1.0 + 0.1 * r : 1.0;
     for (int i = 0; i < pairs; ++i)
@@ -920,8 +945,7 @@ ReropeParams paged_params(const PagedRun<T>& run, const PagedCaches<T>& caches, 
   p.lse = lse;
   p.batch = 1, p.q_heads = c.q_heads, p.kv_heads = c.kv_heads, p.q_len = run.tokens, p.k_len = 0;
   p.head_dim = c.dim, p.rotary_pairs = c.rotary_dim / 2;
-  p.window = c.window, p.logn_length = c.logn_length;
-  p.leaky_inv = c.leaky_k == 0 ? 0.0 : 1.0 / c.leaky_k;
+  p.rule = c.rule(), p.logn_length = c.logn_length;
   p.inv_log_train = c.logn_length > 0 ? 1.0 / std::log(static_cast<double>(c.logn_length)) : 0.0;
   p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
   p.causal = true, p.interleaved = c.interleaved;
@@ -1223,4 +1247,57 @@ TEST_CASE("race check: one small paged launch rotating key tiles in the tensor-c
   // same launch (budget 80: the first request's 70 keys).
   const PagedCase c{{{9, 70}, {1, 40}, {20, 130}}, 2, 1, 64, 64, 16, 40, 8.0, 0, false, true};
   run_paged<__nv_bfloat16>(c, 802, 2, Poison::kNone, -1, 80, {1, 0, 2});
+}
+
+// ---- Self-Extend and Dual Chunk Attention (issue 31): the same kernels under the other region rules,
+// against the double reference written from each method's definition (reference_relative_position).
+// Self-Extend: G dividing W and not, G past every position (ReRoPE with window W); Dual Chunk: local
+// size 0, below and above the chunk length n, chunks shorter than a key tile (band tiles everywhere) and
+// longer (near, far and band tiles).
+const std::vector<Case> kRegionCases = {
+    with_region(Case{2, 4, 2, 37, 37, 10, 10, 7, 0.0, 0, true, false, 5}, 3, 0),      // SE: G 3, W 7, padding
+    with_region(Case{1, 8, 1, 9, 70, 16, 16, 4, 0.0, 0, false, true, 0}, 4, 0),       // SE: non-causal, interleaved
+    with_region(Case{1, 4, 1, 3, 101, 64, 64, 9, 0.0, 50, true, false, 0}, 2, 0),     // SE: decode-like, log-n
+    with_region(Case{2, 2, 2, 13, 66, 24, 8, 6, 0.0, 0, true, false, 9}, 1000, 0),    // SE: G past the end, partial
+    with_region(Case{2, 4, 2, 37, 37, 10, 10, 3, 0.0, 0, true, false, 5}, 0, 10),     // DCA: n 7, padding
+    with_region(Case{1, 4, 1, 3, 101, 64, 64, 0, 0.0, 50, true, false, 0}, 0, 16),    // DCA: local 0, log-n
+    with_region(Case{1, 8, 1, 7, 70, 16, 16, 9, 0.0, 0, true, true, 0}, 0, 14),       // DCA: local 9 >= n 5
+    with_region(Case{2, 2, 1, 1, 100, 130, 130, 20, 0.0, 60, true, false, 30}, 0, 45),  // DCA: D 130, padding
+};
+
+TEST_CASE("Self-Extend and Dual Chunk: prefill and decode kernels match the double reference", "[rerope][region]") {
+  unsigned seed = 1000;
+  for (const Case& c : kRegionCases) {
+    run_kernels<float>(make_problem(c, seed++), Plan::kPrefill, 1, 2e-5);
+    run_kernels<float>(make_problem(c, seed++), Plan::kDecode, c.q_len <= 3 ? 3 : 1, 2e-5);
+  }
+}
+
+TEST_CASE("Self-Extend and Dual Chunk: half and bfloat16, SIMT and tensor cores, within twice the SDPA-way error",
+          "[rerope][region][lowp]") {
+  run_kernels<__half>(make_problem(kRegionCases[0], 1100), Plan::kPrefill, 1, 0.0);
+  // Without log-n: the kernels apply it to the scores, the SDPA-way model to q before rounding, and with it
+  // the 2x rule fails on about 1 seed in 40 for ReRoPE as for Dual Chunk (measured over 40 seeds each).
+  run_kernels<__nv_bfloat16>(
+      make_problem(with_region(Case{1, 4, 1, 3, 101, 64, 64, 0, 0.0, 0, true, false, 0}, 0, 16), 1101), Plan::kDecode,
+      2, 0.0);
+  // Tensor-core prefill: Self-Extend with band, far and skipped tiles; Dual Chunk with chunks of 30 and of 7.
+  run_tensor_core<__nv_bfloat16>(
+      make_problem(with_region(Case{2, 4, 2, 100, 100, 64, 64, 7, 0.0, 0, true, false, 5}, 3, 0), 1102));
+  run_tensor_core<__half>(
+      make_problem(with_region(Case{1, 4, 1, 80, 200, 128, 128, 20, 0.0, 0, true, true, 0}, 0, 50), 1103));
+  run_tensor_core<__half>(
+      make_problem(with_region(Case{1, 2, 1, 130, 130, 64, 64, 5, 0.0, 60, true, false, 0}, 0, 12), 1104));
+}
+
+TEST_CASE("Self-Extend and Dual Chunk: paged decode, chunked-prefill and prefill rows in one launch",
+          "[rerope][region][paged]") {
+  run_paged<float>(with_region(PagedCase{kMixedRequests, 4, 2, 16, 16, 16, 8, 0.0, 0, false, false}, 3, 0), 1200, 3);
+  run_paged<float>(with_region(PagedCase{kMixedRequests, 4, 1, 24, 16, 5, 4, 0.0, 20, false, true}, 0, 11), 1201, 1);
+  // Tensor-core rows: keys pre-rotated, and (budget 130) rotated in the kernel from the pages.
+  run_paged<__half>(with_region(PagedCase{kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true}, 4, 0),
+                    1202, 2, Poison::kNone, -1, kDefaultBudget, {0, 1, 0, 1, 0, 1});
+  run_paged<__nv_bfloat16>(
+      with_region(PagedCase{kTensorCoreRequests, 4, 1, 80, 48, 1, 6, 0.0, 50, true, true}, 0, 25), 1203, 1,
+      Poison::kNone, -1, 130, {0, 1, 0, 1, 0, 2});
 }

@@ -38,6 +38,8 @@
 
 #define ROPESCALE_HOST_DEVICE __host__ __device__
 #define ROPESCALE_INLINE inline
+// A device function kept out of line on the GPU (register pressure); an ordinary inline function here.
+#define ROPESCALE_NOINLINE inline
 
 #define ROPESCALE_DYNAMIC_SMEM(T, name) \
   T* name = reinterpret_cast<T*>(::ropescale_emu::dynamic_shared_memory())
@@ -57,6 +59,7 @@
 
 #define ROPESCALE_HOST_DEVICE __host__ __device__
 #define ROPESCALE_INLINE __forceinline__
+#define ROPESCALE_NOINLINE __noinline__
 
 // All `extern __shared__` arrays alias the same dynamic shared memory; one fixed element type and
 // alignment keeps their declarations compatible.

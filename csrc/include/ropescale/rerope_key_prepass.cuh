@@ -24,18 +24,18 @@ __device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const Key
                                                 SrcRow&& src_row, DstRow&& dst_row) {
   Out* const k_near = static_cast<Out*>(p.k_near);
   Out* const k_far = static_cast<Out*>(p.k_far);
-  const bool leaky = p.leaky_inv != 0.0;
+  const bool far_rotated = p.rule.far_key_rotated();
   const bool rotated = pair < p.rotary_pairs;
   int first = 2 * pair, second = 2 * pair + 1;
   float near_sin = 0.0f, near_cos = 1.0f, far_sin = 0.0f, far_cos = 1.0f;
   if (rotated) {
     rotary_pair_dims(pair, p.rotary_pairs, p.interleaved, &first, &second);
     const KeyRate rate = rates[pair];
-    const int sides = k_far && leaky ? 2 : 1;
+    const int sides = k_far && far_rotated ? 2 : 1;
 #pragma unroll 1
     for (int side = 0; side < sides; ++side) {  // one copy of the sin/cos code (two spill 4 bytes on sm_90)
       float sin_v, cos_v;
-      position_sincos(pos, side == 0 ? rate.near : rate.far, &sin_v, &cos_v);
+      position_sincos(side == 0 ? pos : p.rule.far_key_index(pos), side == 0 ? rate.near : rate.far, &sin_v, &cos_v);
       if (side == 0)
         near_sin = sin_v, near_cos = cos_v;
       else
@@ -51,7 +51,7 @@ __device__ __forceinline__ void rotate_key_pair(const ReropeParams& p, const Key
     k_near[dst + first] = from_acc<Out>(round_to<T>(a));
     k_near[dst + second] = from_acc<Out>(round_to<T>(c));
     if (k_far) {
-      if (leaky)
+      if (far_rotated)
         rotate_key_pair_fma(x1, x2, far_cos, far_sin, &a, &c);
       else
         a = x1, c = x2;
@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) rerope_key_rates_kernel(cons
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = idx / p.rotary_pairs;
     const int pair = static_cast<int>(idx % p.rotary_pairs);
-    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.leaky_inv);
+    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.rule.far_key_rotated(),
+                                 p.rule.far_key_multiplier());
   }
 }
 

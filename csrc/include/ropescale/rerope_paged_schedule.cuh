@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) rerope_paged_prepare_kernel(
        idx += static_cast<int64_t>(rate_blocks) * kThreadsPerBlock) {
     const int64_t row = idx / p.rotary_pairs;
     const int pair = static_cast<int>(idx % p.rotary_pairs);
-    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.leaky_inv);
+    p.key_rates[idx] = key_rate(p.inv_freq[row * p.inv_freq_stride + pair], p.rule.far_key_rotated(),
+                                 p.rule.far_key_multiplier());
   }
 }
 

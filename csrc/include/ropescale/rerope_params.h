@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ropescale/portable.h"
+#include "ropescale/rerope_math.h"
 #include "ropescale/turn_angles.h"
 
 namespace ropescale::rerope_cuda {
@@ -51,8 +52,9 @@ struct ReropeParams {
   float* partial_out = nullptr;          // decode splits: float [splits, B, Hq, Lq, D]
   float* partial_lse = nullptr;          // decode splits: [splits, B, Hq, Lq]
   int batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, k_len = 0, head_dim = 0, rotary_pairs = 0;
-  int64_t window = 1, logn_length = 0;
-  double leaky_inv = 0.0, inv_log_train = 0.0;
+  RegionRule rule;  // ReRoPE / Leaky ReRoPE, Self-Extend or Dual Chunk (rerope_math.h)
+  int64_t logn_length = 0;
+  double inv_log_train = 0.0;
   float scale = 1.0f;
   bool causal = true, interleaved = false;
   // Launch plan (set by the launchers).

@@ -36,7 +36,7 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
   const int b = problem.task.problem, kv_head = problem.task.kv_head;
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   const int padded_dim = (p.head_dim + 3) / 4 * 4;
-  const bool leaky = p.leaky_inv != 0.0;
+  const bool far_rotated = p.rule.far_key_rotated();
   const KeyRate* const key_rates = problem.key_rates();
 
   map_block_rows<Shape>(p, problem, rows);
@@ -84,20 +84,20 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
     // Every thread classifies the same positions, so the whole block agrees on the tile's class.
     PositionRange key_range;
     for (int j = 0; j < keys_in_tile; ++j) key_range.add(tile_positions[parity][j]);
-    TileClass tile = rerope_classify_tile(query_range, key_range, p.window, p.causal);
+    TileClass tile = rerope_classify_tile(query_range, key_range, p.rule, p.causal);
     if (tile.kind == TileKind::kSkip) continue;
     tile.needs_mask |= keys_in_tile < kBlockK;  // lanes past the last key (position -1: never visible)
     const int64_t key_position = tile_positions[parity][lane];
     const bool need_near = tile.kind != TileKind::kFar, need_far = tile.kind != TileKind::kNear;
 
     // One side of the key tile into `dst` (zeros past the keys and past D). Prefill: the
-    // pre-rotated keys (far side: p.k_far for Leaky, the raw keys for ReRoPE). Decode: the raw keys,
-    // then, per rotation pair, rotated in place (near at p, Leaky far at p/k, from the pair's turn rates:
+    // pre-rotated keys (far side: p.k_far when the rule rotates far keys, the raw keys for ReRoPE). Decode:
+    // the raw keys, then, per rotation pair, rotated in place (near at p, far at the rule's index, from the pair's turn rates:
     // no FP64 per key; ReRoPE's far side is the raw key); one thread reads and writes each pair. Ends
     // before the barrier that publishes it.
     const auto stage_keys = [&](bool far_side, float* dst) {
       if constexpr (kKeysPreRotated) {
-        if (!far_side || leaky)
+        if (!far_side || far_rotated)
           load_tile<float, Shape::kKStride>(
               static_cast<const float*>(far_side ? p.k_far : p.k_near) + rotated_offset +
                   static_cast<int64_t>(j0) * p.head_dim,
@@ -106,7 +106,7 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           load_tile<T, Shape::kKStride>(k, k_row, keys_in_tile, p.head_dim, padded_dim, dst);
       } else {
         load_tile<T, Shape::kKStride>(k, k_row, keys_in_tile, p.head_dim, padded_dim, dst);
-        if (far_side && !leaky) return;
+        if (far_side && !far_rotated) return;
         __syncthreads();
         for (int idx = tid; idx < kBlockK * p.rotary_pairs; idx += kThreads) {
           const int j = idx / p.rotary_pairs, pair = idx % p.rotary_pairs;
@@ -116,7 +116,7 @@ __device__ void rerope_attention_block(const ReropeParams& p) {
           const int64_t pos = j < keys_in_tile ? tile_positions[parity][j] : 0;
           const KeyRate rate = key_rates[pair];
           float sin_v, cos_v, a, c;
-          position_sincos(pos, far_side ? rate.far : rate.near, &sin_v, &cos_v);
+          position_sincos(far_side ? p.rule.far_key_index(pos) : pos, far_side ? rate.far : rate.near, &sin_v, &cos_v);
           rotate_key_pair_fma(row[first], row[second], cos_v, sin_v, &a, &c);
           row[first] = round_to<T>(a);
           row[second] = round_to<T>(c);

@@ -140,7 +140,7 @@ __device__ void load_query_rows(const ReropeParams& p, const Problem& problem, c
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
     near_row[first] = round_to<T>(a) * factor;
     near_row[second] = round_to<T>(c) * factor;
-    rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), inv_freq[pair], &sin_v, &cos_v);
+    rotary_sincos(p.rule.far_query_position(pos), inv_freq[pair], &sin_v, &cos_v);
     rotate_pair(x1, x2, cos_v, sin_v, &a, &c);
     far_row[first] = round_to<T>(a) * factor;
     far_row[second] = round_to<T>(c) * factor;
@@ -212,7 +212,7 @@ __device__ void process_tile(const ReropeParams& p, const BlockRows<Shape>& rows
     if (!rows.valid[row]) continue;  // uniform over the warp: the row past the problem costs nothing
     const int64_t q_position = rows.position[row];
     float score = scores[r];
-    if (tile.kind == TileKind::kBand && !rerope_is_near(q_position, key_position, p.window)) score = far_scores[r];
+    if (tile.kind == TileKind::kBand && !p.rule.is_near(q_position, key_position)) score = far_scores[r];
     const bool visible = !tile.needs_mask || rerope_visible(q_position, key_position, p.causal);
     if (!visible) score = -INFINITY;
     if (!tile.needs_mask || __any_sync(kFullMask, visible)) st.seen |= 1u << r;  // tile-uniform branch

@@ -26,7 +26,7 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   T* const k_s = q_far_s + S::kQElems;  // near-side or far-side keys of the current tile
   T* const v_s = k_s + S::kKElems;
   KeyRate* const rates_s = reinterpret_cast<KeyRate*>(v_s + S::kKElems);  // kRotatesKeys: the request's turn rates
-  [[maybe_unused]] const bool leaky = p.leaky_inv != 0.0;
+  [[maybe_unused]] const bool far_rotated = p.rule.far_key_rotated();
 
   const int head = problem.head;
   const int kv_head = head / (p.q_heads / p.kv_heads);
@@ -37,23 +37,28 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   const int n_tiles = (k_len + kBlockN - 1) / kBlockN;
   const float scale = problem.scale();
 
-  // Rows g and g + 8 of the warp's slice: positions (-1 past the queries: never visible), and the
-  // f32 score factor scale * log-n, times log2(e) for exp2.
-  int64_t row_pos[2];
+  // Rows g and g + 8 of the warp's slice: positions (-1 past the queries: never visible), the first key
+  // of their near side, and the f32 score factor scale * log-n, times log2(e) for exp2. Positions are at
+  // most kMaxPosition (< 2^31; padding clamped to -1), so 32-bit registers hold them: the paged D-128
+  // kernel has no registers to spare, and the near start is worked out once per row, not per tile.
+  RowBounds rows_of_warp;
   float row_factor[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int query = q0 + 16 * warp + g + 8 * h;
-    row_pos[h] = query < q_len ? problem.query_position(query) : -1;
-    row_factor[h] = scale * rerope_logn_scale(row_pos[h], p.logn_length, p.inv_log_train) * 1.4426950408889634f;
+    const int64_t position = query < q_len ? problem.query_position(query) : -1;
+    rows_of_warp.position[h] = position < 0 ? -1 : static_cast<int>(position);
+    const int64_t near_start = out_of_line_near_start(p.rule, position < 0 ? 0 : position);
+    rows_of_warp.near_start[h] = static_cast<int>(near_start < -0x7fffffff ? -0x7fffffff : near_start);
+    row_factor[h] = scale * rerope_logn_scale(position, p.logn_length, p.inv_log_train) * 1.4426950408889634f;
   }
   // Position bounds of the block's 64 queries and of the warp's 16 (rows past q_len left out).
   PositionRange block_q, warp_q;
   for (int r = lane; r < kBlockM; r += 32)
     if (q0 + r < q_len) block_q.add(problem.query_position(q0 + r));
   if (lane < 16 && q0 + 16 * warp + lane < q_len) warp_q.add(problem.query_position(q0 + 16 * warp + lane));
-  block_q = warp_reduce_range(block_q);
-  warp_q = warp_reduce_range(warp_q);
+  const QueryBounds block_bounds = out_of_line_query_bounds(warp_reduce_range(block_q), p.rule);
+  const QueryBounds warp_bounds = out_of_line_query_bounds(warp_reduce_range(warp_q), p.rule);
 
   store_query_rows<T, kHeadDim>(p, problem, q0, q_near_s, q_far_s);
   if constexpr (Problem::kRotatesKeys) {  // visible after the first tile's barrier, as the query rows
@@ -75,7 +80,7 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   // The block's class of a tile: what is loaded. A near tile loads near keys, a far tile far keys, a
   // band tile near keys first, then far keys into the same K tile.
   const auto block_class = [&](int tile) {
-    return rerope_classify_tile(block_q, problem.key_tile(tile), p.window, p.causal);
+    return rerope_classify_tile(block_bounds, problem.key_tile(tile), p.causal);
   };
 
   float o[S::kDimBlocks][4];
@@ -84,7 +89,7 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // log2 domain; sum: this lane's
   bool seen[2] = {false, false};  // rows g, g + 8 had a visible pair among this lane's (by the mask)
 
-  int tile = next_active_tile(problem, 0, n_tiles, block_q, p.window, p.causal);
+  int tile = next_active_tile(problem, 0, n_tiles, block_bounds, p.causal);
   if (tile < n_tiles) load_keys(tile, block_class(tile).kind == TileKind::kFar);
   while (tile < n_tiles) {
     device::cp_async_wait<0>();
@@ -100,17 +105,17 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
     // Keys rotated here (kRotatesKeys): the tile's near side at p, or a far tile's Leaky far side at p/k
     // (ReRoPE's far side is the raw key), while V loads; the barrier publishes them to every warp.
     if constexpr (Problem::kRotatesKeys) {
-      if (block_kind != TileKind::kFar || leaky) {  // uniform over the block
+      if (block_kind != TileKind::kFar || far_rotated) {  // uniform over the block
         rotate_key_tile<T, kHeadDim>(p, k_s, rates_s, j0, rows, block_kind == TileKind::kFar);
         __syncthreads();
       }
     }
     // This warp's class of the tile (its 16 queries): what it computes.
-    const TileClass mine = rerope_classify_tile(warp_q, problem.key_tile(tile), p.window, p.causal);
+    const TileClass mine = rerope_classify_tile(warp_bounds, problem.key_tile(tile), p.causal);
     float s[kBlockN / 8][4];
     PairBits bits;
     if (mine.kind == TileKind::kBand || mine.needs_mask)
-      bits = pair_bits(row_pos, problem, j0, p.window, p.causal);
+      bits = pair_bits(rows_of_warp, problem.key_positions(), j0, p.causal);
     // Near scores (near and band warps) from the near keys; on a far tile, far scores from the far keys.
     if (mine.kind == TileKind::kNear || mine.kind == TileKind::kBand ||
         (mine.kind == TileKind::kFar && block_kind == TileKind::kFar)) {
@@ -123,7 +128,7 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
       device::cp_async_wait<0>();
       __syncthreads();
       if constexpr (Problem::kRotatesKeys) {
-        if (leaky) {  // the far side at p/k
+        if (far_rotated) {  // the far side at the rule's far key positions
           rotate_key_tile<T, kHeadDim>(p, k_s, rates_s, j0, rows, true);
           __syncthreads();
         }
@@ -178,7 +183,7 @@ __device__ void rerope_prefill_tc_block(const ReropeParams& p, const Problem& pr
         o[j][3] *= alpha[1];
       }
     }
-    const int next = next_active_tile(problem, tile + 1, n_tiles, block_q, p.window, p.causal);
+    const int next = next_active_tile(problem, tile + 1, n_tiles, block_bounds, p.causal);
     device::cp_async_wait<0>();
     // V of `tile` visible; every warp is done with the K tile. On tiles with masked pairs, whether V
     // holds a non-finite value (each thread scans the chunks it copied, visible to it after its wait).

@@ -43,9 +43,24 @@ __device__ __forceinline__ void warp_scores(const T* q_tile, const T* k_tile, fl
 struct PairBits {
   uint32_t near = 0, visible = 0;
 };
-template <class Problem>
-__device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const Problem& problem, int j0,
-                                              int64_t window, bool causal) {
+// A lane's two query rows: their positions (-1: padding or past the queries) and the first key position of
+// their near side (RegionRule::near_start).
+struct RowBounds {
+  int position[2], near_start[2];
+};
+// The dense problem's key positions apart from the problem, whose reference to the kernel's parameters,
+// passed to pair_bits (not inlined), would copy the parameters into local memory (504 bytes a thread);
+// -1 from `count` on.
+struct StoredKeyPositions {
+  const int64_t* base;
+  int count;
+  __device__ __forceinline__ int64_t key_position(int key) const { return key < count ? base[key] : -1; }
+};
+// Not inlined: inlined, its 32 comparisons cost the D-128 kernels a spill on sm_80 (it runs on band and
+// masked tiles only). `keys`: the problem's key_positions().
+template <class KeyPositions>
+__device__ ROPESCALE_NOINLINE PairBits pair_bits(const RowBounds& rows, const KeyPositions& keys, int j0,
+                                                 bool causal) {
   const int t = static_cast<int>(threadIdx.x) % 4;
   PairBits bits;
 #pragma unroll
@@ -53,12 +68,12 @@ __device__ __forceinline__ PairBits pair_bits(const int64_t (&row_pos)[2], const
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int key = j0 + 8 * j + 2 * t + c;
-      const int64_t key_pos = problem.key_position(key);  // past the keys: -1, never visible
+      const int64_t key_pos = keys.key_position(key);  // past the keys: -1, never visible
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int bit = 4 * j + 2 * h + c;
-        bits.near |= static_cast<uint32_t>(rerope_is_near(row_pos[h], key_pos, window)) << bit;
-        bits.visible |= static_cast<uint32_t>(rerope_visible(row_pos[h], key_pos, causal)) << bit;
+        bits.near |= static_cast<uint32_t>(key_pos >= rows.near_start[h]) << bit;
+        bits.visible |= static_cast<uint32_t>(rerope_visible(rows.position[h], key_pos, causal)) << bit;
       }
     }
   return bits;

@@ -24,7 +24,7 @@ __device__ __forceinline__ float4 query_rotation(const ReropeParams& p, int64_t 
   sc.x = 0.0f, sc.y = 1.0f, sc.z = 0.0f, sc.w = 1.0f;  // padding queries: never read
   if (pos >= 0) {
     rotary_sincos(static_cast<double>(pos), inv_freq, &sc.x, &sc.y);
-    rotary_sincos(rerope_far_query_position(pos, p.window, p.leaky_inv), inv_freq, &sc.z, &sc.w);
+    rotary_sincos(p.rule.far_query_position(pos), inv_freq, &sc.z, &sc.w);
   }
   return sc;
 }

@@ -42,6 +42,10 @@ struct TcDenseProblem {
   __device__ int64_t key_position(int key) const {
     return key < k_len ? p.k_positions[static_cast<int64_t>(b) * k_len + key] : -1;
   }
+  // What pair_bits reads the key positions from (not the problem: see tc::StoredKeyPositions).
+  __device__ tc::StoredKeyPositions key_positions() const {
+    return {p.k_positions + static_cast<int64_t>(b) * k_len, k_len};
+  }
   __device__ PositionRange key_tile(int tile) const { return tc::key_tile_range(tiles[tile]); }
   // The positions of the tile's keys when some may be padding (their V rows are zero-filled).
   __device__ const int64_t* padding_positions(int j0) const {
@@ -58,9 +62,9 @@ struct TcDenseProblem {
     return {static_cast<const T*>(p.k_near) + (static_cast<int64_t>(b) * p.kv_heads + kv_head) * k_len * p.head_dim,
             p.head_dim};
   }
-  // Leaky: the keys rotated at p/k; ReRoPE: the raw keys.
+  // The keys rotated at the rule's far position (Leaky, Self-Extend, Dual Chunk); ReRoPE: the raw keys.
   __device__ tc::KeyRows<T> far_keys(int kv_head) const {
-    if (p.leaky_inv != 0.0)
+    if (p.rule.far_key_rotated())
       return {static_cast<const T*>(p.k_far) + (static_cast<int64_t>(b) * p.kv_heads + kv_head) * k_len * p.head_dim,
               p.head_dim};
     return {static_cast<const T*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h, p.k_stride_l};
@@ -97,6 +101,8 @@ struct TcPagedProblem {
   }
   __device__ int64_t query_position(int query) const { return static_cast<int64_t>(k_len) - q_len + query; }
   __device__ int64_t key_position(int key) const { return key < k_len ? key : -1; }
+  // What pair_bits reads the key positions from: the problem itself (its key_position reads no parameter).
+  __device__ const TcPagedProblem& key_positions() const { return *this; }
   __device__ PositionRange key_tile(int tile) const {
     const int j0 = tile * tc::kBlockN, count = k_len - j0 < tc::kBlockN ? k_len - j0 : tc::kBlockN;
     PositionRange r;

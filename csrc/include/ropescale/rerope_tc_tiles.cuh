@@ -113,17 +113,28 @@ __device__ __forceinline__ PositionRange key_tile_range(const KeyTile& t) {
   return r;
 }
 
+// The region rule's near start and query bounds, called out of line by the tensor-core kernels: set up
+// once per block, and inlined there, Dual Chunk's branch costs the D-128 kernels their last registers
+// (sm_80: up to 316 bytes of spill loads per thread, measured; out of line: none, a 64-byte stack frame).
+static __device__ ROPESCALE_NOINLINE int64_t out_of_line_near_start(const RegionRule& rule, int64_t q) {
+  return rule.near_start(q);
+}
+static __device__ ROPESCALE_NOINLINE QueryBounds out_of_line_query_bounds(const PositionRange& queries,
+                                                                          const RegionRule& rule) {
+  return query_bounds(queries, rule);
+}
+
 // The first tile >= `from` that the block needs (not skipped), or n_tiles: 32 tiles per step, one
 // per lane, agreed by ballot. Every warp computes the same answer from the same inputs.
 template <class Problem>
 __device__ __forceinline__ int next_active_tile(const Problem& problem, int from, int n_tiles,
-                                                const PositionRange& queries, int64_t window, bool causal) {
+                                                const QueryBounds& queries, bool causal) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   for (int base = from; base < n_tiles; base += 32) {
     const int tile = base + lane;
     bool active = false;
     if (tile < n_tiles)
-      active = rerope_classify_tile(queries, problem.key_tile(tile), window, causal).kind != TileKind::kSkip;
+      active = rerope_classify_tile(queries, problem.key_tile(tile), causal).kind != TileKind::kSkip;
     const unsigned ballot = __ballot_sync(kFullMask, active);
     if (ballot != 0u) return base + __ffs(static_cast<int>(ballot)) - 1;
   }
@@ -196,7 +207,8 @@ __device__ void store_query_rows(const ReropeParams& p, const Problem& problem, 
 
 // Rotates in place one side of the key tile `k_tile`, which holds the raw keys j0 .. j0 + rows - 1 (the
 // rows past them are zeros and are left so): every rotation pair at its key's position, from the turn
-// rates `rates` (shared memory; near side: rate.near, at p; Leaky far side: rate.far, at p/k), rounded to
+// rates `rates` (shared memory; near side: rate.near, at p; far side: rate.far, at the rule's
+// far_key_index(p)), rounded to
 // T. Bit for bit what the pre-pass (rotate_key_pair) writes into the workspace. One thread per (row,
 // pair), stepping by kThreads items without a division per item.
 template <typename T, int kHeadDim>
@@ -210,7 +222,8 @@ __device__ __forceinline__ void rotate_key_tile(const ReropeParams& p, T* k_tile
     int first, second;
     rotary_pair_dims(pair, pairs, p.interleaved, &first, &second);
     float sin_v, cos_v, a, c;
-    position_sincos(j0 + row, far_side ? rates[pair].far : rates[pair].near, &sin_v, &cos_v);
+    position_sincos(far_side ? p.rule.far_key_index(j0 + row) : j0 + row, far_side ? rates[pair].far : rates[pair].near,
+                    &sin_v, &cos_v);
     T* const key = k_tile + row * Shape<kHeadDim>::kRowStride;
     rotate_key_pair_fma(to_acc(key[first]), to_acc(key[second]), cos_v, sin_v, &a, &c);
     key[first] = from_acc<T>(a);

@@ -96,9 +96,10 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE unsigned long long turn_rate(float inv_fr
   return high + static_cast<unsigned long long>(low);
 }
 
-// The rates of one pair: near side always, Leaky ReRoPE's far side when leaky_inv (1/k) != 0.
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE KeyRate key_rate(float inv_freq, double leaky_inv) {
-  return KeyRate{turn_rate(inv_freq, 1.0), leaky_inv != 0.0 ? turn_rate(inv_freq, leaky_inv) : 0ull};
+// The rates of one pair: near side always; the far side's (at far_key_index(p) times far_multiplier:
+// Leaky ReRoPE's 1/k, Self-Extend's and Dual Chunk's 1) when the rule rotates far keys.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE KeyRate key_rate(float inv_freq, bool far_rotated, double far_multiplier) {
+  return KeyRate{turn_rate(inv_freq, 1.0), far_rotated ? turn_rate(inv_freq, far_multiplier) : 0ull};
 }
 
 // sin and cos of `turns` (a fraction of a full turn, 2^64 = one turn). The nearest quarter turn q is
