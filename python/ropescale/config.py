@@ -19,7 +19,11 @@ A checkpoint says what it is in two places (docs/DESIGN.md, "Checkpoints"):
       "ropescale": {"attention": "rerope", "window": 512, "leaky_k": 0.0, "logn_length": 0,
                     "method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 10000.0}}
 
-  the attention side (ReRoPE only: ``leaky_k=0`` is plain ReRoPE, ``logn_length=0`` no log-n scaling),
+  the attention side (ReRoPE: ``leaky_k=0`` is plain ReRoPE, ``logn_length=0`` no log-n scaling; Self-Extend:
+  ``{"attention": "self_extend", "window": W, "group": G}``; Dual Chunk Attention: ``{"attention": "dual_chunk",
+  "chunk_size": C, "local_size": S}`` with Qwen's top-level ``dual_chunk_attention_config`` (which alone, as Qwen's
+  checkpoints have it, also reads as DCA); each marked on the rope type, ``<marker>_<table>``, so that stock engines
+  refuse it; :func:`check_attention` checks every path's values),
   and the method in ropescale's own format under ``method`` wherever ``rope_parameters`` does not name
   it (NTK-aware) or names a stock type (``linear``, ``yarn``, ``llama3``, ``longrope``): it marks the
   checkpoint as ropescale's, so ``ropescale.vllm`` serves it with ropescale's table (vLLM's own tables
@@ -44,8 +48,10 @@ Old checkpoints (ropescale's former ``ntk``, transformers' ``dynamic``) still re
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,23 +60,43 @@ import torch
 from . import scaling
 
 __all__ = [
-    "CONFIG_KEY", "ATTENTION_KEYS", "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
+    "CONFIG_KEY", "ATTENTIONS", "ATTENTION_KEYS", "ATTENTION_NAMES", "ATTENTION_PARAMETERS", "DUAL_CHUNK_KEY",
+    "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
     "write", "base_of", "table_parameters", "vllm_max_model_len", "served_length_value", "rotary_dim",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
 CONFIG_KEY = "ropescale"
-ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length")
+#: The attentions a config (and ``hf.patch``) may ask for: plain attention, and the raw-key methods (ReRoPE,
+#: Self-Extend, Dual Chunk Attention), each marked on the rope type (``scaling.RopeType.MARKERS``).
+ATTENTIONS = ("sdpa", "rerope", "self_extend", "dual_chunk")
+#: The entry's keys of each attention besides ``attention`` (and ``method``): ReRoPE's window and the rest,
+#: Self-Extend's neighbour window W and group size G, Dual Chunk Attention's chunk size C and local size S (as Qwen
+#: names them).
+ATTENTION_PARAMETERS = {"sdpa": (), "rerope": ("window", "leaky_k", "logn_length"), "self_extend": ("window", "group"),
+                        "dual_chunk": ("chunk_size", "local_size")}
+ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size")
+#: Each raw-key attention as messages name it.
+ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend attention",
+                   "dual_chunk": "Dual Chunk Attention"}
+#: Qwen's config key for Dual Chunk Attention (Qwen2.5-1M, Qwen3-2507), read as Qwen's engine (vLLM) reads it:
+#: ``chunk_size`` and ``local_size`` (vLLM's defaults when absent), ``original_max_position_embeddings`` (the
+#: attention temperature's length L0, 0: none) and vLLM's sparse approximation (``sparse_attention_*``).
+DUAL_CHUNK_KEY = "dual_chunk_attention_config"
+DUAL_CHUNK_DEFAULTS = {"chunk_size": 8192, "local_size": 1024, "original_max_position_embeddings": 0}
+DUAL_CHUNK_KEYS = ("chunk_size", "local_size", "original_max_position_embeddings", "sparse_attention_config",
+                   "sparse_attention_enabled", "sparse_attention_threshold", "sparse_attention_last_q")
 #: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
 METHOD_KEY = "method"
 
-def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
-    """``rope_parameters`` with the ReRoPE marker taken off the type, and whether it was there."""
+def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+    """``rope_parameters`` with the attention marker taken off the type, and the marker (None when there was none:
+    ``scaling.RopeType.MARKERS``, each the attention it marks)."""
     params = dict(rope_parameters or {})
     parsed = scaling.RopeType.parse(params.get("rope_type") or params.get("type") or "default")
     params["rope_type"] = parsed.table
     params.pop("type", None)
-    return params, parsed.rerope
+    return params, parsed.marker
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,15 @@ class RopeConfig:
     leaky_k: float = 0.0
     logn_length: int = 0
     recorded: bool = False  # the method came from the entry: ropescale wrote this checkpoint
+    group: int | None = None  # Self-Extend's group size G (its neighbour window W is ``window``)
+    chunk_size: int | None = None  # Dual Chunk Attention's C
+    local_size: int | None = None  # Dual Chunk Attention's S
+    temperature_length: int = 0  # Dual Chunk Attention's L0 (Qwen's original_max_position_embeddings; 0: none)
+
+    @property
+    def raw_keys(self) -> bool:
+        """Whether the attention rotates raw keys at attention time (ReRoPE, Self-Extend, DCA)."""
+        return self.attention != "sdpa"
 
     @property
     def per_length(self) -> bool:
@@ -97,7 +132,7 @@ class RopeConfig:
         """Whether no table of this checkpoint ends at a length: a dynamic method or ReRoPE attention, whose
         rope types stock engines refuse. Only such a checkpoint carries a served length apart
         (``SERVED_LENGTH_KEY``); a static table is set for its own length."""
-        return self.method.dynamic or self.attention == "rerope"
+        return self.method.dynamic or self.raw_keys
 
 
 @dataclass(frozen=True)
@@ -107,6 +142,7 @@ class Written:
     rope_parameters: dict[str, Any]
     max_position_embeddings: int
     entry: dict[str, Any] | None
+    dual_chunk: dict[str, Any] | None = None  # Qwen's dual_chunk_attention_config (Dual Chunk Attention only)
 
 
 # (``RopeScaling.stock_parameters`` gives the method's rope_parameters for stock engines and, where they serve
@@ -175,10 +211,14 @@ def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) 
 
 def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,
           attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
-          partial_rotary_factor: float | None = None) -> Written:
+          partial_rotary_factor: float | None = None, group: int | None = None, chunk_size: int | None = None,
+          local_size: int | None = None, temperature_length: int = 0) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
     (original) ``max_position_embeddings``, with the attention side given. ``partial_rotary_factor``: the
-    model's, kept in the written parameters (refused where the method carries its own and it differs)."""
+    model's, kept in the written parameters (refused where the method carries its own and it differs).
+    Dual Chunk Attention also gets Qwen's ``dual_chunk_attention_config`` (``Written.dual_chunk``)."""
+    if attention == "dual_chunk":
+        _check_dual_chunk_table(method)
     params, entry_method = method.stock_parameters(base, rotary_dim)
     if partial_rotary_factor is not None:
         own = params.get("partial_rotary_factor")  # a method's own parameter (proportional): never overwritten
@@ -186,12 +226,22 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
             raise ValueError(f"{type(method).__name__} has partial_rotary_factor {own}, the model "
                              f"{partial_rotary_factor}: the written config would change one of them")
         params["partial_rotary_factor"] = partial_rotary_factor
-    params["rope_type"] = scaling.RopeType.join(params["rope_type"], attention == "rerope")
+    params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
-    entry = attention_entry(attention, window, leaky_k, logn_length)
+    entry = attention_entry(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
+                            local_size=local_size)
     if entry_method is not None:
         entry = {**(entry or {}), METHOD_KEY: entry_method}
-    return Written(params, length, entry)
+    return Written(params, length, entry, dual_chunk_entry(attention, chunk_size, local_size, temperature_length))
+
+
+def dual_chunk_entry(attention: str, chunk_size: int | None, local_size: int | None,
+                     temperature_length: int | None) -> dict[str, int] | None:
+    """Qwen's ``dual_chunk_attention_config`` for Dual Chunk Attention (None for any other attention)."""
+    if attention != "dual_chunk":
+        return None
+    return {"chunk_size": int(chunk_size), "local_size": int(local_size),
+            "original_max_position_embeddings": int(temperature_length or 0)}
 
 
 def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int) -> Written:
@@ -222,53 +272,192 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
     return Written(params, length, None)
 
 
-def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int) -> dict[str, Any] | None:
-    if attention != "rerope":
-        return None
-    return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k), "logn_length": int(logn_length)}
+def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int, *, group: int | None = None,
+                    chunk_size: int | None = None, local_size: int | None = None) -> dict[str, Any] | None:
+    """The ``ropescale`` entry's attention side (None for plain attention)."""
+    if attention == "rerope":
+        return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k),
+                "logn_length": int(logn_length)}
+    if attention == "self_extend":
+        return {"attention": "self_extend", "window": int(window), "group": int(group)}
+    if attention == "dual_chunk":
+        return {"attention": "dual_chunk", "chunk_size": int(chunk_size), "local_size": int(local_size)}
+    return None
 
 
-def check_attention(attention: Any, window: Any, leaky_k: Any, logn_length: Any) -> None:
+def _integer(value: Any, least: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
+def _given(name: str, value: Any) -> bool:
+    """Whether an argument was given: None never is; 0 is not for the ones whose 0 means "off"."""
+    if name in ("leaky_k", "logn_length", "original_max_position_embeddings"):
+        return value is not None and not (isinstance(value, numbers.Real) and value == 0)
+    return value is not None
+
+
+def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn_length: Any = 0, *,
+                    group: Any = None, chunk_size: Any = None, local_size: Any = None,
+                    temperature_length: Any = None) -> None:
     """The attention side, checked in one place for every path that takes it: ``hf.patch``'s arguments, and a
-    checkpoint's entry as ``hf.patch``, transformers' model build and the vLLM plugin (at engine start) read it.
-    The values ReRoPE's op accepts: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2.
-    Raises ValueError; each caller prefixes its own name."""
-    if attention not in ("sdpa", "rerope"):
-        raise ValueError(f"attention must be 'sdpa' or 'rerope', got {attention!r}")
-    if attention != "rerope":
-        if window is not None or leaky_k or logn_length:
-            raise ValueError("window, leaky_k and logn_length apply to attention='rerope' only")
-        return
-    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"attention='rerope' needs window, an integer > 0, got {window!r}")
-    leaky_k = 0.0 if leaky_k is None else leaky_k
-    if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
-            or (leaky_k != 0 and leaky_k < 1)):
-        raise ValueError(f"leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
-    logn_length = 0 if logn_length is None else logn_length
-    if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
-            or logn_length < 0 or logn_length == 1):
-        raise ValueError(f"logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
-                         f"length; log-n divides by its log), got {logn_length!r}")
+    checkpoint's entry (and Qwen's ``dual_chunk_attention_config``) as ``hf.patch``, transformers' model build and
+    the vLLM plugin (at engine start) read it. The values the ops accept:
+
+    - ``rerope``: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2;
+    - ``self_extend``: integers (not bools) ``window`` W >= 1 and ``group`` G >= 1;
+    - ``dual_chunk``: integers (not bools) ``chunk_size`` C >= 1 and ``local_size`` S with ``0 <= S < C``, and the
+      temperature's length ``temperature_length`` (Qwen's ``original_max_position_embeddings``) 0 (none) or >= 1.
+
+    A parameter of another attention is refused. Raises ValueError; each caller prefixes its own name."""
+    if not isinstance(attention, str) or attention not in ATTENTIONS:
+        raise ValueError(f"attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got {attention!r}")
+    arguments = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
+                 "chunk_size": chunk_size, "local_size": local_size,
+                 "original_max_position_embeddings": temperature_length}
+    takes = ATTENTION_PARAMETERS[attention]
+    if attention == "dual_chunk":
+        takes += ("original_max_position_embeddings",)
+    foreign = [name for name, value in arguments.items() if _given(name, value) and name not in takes]
+    if foreign:
+        if attention == "sdpa" and set(foreign) & {"window", "leaky_k", "logn_length"}:
+            raise ValueError("window, leaky_k and logn_length apply to attention='rerope' only (window and group to "
+                             "'self_extend', chunk_size and local_size to 'dual_chunk')")
+        owners = sorted({a for name in foreign for a in ATTENTIONS if name in ATTENTION_PARAMETERS[a]} | (
+            {"dual_chunk"} if "original_max_position_embeddings" in foreign else set()))
+        raise ValueError(f"{', '.join(foreign)} {'applies' if len(foreign) == 1 else 'apply'} to attention="
+                         f"{' or '.join(repr(a) for a in owners)} only; attention={attention!r} takes "
+                         f"{', '.join(takes) or 'no parameters'}")
+    if attention == "rerope":
+        if not _integer(window, 1):
+            raise ValueError(f"attention='rerope' needs window, an integer > 0, got {window!r}")
+        leaky_k = 0.0 if leaky_k is None else leaky_k
+        if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
+                or (leaky_k != 0 and leaky_k < 1)):
+            raise ValueError(f"leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
+        logn_length = 0 if logn_length is None else logn_length
+        if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
+                or logn_length < 0 or logn_length == 1):
+            raise ValueError(f"logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
+                             f"length; log-n divides by its log), got {logn_length!r}")
+    elif attention == "self_extend":
+        if not _integer(window, 1):
+            raise ValueError(f"attention='self_extend' needs window (the neighbour window W), an integer > 0, "
+                             f"got {window!r}")
+        if not _integer(group, 1):
+            raise ValueError(f"attention='self_extend' needs group (the group size G), an integer > 0, got {group!r}")
+    elif attention == "dual_chunk":
+        if not _integer(chunk_size, 1):
+            raise ValueError(f"attention='dual_chunk' needs chunk_size, an integer > 0, got {chunk_size!r}")
+        if not _integer(local_size, 0) or local_size >= chunk_size:
+            raise ValueError(f"attention='dual_chunk' needs local_size, an integer with 0 <= local_size < chunk_size "
+                             f"({chunk_size}), got {local_size!r}")
+        if temperature_length is not None and not _integer(temperature_length, 0):
+            raise ValueError(f"original_max_position_embeddings (Dual Chunk Attention's temperature length L0; 0: "
+                             f"none) must be an integer >= 0, got {temperature_length!r}")
 
 
-def checked_entry(entry: Any, rope_type: str, rerope: bool) -> dict[str, Any] | None:
-    """The ``ropescale`` entry, checked (None when there is none)."""
+# Messages warned once per process (the sparse DCA note).
+_warned: set[str] = set()
+
+
+def checked_dual_chunk(dual_chunk: Any) -> dict[str, int] | None:
+    """Qwen's ``dual_chunk_attention_config`` as vLLM, the engine Qwen validated its models with, reads it, checked:
+    ``{"chunk_size", "local_size", "original_max_position_embeddings"}`` with vLLM's defaults (None when there is
+    none). A key it has no reader for is refused by name (a misspelling would silently take a default). vLLM's
+    sparse approximation (``sparse_attention_enabled``; on by default where ``sparse_attention_config`` is given)
+    is accepted, with a warning once: ropescale computes dense DCA, which the sparse kernel approximates past its
+    threshold (Qwen2.5-1M's checkpoints enable it)."""
+    if dual_chunk is None:
+        return None
+    if not isinstance(dual_chunk, Mapping):
+        raise ValueError(f"{DUAL_CHUNK_KEY} must be a dict with keys {list(DUAL_CHUNK_KEYS)}, got {dual_chunk!r}")
+    for key in dual_chunk:
+        if key not in DUAL_CHUNK_KEYS:
+            close = difflib.get_close_matches(str(key), DUAL_CHUNK_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{DUAL_CHUNK_KEY} has no key {key!r}{hint}; it reads {list(DUAL_CHUNK_KEYS)}")
+    values = {key: dual_chunk.get(key, default) for key, default in DUAL_CHUNK_DEFAULTS.items()}
+    try:
+        check_attention("dual_chunk", chunk_size=values["chunk_size"], local_size=values["local_size"],
+                        temperature_length=values["original_max_position_embeddings"])
+        if values["original_max_position_embeddings"] is None:
+            raise ValueError("original_max_position_embeddings (Dual Chunk Attention's temperature length L0; 0: "
+                             "none) must be an integer >= 0, got None")
+    except ValueError as err:
+        raise ValueError(f"{DUAL_CHUNK_KEY}: {err}") from None
+    enabled = dual_chunk.get("sparse_attention_enabled", dual_chunk.get("sparse_attention_config") is not None)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{DUAL_CHUNK_KEY}: sparse_attention_enabled must be true or false, got {enabled!r}")
+    for key, least in (("sparse_attention_threshold", 0), ("sparse_attention_last_q", 1)):
+        if key in dual_chunk and not _integer(dual_chunk[key], least):
+            raise ValueError(f"{DUAL_CHUNK_KEY}: {key} must be an integer >= {least}, got {dual_chunk[key]!r}")
+    if enabled:
+        threshold = dual_chunk.get("sparse_attention_threshold", 32768)
+        message = (f"ropescale: {DUAL_CHUNK_KEY} enables vLLM's sparse attention (sparse_attention_enabled): "
+                   "ropescale computes dense Dual Chunk Attention, which vLLM's sparse kernel (vertical-and-slash) "
+                   f"approximates for prompts past sparse_attention_threshold ({threshold} tokens); there the outputs "
+                   "differ from vLLM's by that approximation")
+        if message not in _warned:
+            _warned.add(message)
+            warnings.warn(message, stacklevel=3)
+    return values
+
+
+def _check_dual_chunk_table(method: scaling.RopeScaling, rope_type: str | None = None) -> None:
+    """DCA takes plain RoPE's table: vLLM builds it from ``rope_theta`` alone (``get_rope`` takes
+    ``DualChunkRotaryEmbedding`` before it reads the rope type), ropescale from the rope type; a scaled one is
+    refused rather than one of them picked."""
+    if type(method) is not scaling.Default or method.resonance:
+        name = type(method).__name__ + (" with Resonance" if method.resonance else "") + (
+            f", rope_type {rope_type!r}" if rope_type else "")
+        raise ValueError(f"Dual Chunk Attention over a scaled table ({name}): vLLM builds DCA's table from rope_theta "
+                         "alone, ropescale from the rope type, so the two would differ; refused rather than pick one "
+                         "(use DCA over default RoPE, with a larger rope_theta if wanted, or the method without DCA)")
+
+
+def _marker_error(rope_type: str, marker: str) -> ValueError:
+    if marker == "rerope":
+        return ValueError(f"rope_type {rope_type!r} marks ReRoPE attention but the config has no {CONFIG_KEY!r} entry "
+                          "with its window; pass attention='rerope', window=...")
+    needs = " and ".join(ATTENTION_PARAMETERS[marker])
+    return ValueError(f"rope_type {rope_type!r} marks {ATTENTION_NAMES[marker]} but the config has no "
+                      f"{CONFIG_KEY!r} entry with its {needs}; pass attention={marker!r} and {needs}")
+
+
+def checked_entry(entry: Any, rope_type: str, marker: str | bool | None,
+                  dual_chunk: Any = None) -> dict[str, Any] | None:
+    """The ``ropescale`` entry, checked (None when there is none). ``marker``: the rope type's attention marker
+    (True: ReRoPE's); ``dual_chunk``: the config's ``dual_chunk_attention_config`` (Dual Chunk Attention's
+    parameters are read from it where the entry has none)."""
+    marker = "rerope" if marker is True else (marker or None)
     if entry is None:
-        if rerope:
-            raise ValueError(
-                f"rope_type {rope_type!r} marks ReRoPE attention but the config has no {CONFIG_KEY!r} entry with "
-                "its window; pass attention='rerope', window=...")
+        if marker and not (marker == "dual_chunk" and dual_chunk is not None):
+            raise _marker_error(rope_type, marker)
         return None
     if (not isinstance(entry, Mapping) or set(entry) - {*ATTENTION_KEYS, METHOD_KEY}
-            or entry.get("attention", "sdpa") not in ("sdpa", "rerope")
+            or entry.get("attention", "sdpa") not in ATTENTIONS
             or (METHOD_KEY in entry and not isinstance(entry[METHOD_KEY], Mapping))):
+        unknown = sorted(map(str, set(entry) - {*ATTENTION_KEYS, METHOD_KEY})) if isinstance(entry, Mapping) else []
+        close = difflib.get_close_matches(unknown[0], (*ATTENTION_KEYS, METHOD_KEY), n=1) if unknown else []
         raise ValueError(
-            f"config.{CONFIG_KEY} must be a dict with keys {ATTENTION_KEYS} (attention 'sdpa' or 'rerope') and "
-            f"optionally {METHOD_KEY!r} (a rope_parameters dict), got {entry!r}")
+            f"config.{CONFIG_KEY} must be a dict with keys {ATTENTION_KEYS} (attention one of {ATTENTIONS}) and "
+            f"optionally {METHOD_KEY!r} (a rope_parameters dict), got {entry!r}"
+            + (f": no key {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "") if unknown else ""))
     if "attention" in entry:
-        check_attention(entry["attention"], entry.get("window"), entry.get("leaky_k", 0.0),
-                        entry.get("logn_length", 0))
+        attention = entry["attention"]
+        values = {key: entry.get(key) for key in ATTENTION_KEYS[1:]}
+        values["leaky_k"] = entry.get("leaky_k", 0.0)
+        values["logn_length"] = entry.get("logn_length", 0)
+        if attention == "dual_chunk":
+            qwen = checked_dual_chunk(dual_chunk) or {}
+            for key in ("chunk_size", "local_size"):
+                values[key] = qwen.get(key) if values[key] is None else values[key]
+        check_attention(attention, values["window"], values["leaky_k"], values["logn_length"], group=values["group"],
+                        chunk_size=values["chunk_size"], local_size=values["local_size"])
+        extra = sorted(set(entry) - {"attention", METHOD_KEY, *ATTENTION_PARAMETERS[attention]})
+        if attention in ("self_extend", "dual_chunk") and extra:
+            raise ValueError(f"config.{CONFIG_KEY}: attention {attention!r} takes "
+                             f"{', '.join(ATTENTION_PARAMETERS[attention])}, not {', '.join(extra)}")
     return dict(entry)
 
 
@@ -285,11 +474,14 @@ def _same_parameters(expected: Mapping[str, Any], written: Mapping[str, Any]) ->
 
 
 def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int | None, entry: Any = None,
-         rotary_dim: int | None = None) -> RopeConfig:
-    """The method a config asks for (``rope_parameters``, ``max_position_embeddings`` and the ``ropescale``
-    entry, as a checkpoint stores them). ``rotary_dim`` is needed only to check an NTK-aware entry."""
-    params, rerope = table_parameters(rope_parameters)
-    entry = checked_entry(entry, scaling.RopeType.join(params["rope_type"], rerope), rerope)
+         rotary_dim: int | None = None, dual_chunk: Any = None) -> RopeConfig:
+    """The method a config asks for (``rope_parameters``, ``max_position_embeddings``, the ``ropescale`` entry and
+    Qwen's ``dual_chunk_attention_config``, as a checkpoint stores them). ``rotary_dim`` is needed only to check an
+    NTK-aware entry. A ``dual_chunk_attention_config`` with no entry (a Qwen checkpoint) is Dual Chunk Attention."""
+    params, marker = table_parameters(rope_parameters)
+    rope_type = scaling.RopeType.join(params["rope_type"], marker)
+    entry = checked_entry(entry, rope_type, marker, dual_chunk)
+    qwen = checked_dual_chunk(dual_chunk)
     attention = dict(entry or {})
     method_params = attention.pop(METHOD_KEY, None)
     if method_params is not None:
@@ -311,13 +503,38 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
                     raise ValueError(f"longrope's {key} ({value}) differs from its attention_factor "
                                      f"({params.get('attention_factor')}): transformers and vLLM would disagree")
         method = scaling.from_hf(params, max_position_embeddings)
-    if rerope or attention.get("attention") == "rerope":
-        if not rerope:
-            raise ValueError(f"config.{CONFIG_KEY} asks for ReRoPE attention but rope_type "
-                             f"{params['rope_type']!r} has no 'rerope' marker")
+    recorded = method_params is not None
+    kind = attention.get("attention", "dual_chunk" if qwen is not None else "sdpa")
+    if qwen is not None and kind != "dual_chunk":
+        raise ValueError(f"the config has {DUAL_CHUNK_KEY} (Dual Chunk Attention) and config.{CONFIG_KEY} asks for "
+                         f"attention {kind!r}: one of them was edited by hand")
+    if marker != (None if kind == "sdpa" else kind) and not (kind == "dual_chunk" and marker is None
+                                                              and "attention" not in attention):
+        if marker is None:
+            raise ValueError(f"config.{CONFIG_KEY} asks for {ATTENTION_NAMES[kind]} but rope_type "
+                             f"{params['rope_type']!r} has no {kind!r} marker")
+        raise ValueError(f"rope_type {rope_type!r} marks {ATTENTION_NAMES[marker]} but the config asks for "
+                         f"attention {kind!r} (config.{CONFIG_KEY} = {entry!r})")
+    if kind == "rerope":
         return RopeConfig(method, base, "rerope", attention.get("window"), float(attention.get("leaky_k", 0.0)),
-                          int(attention.get("logn_length", 0)), method_params is not None)
-    return RopeConfig(method, base, recorded=method_params is not None)
+                          int(attention.get("logn_length", 0)), recorded)
+    if kind == "self_extend":
+        return RopeConfig(method, base, "self_extend", int(attention["window"]), recorded=recorded,
+                          group=int(attention["group"]))
+    if kind == "dual_chunk":
+        _check_dual_chunk_table(method, rope_type)
+        chunk_size, local_size, length = attention.get("chunk_size"), attention.get("local_size"), 0
+        if qwen is not None:
+            for key, value in (("chunk_size", chunk_size), ("local_size", local_size)):
+                if value is not None and value != qwen[key]:
+                    raise ValueError(f"config.{CONFIG_KEY}.{key} ({value}) differs from {DUAL_CHUNK_KEY}'s "
+                                     f"({qwen[key]}{' by default' if key not in dual_chunk else ''}): the config "
+                                     "was edited by hand")
+            chunk_size, local_size = qwen["chunk_size"], qwen["local_size"]
+            length = qwen["original_max_position_embeddings"]
+        return RopeConfig(method, base, "dual_chunk", recorded=recorded, chunk_size=int(chunk_size),
+                          local_size=int(local_size), temperature_length=int(length))
+    return RopeConfig(method, base, recorded=recorded)
 
 
 def layer_type_parameters(config, layer_type: str | None = None) -> Mapping[str, Any]:
@@ -404,4 +621,4 @@ def read_config(config, layer_type: str | None = None) -> RopeConfig:
     per-layer-type config, ``max_position_embeddings`` and the ``ropescale`` attribute)."""
     params = layer_type_parameters(config, layer_type) if layer_type is not None else getattr(config, "rope_parameters", None)
     return read(params, getattr(config, "max_position_embeddings", None), getattr(config, CONFIG_KEY, None),
-                rotary_dim_of(config, params or {}, layer_type))
+                rotary_dim_of(config, params or {}, layer_type), getattr(config, DUAL_CHUNK_KEY, None))

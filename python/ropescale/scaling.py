@@ -20,7 +20,8 @@ Each method declares everything about itself in one place, its class, and is reg
   says, transformers' ``proportional``; else ``head_dim * partial_rotary_factor``): ``rotary_dim_for``.
 
 :class:`RopeType` owns the naming scheme of rope types: ``resonance`` / ``resonance_<type>`` for
-Resonance on a method, ``rerope`` / ``rerope_<table type>`` for ReRoPE attention over a table, and each
+Resonance on a method, ``rerope`` / ``rerope_<table type>`` for ReRoPE attention over a table (``self_extend``,
+``dual_chunk`` likewise for Self-Extend and Dual Chunk Attention), and each
 method's aliases. ``from_hf`` reads transformers 5.x ``rope_parameters`` (and the legacy ``rope_scaling``
 dict) through the registry; ``to_hf`` writes one back. Resonance on LongRoPE is written as a plain
 ``longrope`` whose per-pair factors hold the rounded table exactly.
@@ -187,7 +188,7 @@ def register(rope_type: str, **declared):
 
     def decorate(cls: type["RopeScaling"]) -> type["RopeScaling"]:
         for name in (declaration.rope_type, *declaration.aliases):
-            if name in _BY_NAME or name.startswith((RopeType.RESONANCE_PREFIX, RopeType.REROPE_MARKER)) \
+            if name in _BY_NAME or name.startswith((RopeType.RESONANCE_PREFIX, *RopeType.MARKERS)) \
                     or name == RopeType.RESONANCE:
                 raise TypeError(f"register: {cls.__name__}'s name {name!r} is taken or uses a reserved prefix")
         for f in dataclasses.fields(declaration):
@@ -218,34 +219,42 @@ def _parameter(cls, f: dataclasses.Field) -> Parameter:
 class RopeType:
     """A rope type name, parsed: the one place that knows the naming scheme.
 
-    ``rerope`` marks ReRoPE attention over the table (``rerope`` alone over plain RoPE, else
-    ``rerope_<table>``); the table is a method's name or alias, ``resonance_<rope type>`` for Resonance on it
-    (``resonance`` alone on plain RoPE). ``method`` is None for a name no registered method has."""
+    An attention marker says that the checkpoint attends over raw keys with an attention stock engines lack:
+    ``rerope`` (ReRoPE), ``self_extend`` (Self-Extend), ``dual_chunk`` (Dual Chunk Attention), alone over plain
+    RoPE, else ``<marker>_<table>``; the table is a method's name or alias, ``resonance_<rope type>`` for
+    Resonance on it (``resonance`` alone on plain RoPE). ``method`` is None for a name no registered method has.
+    The marker exists so that stock transformers and engines refuse the type rather than serve plain RoPE."""
 
-    table: str  # the name without the ReRoPE marker, as written
+    table: str  # the name without the attention marker, as written
     method: type["RopeScaling"] | None
     resonance: bool = False
-    rerope: bool = False
+    marker: str | None = None  # the attention marker: one of MARKERS, or None
 
     RESONANCE: ClassVar[str] = "resonance"
     RESONANCE_PREFIX: ClassVar[str] = "resonance_"
     REROPE_MARKER: ClassVar[str] = "rerope"
     REROPE_PREFIX: ClassVar[str] = "rerope_"
+    #: The attention markers, each the ``attention`` it marks (``config.ATTENTIONS`` less ``sdpa``).
+    MARKERS: ClassVar[tuple[str, ...]] = ("rerope", "self_extend", "dual_chunk")
 
     @classmethod
     def parse(cls, name: Any) -> "RopeType":
         """Never raises: an unknown name has ``method`` None (the caller says what it expected)."""
-        rerope, table = False, name
-        if name == cls.REROPE_MARKER:
-            rerope, table = True, "default"
-        elif isinstance(name, str) and name.startswith(cls.REROPE_PREFIX):
-            rerope, table = True, name[len(cls.REROPE_PREFIX):]
+        marker, table = None, name
+        for candidate in cls.MARKERS:
+            if name == candidate:
+                marker, table = candidate, "default"
+            elif isinstance(name, str) and name.startswith(candidate + "_"):
+                marker, table = candidate, name[len(candidate) + 1:]
+            else:
+                continue
+            break
         if table == cls.RESONANCE:
-            return cls(table, Default, True, rerope)
+            return cls(table, Default, True, marker)
         if isinstance(table, str) and table.startswith(cls.RESONANCE_PREFIX) \
                 and table[len(cls.RESONANCE_PREFIX):] in METHODS:
-            return cls(table, METHODS[table[len(cls.RESONANCE_PREFIX):]], True, rerope)
-        return cls(table, _BY_NAME.get(table) if isinstance(table, str) else None, False, rerope)
+            return cls(table, METHODS[table[len(cls.RESONANCE_PREFIX):]], True, marker)
+        return cls(table, _BY_NAME.get(table) if isinstance(table, str) else None, False, marker)
 
     @classmethod
     def table_name(cls, method: type["RopeScaling"], resonance: bool = False) -> str:
@@ -255,20 +264,30 @@ class RopeType:
         return cls.RESONANCE if method.rope_type == "default" else cls.RESONANCE_PREFIX + method.rope_type
 
     @classmethod
-    def join(cls, table: str, rerope: bool) -> str:
-        """``table`` with the ReRoPE marker when ``rerope`` (the inverse of :meth:`parse`'s split)."""
-        if not rerope:
+    def join(cls, table: str, marker: "str | bool | None") -> str:
+        """``table`` with the attention marker (the inverse of :meth:`parse`'s split). ``marker``: one of
+        :attr:`MARKERS`, None (no marker), or a bool (True: ReRoPE's, the older form)."""
+        if marker is True:
+            marker = cls.REROPE_MARKER
+        if not marker:
             return table
-        return cls.REROPE_MARKER if table == "default" else cls.REROPE_PREFIX + table
+        if marker not in cls.MARKERS:
+            raise ValueError(f"RopeType.join: unknown attention marker {marker!r}; the markers are {cls.MARKERS}")
+        return marker if table == "default" else f"{marker}_{table}"
+
+    @property
+    def rerope(self) -> bool:
+        """Whether the type carries ReRoPE's marker (see :attr:`marker` for every attention marker)."""
+        return self.marker == self.REROPE_MARKER
 
     @property
     def name(self) -> str:
-        return self.join(self.table, self.rerope)
+        return self.join(self.table, self.marker)
 
     @property
     def plain(self) -> bool:
         """The method's own rope type, with no prefix and no alias."""
-        return (self.method is not None and not self.resonance and not self.rerope
+        return (self.method is not None and not self.resonance and self.marker is None
                 and self.table == self.method.rope_type)
 
     @property
@@ -284,9 +303,10 @@ def _transformers_has(name: str) -> bool:
 
 def ropescale_rope_types() -> tuple[str, ...]:
     """The rope types ropescale adds to transformers' (``import ropescale.hf`` registers them): every table
-    name transformers lacks, and ReRoPE over every table."""
+    name transformers lacks, and each attention marker (ReRoPE, Self-Extend, Dual Chunk Attention) over every table."""
     tables = table_type_names()
-    return (*(n for n in tables if not _transformers_has(n)), *(RopeType.join(n, True) for n in tables))
+    return (*(n for n in tables if not _transformers_has(n)),
+            *(RopeType.join(n, marker) for marker in RopeType.MARKERS for n in tables))
 
 
 def table_type_names() -> tuple[str, ...]:
@@ -793,7 +813,7 @@ def from_hf(
     params = dict(rope_parameters)
     name = params.get("rope_type") or params.get("type") or "default"
     parsed = RopeType.parse(name)
-    if parsed.method is None or parsed.rerope:
+    if parsed.method is None or parsed.marker is not None:
         raise ValueError(f"from_hf: unknown rope_type {name!r}; ropescale knows {sorted(METHODS)}")
     cls = parsed.method
     resonance = parsed.resonance or params.get("resonance", False)

@@ -28,7 +28,8 @@ import torch
 
 from . import config as config_lib, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "needs_pre_rope", "ropescale_rotary", "Segments", "StepTables", "cut_segments", "TableCache"]
+__all__ = ["NO_WINDOW", "PreRopePlan", "dual_chunk_temperature", "needs_pre_rope", "ropescale_rotary", "Segments",
+           "StepTables", "cut_segments", "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -41,17 +42,67 @@ class PreRopePlan:
     method: scaling.RopeScaling
     base: float
     rotary_dim: int
-    window: int  # NO_WINDOW for the dynamic methods without ReRoPE
+    window: int  # NO_WINDOW for the dynamic methods without ReRoPE; Self-Extend's W; DCA's local size S
     leaky_k: float = 0.0
     logn_length: int = 0
     interleaved: bool = False  # GPT-J pairs (vLLM's is_neox_style=False)
+    group: int = 0  # Self-Extend's group size G (0: not Self-Extend)
+    chunk_size: int = 0  # Dual Chunk Attention's C (0: not DCA)
+    temperature_length: int = 0  # DCA's attention temperature length L0 (0: none)
 
     @classmethod
     def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
         rerope = parsed.attention == "rerope"
-        return cls(parsed.method, float(parsed.base), int(rotary_dim), int(parsed.window) if rerope else NO_WINDOW,
+        window = {"rerope": parsed.window, "self_extend": parsed.window, "dual_chunk": parsed.local_size}.get(
+            parsed.attention)
+        return cls(parsed.method, float(parsed.base), int(rotary_dim), NO_WINDOW if window is None else int(window),
                    float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
-                   not is_neox_style)
+                   not is_neox_style, int(parsed.group or 0), int(parsed.chunk_size or 0),
+                   int(parsed.temperature_length))
+
+    @property
+    def attention(self) -> str:
+        """The raw-key attention the ops run: ``rerope`` (also the dynamic methods' plain rotation, a window past
+        every distance), ``self_extend`` or ``dual_chunk``."""
+        return "self_extend" if self.group else "dual_chunk" if self.chunk_size else "rerope"
+
+    def method_arguments(self) -> dict[str, int]:
+        """The attention ops' keyword-only arguments of this plan's method (none for ReRoPE)."""
+        return {"group": self.group} if self.group else {"chunk_size": self.chunk_size} if self.chunk_size else {}
+
+    def served_within(self, max_length: int | None) -> "PreRopePlan":
+        """This plan for an engine that serves at most ``max_length`` tokens a request (None: unknown): DCA's
+        temperature dropped where no length passes L0 (``m(len) = 1`` for every ``len <= L0``), so that nothing
+        depends on the prompt's length there."""
+        if self.temperature_length and max_length is not None and int(max_length) <= self.temperature_length:
+            return dataclasses.replace(self, temperature_length=0)
+        return self
+
+    @property
+    def prompt_dependent(self) -> bool:
+        """Whether a row's result depends on its request's prompt length, not on positions alone: a length-dependent
+        table (each prompt row takes the whole prompt's), or DCA's temperature (``m(max(P, p + 1))`` on the query
+        and key at position ``p``, ``P`` the prompt length)."""
+        return self.length_dependent or self.temperature_length > 0
+
+    def temperature_factors(self, seq_lens: list[int], query_lens: list[int], prompt_lens: list[int]) -> torch.Tensor:
+        """DCA's temperature of each query row of a step (requests packed as the paged op takes them: request r's
+        ``query_lens[r]`` rows are its last positions, ``seq_lens[r] - query_lens[r] + i``), float32
+        ``[sum(query_lens)]``: ``m(max(P, p + 1))`` for the token at position ``p`` of a request whose prompt has
+        ``P`` tokens, the factor of its query and of its key (:func:`dual_chunk_temperature`; rounded to float32, as ``hf.patch``
+        multiplies them). All ones without a temperature."""
+        rows = [max(int(q), 0) for q in query_lens]
+        count = sum(rows)
+        if not self.temperature_length or count == 0:
+            return torch.ones(count, dtype=torch.float32)
+        counts = torch.tensor(rows, dtype=torch.int64)
+        ends = torch.tensor([int(n) for n in seq_lens], dtype=torch.int64).repeat_interleave(counts)
+        starts = torch.cumsum(counts, 0) - counts
+        offset = torch.arange(count, dtype=torch.int64) - starts.repeat_interleave(counts)
+        positions = ends - counts.repeat_interleave(counts) + offset
+        prompts = torch.tensor([int(p) for p in prompt_lens], dtype=torch.int64).repeat_interleave(counts)
+        lengths = torch.maximum(prompts, positions + 1)
+        return dual_chunk_temperature(lengths, self.temperature_length).to(torch.float32)
 
     @classmethod
     def of_config(cls, config) -> "PreRopePlan | None":
@@ -59,7 +110,8 @@ class PreRopePlan:
         ``ropescale`` entry), or None when its method needs no pre-RoPE attention."""
         params = config.rope_parameters
         parsed = config_lib.read(params, getattr(config, "max_position_embeddings", None),
-                                 getattr(config, config_lib.CONFIG_KEY, None))
+                                 getattr(config, config_lib.CONFIG_KEY, None), None,
+                                 getattr(config, config_lib.DUAL_CHUNK_KEY, None))
         if not needs_pre_rope(parsed):
             return None
         return cls.of(parsed, config_lib.rotary_dim_of(config, params), True)
@@ -142,10 +194,21 @@ def ropescale_rotary(rope_parameters, entry) -> bool:
     return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
 
 
+def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int) -> torch.Tensor:
+    """Dual Chunk Attention's attention temperature ``m(len) = max(1, 0.1 ln(len / L0) + 1)`` at integer ``lengths``,
+    float64 (the formula and operations of ``hf.patch``'s, so that both round the same float32 factors; 1 where
+    ``L0 = temperature_length`` is 0)."""
+    lengths = lengths.clamp_min(1).to(torch.float64)
+    if not temperature_length:
+        return torch.ones_like(lengths)
+    return (0.1 * torch.log(lengths / float(temperature_length)) + 1.0).clamp_min(1.0)
+
+
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
-    """Whether a checkpoint's method rotates at attention time (ReRoPE, or a table that changes with each
-    request's length: the dynamic methods and a LongRoPE ropescale wrote with distinct factors)."""
-    return parsed.attention == "rerope" or parsed.per_length
+    """Whether a checkpoint's method rotates at attention time (ReRoPE, Self-Extend, Dual Chunk Attention, or a table
+    that changes with each request's length: the dynamic methods and a LongRoPE ropescale wrote with distinct
+    factors)."""
+    return parsed.raw_keys or parsed.per_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +227,16 @@ class StepTables:
     """What ``rerope_attention_paged`` takes for one step's requests: ``inv_freq`` ``[P]`` (a static table)
     or ``[S, P]`` (segment s's table), ``scale_factors`` ``[S]`` (segment s's attention factor squared; None
     for a static table) and ``scale_factor``, a static table's attention factor squared (1 when per segment).
-    ``segments`` is None when every request is one segment (vLLM's own lengths and block table then serve)."""
+    ``segments`` is None when every request is one segment (vLLM's own lengths and block table then serve).
+    ``temperature``: DCA's temperature of the step's query rows, float32, row t's at ``temperature[t]`` (the factor
+    of that token's query and of the key it writes, :meth:`PreRopePlan.temperature_factors`; the buffer may be
+    longer than the step), None without one."""
 
     inv_freq: torch.Tensor
     scale_factors: torch.Tensor | None
     scale_factor: float
     segments: Segments | None = None
+    temperature: torch.Tensor | None = None
 
 
 def cut_segments(seq_lens: list[int], query_lens: list[int] | None = None, prompt_lens: list[int] | None = None,

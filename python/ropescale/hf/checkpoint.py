@@ -9,8 +9,10 @@ the NTK-aware method). ``rope_theta`` and ``partial_rotary_factor`` are kept. A 
 (dynamic method, ReRoPE) may also carry the length it is served to, apart from its table, as
 ``model_max_length`` (``record(..., max_length=N)``, ``ropescale extend --max-length N``).
 
-The ``rerope`` marker on the rope type (``rerope_yarn``, ...) exists so that a ReRoPE checkpoint cannot
-load as a plain-attention model without notice. ``hf.patch(model)`` with no arguments on a reloaded
+The attention marker on the rope type (``rerope_yarn``, ``self_extend``, ``dual_chunk``, ...) exists so that a
+ReRoPE, Self-Extend or DCA checkpoint cannot load as a plain-attention model without notice. Dual Chunk Attention
+is also written as Qwen's ``dual_chunk_attention_config`` (a Qwen checkpoint, which has that key and no marker, is
+read as DCA). ``hf.patch(model)`` with no arguments on a reloaded
 model reads all of it back (``ropescale.config.read_config``).
 """
 
@@ -24,7 +26,7 @@ from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, ta
 
 # Every config attribute a patch may write: unpatch puts back exactly what was there (or nothing).
 _RECORDED = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY,
-             config_lib.SERVED_LENGTH_KEY, "llama_4_scaling")
+             config_lib.SERVED_LENGTH_KEY, "llama_4_scaling", config_lib.DUAL_CHUNK_KEY)
 _ABSENT = object()
 
 
@@ -46,20 +48,27 @@ def saved_attention(config, layer_type: str | None = None) -> dict[str, Any] | N
     """The attention side recorded in ``config`` (None when there is none), checked. ``layer_type``: the
     extended layer type of a per-layer-type config."""
     params = config_lib.layer_type_parameters(config, layer_type)
-    _, rerope = table_parameters(params)
-    rope_type = (params or {}).get("rope_type", "default")
     try:
-        entry = config_lib.checked_entry(getattr(config, CONFIG_KEY, None), rope_type, rerope)
+        parsed = config_lib.read(params, getattr(config, "max_position_embeddings", None),
+                                 getattr(config, CONFIG_KEY, None), None,
+                                 getattr(config, config_lib.DUAL_CHUNK_KEY, None))
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
-    if entry is None or "attention" not in entry:
-        return None
-    return {k: v for k, v in entry.items() if k != METHOD_KEY}
+    if parsed.attention == "rerope":
+        return {"attention": "rerope", "window": parsed.window, "leaky_k": parsed.leaky_k,
+                "logn_length": parsed.logn_length}
+    if parsed.attention == "self_extend":
+        return {"attention": "self_extend", "window": parsed.window, "group": parsed.group}
+    if parsed.attention == "dual_chunk":  # a Qwen checkpoint's dual_chunk_attention_config included
+        return {"attention": "dual_chunk", "chunk_size": parsed.chunk_size, "local_size": parsed.local_size,
+                "original_max_position_embeddings": parsed.temperature_length}
+    return None
 
 
 def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", window: int | None = None,
            leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None,
-           layer_types: tuple[str, ...] | None = None) -> None:
+           layer_types: tuple[str, ...] | None = None, group: int | None = None, chunk_size: int | None = None,
+           local_size: int | None = None, temperature_length: int = 0) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
     marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
     vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
@@ -72,15 +81,24 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
 
     ``layer_types``: a per-layer-type config (Gemma 3) gets the method in those layer types' parameters only
     (they must share their base and rotary dim); the others keep theirs, and so the config says which layers
-    the method extends."""
+    the method extends.
+
+    Self-Extend (``group``) and Dual Chunk Attention (``chunk_size``, ``local_size``, ``temperature_length``: Qwen's
+    ``original_max_position_embeddings``) are recorded in the entry under their marked rope type; DCA also as Qwen's
+    ``dual_chunk_attention_config``, which any other attention removes (the config would read as DCA)."""
     layer_type = layer_types[0] if layer_types else None
     old = dict(config_lib.layer_type_parameters(config, layer_type))
-    rerope = attention == "rerope"
+    marker = None if attention == "sdpa" else attention
+    extra = dict(group=group, chunk_size=chunk_size, local_size=local_size)
     length, original = config.max_position_embeddings, None
+    if attention == "dual_chunk":
+        config_lib._check_dual_chunk_table(
+            method if method is not None else config_lib.read(table_parameters(old)[0], length).method)
+    dual_chunk = config_lib.dual_chunk_entry(attention, chunk_size, local_size, temperature_length)
     if method is None:
         params, _ = table_parameters(old)
-        params["rope_type"] = scaling.RopeType.join(params["rope_type"], rerope)
-        entry = attention_entry(attention, window, leaky_k, logn_length)
+        params["rope_type"] = scaling.RopeType.join(params["rope_type"], marker)
+        entry = attention_entry(attention, window, leaky_k, logn_length, **extra)
         saved_method = (getattr(config, CONFIG_KEY, None) or {}).get(METHOD_KEY)
         if saved_method is not None:  # the table is the recorded NTK-aware one: keep what names it
             entry = {**(entry or {}), METHOD_KEY: saved_method}
@@ -93,11 +111,12 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
         else:
             written = config_lib.write(
                 method, base, rotary_dim, config.max_position_embeddings, attention=attention, window=window,
-                leaky_k=leaky_k, logn_length=logn_length, partial_rotary_factor=old.get("partial_rotary_factor"))
+                leaky_k=leaky_k, logn_length=logn_length, partial_rotary_factor=old.get("partial_rotary_factor"),
+                temperature_length=temperature_length, **extra)
         params, entry, length = written.rope_parameters, written.entry, written.max_position_embeddings
         params.update({key: old[key] for key in scaling.LAYOUT_KEYS if key in old and key not in params})
         original = getattr(method, "original_max_position", None)
-    served = _served_length(config, params, entry, length, method is None, max_length)
+    served = _served_length(config, params, entry, length, method is None, max_length, dual_chunk)
     config.max_position_embeddings = length
     if "original_max_position_embeddings" in config.__dict__ and original is not None:
         # Phi-3-style configs keep it outside rope_parameters, and transformers prefers that copy.
@@ -121,15 +140,22 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
             delattr(config, CONFIG_KEY)
     else:
         setattr(config, CONFIG_KEY, entry)
+    if dual_chunk is None:
+        if config_lib.DUAL_CHUNK_KEY in config.__dict__:
+            delattr(config, config_lib.DUAL_CHUNK_KEY)
+    else:  # Qwen's own keys kept (vLLM's sparse settings), ropescale's values over them
+        previous = config.__dict__.get(config_lib.DUAL_CHUNK_KEY)
+        setattr(config, config_lib.DUAL_CHUNK_KEY, {**(previous if isinstance(previous, dict) else {}), **dual_chunk})
 
 
-def _served_length(config, params, entry, length: int, keep: bool, max_length: int | None) -> int | float | None:
+def _served_length(config, params, entry, length: int, keep: bool, max_length: int | None,
+                   dual_chunk=None) -> int | float | None:
     """The ``model_max_length`` to write with ``params``/``entry`` (None: none), see :func:`record`. Raises,
     before anything is written, when ``max_length`` is asked of a static table."""
     current = config.__dict__.get(config_lib.SERVED_LENGTH_KEY)
     if max_length is None and not (keep and current is not None):
         return None
-    length_free = config_lib.read(params, length, entry).length_free
+    length_free = config_lib.read(params, length, entry, None, dual_chunk).length_free
     if max_length is None:
         return current if length_free else None
     if not length_free:

@@ -12,13 +12,16 @@ per model instance, undone by ``unpatch``:
   default); the other layers keep their own rope, untouched;
 - the attention implementation (``AttentionInterface``): ``config._attn_implementation`` X becomes
   ``ropescale_X``, which calls X unchanged for a static method and, for a pre-RoPE method (dynamic methods,
-  a ``PreRopeCache``, ``attention="rerope"``):
+  a ``PreRopeCache``, ``attention="rerope"``, ``"self_extend"``, ``"dual_chunk"``):
 
   * rotates q and every cached key at attention time with the table for the current length (largest position
     + 1), which keeps every key's ROTATION exact at every decoding step when the table changes (the whole
     model is exact for one layer only: deeper layers' cached keys and values were computed under an earlier
     scale), then calls X (sinks, soft-capping and the rest of X's arguments pass through); ReRoPE runs
-    ``rerope_attention`` on the un-rotated q/k. In a batch each row gets the table of ITS OWN length: rows
+    ``rerope_attention`` on the un-rotated q/k, and so do Self-Extend (its ``group``) and Dual Chunk Attention
+    (its ``chunk_size``; the temperature of Qwen's ``original_max_position_embeddings`` on q and on each key,
+    from the row's prompt length, which the cache keeps; DCA refuses gradients: no training path). In a batch
+    each row gets the table of ITS OWN length: rows
     are grouped by length and each group is rotated with its table, so a short prompt batched with a long one
     (left padding) gets the same scale as alone;
   * a dynamic method with ``per="request"``: each row takes, in every layer and step, the table of its
@@ -79,6 +82,8 @@ REROPE_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2"
 # ``config._attn_implementation`` X of a patched model is ``ropescale_X`` (registered on first use).
 _WRAPPED = "ropescale_"
 
+# The raw-key attentions by name, for messages.
+
 
 @dataclasses.dataclass
 class _PatchState:
@@ -94,6 +99,9 @@ class _PatchState:
     attention_modules: list[nn.Module]
     base_model: nn.Module
     layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
+    group: int | None = None  # Self-Extend's group size G (its neighbour window W is ``window``)
+    chunk_size: int | None = None  # Dual Chunk Attention's C (its local size S is ``window``)
+    temperature_length: int = 0  # DCA's temperature length L0 (Qwen's original_max_position_embeddings; 0: none)
     config: Any = None
     # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
     pair_streams: list[int] | None = None
@@ -116,9 +124,11 @@ class _PatchState:
     step_planned: torch.Tensor | None = None
 
     def __post_init__(self):
-        window = self.window if self.attention == "rerope" else serving.NO_WINDOW
-        self.tables = serving.TableCache(serving.PreRopePlan(self.method, self.base, self.rotary_dim, window,
-                                                             self.leaky_k, self.logn_length))
+        window = self.window if self.raw_keys else serving.NO_WINDOW
+        self.tables = serving.TableCache(serving.PreRopePlan(
+            self.method, self.base, self.rotary_dim, window, self.leaky_k, self.logn_length,
+            group=int(self.group or 0), chunk_size=int(self.chunk_size or 0),
+            temperature_length=int(self.temperature_length or 0)))
         self.step_pre_rope = self.pre_rope
         # A KV-shared layer (Gemma 4's last num_kv_shared_layers) has no cache of its own: it attends the keys that
         # its source layer (the last earlier layer of its type: kv_sharing_modes "store") cached, at their positions.
@@ -129,10 +139,15 @@ class _PatchState:
         self.extended_layers = [m.layer_idx for m in extended if m.layer_idx not in self.kv_sources]
 
     @property
+    def raw_keys(self) -> bool:
+        """Whether the attention runs ropescale's raw-key op (ReRoPE, Self-Extend, Dual Chunk Attention)."""
+        return self.attention != "sdpa"
+
+    @property
     def pre_rope(self) -> bool:
-        """Keys cached raw and rotated at attention time: ReRoPE, and the dynamic methods (whose scale follows the
-        length). A LongRoPE keeps transformers' rotated-key cache."""
-        return self.attention == "rerope" or self.method.dynamic
+        """Keys cached raw and rotated at attention time: ReRoPE, Self-Extend, DCA, and the dynamic methods (whose
+        scale follows the length). A LongRoPE keeps transformers' rotated-key cache."""
+        return self.raw_keys or self.method.dynamic
 
     @property
     def length_dependent(self) -> bool:
@@ -227,6 +242,10 @@ def patch(
     leaky_k: float | None = None,
     logn_length: int | None = None,
     layer_types: tuple[str, ...] | str | None = None,
+    group: int | None = None,
+    chunk_size: int | None = None,
+    local_size: int | None = None,
+    original_max_position_embeddings: int | None = None,
 ) -> nn.Module:
     """Swap ropescale's frequencies and kernels into a transformers model of a family ropescale knows
     (``ropescale.hf.architectures``), and record the method in ``model.config`` (``save_pretrained`` then
@@ -234,8 +253,14 @@ def patch(
 
     ``scaling``: a ``ropescale.scaling`` method, a transformers-style ``rope_parameters`` dict, or None
     to keep the model's own rope settings. ``attention="rerope"`` needs ``window`` (and optionally
-    ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). ``attention=None`` (the
-    default) takes the attention side the config records (a reloaded ReRoPE checkpoint), else "sdpa";
+    ``leaky_k`` for Leaky ReRoPE and ``logn_length`` for log-n query scaling). ``attention="self_extend"``
+    (Self-Extend) needs ``window`` (the neighbour window W) and ``group`` (the group size G);
+    ``attention="dual_chunk"`` (Dual Chunk Attention, Qwen's parameters) needs ``chunk_size`` and ``local_size``,
+    and optionally ``original_max_position_embeddings`` (L0: the attention temperature ``max(1, 0.1 ln(len/L0) + 1)``
+    on query and key, ``len`` the larger of the prompt's length and the token's position + 1; 0, the default: none).
+    DCA runs over default RoPE only and has no training path (refused when gradients are wanted).
+    ``attention=None`` (the default) takes the attention side the config records (a reloaded ReRoPE,
+    Self-Extend or DCA checkpoint; a Qwen config's ``dual_chunk_attention_config``), else "sdpa";
     so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. ``layer_types``: for a config
     whose rope parameters are per layer type (Gemma 3), the types the method extends (default: all but
     ``sliding_attention``). Returns the model.
@@ -252,9 +277,20 @@ def patch(
             window = saved.get("window") if window is None else window
             leaky_k = saved.get("leaky_k", 0.0) if leaky_k is None else leaky_k
             logn_length = saved.get("logn_length", 0) if logn_length is None else logn_length
-    _check_attention_arguments(attention, window, leaky_k, logn_length)
-    if attention == "rerope":
-        _check_rerope_implementation(config)
+        elif attention == "self_extend":
+            window = saved["window"] if window is None else window
+            group = saved["group"] if group is None else group
+        elif attention == "dual_chunk":
+            chunk_size = saved["chunk_size"] if chunk_size is None else chunk_size
+            local_size = saved["local_size"] if local_size is None else local_size
+            if original_max_position_embeddings is None:
+                original_max_position_embeddings = saved["original_max_position_embeddings"]
+    _check_attention_arguments(attention, window, leaky_k, logn_length, group, chunk_size, local_size,
+                               original_max_position_embeddings)
+    if attention != "sdpa":
+        _check_rerope_implementation(config, attention)
+    if attention == "dual_chunk":
+        window = local_size  # the op's window is Qwen's local size S
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
@@ -273,13 +309,18 @@ def patch(
         base_model=base_model,
         layer_types=layer_types,
         config=config,
+        group=group,
+        chunk_size=chunk_size,
+        temperature_length=int(original_max_position_embeddings or 0),
     )
     state.pair_streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     try:
-        checkpoint.record(config, None if scaling is None else state.method, attention, window, state.leaky_k,
-                          state.logn_length, layer_types=layer_types)
+        checkpoint.record(config, None if scaling is None else state.method, attention,
+                          None if attention == "dual_chunk" else window, state.leaky_k, state.logn_length,
+                          layer_types=layer_types, group=group, chunk_size=chunk_size, local_size=local_size,
+                          temperature_length=state.temperature_length)
     except ValueError as err:
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
@@ -337,13 +378,19 @@ def _check_layers(state: _PatchState, scaling) -> None:
         raise ValueError(f"patch: {name} takes only the method its config holds (patch(model)): {arch.fixed_method}")
     if state.pre_rope and arch.pre_rope:
         raise ValueError(f"patch: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {name}: {arch.pre_rope}")
-    if state.attention == "rerope":
+    if state.raw_keys:
+        what = config_lib.ATTENTION_NAMES[state.attention]
         if arch.rerope:
-            raise ValueError(f"patch: ReRoPE cannot patch {name}: {arch.rerope}")
+            raise ValueError(f"patch: {what} cannot patch {name}: {arch.rerope}")
         if getattr(state.config, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"patch: ReRoPE cannot patch this {name} model: {architectures.SOFTCAP}")
+            raise ValueError(f"patch: {what} cannot patch this {name} model: {architectures.SOFTCAP}")
         if any(getattr(m, "is_causal", True) is False for m in state.attention_modules if state.extends(m)):
-            raise ValueError(f"patch: ReRoPE cannot patch this {name} model: {architectures.BIDIRECTIONAL}")
+            raise ValueError(f"patch: {what} cannot patch this {name} model: {architectures.BIDIRECTIONAL}")
+    if state.attention == "dual_chunk":
+        try:
+            config_lib._check_dual_chunk_table(state.method)
+        except ValueError as err:
+            raise ValueError(f"patch: {err}") from None
     layer_type = state.layer_types[0] if state.layer_types else None
     head_dim = config_lib.head_dim_of(state.config, layer_type)
     if arch.narrow_table and state.rotary_dim != head_dim:
@@ -425,11 +472,13 @@ class _Request:
         self.state.in_request, self.state.new_tokens, self.state.planned = False, None, None
 
 
-def _check_attention_arguments(attention, window, leaky_k, logn_length) -> None:
+def _check_attention_arguments(attention, window, leaky_k, logn_length, group=None, chunk_size=None,
+                               local_size=None, temperature_length=None) -> None:
     """The attention side of a patch, checked before the model is touched (``config.check_attention``: the
     same check, and message, as a checkpoint's entry gets at load and at vLLM engine start)."""
     try:
-        config_lib.check_attention(attention, window, leaky_k, logn_length)
+        config_lib.check_attention(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
+                                   local_size=local_size, temperature_length=temperature_length)
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
 
@@ -440,11 +489,12 @@ def _base_implementation(config) -> str:
     return implementation[len(_WRAPPED):] if implementation.startswith(_WRAPPED) else implementation
 
 
-def _check_rerope_implementation(config) -> None:
+def _check_rerope_implementation(config, attention: str = "rerope") -> None:
     implementation = _base_implementation(config)
     if implementation not in REROPE_IMPLEMENTATIONS:
         raise ValueError(
-            f"patch: ReRoPE attention reads padding from the attention mask, and ropescale knows the masks of "
+            f"patch: {config_lib.ATTENTION_NAMES[attention]} reads padding from the attention mask, and ropescale "
+            "knows the masks of "
             f"attn_implementation {', '.join(REROPE_IMPLEMENTATIONS)}; this model uses {implementation!r}: "
             "load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
 
@@ -703,6 +753,8 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
         for layer in cache.layers:
             if isinstance(layer, PreRopeLayer):
                 layer.pending_positions = positions
+    if cache is not None and state.temperature_length and cache.get_seq_length(state.extended_layers[0]) == 0:
+        vars(cache).pop(_PROMPT, None)  # a new request in this cache: DCA's prompt lengths are this forward's
     if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
         if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
             vars(cache).pop(_PLANNED, None)  # a new request in this cache
@@ -731,8 +783,8 @@ def _wrap_implementations(state: _PatchState) -> None:
         implementation = getattr(config, "_attn_implementation", None) or "eager"
         if implementation.startswith(_WRAPPED):
             continue
-        if state.attention == "rerope":  # at patch and at every forward: the implementation can change after patch
-            _check_rerope_implementation(config)
+        if state.raw_keys:  # at patch and at every forward: the implementation can change after patch
+            _check_rerope_implementation(config, state.attention)
         name = _WRAPPED + implementation
         if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
             AttentionInterface.register(name, _attention_function(implementation))
@@ -788,7 +840,7 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
     if state.per_request and planned is None:
         planned = _planned_lengths(state, _token_positions(positions), None)
     groups = _groups(state, _token_positions(key_positions), planned)
-    if state.attention == "rerope":
+    if state.raw_keys:
         return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
                        kwargs), None
     query, key = _rotate_groups(state, groups, query, key, positions, key_positions)
@@ -859,9 +911,43 @@ def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int
                     f"{type(attention_mask).__name__}; use attn_implementation='sdpa'")
 
 
+_PROMPT = "_ropescale_prompt"  # a cache's prompt lengths per row (DCA's temperature), fixed at its first forward
+
+
+def _dual_chunk_temperature(state, cache, positions, key_positions):
+    """Dual Chunk Attention's temperature (L0 = ``state.temperature_length`` > 0), as vLLM applies it: the query of
+    a token at position ``i`` times ``m(max(P, i + 1))`` and the key at ``j`` times ``m(max(P, j + 1))``, ``m(len) =
+    max(1, 0.1 ln(len / L0) + 1)``, ``P`` the row's prompt length: the length of its first forward into an empty
+    cache (every key of that forward, padding masked; without a cache, the forward's own). ``(q_factors [B, Lq],
+    k_factors [B, Lk])`` float64, or None when every factor is 1 (every length within L0)."""
+    prompt = getattr(cache, _PROMPT, None) if cache is not None else None
+    if prompt is None or prompt.shape[0] != key_positions.shape[0]:
+        prompt = key_positions.amax(dim=-1) + 1  # padding keys are at a negative position
+        if cache is not None:
+            setattr(cache, _PROMPT, prompt)
+    length = float(state.temperature_length)
+
+    def m(positions):
+        lengths = torch.maximum(prompt[:, None], positions + 1).clamp_min(1).to(torch.float64)
+        return (0.1 * torch.log(lengths / length) + 1.0).clamp_min(1.0)
+
+    q_factors, k_factors = m(positions), m(key_positions)
+    if not bool((q_factors != 1).any() | (k_factors != 1).any()):
+        return None
+    return q_factors, k_factors
+
+
+def _times_rows(x, factors):
+    """``x`` ``[B, H, T, D]`` times ``factors`` ``[B, T]``, formed in float32 (float64 for float64) and rounded once
+    to x's dtype (vLLM multiplies its keys in place, in their dtype)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(compute) * factors.to(device=x.device, dtype=compute)[:, None, :, None]).to(x.dtype)
+
+
 def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask, kwargs):
+    what = config_lib.ATTENTION_NAMES[state.attention]
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
-        raise ValueError(f"ropescale: ReRoPE cannot run layer {module.layer_idx}: its attention has sinks or "
+        raise ValueError(f"ropescale: {what} cannot run layer {module.layer_idx}: its attention has sinks or "
                          "soft-capped logits")
     softmax_scale = kwargs.get("scaling")
     softmax_scale = module.scaling if softmax_scale is None else softmax_scale
@@ -871,17 +957,27 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
     # The fused op has no backward: when gradients are wanted (fine-tuning), the training path computes
     # the same attention differentiably from PyTorch's fused attention kernels (no L x L tensor).
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if wants_grad and state.attention == "dual_chunk":
+        raise ValueError("ropescale: Dual Chunk Attention has no training path (ops.rerope_attention_train takes "
+                         "ReRoPE and Self-Extend): run the model under torch.no_grad() (generate does), or fine-tune "
+                         "with attention='self_extend' or 'rerope'")
     attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
+    plan = state.tables.plan
+    method_arguments = plan.method_arguments()  # Self-Extend's group, DCA's chunk size
+    if plan.temperature_length:
+        factors = _dual_chunk_temperature(state, state.step_cache, positions, key_positions)
+        if factors is not None:
+            query, key = _times_rows(query, factors[0]), _times_rows(key, factors[1])
 
     def attend(q, k, v, q_pos, k_pos, seq_len):
         inv_freq, factor = state.table(seq_len, q.device)
         # The attention factor multiplies cos and sin of both q and k: factor^2 on the rotated dims' part of every
         # score (the whole score on a fully rotated head; folded into q on a partial-rotary one).
-        q, scale, _ = state.tables.plan.attention_arguments(q, q.shape[-1], softmax_scale, factor * factor)
+        q, scale, _ = plan.attention_arguments(q, q.shape[-1], softmax_scale, factor * factor)
         out, _lse = attention(
             q, k, v, q_pos, k_pos, inv_freq, state.window,
             leaky_k=state.leaky_k, scale=scale, logn_length=state.logn_length,
-            interleaved=state.architecture.interleaved,
+            interleaved=state.architecture.interleaved, **method_arguments,
         )
         return out
 

@@ -11,7 +11,8 @@ A rope type names the frequency table. transformers has ``default``, ``linear``,
   ``longrope`` is written as a plain ``longrope`` whose per-pair factors hold the rounded table:
   transformers and vLLM run it natively);
 - ``rerope`` and ``rerope_<table type>``: a checkpoint trained with ReRoPE attention, whose table is
-  ``<table type>`` (``default`` for ``rerope``). The window and the rest of the attention side are in
+  ``<table type>`` (``default`` for ``rerope``); ``self_extend[_<table type>]`` and ``dual_chunk`` likewise for
+  Self-Extend and Dual Chunk Attention. The window and the rest of the attention side are in
   the config's ``ropescale`` entry (see ``ropescale.hf.checkpoint``). The marker exists so that
   a ReRoPE checkpoint never loads silently as a plain-attention model: without ropescale it fails,
   and with it the model warns until ``ropescale.hf.patch(model)`` puts the attention back.
@@ -44,15 +45,17 @@ def _init_function(config, device=None, seq_len=None, layer_type=None):
     """A ``ROPE_INIT_FUNCTIONS`` entry: (inv_freq, attention_factor) from ropescale's ops."""
     config.standardize_rope_params()
     params = config.rope_parameters[layer_type] if layer_type is not None else config.rope_parameters
-    table, rerope = table_parameters(params)
+    table, marker = table_parameters(params)
     if seq_len is None:  # model build: the entry's values refused here too (as hf.patch and the vLLM plugin do)
         try:
-            config_lib.checked_entry(getattr(config, config_lib.CONFIG_KEY, None), params["rope_type"], rerope)
+            config_lib.read(params, config.max_position_embeddings, getattr(config, config_lib.CONFIG_KEY, None),
+                            None, getattr(config, config_lib.DUAL_CHUNK_KEY, None))
         except ValueError as err:
             raise ValueError(f"ropescale: {err}") from None
-    if rerope and seq_len is None:
+    if marker and seq_len is None:
         warnings.warn(
-            f"ropescale: rope_type {params['rope_type']!r} marks a checkpoint trained with ReRoPE attention "
+            f"ropescale: rope_type {params['rope_type']!r} marks a checkpoint trained with "
+            f"{config_lib.ATTENTION_NAMES[marker]} "
             f"(config.ropescale = {getattr(config, 'ropescale', None)}); call ropescale.hf.patch(model) to run it "
             "as trained: unpatched, it attends with plain RoPE",
             stacklevel=2,

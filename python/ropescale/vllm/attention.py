@@ -144,21 +144,48 @@ def check_backend(vllm_config, what: str) -> None:
             f"{path or (selected.name if selected is not None else 'vLLM automatic choice')}: {hint}")
 
 
+def _max_model_len(vllm_config) -> int | None:
+    value = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_temperature(plan: PreRopePlan, vllm_config) -> None:
+    """Refuse the configurations where DCA's temperature cannot be served exactly: it needs each row's position,
+    read from vLLM's host lengths, which under asynchronous speculative decoding are an upper bound (the length if
+    every draft is accepted), so a rejected draft would shift the next rows' factors."""
+    if not plan.temperature_length:
+        return
+    speculative = getattr(vllm_config, "speculative_config", None)
+    asynchronous = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+    if speculative is not None and asynchronous:
+        raise NotImplementedError(
+            f"ropescale.vllm: Dual Chunk Attention's temperature (original_max_position_embeddings = "
+            f"{plan.temperature_length}, served up to {_max_model_len(vllm_config)} tokens) takes each row's position "
+            "from vLLM's host lengths, which asynchronous scheduling with speculative decoding only bounds: serve it "
+            "without speculative decoding, with --no-async-scheduling, or with max_model_len <= "
+            f"{plan.temperature_length} (no temperature there)")
+
+
 def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool,
                  parsed: config_lib.RopeConfig, vllm_config) -> PreRopeRotary:
     """``get_rope``'s answer for a pre-RoPE checkpoint (refused unless ropescale's backend will run)."""
-    what = ("ReRoPE attention" if parsed.attention == "rerope"
-            else f"a dynamic method ({type(parsed.method).__name__})")
-    plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style)
+    what = config_lib.ATTENTION_NAMES.get(parsed.attention) or f"a dynamic method ({type(parsed.method).__name__})"
+    # DCA's temperature is 1 at every length an engine serving at most L0 tokens reaches: then not served at all.
+    plan = PreRopePlan.of(parsed, rotary_dim, is_neox_style).served_within(_max_model_len(vllm_config))
     check_backend(vllm_config, what)
+    check_temperature(plan, vllm_config)
     _record(plan, vllm_config)
-    if plan.length_dependent:
+    if plan.prompt_dependent:
         install_prompt_lengths()
     if "active" not in _warned:
         _warned.add("active")
+        details = {"self_extend": f"window {plan.window}, group {plan.group}",
+                   "dual_chunk": f"chunk_size {plan.chunk_size}, local_size {plan.window}, temperature length "
+                                 f"{plan.temperature_length or 'none'}"}.get(plan.attention) or (
+            f"window {'none' if plan.window == NO_WINDOW else plan.window}, leaky_k {plan.leaky_k}, "
+            f"logn_length {plan.logn_length}")
         logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
-                    "attention backend (window %s, leaky_k %s, logn_length %s)", what,
-                    "none" if plan.window == NO_WINDOW else plan.window, plan.leaky_k, plan.logn_length)
+                    "attention backend (%s)", what, details)
     return PreRopeRotary(head_size, rotary_dim, max_position, is_neox_style, plan)
 
 
@@ -192,8 +219,10 @@ class _StepTablesOwner:
     def _init_tables(self, vllm_config, device) -> None:
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self._table_rows = int(getattr(scheduler, "max_num_seqs", 0) or 0)
+        self._token_rows = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
         self._table_device = torch.device(device)
         self._table_cache: TableCache | None = None
+        self._temperature: torch.Tensor | None = None  # DCA's per-row temperature, at one address (CUDA graphs)
 
     def step_tables(self, common: CommonAttentionMetadata) -> StepTables | None:
         plan = current_plan()
@@ -202,13 +231,39 @@ class _StepTablesOwner:
         cache = self._table_cache
         if cache is None or cache.plan != plan:
             cache = self._table_cache = TableCache(plan, self._table_device, self._table_rows)
-        if not plan.length_dependent:
+        if not plan.prompt_dependent:
             return cache.step([])
         seq_lens = host_seq_lens(common)
         starts = common.query_start_loc_cpu[: len(seq_lens) + 1].tolist()
         query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        request_lens = step_request_lens(len(seq_lens)) if plan.per_request else None
-        return cache.step(seq_lens, query_lens, step_prompt_lens(len(seq_lens)), request_lens)
+        prompt_lens = step_prompt_lens(len(seq_lens))
+        if not plan.length_dependent:
+            tables = cache.step([])
+        else:
+            request_lens = step_request_lens(len(seq_lens)) if plan.per_request else None
+            tables = cache.step(seq_lens, query_lens, prompt_lens, request_lens)
+        if plan.temperature_length:
+            tables = dataclasses.replace(tables, temperature=self._step_temperature(plan, seq_lens, query_lens,
+                                                                                    prompt_lens))
+        return tables
+
+    def _step_temperature(self, plan: PreRopePlan, seq_lens, query_lens, prompt_lens) -> torch.Tensor:
+        """DCA's temperature of this step's rows (:meth:`PreRopePlan.temperature_factors`) in this builder's buffer
+        (``max_num_batched_tokens`` rows, grown outside any graph if a step has more; rows past the step keep
+        whatever they held: their slots are padding)."""
+        if prompt_lens is None:
+            raise RuntimeError("ropescale.vllm: Dual Chunk Attention's temperature needs each request's prompt length, "
+                               "which this vLLM's model runner did not give (ropescale reads it from the V1 runner: "
+                               "unset VLLM_USE_V2_MODEL_RUNNER)")
+        host = plan.temperature_factors(seq_lens, query_lens, prompt_lens)
+        rows = max(self._token_rows, host.shape[0], 1)
+        if self._temperature is None or self._temperature.shape[0] < host.shape[0]:
+            self._temperature = torch.ones(rows, dtype=torch.float32, device=self._table_device)
+        if host.shape[0]:
+            if self._table_device.type != "cpu":  # an asynchronous copy needs a page-locked source
+                host = host.pin_memory()
+            self._temperature[: host.shape[0]].copy_(host, non_blocking=True)
+        return self._temperature
 
 
 # Each request's prompt length in this step's batch order, recorded by the model runner's hook
@@ -266,9 +321,11 @@ def prefer_v1_model_runner() -> bool:
         def _get_v2_model_runner_unsupported_features(self) -> list[str]:
             unsupported = stock(self)
             plan = served_plan(self)
-            if plan is not None and plan.length_dependent:
-                unsupported.append(f"ropescale's per-row tables of {type(plan.method).__name__} (they need each "
-                                   "step's prompt lengths, which ropescale reads from the V1 runner)")
+            if plan is not None and plan.prompt_dependent:
+                what = (f"per-row tables of {type(plan.method).__name__}" if plan.length_dependent
+                        else "Dual Chunk Attention temperature")
+                unsupported.append(f"ropescale's {what} (they need each step's prompt lengths, which ropescale "
+                                   "reads from the V1 runner)")
             return unsupported
         return _get_v2_model_runner_unsupported_features
 
@@ -351,6 +408,30 @@ def reserve_workspace(vllm_config, num_kv_heads: int, head_size: int) -> torch.T
     return _workspaces[key]
 
 
+def times_rows(x: torch.Tensor, factors: torch.Tensor, n: int) -> torch.Tensor:
+    """``x``'s first ``n`` rows (its first dim: tokens) each times its row of ``factors`` (float32, at least ``n``
+    rows), formed in float32 (float64 for float64) and rounded once to x's dtype: ``hf.patch``'s DCA temperature on
+    q and k, the same float32 product."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = factors[:n].to(device=x.device, dtype=compute).view(n, *([1] * (x.dim() - 1)))
+    return (x[:n].to(compute) * rows).to(x.dtype)
+
+
+def layer_metadata(layer):
+    """This step's attention metadata of ``layer`` (vLLM's ``Attention``, by its ``layer_name``) from vLLM's forward
+    context, as vLLM's own ``get_attention_context`` finds it; None outside a forward."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # speculative decoding: [0] is the base model's
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = metadata.get(getattr(layer, "layer_name", None))
+    return metadata
+
+
 class PreRopeLayer:
     """The pre-RoPE side of one attention layer: raw K/V into the pages, ReRoPE / dynamic attention out."""
 
@@ -376,10 +457,22 @@ class PreRopeLayer:
                                "(the model's rotary layers were not built by ropescale's get_rope)")
         return plan
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              metadata=None):
+        """The step's raw keys and values into their slots; under DCA's temperature each key times its token's
+        factor, from ``metadata`` (the step's: its tables hold the factors). vLLM gives none to a dummy run (profiling,
+        warm-up, piecewise graph capture), whose slots it fills with -1: nothing is written there."""
         key_cache, value_cache = split_pages(kv_cache)
         n = slot_mapping.shape[0]
-        ops.rerope_cache_write_(key_cache, value_cache, key[:n], value[:n], slot_mapping.to(torch.int64))
+        key = key[:n]
+        plan = current_plan()
+        if plan is not None and plan.temperature_length and n and metadata is not None:
+            tables = getattr(metadata, "rope_tables", None)
+            if tables is None or tables.temperature is None:
+                raise RuntimeError("ropescale.vllm: a Dual Chunk Attention layer writes keys without the step's "
+                                   "temperature (its attention metadata carries no rope tables)")
+            key = times_rows(key, tables.temperature, n)
+        ops.rerope_cache_write_(key_cache, value_cache, key, value[:n], slot_mapping.to(torch.int64))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> torch.Tensor:
         plan = self.plan()
@@ -397,13 +490,17 @@ class PreRopeLayer:
             seq_lens, query_start_loc = tables.segments.seq_lens, tables.segments.query_start_loc
         # The attention factor on the rotated dims only (transformers' rule): on a partial-rotary head it is folded
         # into a copy of the query, elsewhere it scales the whole score in the op (serving.PreRopePlan).
-        q, scale, scale_factors = plan.attention_arguments(query[:n], self.head_size, self.scale,
+        q = query[:n]
+        if tables.temperature is not None:  # DCA's temperature on the query (its keys took theirs when written)
+            q = times_rows(q, tables.temperature, n)
+        q, scale, scale_factors = plan.attention_arguments(q, self.head_size, self.scale,
                                                            tables.scale_factor, tables.scale_factors, query_start_loc)
         out, _lse = ops.rerope_attention_paged(
             q, key_cache, value_cache, block_table, seq_lens,
             query_start_loc, tables.inv_freq, plan.window, leaky_k=plan.leaky_k,
             scale=scale, scale_factors=scale_factors,
-            logn_length=plan.logn_length, interleaved=plan.interleaved, workspace=self.workspace)
+            logn_length=plan.logn_length, interleaved=plan.interleaved, workspace=self.workspace,
+            **plan.method_arguments())
         output[:n].copy_(out)
         return output
 
@@ -416,9 +513,10 @@ def served_plan(vllm_config) -> PreRopePlan | None:
     if params is None:
         return None
     try:
-        return PreRopePlan.of_config(hf_config)
+        plan = PreRopePlan.of_config(hf_config)
     except (ValueError, TypeError, AttributeError):
         return None  # not ropescale's to judge: get_rope reports it
+    return plan.served_within(_max_model_len(vllm_config)) if plan is not None else None
 
 
 def _serving_pre_rope() -> bool:
@@ -426,6 +524,11 @@ def _serving_pre_rope() -> bool:
     from vllm.config import get_current_vllm_config_or_none
 
     return served_plan(get_current_vllm_config_or_none()) is not None
+
+
+# What vLLM's Qwen-family attention layers pass an impl when the config has Qwen's dual_chunk_attention_config (for
+# vLLM's own DCA backend): get_rope already read it into the plan.
+_DUAL_CHUNK_LAYER_ARGUMENTS = ("layer_idx", "dual_chunk_attention_config")
 
 
 def _impl_options(args, kwargs) -> dict:
@@ -477,8 +580,12 @@ class RopescaleCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, or ropescale's pre-RoPE attention for the layers of a pre-RoPE model."""
 
     def __init__(self, *args, **kwargs) -> None:
+        pre_rope = _serving_pre_rope()
+        if pre_rope:  # vLLM's Qwen models pass DCA's config to the layer (for its DUAL_CHUNK backend): read already
+            for name in _DUAL_CHUNK_LAYER_ARGUMENTS:
+                kwargs.pop(name, None)
         super().__init__(*args, **kwargs)
-        self.pre_rope = _pre_rope_layer(_impl_options(args, kwargs)) if _serving_pre_rope() else None
+        self.pre_rope = _pre_rope_layer(_impl_options(args, kwargs)) if pre_rope else None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -494,7 +601,7 @@ class RopescaleCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.pre_rope is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        self.pre_rope.write(key, value, kv_cache, slot_mapping)
+        self.pre_rope.write(key, value, kv_cache, slot_mapping, layer_metadata(layer))
 
 
 class RopescaleCPUAttentionBackend(CPUAttentionBackend):
@@ -583,7 +690,7 @@ class PreRopeAttentionImpl(AttentionImpl[PreRopeMetadata]):
         return self.pre_rope.attend(query, kv_cache, attn_metadata, output)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        self.pre_rope.write(key, value, kv_cache, slot_mapping)
+        self.pre_rope.write(key, value, kv_cache, slot_mapping, layer_metadata(layer))
 
 
 class PreRopeAttentionBackend(AttentionBackend):
@@ -661,15 +768,24 @@ def prompt_table_tag(prompt_len: int, vllm_config=None, max_new_tokens: int = 0)
         plan = served_plan(config)
         _engine.update(plan_of=config, tables=TableCache(plan) if plan is not None else None, tags=OrderedDict())
     tables: TableCache | None = _engine["tables"]  # type: ignore[assignment]
-    if tables is None or not tables.plan.length_dependent:
+    if tables is None or not tables.plan.prompt_dependent:
         return None
+    plan = tables.plan
     tags: OrderedDict = _engine["tags"]  # type: ignore[assignment]
-    length = tables.plan.table_length(prompt_len, max_new_tokens)
-    tag = tags.get(length)
-    if tag is None:
-        tag = tags[length] = tables.prompt_digest(prompt_len, max_new_tokens)
-        if len(tags) > 65536:
-            tags.popitem(last=False)
+    length = plan.table_length(prompt_len, max_new_tokens)
+    key = (length, prompt_len if plan.temperature_length else None)
+    if key in tags:
+        return tags[key]
+    parts = [tables.prompt_digest(prompt_len, max_new_tokens)] if plan.length_dependent else []
+    if plan.temperature_length:
+        # DCA's temperature: every prompt token's query and key take m(P) (rows past the prompt their own length's,
+        # whatever P): the prompt's pages equal a cold run's under the same float32 m(P); m(P) = 1 within L0.
+        factor = plan.temperature_factors([prompt_len], [1], [prompt_len])
+        if factor.numel() and float(factor[0]) != 1.0:
+            parts.append(f"dca_temperature={float(factor[0])!r}")
+    tag = tags[key] = "/".join(parts) or None
+    if len(tags) > 65536:
+        tags.popitem(last=False)
     return tag
 
 

@@ -123,8 +123,13 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     model_config = _model_config()
     hf_config = getattr(model_config, "hf_config", None)
     entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
+    # Qwen's Dual Chunk Attention (Qwen2.5-1M, Qwen3-2507): vLLM's Qwen models pass it, the config has it (and a
+    # checkpoint ropescale wrote for any model); a config with it and no ropescale entry is DCA (config.read).
+    dual_chunk = kwargs.get("dual_chunk_attention_config")
+    if dual_chunk is None:
+        dual_chunk = getattr(hf_config, config_lib.DUAL_CHUNK_KEY, None)
     rope_type = params.get("rope_type", "default")
-    ours = serving.ropescale_rotary(params, entry)
+    ours = serving.ropescale_rotary(params, entry) or dual_chunk is not None
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
     if ours and config_lib.per_layer_type(hf_config):
@@ -137,11 +142,12 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
                 "s^(2/d)); a checkpoint written by ropescale before 0.2 meant NTK-aware scaling with it: "
                 "rewrite it with `ropescale extend` (or hf.patch + save_pretrained)")
         return _stock_get_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, *args, **kwargs)
-    if args or any(v is not None for k, v in kwargs.items() if k != "mrope_positions_factor"):
+    if args or any(v is not None for k, v in kwargs.items()
+                   if k not in ("mrope_positions_factor", "dual_chunk_attention_config")):
         raise NotImplementedError(f"ropescale.vllm: rope_type {rope_type!r} with {sorted(kwargs)} is not supported")
     rotary_dim = int(params.get("rope_dim") or config_lib.rotary_dim(head_size, params))
     try:
-        parsed = config_lib.read(params, max_position, entry, rotary_dim)
+        parsed = config_lib.read(params, max_position, entry, rotary_dim, dual_chunk)
     except ValueError as err:
         raise ValueError(f"ropescale.vllm: {err}") from None
     from . import attention
@@ -149,7 +155,8 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     multimodal = "mrope_section" in params
     if multimodal and attention.needs_pre_rope(parsed):
         raise NotImplementedError(
-            f"ropescale.vllm: {type(parsed.method).__name__}{' with ReRoPE' if parsed.attention == 'rerope' else ''} "
+            f"ropescale.vllm: {type(parsed.method).__name__}"
+            f"{'' if parsed.attention == 'sdpa' else ' with ' + config_lib.ATTENTION_NAMES[parsed.attention]} "
             "on a multimodal rope (mrope_section) is not served by vLLM: ropescale's pre-RoPE attention backend "
             "rotates each key at one position, a multimodal rope at three. Serve a static table (YaRN), or use "
             "transformers + ropescale.hf")

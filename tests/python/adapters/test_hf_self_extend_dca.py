@@ -1,0 +1,549 @@
+"""Self-Extend and Dual Chunk Attention in transformers (issue 31; docs/DESIGN.md, "Self-Extend and Dual Chunk
+Attention"): ``hf.patch(model, attention="self_extend" | "dual_chunk", ...)`` and a Qwen config's
+``dual_chunk_attention_config`` read by ``hf.patch(model)``. Each layer's attention output of a patched tiny model
+equals the float64 reference (``support.attention``) over the keys it has seen, in prefill and at every decoding step
+of ``generate`` (batched, left padding), DCA's temperature included; decoding equals a prefill of the whole sequence;
+checkpoints round-trip (plain transformers refuses them); the config is checked in one place (a table of hostile
+entries); Self-Extend trains under autocast as closely as transformers' own model does."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
+
+from support.attention import reference_dual_chunk, reference_self_extend  # noqa: E402
+from support.families import VOCAB, build  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HEAD = 16  # the tiny families' head dim
+INV_FREQ = 1.0 / 10000.0 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEAD)  # their default table
+SE = dict(attention="self_extend", window=4, group=3)  # G does not divide W: the boundary shows
+DCA = dict(attention="dual_chunk", chunk_size=12, local_size=4)  # chunks of n = 8: every region by length 17
+QWEN_DCA = {"chunk_size": 12, "local_size": 4, "original_max_position_embeddings": 8}
+
+def ids(batch=2, length=24, seed=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(x, pads):
+    """``x`` with row b's first ``pads[b]`` tokens padding: (input ids, attention mask)."""
+    mask = torch.ones_like(x)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return x.masked_fill(mask == 0, 0), mask
+
+
+def temperature(lengths, original):
+    """DCA's m(len) = max(1, 0.1 ln(len / L0) + 1), float64 (1 everywhere for L0 = 0)."""
+    if not original:
+        return torch.ones_like(lengths, dtype=torch.float64)
+    return (0.1 * torch.log(lengths.double() / original) + 1).clamp_min(1.0)
+
+
+class LayerChecker:
+    """Forward hooks on every attention layer of a patched model: each forward's output (a prefill, or one decoding
+    step) against the float64 reference attention over every key the layer has seen so far (their hidden states
+    recorded, projected again here), through the layer's own o_proj in float64. Padding keys are given position -1;
+    padding query rows are not compared. DCA's temperature: query and key rows times m(max(P, p + 1)), P the row's
+    prompt length (its real tokens), as vLLM computes it."""
+
+    def __init__(self, model, attention, pads=None, original=0, **parameters):
+        self.attention, self.parameters, self.original = attention, parameters, original
+        self.pads, self.seen, self.errors, self.prompt = pads, {}, [], None
+        self.handles = [m.register_forward_hook(self.hook, with_kwargs=True) for m in model.modules()
+                        if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+    def hook(self, module, args, kwargs, output):
+        with torch.no_grad():
+            self.check(module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                       kwargs["position_ids"], output[0])
+
+    def check(self, module, hidden, position_ids, out):
+        batch, length = hidden.shape[:2]
+        positions = position_ids.expand(batch, -1).clone()
+        if module.layer_idx not in self.seen:  # the prompt: its padding keys at -1
+            if self.pads is not None:
+                for row, pad in enumerate(self.pads):
+                    positions[row, :pad] = -1
+            self.seen[module.layer_idx] = (hidden, positions)
+        else:
+            hidden_seen, positions_seen = self.seen[module.layer_idx]
+            self.seen[module.layer_idx] = (torch.cat((hidden_seen, hidden), 1),
+                                           torch.cat((positions_seen, positions), 1))
+        keys_hidden, kp = self.seen[module.layer_idx]
+        if self.prompt is None or kp.shape[1] == length:
+            self.prompt = kp.amax(-1) + 1  # P: the first forward's real tokens
+        qp = kp[:, -length:]
+
+        def heads(proj, x):
+            return proj(x).view(batch, x.shape[1], -1, HEAD).transpose(1, 2).double()
+
+        q, k, v = heads(module.q_proj, hidden), heads(module.k_proj, keys_hidden), heads(module.v_proj, keys_hidden)
+        q = q * temperature(torch.maximum(self.prompt[:, None], qp + 1), self.original)[:, None, :, None]
+        k = k * temperature(torch.maximum(self.prompt[:, None], kp + 1), self.original)[:, None, :, None]
+        if self.attention == "self_extend":
+            ref, _ = reference_self_extend(q, k, v, qp, kp, INV_FREQ, scale=module.scaling, **self.parameters)
+        else:
+            ref, _ = reference_dual_chunk(q, k, v, qp, kp, INV_FREQ, scale=module.scaling, **self.parameters)
+        o_proj = module.o_proj
+        ref = ref.transpose(1, 2).reshape(batch, length, -1) @ o_proj.weight.double().T
+        if o_proj.bias is not None:
+            ref = ref + o_proj.bias.double()
+        rows = qp >= 0
+        got, want = out.double()[rows], ref[rows]
+        self.errors.append(((got - want).abs().max() / want.abs().max()).item())
+
+
+def patched(name, attention, seed=0, **kwargs):
+    model = build(name, seed=seed)
+    return hf.patch(model, attention=attention, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each layer against the float64 reference: prefill and every decoding step, batched with left padding
+
+
+CASES = {  # name: (family, patch arguments, reference parameters, L0)
+    "self_extend": ("Llama", SE, dict(window=4, group=3), 0),
+    "self_extend_qwen2": ("Qwen2", dict(attention="self_extend", window=6, group=2), dict(window=6, group=2), 0),
+    "dual_chunk": ("Llama", DCA, dict(chunk_size=12, local_size=4), 0),
+    "dual_chunk_no_local": ("Llama", dict(attention="dual_chunk", chunk_size=6, local_size=0),
+                            dict(chunk_size=6, local_size=0), 0),
+    "dual_chunk_temperature": ("Llama", dict(DCA, original_max_position_embeddings=8),
+                               dict(chunk_size=12, local_size=4), 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_layer_equals_the_float64_reference_in_prefill_and_decode(case):
+    family, arguments, parameters, original = CASES[case]
+    model = patched(family, **arguments)
+    pads = [0, 5]
+    x, mask = left_padded(ids(length=20), pads)
+    checker = LayerChecker(model, arguments["attention"], pads, original, **parameters)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
+    checker.remove()
+    assert out.shape[1] == 28
+    assert len(checker.errors) == 2 * 8  # two layers, a prefill and seven decoding steps
+    assert max(checker.errors) <= 1e-5, checker.errors
+
+
+@pytest.mark.parametrize("case", ["self_extend", "dual_chunk"])
+def test_decoding_with_the_cache_equals_a_prefill_of_the_whole_sequence(case):
+    """Without a temperature every token's logits depend on positions alone: generate's step logits (raw keys in
+    the PreRopeCache, one query a step) equal one forward over the whole sequence, rows padded on the left too."""
+    family, arguments, _, _ = CASES[case]
+    model = patched(family, **arguments)
+    x, mask = left_padded(ids(length=18, seed=3), [0, 4])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        full_mask = torch.cat((mask, torch.ones(2, 10, dtype=mask.dtype)), 1)
+        positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
+        full = model(out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    steps = torch.stack(out.logits, 1)
+    torch.testing.assert_close(steps, full[:, 17:-1], rtol=0, atol=2e-5)
+
+
+def test_the_temperature_follows_the_prompt_not_the_whole_sequence():
+    """DCA's temperature is the request's (vLLM's rule): a decoding step's query takes m(its position + 1), the
+    prompt's keys m(P); a prefill of the whole sequence puts m(its length) on every token, another model. And a
+    row's prompt length is its own: a padded row batched with a longer one equals it alone."""
+    model = patched("Llama", **DCA, original_max_position_embeddings=8)
+    x = ids(batch=1, length=16, seed=4)
+    with torch.no_grad():
+        out = model.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        full = model(out.sequences).logits
+        longer = ids(batch=1, length=20, seed=5)
+        batch, mask = left_padded(torch.cat((longer, torch.cat((torch.zeros(1, 4, dtype=x.dtype), x), 1))), [0, 4])
+        both = model.generate(batch, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    steps = torch.stack(out.logits, 1)
+    assert (steps - full[:, 15:-1]).abs().max() > 1e-3
+    torch.testing.assert_close(torch.stack(both.logits, 1)[1:], steps, rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen's dual_chunk_attention_config
+
+
+def qwen_dca(dual_chunk=None):
+    """A tiny Qwen2 whose Qwen2Config carries Qwen's dual_chunk_attention_config (and no ropescale entry)."""
+    model = build("Qwen2", dual_chunk_attention_config=dict(QWEN_DCA if dual_chunk is None else dual_chunk))
+    assert not hasattr(model.config, "ropescale") and model.config.rope_parameters["rope_type"] == "default"
+    return model
+
+
+def test_a_qwen_config_is_read_as_dual_chunk_attention():
+    model = qwen_dca()
+    before = model.config.to_json_string()
+    hf.patch(model)
+    state = model._ropescale_patch
+    assert (state.attention, state.chunk_size, state.window, state.temperature_length) == ("dual_chunk", 12, 4, 8)
+    assert model.config.rope_parameters["rope_type"] == "dual_chunk"
+    assert model.config.ropescale == {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}
+    assert model.config.dual_chunk_attention_config == QWEN_DCA
+    hf.unpatch(model)
+    assert model.config.to_json_string() == before
+    # vLLM's defaults where Qwen's config leaves a key out
+    model = qwen_dca({"original_max_position_embeddings": 4})
+    hf.patch(model)
+    state = model._ropescale_patch
+    assert (state.chunk_size, state.window, state.temperature_length) == (8192, 1024, 4)
+
+
+def test_a_qwen_checkpoint_runs_its_dual_chunk_attention():
+    model = hf.patch(qwen_dca())
+    checker = LayerChecker(model, "dual_chunk", None, 8, chunk_size=12, local_size=4)
+    with torch.no_grad():
+        model.generate(ids(batch=1, length=20), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    checker.remove()
+    assert len(checker.errors) == 2 * 3 and max(checker.errors) <= 1e-5, checker.errors
+
+
+def test_qwens_sparse_attention_is_accepted_with_a_warning(monkeypatch):
+    monkeypatch.setattr(config_lib, "_warned", set())
+    sparse = {**QWEN_DCA, "sparse_attention_enabled": True, "sparse_attention_threshold": 32768,
+              "sparse_attention_last_q": 64}
+    with pytest.warns(UserWarning, match="ropescale computes dense Dual Chunk Attention, which vLLM's sparse kernel"):
+        parsed = config_lib.read({"rope_type": "default"}, 64, None, None, sparse)
+    assert (parsed.attention, parsed.chunk_size, parsed.local_size) == ("dual_chunk", 12, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        config_lib.read({"rope_type": "default"}, 64, None, None, sparse)
+    monkeypatch.setattr(config_lib, "_warned", set())
+    with pytest.warns(UserWarning, match="sparse_attention_enabled"):  # enabled by default with a sparse config
+        config_lib.read({"rope_type": "default"}, 64, None, None, {**QWEN_DCA, "sparse_attention_config": {}})
+
+
+def test_patching_other_attention_over_a_qwen_config_drops_and_unpatch_restores_it():
+    model = qwen_dca()
+    before = model.config.to_json_string()
+    hf.patch(model, attention="self_extend", window=4, group=2)
+    assert not hasattr(model.config, "dual_chunk_attention_config")  # it would read back as DCA
+    assert model.config.rope_parameters["rope_type"] == "self_extend"
+    hf.unpatch(model)
+    assert model.config.to_json_string() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def trained_logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Self-Extend, DCA (with its temperature) and a Qwen DCA model, each patched and saved."""
+    root = tmp_path_factory.mktemp("self_extend_dca")
+    out = {}
+    for name, model in (("self_extend", build("Llama")), ("dual_chunk", build("Llama")), ("qwen", qwen_dca())):
+        arguments = {"self_extend": SE, "dual_chunk": dict(DCA, original_max_position_embeddings=8)}.get(name, {})
+        hf.patch(model, **arguments)
+        model.save_pretrained(root / name)
+        out[name] = (root / name, model)
+    return out
+
+
+WRITTEN = {
+    "self_extend": ({"rope_type": "self_extend", "rope_theta": 10000.0},
+                    {"attention": "self_extend", "window": 4, "group": 3}, None),
+    "dual_chunk": ({"rope_type": "dual_chunk", "rope_theta": 10000.0},
+                   {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}, QWEN_DCA),
+    "qwen": ({"rope_type": "dual_chunk", "rope_theta": 10000.0},
+             {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}, QWEN_DCA),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_a_checkpoint_reloads_as_the_model_it_saved(saved, name):
+    path, model = saved[name]
+    config = json.loads((path / "config.json").read_text())
+    rope_parameters, entry, dual_chunk = WRITTEN[name]
+    assert (config["rope_parameters"], config["ropescale"], config.get("dual_chunk_attention_config")) == (
+        rope_parameters, entry, dual_chunk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert any("ropescale.hf.patch(model)" in str(w.message) for w in caught)  # the marked type warns
+    loaded = reloaded.config.to_json_string()
+    x = ids(length=22, seed=7)
+    hf.patch(reloaded)
+    assert reloaded.config.to_json_string() == loaded
+    torch.testing.assert_close(trained_logits(reloaded, x), trained_logits(model, x), rtol=0, atol=1e-5)
+    hf.unpatch(reloaded)
+    assert reloaded.config.to_json_string() == loaded
+
+
+PLAIN_TRANSFORMERS = textwrap.dedent("""
+    import json, sys, warnings
+    from transformers import AutoModelForCausalLM
+    warnings.filterwarnings("ignore")
+    report = {}
+    for path in json.loads(sys.argv[1]):
+        try:
+            AutoModelForCausalLM.from_pretrained(path)
+            report[path] = {"loaded": True}
+        except Exception as err:  # noqa: BLE001 (the error is the result)
+            report[path] = {"error": type(err).__name__, "message": str(err)}
+    report["ropescale imported"] = any(name.split(".")[0] == "ropescale" for name in sys.modules)
+    print(json.dumps(report))
+""")
+
+
+def test_plain_transformers_refuses_the_checkpoints(saved, tmp_path):
+    """Without ropescale, transformers refuses the marked rope type (never serves plain RoPE silently)."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_TRANSFORMERS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    paths = [str(path) for path, _ in saved.values()]
+    result = subprocess.run([sys.executable, str(script), json.dumps(paths)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report.pop("ropescale imported") is False
+    for name, (path, _) in saved.items():
+        rope_type = WRITTEN[name][0]["rope_type"]
+        assert report[str(path)] == {"error": "KeyError", "message": repr(rope_type)}, name
+
+
+@pytest.mark.parametrize("arguments", [SE, dict(DCA, original_max_position_embeddings=8)],
+                         ids=["self_extend", "dual_chunk"])
+def test_unpatch_restores_the_config_exactly(arguments):
+    model = build("Llama")
+    before = model.config.to_json_string()
+    hf.patch(model, **arguments)
+    assert model.config.to_json_string() != before
+    hf.unpatch(model)
+    assert model.config.to_json_string() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The config, checked in one place: hostile entries, Qwen configs and patch arguments
+
+
+# (rope_parameters, ropescale entry, dual_chunk_attention_config, message)
+DEFAULT, SE_TYPE, DCA_TYPE = {"rope_type": "default"}, {"rope_type": "self_extend"}, {"rope_type": "dual_chunk"}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+HOSTILE = {
+    "se_window_float": (SE_TYPE, {"attention": "self_extend", "window": 4.0, "group": 2},
+                        None, "attention='self_extend' needs window (the neighbour window W), an integer > 0, got 4.0"),
+    "se_window_bool": (SE_TYPE, {"attention": "self_extend", "window": True, "group": 2},
+                       None, "needs window (the neighbour window W), an integer > 0, got True"),
+    "se_window_zero": (SE_TYPE, {"attention": "self_extend", "window": 0, "group": 2}, None, "got 0"),
+    "se_group_negative": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": -2},
+                          None, "needs group (the group size G), an integer > 0, got -2"),
+    "se_group_string": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": "2"},
+                        None, "needs group (the group size G), an integer > 0, got '2'"),
+    "se_group_missing": (SE_TYPE, {"attention": "self_extend", "window": 4}, None, "needs group"),
+    "se_leaky_k": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": 2, "leaky_k": 2.0},
+                   None, "leaky_k applies to attention='rerope' only; attention='self_extend' takes window, group"),
+    "se_leaky_k_zero": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": 2, "leaky_k": 0.0},
+                        None, "attention 'self_extend' takes window, group, not leaky_k"),
+    "se_misspelled": (SE_TYPE, {"attention": "self_extend", "window": 4, "groups": 2},
+                      None, "no key 'groups' (did you mean 'group'?)"),
+    "se_unmarked": (DEFAULT, {"attention": "self_extend", "window": 4, "group": 2},
+                    None, "asks for Self-Extend attention but rope_type 'default' has no 'self_extend' marker"),
+    "se_marker_without_entry": (SE_TYPE, None, None, "marks Self-Extend attention but the config has no 'ropescale'"),
+    "se_marker_rerope_entry": (SE_TYPE, {"attention": "rerope", "window": 4},
+                               None, "marks Self-Extend attention but the config asks for attention 'rerope'"),
+    "dca_local_equals_chunk": (DEFAULT, None, {"chunk_size": 8, "local_size": 8},
+                               "needs local_size, an integer with 0 <= local_size < chunk_size (8), got 8"),
+    "dca_local_negative": (DEFAULT, None, {"chunk_size": 8, "local_size": -1}, "got -1"),
+    "dca_chunk_float": (DEFAULT, None, {"chunk_size": 8.0, "local_size": 2},
+                        "needs chunk_size, an integer > 0, got 8.0"),
+    "dca_chunk_bool": (DEFAULT, None, {"chunk_size": True, "local_size": 0}, "an integer > 0, got True"),
+    "dca_default_local_past_chunk": (DEFAULT, None, {"chunk_size": 512}, "< chunk_size (512), got 1024"),
+    "dca_temperature_negative": (DEFAULT, None, {**QWEN_DCA, "original_max_position_embeddings": -1},
+                                 "original_max_position_embeddings (Dual Chunk Attention's temperature length L0"),
+    "dca_temperature_null": (DEFAULT, None, {**QWEN_DCA, "original_max_position_embeddings": None}, "got None"),
+    "dca_misspelled": (DEFAULT, None, {**QWEN_DCA, "chunksize": 8},
+                       "dual_chunk_attention_config has no key 'chunksize' (did you mean 'chunk_size'?)"),
+    "dca_not_a_dict": (DEFAULT, None, [12, 4], "dual_chunk_attention_config must be a dict"),
+    "dca_sparse_not_bool": (DEFAULT, None, {**QWEN_DCA, "sparse_attention_enabled": "yes"},
+                            "sparse_attention_enabled must be true or false, got 'yes'"),
+    "dca_sparse_threshold": (DEFAULT, None, {**QWEN_DCA, "sparse_attention_threshold": -5},
+                             "sparse_attention_threshold must be an integer >= 0, got -5"),
+    "dca_scaled_table": (YARN, None, QWEN_DCA, "Dual Chunk Attention over a scaled table (YaRN, rope_type 'yarn')"),
+    "dca_ntk_entry": ({"rope_type": "default", "rope_theta": 1e4 * 4.0 ** (16 / 14)},
+                      {"method": {"rope_type": "ntk", "factor": 4.0, "rope_theta": 1e4}}, QWEN_DCA,
+                      "Dual Chunk Attention over a scaled table (NTK, rope_type 'default')"),
+    "dca_entry_disagrees": (DCA_TYPE, {"attention": "dual_chunk", "chunk_size": 16, "local_size": 4}, QWEN_DCA,
+                            "config.ropescale.chunk_size (16) differs from dual_chunk_attention_config's (12)"),
+    "dca_entry_disagrees_default": (DCA_TYPE, {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4},
+                                    {"original_max_position_embeddings": 8},
+                                    "differs from dual_chunk_attention_config's (8192 by default)"),
+    "dca_entry_without_sizes": (DCA_TYPE, {"attention": "dual_chunk"}, None,
+                                "needs chunk_size, an integer > 0, got None"),
+    "dca_window": (DCA_TYPE, {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4, "window": 4}, None,
+                   "window applies to attention='rerope' or 'self_extend' only; "
+                   "attention='dual_chunk' takes chunk_size"),
+    "dca_with_rerope_entry": (DEFAULT, {"attention": "rerope", "window": 4}, QWEN_DCA,
+                              "has dual_chunk_attention_config (Dual Chunk Attention) and config.ropescale asks for "
+                              "attention 'rerope'"),
+    "dca_marker_on_yarn": ({**YARN, "rope_type": "dual_chunk_yarn"}, {"attention": "dual_chunk"}, QWEN_DCA,
+                           "Dual Chunk Attention over a scaled table (YaRN, rope_type 'dual_chunk_yarn')"),
+    "unknown_attention": (DEFAULT, {"attention": "chunked"}, None, "config.ropescale must be a dict with keys"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_config_is_refused_with_a_clear_error(case):
+    rope_parameters, entry, dual_chunk, message = HOSTILE[case]
+    params = {"rope_theta": 10000.0, **rope_parameters}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            config_lib.read(params, 64, entry, HEAD, dual_chunk)
+        # hf.patch(model) on a model carrying it: the same message, prefixed
+        model = build("Llama")
+        model.config.rope_parameters = params
+        if entry is not None:
+            model.config.ropescale = entry
+        if dual_chunk is not None:
+            model.config.dual_chunk_attention_config = dual_chunk
+        with pytest.raises(ValueError, match="^patch: .*" + re.escape(message)):
+            hf.patch(model)
+    assert not hf.is_patched(model)
+
+
+BAD_ARGUMENTS = [
+    (dict(attention="self_extend", window=4), "needs group (the group size G), an integer > 0, got None"),
+    (dict(attention="self_extend", window=4, group=2.0), "needs group (the group size G), an integer > 0, got 2.0"),
+    (dict(attention="self_extend", window=False, group=2), "got False"),
+    (dict(attention="self_extend", window=4, group=2, leaky_k=2.0), "leaky_k applies to attention='rerope' only"),
+    (dict(attention="self_extend", window=4, group=2, chunk_size=8),
+     "chunk_size applies to attention='dual_chunk' only"),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=8), "0 <= local_size < chunk_size (8), got 8"),
+    (dict(attention="dual_chunk", chunk_size=8), "needs local_size"),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=2, window=2), "window applies to attention="),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=2, original_max_position_embeddings=-3),
+     "must be an integer >= 0, got -3"),
+    (dict(attention="rerope", window=4, group=2), "group applies to attention='self_extend' only"),
+    (dict(group=2), "group applies to attention='self_extend' only"),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=2,
+          scaling=scaling.YaRN(factor=4.0, original_max_position=16)),
+     "Dual Chunk Attention over a scaled table (YaRN)"),
+    (dict(attention="chunked"), "attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got 'chunked'"),
+]
+
+
+@pytest.mark.parametrize("arguments,message", BAD_ARGUMENTS, ids=[str(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_patch_arguments_are_refused_before_the_model_is_touched(arguments, message):
+    model = build("Llama")
+    before = model.config.to_json_string()
+    with pytest.raises(ValueError, match="^patch: .*" + re.escape(message)):
+        hf.patch(model, **arguments)
+    assert not hf.is_patched(model) and model.config.to_json_string() == before
+
+
+def test_the_written_config_reads_back():
+    for attention, arguments in (("self_extend", dict(window=4, group=3)),
+                                 ("dual_chunk", dict(chunk_size=12, local_size=4, temperature_length=8))):
+        written = config_lib.write(scaling.Default(), 1e4, HEAD, 64, attention=attention, **arguments)
+        parsed = config_lib.read(written.rope_parameters, written.max_position_embeddings, written.entry, HEAD,
+                                 written.dual_chunk)
+        assert parsed.attention == attention and parsed.length_free
+        assert {k: getattr(parsed, k) for k in arguments} == arguments
+    # Self-Extend over a scaled table is marked on it
+    written = config_lib.write(scaling.YaRN(factor=4.0, original_max_position=16), 1e4, HEAD, 16,
+                               attention="self_extend", window=4, group=2)
+    assert written.rope_parameters["rope_type"] == "self_extend_yarn"
+    assert config_lib.read(written.rope_parameters, 16, written.entry, HEAD).method.factor == 4.0
+
+
+def test_rope_type_markers_parse_and_join():
+    for marker in scaling.RopeType.MARKERS:
+        for table in ("default", "yarn", "resonance_yarn"):
+            name = scaling.RopeType.join(table, marker)
+            parsed = scaling.RopeType.parse(name)
+            assert (parsed.marker, parsed.table, parsed.name) == (marker, table, name)
+            assert name in hf.ROPESCALE_ROPE_TYPES and not parsed.is_stock
+    assert scaling.RopeType.join("yarn", True) == "rerope_yarn" and scaling.RopeType.parse("rerope").rerope
+
+
+def test_dual_chunk_attention_refuses_gradients():
+    model = build("Llama")
+    hf.patch(model, **DCA)
+    model.train()
+    with pytest.raises(ValueError, match="Dual Chunk Attention has no training path"):
+        model(ids(length=8), use_cache=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: Self-Extend under autocast
+
+
+def _loss_and_grads(model, x, dtype):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        logits = model(x, use_cache=False).logits
+        token_logprobs = logits.float().log_softmax(-1)[:, :-1].gather(-1, x[:, 1:, None])
+    token_logprobs.mean().neg().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return token_logprobs.detach().double().flatten(), grads.double()
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_self_extend_trains_under_autocast_as_closely_as_transformers_own_model(dtype):
+    """A training step of Self-Extend (ops.rerope_attention_train) under CPU autocast is as close to its float32
+    step as transformers' own (plain RoPE) model of the same weights is to its own: within twice its relative
+    error. Its float32 forward (the training path) equals the float64 reference, layer by layer."""
+    native = build("Llama").train()
+    model = hf.patch(build("Llama"), **SE).train()
+    x = ids(length=32, seed=9)
+    native_lp, native_grads = _loss_and_grads(native, x, None)
+    lp, grads = _loss_and_grads(model, x, None)
+    assert (lp - native_lp).abs().max() > 1e-3  # the grouped region is another model
+    checker = LayerChecker(model, "self_extend", window=4, group=3)
+    model(x, use_cache=False)  # gradients wanted: the training path
+    checker.remove()
+    assert max(checker.errors) <= 1e-5, checker.errors
+    native_lp_ac, native_grads_ac = _loss_and_grads(native, x, dtype)
+    lp_ac, grads_ac = _loss_and_grads(model, x, dtype)
+    assert torch.isfinite(lp_ac).all() and torch.isfinite(grads_ac).all()
+    for what, got, want, native_got, native_want in (("token logprobs", lp_ac, lp, native_lp_ac, native_lp),
+                                                     ("gradients", grads_ac, grads, native_grads_ac, native_grads)):
+        error = (got - want).norm() / want.norm()
+        native_error = (native_got - native_want).norm() / native_want.norm()
+        assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
+
+
+def test_self_extend_gradients_equal_the_float64_reference():
+    """The training path's gradients (ops.rerope_attention_train with group) are those of the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, HEAD, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 24, HEAD, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 24, HEAD, generator=g, requires_grad=True)
+    positions = torch.arange(24).repeat(2, 1)
+    positions[1, :5] = -1
+    out, _ = ops.rerope_attention_train(q, k, v, positions, positions, INV_FREQ.float(), 4, group=3)
+    ref, _ = reference_self_extend(q, k, v, positions, positions, INV_FREQ, 4, 3)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+    assert math.isfinite(out.sum().item())
