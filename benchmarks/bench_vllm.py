@@ -64,6 +64,10 @@ def _methods():
         "resonance_yarn": (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True), {}),
         "rerope": (None, {"attention": "rerope", "window": WINDOW}),
         "dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=ORIGINAL), {}),
+        # benchmarks/real_model.py's settings at 16k: W = 2048, the smallest G reaching 16k; ChunkLlama's defaults
+        "self_extend": (None, {"attention": "self_extend", "window": WINDOW, "group": 3}),
+        "dual_chunk": (None, {"attention": "dual_chunk", "chunk_size": 3 * ORIGINAL // 4,
+                              "local_size": ORIGINAL // 16}),
     }
 
 
@@ -88,6 +92,11 @@ ROWS = {
     "rerope": Row("rerope", "native", {}, f"ReRoPE w={WINDOW}: raw keys in vLLM's pages, ropescale's paged kernel"),
     "dynamic_yarn": Row("dynamic_yarn", "native", {},
                         "Dynamic-YaRN s=2: each request's own table, ropescale's paged kernel"),
+    "self_extend": Row("self_extend", "native", {},
+                       f"Self-Extend W={WINDOW}, G=3: raw keys in vLLM's pages, ropescale's paged kernel"),
+    "dual_chunk": Row("dual_chunk", "native", {},
+                      f"Dual Chunk Attention, chunk_size {3 * ORIGINAL // 4}, local_size {ORIGINAL // 16}, no "
+                      "temperature: ropescale's paged kernel"),
 }
 DEFAULT_ROWS = ("yarn/vllm", "yarn/ropescale", "resonance_yarn")
 

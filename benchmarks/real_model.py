@@ -25,6 +25,14 @@ the length N it is measured at, so below 8k it IS the native model and is not ru
   Leaky ReRoPE    distances >= w grow as w + (d - w)/k, k = (N - w)/(L - w): the longest distance of an
                   N-token text lands exactly on the trained length (k = 1, i.e. native, up to 8k)
   ReRoPE + log-n  ReRoPE with queries past L scaled by log(n+1)/log(L) (identical to ReRoPE up to 8k)
+  Self-Extend     neighbour window W = 2048 (ReRoPE's w), group G = ceil((N - W) / (L - W)): the smallest
+                  group whose extended length (L - W) G + W covers N (G = 3 at 16k, 5 at 32k; G = 1,
+                  i.e. native, up to 8k). LongLM's README: neighbour windows of 512 to 1536 for Llama-2's
+                  4k (L/8 to 3L/8), "try the smallest group size first"
+  DCA             Dual Chunk Attention with ChunkLlama's defaults for L, chunk_size = 3L/4 = 6144 and
+                  local_size = L/16 = 512 (An et al.; chunks of 5632 tokens), no temperature (the paper
+                  has none; Qwen's original_max_position_embeddings adds one). The same configuration at
+                  every length: DCA is RoPE only up to 6,145 tokens, so at 8k it already differs
 
 ReRoPE window: w = 2048 = L/4, fixed before any run and never tuned on these results. w must be well
 below L so that every relative distance the model meets is one it was trained on with many query/key
@@ -73,7 +81,8 @@ from ropescale import evaluate, hf, realmodel, scaling  # noqa: E402
 warnings.filterwarnings("ignore")
 
 TRAINED = 8192  # SmolLM2-135M's training length (max_position_embeddings)
-WINDOW = TRAINED // 4  # the ReRoPE window: see the module docstring
+WINDOW = TRAINED // 4  # the ReRoPE window (and Self-Extend's neighbour window): see the module docstring
+DCA_CHUNK, DCA_LOCAL = 3 * TRAINED // 4, TRAINED // 16  # ChunkLlama's defaults for a model trained to L
 STRIDE = 256  # the YaRN paper's sliding-window stride
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +187,12 @@ class Method:
             logn = TRAINED if self.logn and length > TRAINED else 0  # log-n scaling is 1 up to L
             if self.served or (WINDOW < length and k != 1.0):
                 kwargs = {"attention": "rerope", "window": WINDOW, "leaky_k": k, "logn_length": logn}
+        if self.attention == "self_extend":
+            group = max(1, math.ceil((length - WINDOW) / (TRAINED - WINDOW)))
+            if self.served or group > 1:
+                kwargs = {"attention": "self_extend", "window": WINDOW, "group": group}
+        if self.attention == "dual_chunk":
+            kwargs = {"attention": "dual_chunk", "chunk_size": DCA_CHUNK, "local_size": DCA_LOCAL}
         if method is None and not kwargs:
             return None
         return method, kwargs
@@ -188,7 +203,7 @@ class Method:
 
     @property
     def pre_rope(self) -> bool:
-        return self.attention == "rerope" or self.frequencies == "dynamic_yarn"
+        return self.attention != "sdpa" or self.frequencies == "dynamic_yarn"
 
 
 METHODS = {
@@ -201,6 +216,8 @@ METHODS = {
     "rerope": Method("ReRoPE", attention="rerope"),
     "leaky_rerope": Method("Leaky ReRoPE", attention="rerope", leaky=True),
     "rerope_logn": Method("ReRoPE + log-n", attention="rerope", logn=True),
+    "self_extend": Method("Self-Extend", attention="self_extend"),
+    "dca": Method("DCA", attention="dual_chunk"),
 }
 
 
