@@ -20,6 +20,7 @@ from ropescale.hf import architectures  # noqa: E402
 from support.attention import reference  # noqa: E402
 from support.families import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build, stream_positions  # noqa: E402
 from support.methods import instance, registered  # noqa: E402
+from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
 LENGTH = 40
 ARCHS = {arch.name: arch for arch in architectures.ARCHITECTURES}
@@ -438,17 +439,6 @@ def _training_case(name):
     return native, hf.patch(same_weights(build(name), native), method)
 
 
-def _loss_and_grads(model, x, dtype):
-    model.zero_grad()
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        out = model(x, use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out.last_hidden_state
-        token_logprobs = logits.float().log_softmax(-1)[:, :-1].gather(-1, x[:, 1:, None] % logits.shape[-1])
-    token_logprobs.mean().neg().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return token_logprobs.detach().double().flatten(), grads.double()
-
-
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_training_under_autocast_is_as_close_to_float32_as_transformers_own_model(name, dtype):
@@ -458,17 +448,9 @@ def test_training_under_autocast_is_as_close_to_float32_as_transformers_own_mode
     native, patched = _training_case(name)
     native.train(), patched.train()
     x = ids(batch=2, length=LENGTH)
-    native_lp, native_grads = _loss_and_grads(native, x, None)
-    lp, grads = _loss_and_grads(patched, x, None)
-    torch.testing.assert_close(lp, native_lp, rtol=1e-5, atol=2e-5)  # the same model in float32
-    native_lp_ac, native_grads_ac = _loss_and_grads(native, x, dtype)
-    lp_ac, grads_ac = _loss_and_grads(patched, x, dtype)
-    assert torch.isfinite(lp_ac).all() and torch.isfinite(grads_ac).all()
-    for what, got, want, native_got, native_want in (("token logprobs", lp_ac, lp, native_lp_ac, native_lp),
-                                                     ("gradients", grads_ac, grads, native_grads_ac, native_grads)):
-        error = (got - want).norm() / want.norm()
-        native_error = (native_got - native_want).norm() / native_want.norm()
-        assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
+    step, native_step = loss_and_grads(patched, x), loss_and_grads(native, x)
+    torch.testing.assert_close(step[0], native_step[0], rtol=1e-5, atol=2e-5)  # the same model in float32
+    assert_autocast_as_close_as_native(patched, native, x, dtype, step, native_step)
 
 
 @pytest.mark.parametrize("name", sorted(name for name, arch in ARCHS.items() if arch.pre_rope))

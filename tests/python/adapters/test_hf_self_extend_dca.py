@@ -24,6 +24,7 @@ from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 
 from support.attention import reference_dual_chunk, reference_self_extend  # noqa: E402
 from support.families import VOCAB, build  # noqa: E402
+from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -496,16 +497,6 @@ def test_dual_chunk_attention_refuses_gradients():
 # Training: Self-Extend under autocast
 
 
-def _loss_and_grads(model, x, dtype):
-    model.zero_grad()
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        logits = model(x, use_cache=False).logits
-        token_logprobs = logits.float().log_softmax(-1)[:, :-1].gather(-1, x[:, 1:, None])
-    token_logprobs.mean().neg().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return token_logprobs.detach().double().flatten(), grads.double()
-
-
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
 def test_self_extend_trains_under_autocast_as_closely_as_transformers_own_model(dtype):
     """A training step of Self-Extend (ops.rerope_attention_train) under CPU autocast is as close to its float32
@@ -514,21 +505,13 @@ def test_self_extend_trains_under_autocast_as_closely_as_transformers_own_model(
     native = build("Llama").train()
     model = hf.patch(build("Llama"), **SE).train()
     x = ids(length=32, seed=9)
-    native_lp, native_grads = _loss_and_grads(native, x, None)
-    lp, grads = _loss_and_grads(model, x, None)
-    assert (lp - native_lp).abs().max() > 1e-3  # the grouped region is another model
+    step, native_step = loss_and_grads(model, x), loss_and_grads(native, x)
+    assert (step[0] - native_step[0]).abs().max() > 1e-3  # the grouped region is another model
     checker = LayerChecker(model, "self_extend", window=4, group=3)
     model(x, use_cache=False)  # gradients wanted: the training path
     checker.remove()
     assert max(checker.errors) <= 1e-5, checker.errors
-    native_lp_ac, native_grads_ac = _loss_and_grads(native, x, dtype)
-    lp_ac, grads_ac = _loss_and_grads(model, x, dtype)
-    assert torch.isfinite(lp_ac).all() and torch.isfinite(grads_ac).all()
-    for what, got, want, native_got, native_want in (("token logprobs", lp_ac, lp, native_lp_ac, native_lp),
-                                                     ("gradients", grads_ac, grads, native_grads_ac, native_grads)):
-        error = (got - want).norm() / want.norm()
-        native_error = (native_got - native_want).norm() / native_want.norm()
-        assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
+    assert_autocast_as_close_as_native(model, native, x, dtype, step, native_step)
 
 
 def test_self_extend_gradients_equal_the_float64_reference():

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama  # noqa: E402
+from support.vllm_testing import HEAD, ORIGINAL, assert_same, require_vllm, served_llama, tiny_qwen2  # noqa: E402
 
 require_vllm()
 
@@ -378,23 +378,6 @@ STOCK_TYPES = ("default", "linear", "yarn", "llama3", "longrope")  # what stock 
 REFUSED = sorted(n for n in (*STATIC, *PRE_ROPE) if patched(n).config.rope_parameters["rope_type"] not in STOCK_TYPES)
 QWEN2 = "qwen2_resonance_yarn"
 EXPORT = "export_resonance_yarn"  # `ropescale extend --method yarn --factor 4 --resonance --target vllm`
-
-
-def tiny_qwen2(seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=ORIGINAL, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them count
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.1)
-    return model
 
 
 def prompts(path):

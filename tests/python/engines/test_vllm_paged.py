@@ -26,14 +26,13 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import (HEAD, ORIGINAL, assert_same, require_vllm, served_llama,  # noqa: E402
-                                  transformers_request)
+from support.vllm_testing import (HEAD, ORIGINAL, assert_same, plugin_isolated, request_block_hasher,  # noqa: E402
+                                  require_vllm, served_llama, transformers_request)
 
 require_vllm()
 
 from transformers import AutoModelForCausalLM  # noqa: E402
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, _ATTN_OVERRIDES  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from ropescale import config as config_lib, hf, ops, scaling, serving  # noqa: E402
 from ropescale.vllm import attention, rotary  # noqa: E402
@@ -63,14 +62,8 @@ def patched(name, seed=0):
 
 @pytest.fixture(autouse=True)
 def isolated():
-    """A default engine config; vLLM's backend overrides and the plugin's recorded plan restored after."""
-    saved = dict(_ATTN_OVERRIDES)
-    attention._plan.clear()
-    with set_current_vllm_config(VllmConfig()):
+    with plugin_isolated():
         yield
-    _ATTN_OVERRIDES.clear()
-    _ATTN_OVERRIDES.update(saved)
-    attention._plan.clear()
 
 
 def model_get_rope(monkeypatch, config, vllm_config=None):
@@ -147,15 +140,9 @@ def vllm_config_of(model):
 
 def test_block_hashes_carry_the_prompts_table_for_length_dependent_methods(monkeypatch):
     from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
-    assert attention.install_block_hash_key() and attention.install_block_hash_key()  # idempotent
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    hasher = kv_cache_utils.get_request_block_hasher(16, hash_fn)
-    monkeypatch.setattr(attention, "_engine", {})
+    hasher = request_block_hasher(monkeypatch)
 
     def hashes(model, prompt):
         attention._engine.clear()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import (ORIGINAL, assert_same, require_vllm, served_llama,  # noqa: E402
-                                  transformers_request)
+from support.vllm_testing import (ORIGINAL, assert_same, request_block_hasher, require_vllm,  # noqa: E402
+                                  served_llama, transformers_request)
 
 require_vllm()
 
@@ -63,15 +63,9 @@ def test_builders_read_each_requests_planned_length_from_the_v1_runner():
 
 def test_block_hashes_carry_the_requests_scale(monkeypatch):
     from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
-    assert attention.install_block_hash_key()
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    hasher = kv_cache_utils.get_request_block_hasher(16, hash_fn)
-    monkeypatch.setattr(attention, "_engine", {})
+    hasher = request_block_hasher(monkeypatch)
     model = hf.patch(served_llama(), METHOD)
     attention._engine["config"] = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import (HEAD, ORIGINAL, assert_same, require_vllm, served_llama,  # noqa: E402
-                                  transformers_request)
+from support.vllm_testing import (HEAD, ORIGINAL, assert_same, plugin_isolated, request_block_hasher,  # noqa: E402
+                                  require_vllm, served_llama, tiny_qwen2, transformers_request)
 
 require_vllm()
 
@@ -36,7 +36,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.forward_context import create_forward_context, override_forward_context  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
@@ -60,35 +59,17 @@ def patched(name, seed=0):
 
 
 def tiny_qwen2_dca(seed=0):
-    """A tiny Qwen2 (head dim 64) whose config carries Qwen's dual_chunk_attention_config and no ropescale entry:
-    what Qwen2.5-1M's checkpoints look like."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=ORIGINAL, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        dual_chunk_attention_config=dict(QWEN_DCA))
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them count
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.1)
+    """A tiny Qwen2 whose config carries Qwen's dual_chunk_attention_config and no ropescale entry: what
+    Qwen2.5-1M's checkpoints look like."""
+    model = tiny_qwen2(seed, dual_chunk_attention_config=dict(QWEN_DCA))
     assert not hasattr(model.config, config_lib.CONFIG_KEY)
     return model
 
 
 @pytest.fixture(autouse=True)
 def isolated():
-    """A default engine config; vLLM's backend overrides and the plugin's recorded plan restored after."""
-    saved = dict(_ATTN_OVERRIDES)
-    attention._plan.clear()
-    with set_current_vllm_config(VllmConfig()):
+    with plugin_isolated():
         yield
-    _ATTN_OVERRIDES.clear()
-    _ATTN_OVERRIDES.update(saved)
-    attention._plan.clear()
     attention._prompt_lens.update(runner=None, tensor=None)
 
 
@@ -168,15 +149,9 @@ def test_the_temperature_is_hf_patchs_per_row_rule():
 
 def test_block_hashes_carry_the_prompts_temperature(monkeypatch):
     from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
-    assert attention.install_block_hash_key()
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    hasher = kv_cache_utils.get_request_block_hasher(16, hash_fn)
-    monkeypatch.setattr(attention, "_engine", {})
+    hasher = request_block_hasher(monkeypatch)
 
     def hashes(config, prompt, max_model_len=SERVED):
         attention._engine.clear()

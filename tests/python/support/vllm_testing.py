@@ -1,6 +1,7 @@
 """What the vLLM test files share: the leg's import rule, the tiny Llama they serve, and the comparison of an
 engine's outputs with transformers + ropescale's (the engine runner: support/vllm_engine.py)."""
 
+import contextlib
 import os
 
 import pytest
@@ -67,3 +68,56 @@ def transformers_request(model, prompt: list[int], new_tokens: int) -> dict:
     return {"tokens": tokens.tolist(),
             "prompt_logprobs": [None] + logprobs[:-1].gather(-1, x[0, 1:, None])[:, 0].tolist(),
             "logprobs": [step[0].double().log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens)]}
+
+
+def tiny_qwen2(seed=0, **config_fields):
+    """A tiny Qwen2 shaped as :func:`served_llama` (head dim HEAD), its q/k/v biases drawn (Qwen2's start at zero:
+    made to count), with ``config_fields`` added to its config (e.g. Qwen's dual_chunk_attention_config)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=ORIGINAL, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, **config_fields)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    return model
+
+
+@contextlib.contextmanager
+def plugin_isolated():
+    """A default engine config for the no-engine tests; vLLM's backend overrides and the plugin's recorded plan
+    restored after."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    from ropescale.vllm import attention
+
+    saved = dict(_ATTN_OVERRIDES)
+    attention._plan.clear()
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            yield
+    finally:
+        _ATTN_OVERRIDES.clear()
+        _ATTN_OVERRIDES.update(saved)
+        attention._plan.clear()
+
+
+def request_block_hasher(monkeypatch):
+    """vLLM's block hasher of 16-token blocks with the plugin's hash key installed (twice: idempotent), the engine
+    state it reads cleared for the test."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from ropescale.vllm import attention
+
+    assert attention.install_block_hash_key() and attention.install_block_hash_key()
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    monkeypatch.setattr(attention, "_engine", {})
+    return kv_cache_utils.get_request_block_hasher(16, hash_fn)
