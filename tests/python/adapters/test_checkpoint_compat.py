@@ -112,7 +112,9 @@ def check_logits(model, expected: dict, want: torch.Tensor) -> float:
 
 # Fields methods gained after a77b43e, at the default that keeps the old behaviour: an old checkpoint reads as
 # the method it was, plus these (issue 29: the dynamic methods' ``per``, "step" being the only rule they had).
-ADDED_AT_DEFAULT = (", per='step'",)
+ADDED_AT_DEFAULT = (", per='step'",
+                    # Self-Extend's and Dual Chunk Attention's fields (issue 31)
+                    ", group=None, chunk_size=None, local_size=None, temperature_length=0")
 
 
 def as_read_then(parsed) -> str:
