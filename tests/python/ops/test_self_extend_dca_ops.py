@@ -355,11 +355,16 @@ def test_paged_float32_matches_reference(method, block_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("method", [SE(40, group=4), DCA(24, 5)], ids=str)
 def test_paged_low_precision_within_sdpa_error(method, dtype):
-    requests = [(1, 300), (70, 201), (3, 131), (130, 130)]
+    check_paged_low_precision(method, dtype, [(1, 300), (70, 201), (3, 131), (130, 130)], "cpu")
+
+
+def check_paged_low_precision(method, dtype, requests, device):
+    """The paged op on ``device`` in ``dtype`` within twice SDPA's error over the requests' problems."""
     inputs, dense = make_paged(requests, 8, 2, 64, 16, dtype, seed=5)
     inv_freq = inv_freq_of(64)
-    out, lse = ops.rerope_attention_paged(*inputs, inv_freq, method.window, **method.kw)
-    assert out.dtype == dtype
+    out, lse = ops.rerope_attention_paged(*(t.to(device) for t in (*inputs, inv_freq)), method.window, **method.kw)
+    assert out.dtype == dtype and out.device.type == device
+    out, lse = out.cpu(), lse.cpu()
     ref_out, ref_lse = paged_reference(method, inputs[0], dense, requests, inv_freq)
     errors, start = [], 0
     for q_len, seq in requests:  # SDPA's error over the requests' problems
@@ -658,3 +663,62 @@ def test_good_parameters_are_taken_by_every_check(method):
     with FakeTensorMode() as mode:
         fake = tuple(mode.from_tensor(t) for t in (BQ, BK, BV, BPOS, BPOS, BF))
         torch.ops.ropescale.rerope_attention(*fake, method.window, **method.kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run where a GPU exists): the same grids through the CUDA kernels (SIMT in float32, tensor cores in
+# fp16/bf16 at head dims 64-128), inputs and references made on the CPU as above.
+
+
+def on_cuda(*tensors):
+    return tuple(t.cuda() for t in tensors)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method,shape", GRID, ids=[f"{m}-{s}" for m, s in GRID])
+def test_cuda_float32_matches_reference(method, shape):
+    index = GRID.index((method, shape))
+    q_len, k_len = SHAPES[shape]
+    group, kv_heads = GQA[index % 3]
+    dim = (16, 64, 128)[index % 3]
+    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, pad=index % 3 * 7, seed=index)
+    inv_freq = inv_freq_of(dim)
+    out, lse = ops.rerope_attention(*on_cuda(q, k, v, qp, kp, inv_freq), method.window, **method.kw)
+    assert out.is_cuda and lse.is_cuda
+    assert_close_to(out.cpu(), lse.cpu(), *method.reference(q, k, v, qp, kp, inv_freq), tol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}" for c in LOW_PRECISION_CASES])
+def test_cuda_low_precision_within_sdpa_error(case, dtype):
+    method, batch, q_heads, kv_heads, q_len, k_len, dim, pad, layout, interleaved, rotary_dim, logn = case
+    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
+                                  seed=LOW_PRECISION_CASES.index(case))
+    inv_freq = inv_freq_of(rotary_dim or dim)
+    gq, gk, gv, gqp, gkp, gf = on_cuda(q, k, v, qp, kp, inv_freq)
+    out, lse = ops.rerope_attention(as_layout(gq, layout if layout != "cache" else "contiguous"),
+                                    as_layout(gk, layout), as_layout(gv, layout), gqp, gkp, gf, method.window,
+                                    logn_length=logn, interleaved=interleaved, **method.kw)
+    ref_out, ref_lse = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
+    assert_within_sdpa_error(out.cpu(), lse.cpu(), ref_out, ref_lse,
+                             sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize("method", PAGED_METHODS, ids=str)
+def test_cuda_paged_float32_matches_reference(method, dim):
+    index = PAGED_METHODS.index(method)
+    inputs, dense = make_paged(REQUESTS, 4, 2, dim, 16, seed=index)
+    inv_freq = inv_freq_of(dim)
+    out, lse = ops.rerope_attention_paged(*on_cuda(*inputs, inv_freq), method.window, **method.kw)
+    assert_close_to(out.cpu(), lse.cpu(), *paged_reference(method, inputs[0], dense, REQUESTS, inv_freq), tol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("method", [SE(40, group=4), DCA(24, 5), DCA(200, 30)], ids=str)
+def test_cuda_paged_low_precision_within_sdpa_error(method, dtype):
+    """Prefill rows through the tensor-core paged kernel, decode rows through the SIMT one."""
+    check_paged_low_precision(method, dtype, [(1, 300), (70, 201), (3, 131), (130, 130), (257, 400)], "cuda")
