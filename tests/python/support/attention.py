@@ -226,7 +226,7 @@ def as_layout(t, layout, spare=9):
     if layout == "blhd":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     if layout == "cache":
-        buffer = torch.zeros(*t.shape[:2], t.shape[2] + spare, t.shape[3], dtype=t.dtype)
+        buffer = torch.zeros(*t.shape[:2], t.shape[2] + spare, t.shape[3], dtype=t.dtype, device=t.device)
         buffer[:, :, 3 : 3 + t.shape[2]] = t
         return buffer[:, :, 3 : 3 + t.shape[2]]
     return t
