@@ -106,22 +106,27 @@ def paths():
 GRID = [(m, s) for m in METHODS for s in SHAPES]
 
 
-@pytest.mark.parametrize("method,shape", GRID, ids=[f"{m}-{s}" for m, s in GRID])
-def test_float32_matches_reference(method, shape):
+def grid_case(method, shape, dims):
+    """The float32 grid's case (method, shape), its head dim one of ``dims``: (q, k, v, qp, kp, inv_freq) and
+    the op's keyword arguments (log-n, causal)."""
     index = GRID.index((method, shape))
     q_len, k_len = SHAPES[shape]
     group, kv_heads = GQA[index % 3]
-    dim = (16, 10, 32)[index % 3]
+    dim = dims[index % 3]
     offset = (0, 0, 0, 10**6)[index % 4]  # long positions: 10^6 past the start
     causal = bool(method.chunk_size) or index % 5 != 2  # Self-Extend also without the causal mask
     logn_length = 50 if index % 4 == 1 else 0
     q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, pad=index % 3 * 7, seed=index,
                                   offset=offset)
-    inv_freq = inv_freq_of(dim)
-    ref = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn_length, causal=causal)
+    return (q, k, v, qp, kp, inv_freq_of(dim)), dict(logn_length=logn_length, causal=causal)
+
+
+@pytest.mark.parametrize("method,shape", GRID, ids=[f"{m}-{s}" for m, s in GRID])
+def test_float32_matches_reference(method, shape):
+    inputs, kw = grid_case(method, shape, (16, 10, 32))
+    ref = method.reference(*inputs, **kw)
     for name, path in paths().items():
-        out, lse = path(q, k, v, qp, kp, inv_freq, method.window, logn_length=logn_length, causal=causal,
-                        **method.kw)
+        out, lse = path(*inputs, method.window, **kw, **method.kw)
         assert out.dtype == torch.float32 and lse.dtype == torch.float32, name
         assert_close_to(out, lse, *ref)
 
@@ -297,16 +302,22 @@ LOW_PRECISION_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}" for c in LOW_PRECISION_CASES])
 def test_low_precision_within_sdpa_error(case, dtype):
+    check_low_precision(case, dtype, "cpu")
+
+
+def check_low_precision(case, dtype, device):
+    """The dense op on ``device`` in ``dtype`` within twice SDPA's error, inputs and references on the CPU."""
     method, batch, q_heads, kv_heads, q_len, k_len, dim, pad, layout, interleaved, rotary_dim, logn = case
     q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
                                   seed=LOW_PRECISION_CASES.index(case))
     inv_freq = inv_freq_of(rotary_dim or dim)
-    out, lse = ops.rerope_attention(as_layout(q, layout if layout != "cache" else "contiguous"), as_layout(k, layout),
-                                    as_layout(v, layout), qp, kp, inv_freq, method.window, logn_length=logn,
-                                    interleaved=interleaved, **method.kw)
-    assert out.dtype == dtype and out.is_contiguous()
+    dq, dk, dv, dqp, dkp, df = (t.to(device) for t in (q, k, v, qp, kp, inv_freq))
+    out, lse = ops.rerope_attention(as_layout(dq, layout if layout != "cache" else "contiguous"),
+                                    as_layout(dk, layout), as_layout(dv, layout), dqp, dkp, df, method.window,
+                                    logn_length=logn, interleaved=interleaved, **method.kw)
+    assert out.dtype == dtype and out.is_contiguous() and out.device.type == device
     ref_out, ref_lse = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
-    assert_within_sdpa_error(out, lse, ref_out, ref_lse,
+    assert_within_sdpa_error(out.cpu(), lse.cpu(), ref_out, ref_lse,
                              sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved))
 
 
@@ -677,32 +688,17 @@ def on_cuda(*tensors):
 @pytest.mark.cuda
 @pytest.mark.parametrize("method,shape", GRID, ids=[f"{m}-{s}" for m, s in GRID])
 def test_cuda_float32_matches_reference(method, shape):
-    index = GRID.index((method, shape))
-    q_len, k_len = SHAPES[shape]
-    group, kv_heads = GQA[index % 3]
-    dim = (16, 64, 128)[index % 3]
-    q, k, v, qp, kp = make_inputs(2, group * kv_heads, kv_heads, q_len, k_len, dim, pad=index % 3 * 7, seed=index)
-    inv_freq = inv_freq_of(dim)
-    out, lse = ops.rerope_attention(*on_cuda(q, k, v, qp, kp, inv_freq), method.window, **method.kw)
+    inputs, kw = grid_case(method, shape, (16, 64, 128))
+    out, lse = ops.rerope_attention(*on_cuda(*inputs), method.window, **kw, **method.kw)
     assert out.is_cuda and lse.is_cuda
-    assert_close_to(out.cpu(), lse.cpu(), *method.reference(q, k, v, qp, kp, inv_freq), tol=2e-5)
+    assert_close_to(out.cpu(), lse.cpu(), *method.reference(*inputs, **kw), tol=2e-5)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}" for c in LOW_PRECISION_CASES])
 def test_cuda_low_precision_within_sdpa_error(case, dtype):
-    method, batch, q_heads, kv_heads, q_len, k_len, dim, pad, layout, interleaved, rotary_dim, logn = case
-    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
-                                  seed=LOW_PRECISION_CASES.index(case))
-    inv_freq = inv_freq_of(rotary_dim or dim)
-    gq, gk, gv, gqp, gkp, gf = on_cuda(q, k, v, qp, kp, inv_freq)
-    out, lse = ops.rerope_attention(as_layout(gq, layout if layout != "cache" else "contiguous"),
-                                    as_layout(gk, layout), as_layout(gv, layout), gqp, gkp, gf, method.window,
-                                    logn_length=logn, interleaved=interleaved, **method.kw)
-    ref_out, ref_lse = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
-    assert_within_sdpa_error(out.cpu(), lse.cpu(), ref_out, ref_lse,
-                             sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved))
+    check_low_precision(case, dtype, "cuda")
 
 
 @pytest.mark.cuda
