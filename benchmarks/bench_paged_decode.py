@@ -9,14 +9,21 @@ page, pages in shuffled order), GQA (``--q-heads`` over ``--kv-heads``), float32
 
   rerope        ReRoPE with window ``--window`` (one static table): the window's keys rotated, the others
                 read as stored;
+  leaky_rerope  Leaky ReRoPE, window ``--window``, k = (length - w) / (8192 - w): far keys rotated at j / k;
+  self_extend   Self-Extend, neighbour window ``--window``, group G = ceil((length - w) / (8192 - w)) (as
+                benchmarks/real_model.py): far keys rotated at floor(j / G);
+  dual_chunk    Dual Chunk Attention, chunk_size 6144, local_size 512 (ChunkLlama's defaults for 8k): every
+                key rotated at j mod 6144;
   dynamic_yarn  Dynamic-YaRN s=2 over an 8k original length: each request's own table, every key rotated;
   sdpa          what a user would pick without ropescale: ``scaled_dot_product_attention`` over contiguous,
                 already-rotated keys and values ([R, H, L, D], ``enable_gqa``), no paging, no ReRoPE rule.
 
-Each row is the mean of ``--calls`` calls after 3 warm-up calls, with the same inputs every call (as the
-30 layers of one engine step: same positions and tables, so the op's remembered key cos/sin hit after the
-first call). "x sdpa" is the row's time over SDPA's (1.0: as fast). Timings on a shared CPU are noisy:
-compare ratios within one run.
+Each row is the mean of ``--calls`` calls after 3 warm-up calls. As in an engine step, call i reads layer
+i mod ``--layers``'s own cache (random keys and values; 30 layers: SmolLM2's) with the same positions and
+tables every call (so the op's remembered key cos/sin hit after the first call): the caches together are
+far larger than the CPU's last-level cache, so each call reads its layer from memory as a served model
+does (``--layers 1`` times a cache that stays in cache). "x sdpa" is the row's time over SDPA's (1.0: as
+fast). Timings on a shared CPU are noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -40,24 +47,27 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
     parser.add_argument("--block-size", type=int, default=128, help="slots per page (default 128: vLLM CPU)")
     parser.add_argument("--window", type=int, default=2048, help="ReRoPE window (default 2048)")
-    parser.add_argument("--calls", type=int, default=30, help="timed calls per row (default 30)")
+    parser.add_argument("--calls", type=int, default=60, help="timed calls per row (default 60)")
+    parser.add_argument("--layers", type=int, default=30,
+                        help="layers' caches the calls cycle through (default 30; 1: one cache, warm in cache)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     if len(args.requests) != len(args.length):
         parser.error("--requests and --length take the same number of values")
-    if min(args.requests + args.length) <= 0 or args.window <= 0 or args.calls <= 0:
-        parser.error("--requests, --length, --window and --calls must be > 0")
+    if min(args.requests + args.length) <= 0 or min(args.window, args.calls, args.layers) <= 0:
+        parser.error("--requests, --length, --window, --calls and --layers must be > 0")
     if args.q_heads % args.kv_heads:
         parser.error("--q-heads must be a multiple of --kv-heads")
     return args
 
 
-def timed(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
+def timed(fn, calls: int, layers: int) -> float:
+    """Mean seconds of fn(layer) over ``calls`` calls, call i on layer i mod ``layers``, after 3 warm-up calls."""
+    for i in range(3):
+        fn(i % layers)
     start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    for i in range(calls):
+        fn(i % layers)
     return (time.perf_counter() - start) / calls
 
 
@@ -66,8 +76,8 @@ def case_rows(requests: int, length: int, args) -> dict[str, float]:
     hq, hkv, dim, block = args.q_heads, args.kv_heads, args.head_dim, args.block_size
     pages = -(-length // block)
     num_blocks = requests * pages + 1
-    key_cache = torch.randn(num_blocks, hkv, block, dim, generator=g)
-    value_cache = torch.randn(num_blocks, hkv, block, dim, generator=g)
+    caches = [(torch.randn(num_blocks, hkv, block, dim, generator=g), torch.randn(num_blocks, hkv, block, dim, generator=g))
+              for _ in range(args.layers)]
     block_table = (torch.randperm(num_blocks - 1, generator=g)[: requests * pages] + 1).int().view(requests, pages)
     seq_lens = torch.full((requests,), length, dtype=torch.int32)
     starts = torch.arange(requests + 1, dtype=torch.int32)
@@ -77,20 +87,32 @@ def case_rows(requests: int, length: int, args) -> dict[str, float]:
     tables = torch.stack([dynamic.inv_freq(dim, 1e5, seq_len=length)] * requests).float()
     factors = torch.full((requests,), float(dynamic.attention_factor_for(length)) ** 2)
     no_window = 2**31 - 1
+    trained = 8192
+    leaky_k = max(1.0, (length - args.window) / (trained - args.window))
+    group = max(1, -(-(length - args.window) // (trained - args.window)))
     # SDPA's operands: the same keys and values, contiguous per request and head.
     rows = block_table.long()
-    dense_k = key_cache[rows].permute(0, 2, 1, 3, 4).reshape(requests, hkv, pages * block, dim)[:, :, :length]
-    dense_v = value_cache[rows].permute(0, 2, 1, 3, 4).reshape(requests, hkv, pages * block, dim)[:, :, :length]
-    dense_k, dense_v, q4 = dense_k.contiguous(), dense_v.contiguous(), q[:, :, None]
-    return {
-        "rerope": timed(lambda: ops.rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, starts,
-                                                           static, args.window), args.calls),
-        "dynamic_yarn": timed(lambda: ops.rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens,
-                                                                 starts, tables, no_window, scale_factors=factors),
-                              args.calls),
-        "sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q4, dense_k, dense_v, enable_gqa=True),
-                      args.calls),
+
+    def dense(cache):
+        return cache[rows].permute(0, 2, 1, 3, 4).reshape(requests, hkv, pages * block, dim)[:, :, :length].contiguous()
+
+    dense_caches = [(dense(k), dense(v)) for k, v in caches]
+    q4 = q[:, :, None]
+
+    def paged(table, window, **kw):
+        return lambda layer: ops.rerope_attention_paged(q, *caches[layer], block_table, seq_lens, starts, table, window,
+                                                        **kw)
+
+    calls = {
+        "rerope": paged(static, args.window),
+        "leaky_rerope": paged(static, args.window, leaky_k=leaky_k),
+        "self_extend": paged(static, args.window, group=group),
+        "dual_chunk": paged(static, 512, chunk_size=6144),
+        "dynamic_yarn": paged(tables, no_window, scale_factors=factors),
+        "sdpa": lambda layer: torch.nn.functional.scaled_dot_product_attention(q4, *dense_caches[layer],
+                                                                               enable_gqa=True),
     }
+    return {name: timed(fn, args.calls, args.layers) for name, fn in calls.items()}
 
 
 def main(argv=None) -> int:
@@ -98,7 +120,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads; Hq {args.q_heads}, Hkv {args.kv_heads}, D {args.head_dim}, "
-          f"block {args.block_size}, float32, one query per request")
+          f"block {args.block_size}, float32, one query per request, {args.layers} layers' caches")
     print(f"{'requests x length':>18} {'row':>13} {'ms/call':>9} {'x sdpa':>7}")
     for requests, length in zip(args.requests, args.length):
         rows = case_rows(requests, length, args)

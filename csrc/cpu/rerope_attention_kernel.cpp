@@ -20,9 +20,11 @@
 // * decode (a few query rows against a long cache): bound by reading the cache. The q heads of a
 //   GQA group share one pass over their kv head, so every key and value is read once; the keys are
 //   split into chunks over the threads and the chunks' partial softmax states merged by their lse
-//   (flash-decoding); keys are read where they lie and only the window's (near and band tiles) are
-//   rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE, Self-Extend and Dual
-//   Chunk also rotate far keys).
+//   (flash-decoding); a chunk walks every kv head of a block before the next block, so a key's cos/sin
+//   row is read once for all heads, and asks for its next tile while reading this one (the cache's
+//   pages defeat the hardware prefetcher); keys are read where they lie and only the window's (near
+//   and band tiles) are rotated, with cos/sin computed once per key for all heads (Leaky ReRoPE,
+//   Self-Extend and Dual Chunk also rotate far keys).
 //
 // Non-finite inputs (DESIGN.md, the shared rule of every path): a MASKED pair (causal, padding)
 // never contributes, whatever q/k/v hold; a row with no visible key (decided from the positions,
@@ -1213,115 +1215,166 @@ DecodeTiles classify_decode_tiles(const AttentionShape& s, const std::vector<Pro
   return result;
 }
 
-// The units of work, (problem, kv head, chunk of key blocks): about four per thread in all. Each keeps
-// the partial softmax state of its problem's rows that share the kv head (row r: head r / q_len of the
-// group, query r % q_len; max_rows per unit): running max, sum and unnormalised output.
+// The units of work, (problem, span of kv heads, chunk of key blocks): about eight per thread in all,
+// taken by the threads in turn (a static split left a thread idle for up to a unit's time). A unit walks
+// its chunk block by block and, in each block, every kv head of its span: the block's key cos/sin rows
+// are read once for all of them (from memory once, then from cache), and the heads' pages of a block lie
+// together. A span is every kv head unless the keys are too few to make enough units by chunks alone.
+// Each unit keeps the partial softmax state of its rows (row r of kv head h0 + t: unit row
+// t * group * q_len + r; r: head r / q_len of the kv head's group, query r % q_len): running max, sum and
+// unnormalised output.
 struct DecodeUnits {
-  int64_t chunk_blocks = 0, max_rows = 0;
-  std::vector<int64_t> unit_begin, chunks_of;       // per problem: its first unit; its chunks per kv head
+  int64_t chunk_blocks = 0, heads_per_unit = 0, max_rows = 0;
+  std::vector<int64_t> unit_begin, chunks_of;       // per problem: its first unit; its chunks per head span
   std::vector<float> part_acc, part_max, part_sum;  // [units, max_rows, D], [units, max_rows] x 2
+  // The unit holding (problem p, kv head hkv, chunk c); the kv head's rows start at unit row
+  // (hkv % heads_per_unit) * group * q_len.
+  int64_t unit_of(int64_t p, int64_t hkv, int64_t c) const {
+    return unit_begin[p] + (hkv / heads_per_unit) * chunks_of[p] + c;
+  }
 };
 
 DecodeUnits decode_units(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off) {
   const int64_t Hkv = s.kv_heads, D = s.head_dim, group = s.q_heads / Hkv;
   const int64_t n_problems = static_cast<int64_t>(problems.size()), total_kb = off.k_blocks.back();
+  const int64_t wanted = std::max<int64_t>(8 * at::get_num_threads(), 1);
+  // Head spans only when the chunks alone cannot make `wanted` units; then chunks sized to fill them.
+  const int64_t spans = std::clamp<int64_t>((wanted + total_kb - 1) / total_kb, 1, Hkv);
+  const int64_t heads_per_unit = (Hkv + spans - 1) / spans, head_spans = (Hkv + heads_per_unit - 1) / heads_per_unit;
+  const int64_t chunk_blocks = std::max<int64_t>(1, (total_kb * head_spans + wanted - 1) / wanted);
   int64_t max_rows = 0;
-  for (const Problem& pr : problems) max_rows = std::max(max_rows, group * pr.q_len);
-  const int64_t wanted = std::max<int64_t>(4 * at::get_num_threads(), 1);
-  const int64_t chunk_blocks = std::max<int64_t>(1, (total_kb * Hkv + wanted - 1) / wanted);
+  for (const Problem& pr : problems) max_rows = std::max(max_rows, heads_per_unit * group * pr.q_len);
   std::vector<int64_t> unit_begin{0}, chunks_of(n_problems);
   for (int64_t p = 0; p < n_problems; ++p) {
     chunks_of[p] = (problems[p].k_blocks() + chunk_blocks - 1) / chunk_blocks;
-    unit_begin.push_back(unit_begin.back() + Hkv * chunks_of[p]);
+    unit_begin.push_back(unit_begin.back() + head_spans * chunks_of[p]);
   }
   const int64_t units = unit_begin.back();
   std::vector<float> part_acc(units * max_rows * D), part_max(units * max_rows), part_sum(units * max_rows);
-  return DecodeUnits{chunk_blocks, max_rows, std::move(unit_begin), std::move(chunks_of), std::move(part_acc),
-                     std::move(part_max), std::move(part_sum)};
+  return DecodeUnits{chunk_blocks, heads_per_unit, max_rows, std::move(unit_begin), std::move(chunks_of),
+                     std::move(part_acc), std::move(part_max), std::move(part_sum)};
 }
 
-// Every unit's attention over its chunk: its rows' operands for both sides (rotated, rounded), then per
-// tile the keys read where they lie (rotated only where a side needs it), the scores, the band's
-// selection and the mask, the online softmax and P.V into the unit's partial state.
+// Asks for a row's cache lines (into L2) ahead of its use. The hardware prefetcher stops at every 4 KiB
+// page and at every jump between cache pages, so a unit asks for its next tile while reading this one
+// (benchmarks/bench_paged_decode.py --layers 30: see the decode plan's notes in RESULTS.md).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t bytes) {
+  const char* first = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + b, /*rw=*/0, /*locality=*/2);
+}
+
+// Every unit's attention over its chunk: per block and kv head of its span, the keys read where they lie
+// (rotated only where a side needs it), the scores, the band's selection and the mask, the online softmax
+// and P.V into the unit's partial state. The rows' operands for both sides (rotated and rounded to
+// scalar_t as in the prefill plan) are made once per unit from the call's query cos/sin.
 template <typename scalar_t, typename Layout>
 void attend_decode_units(const AttentionShape& s, const std::vector<Problem>& problems, const ProblemOffsets& off,
-                         const DecodeTiles& tile_classes, const std::shared_ptr<const KeyRotations>& near_rot,
+                         const DecodeTiles& tile_classes, const QueryRotations& qr,
+                         const std::shared_ptr<const KeyRotations>& near_rot,
                          const std::shared_ptr<const KeyRotations>& far_rot, const Layout& layout, DecodeUnits& u) {
   const int64_t Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim, P = s.rotary_pairs, group = Hq / Hkv;
-  const bool far_rotated = s.rule.far_key_rotated();
+  const bool far_rotated = s.rule.far_key_rotated(), far_per_row = s.rule.far_query_varies();
   const std::vector<TileClass>& tiles = tile_classes.tiles;
-  const int64_t chunk_blocks = u.chunk_blocks, max_rows = u.max_rows, units = u.unit_begin.back();
-  const std::vector<int64_t>& unit_begin = u.unit_begin;
-  const std::vector<int64_t>& chunks_of = u.chunks_of;
-  std::vector<float>& part_acc = u.part_acc;
-  std::vector<float>& part_max = u.part_max;
-  std::vector<float>& part_sum = u.part_sum;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(D), cs(2 * P), q_near(max_rows * D), q_far(max_rows * D);
+  const int64_t units = u.unit_begin.back(), row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(D), q_near(u.max_rows * D), q_far(u.max_rows * D);
     std::vector<float> near_keys(kBlockK * D), far_keys(kBlockK * D);
-    std::vector<float> scores(max_rows * kBlockK), far_scores(max_rows * kBlockK);
-    std::vector<int64_t> row_pos(max_rows);
-    std::vector<float> row_factor(max_rows);
-    std::vector<const scalar_t*> key_rows(kBlockK), value_rows(kBlockK);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t p = std::upper_bound(unit_begin.begin(), unit_begin.end(), unit) - unit_begin.begin() - 1;
+    std::vector<float> scores(u.max_rows * kBlockK), far_scores(u.max_rows * kBlockK);
+    std::vector<int64_t> row_pos(u.max_rows);
+    std::vector<float> row_factor(u.max_rows);
+    std::vector<const scalar_t*> key_rows(kBlockK), value_rows(kBlockK), next_keys(kBlockK), next_values(kBlockK);
+    for (int64_t unit; (unit = next_unit.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t p = std::upper_bound(u.unit_begin.begin(), u.unit_begin.end(), unit) - u.unit_begin.begin() - 1;
       const Problem& pr = problems[p];
-      const int64_t local = unit - unit_begin[p], chunk = local % chunks_of[p], hkv = local / chunks_of[p];
-      const int64_t Lq = pr.q_len, rows = group * Lq;
-      // The rows' operands for both sides, rotated and rounded to scalar_t as in the prefill plan.
+      const int64_t local = unit - u.unit_begin[p], chunk = local % u.chunks_of[p];
+      const int64_t h0 = (local / u.chunks_of[p]) * u.heads_per_unit, h1 = std::min(Hkv, h0 + u.heads_per_unit);
+      const int64_t Lq = pr.q_len, head_rows = group * Lq, rows = (h1 - h0) * head_rows;
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = hkv * group + r / Lq, i = r % Lq, pos = pr.q_pos[i];
-        row_pos[r] = pos;
-        row_factor[r] = pr.scale * rerope_logn_scale(pos, s.logn_length, s.inv_log_train);
+        const int64_t h = h0 * group + r / Lq, i = r % Lq, row = off.rows[p] + i;
+        const float* near_cs = &qr.near_cs[2 * row * P];
+        const float* far_cs = &qr.far_cs[2 * (far_per_row ? row : p) * P];
+        row_pos[r] = pr.q_pos[i];
+        row_factor[r] = qr.row_factor[row];
         load_row(layout.q_row(pr.index, h, i), D, scratch.data());
-        rotary_cos_sin_cpu(static_cast<double>(pos), pr.inv_freq, P, cs.data(), cs.data() + P);
-        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_near[r * D]);
-        rotary_cos_sin_cpu(s.rule.far_query_position(pos), pr.inv_freq, P, cs.data(),
-                           cs.data() + P);
-        rotate_row(scratch.data(), cs.data(), cs.data() + P, P, D, s.interleaved, &q_far[r * D]);
+        rotate_row(scratch.data(), near_cs, near_cs + P, P, D, s.interleaved, &q_near[r * D]);
+        rotate_row(scratch.data(), far_cs, far_cs + P, P, D, s.interleaved, &q_far[r * D]);
       }
       round_rows<scalar_t>(q_near.data(), rows * D);
       round_rows<scalar_t>(q_far.data(), rows * D);
-      float* acc = &part_acc[unit * max_rows * D];
-      float* row_max = &part_max[unit * max_rows];
-      float* row_sum = &part_sum[unit * max_rows];
-      std::fill(row_max, row_max + rows, kNegInf);
-      std::fill(row_sum, row_sum + rows, 0.0f);
-      std::fill(acc, acc + rows * D, 0.0f);
+      float* unit_acc = &u.part_acc[unit * u.max_rows * D];
+      float* unit_max = &u.part_max[unit * u.max_rows];
+      float* unit_sum = &u.part_sum[unit * u.max_rows];
+      std::fill(unit_max, unit_max + rows, kNegInf);
+      std::fill(unit_sum, unit_sum + rows, 0.0f);
+      std::fill(unit_acc, unit_acc + rows * D, 0.0f);
 
-      for (int64_t kb = chunk * chunk_blocks; kb < std::min(pr.k_blocks(), (chunk + 1) * chunk_blocks); ++kb) {
+      const int64_t kb_end = std::min(pr.k_blocks(), (chunk + 1) * u.chunk_blocks);
+      for (int64_t kb = chunk * u.chunk_blocks; kb < kb_end; ++kb) {
         const int64_t block = off.k_blocks[p] + kb;
         const TileClass tc = tiles[block];
         if (tc.kind == TileKind::kSkip) continue;
         const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, pr.k_len - j0);
         const bool band = tc.kind == TileKind::kBand;
         const int64_t* key_pos = pr.k_pos + j0;
-        layout.tile_rows(pr.index, hkv, j0, cols, key_rows.data(), value_rows.data());
-        auto key_at = [&](int64_t c) { return key_rows[c]; };
-        auto value_at = [&](int64_t c) { return value_rows[c]; };
-        if (tc.kind != TileKind::kFar) {
-          load_key_rows<scalar_t>(key_at, cols, D, near_rot->rows(block), P, s.interleaved, scratch.data(),
-                                  near_keys.data());
-          row_scores(q_near.data(), rows, D, [&](int64_t c) { return &near_keys[c * D]; }, cols, scores.data(),
-                     kBlockK);
-        }
-        if (tc.kind != TileKind::kNear) {
-          float* far_dst = band ? far_scores.data() : scores.data();
-          if (!far_rotated) {  // ReRoPE's far keys are the stored keys: read in place
-            row_scores(q_far.data(), rows, D, key_at, cols, far_dst, kBlockK);
-          } else {
-            load_key_rows<scalar_t>(key_at, cols, D, far_rot->rows(block), P, s.interleaved, scratch.data(),
-                                    far_keys.data());
-            row_scores(q_far.data(), rows, D, [&](int64_t c) { return &far_keys[c * D]; }, cols, far_dst, kBlockK);
+        for (int64_t hkv = h0; hkv < h1; ++hkv) {
+          const int64_t t = (hkv - h0) * head_rows;  // the kv head's first unit row
+          float *acc = unit_acc + t * D, *row_max = unit_max + t, *row_sum = unit_sum + t;
+          layout.tile_rows(pr.index, hkv, j0, cols, key_rows.data(), value_rows.data());
+          // The unit's next tile (the next kv head's, else the next block's first head's, with the next
+          // block's key cos/sin rows): the first read of row c of this tile asks for its row c (keys_ahead
+          // is cleared after that read).
+          int64_t ahead = 0;
+          const float* next_cs[2] = {nullptr, nullptr};
+          if (hkv + 1 < h1) {
+            ahead = cols;
+            layout.tile_rows(pr.index, hkv + 1, j0, ahead, next_keys.data(), next_values.data());
+          } else if (kb + 1 < kb_end) {
+            ahead = std::min(kBlockK, pr.k_len - j0 - kBlockK);
+            layout.tile_rows(pr.index, h0, j0 + kBlockK, ahead, next_keys.data(), next_values.data());
+            next_cs[0] = near_rot->rows(block + 1);
+            next_cs[1] = far_rot->rows(block + 1);
           }
+          int64_t keys_ahead = ahead;
+          auto key_at = [&](int64_t c) {
+            if (c < keys_ahead) {
+              prefetch_row(next_keys[c], row_bytes);
+              for (const float* cs : next_cs)
+                if (cs) prefetch_row(cs + c * 2 * P, 2 * P * static_cast<int64_t>(sizeof(float)));
+            }
+            return key_rows[c];
+          };
+          auto value_at = [&](int64_t c) {
+            if (c < ahead) prefetch_row(next_values[c], row_bytes);
+            return value_rows[c];
+          };
+          if (tc.kind != TileKind::kFar) {
+            load_key_rows<scalar_t>(key_at, cols, D, near_rot->rows(block), P, s.interleaved, scratch.data(),
+                                    near_keys.data());
+            keys_ahead = 0;
+            row_scores(&q_near[t * D], head_rows, D, [&](int64_t c) { return &near_keys[c * D]; }, cols,
+                       scores.data(), kBlockK);
+          }
+          if (tc.kind != TileKind::kNear) {
+            float* far_dst = band ? far_scores.data() : scores.data();
+            if (!far_rotated) {  // ReRoPE's far keys are the stored keys: read in place
+              row_scores(&q_far[t * D], head_rows, D, key_at, cols, far_dst, kBlockK);
+            } else {
+              load_key_rows<scalar_t>(key_at, cols, D, far_rot->rows(block), P, s.interleaved, scratch.data(),
+                                      far_keys.data());
+              row_scores(&q_far[t * D], head_rows, D, [&](int64_t c) { return &far_keys[c * D]; }, cols, far_dst,
+                         kBlockK);
+            }
+          }
+          if (band || tc.needs_mask)
+            select_band_and_mask(scores.data(), far_scores.data(), head_rows, cols, kBlockK, &row_pos[t], key_pos,
+                                 s.rule, s.causal, band, tc.needs_mask);
+          online_softmax_update<scalar_t>(scores.data(), head_rows, cols, kBlockK, &row_factor[t], row_max, row_sum,
+                                          acc, D);
+          row_accumulate(scores.data(), head_rows, cols, kBlockK, value_at, D, acc, &row_pos[t], key_pos,
+                         s.causal, !tc.needs_mask);
         }
-        if (band || tc.needs_mask)
-          select_band_and_mask(scores.data(), far_scores.data(), rows, cols, kBlockK, row_pos.data(), key_pos,
-                               s.rule, s.causal, band, tc.needs_mask);
-        online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, row_factor.data(), row_max, row_sum,
-                                        acc, D);
-        row_accumulate(scores.data(), rows, cols, kBlockK, value_at, D, acc, row_pos.data(), key_pos, s.causal,
-                       !tc.needs_mask);
       }
     }
   });
@@ -1335,30 +1388,26 @@ void merge_decode_units(const AttentionShape& s, const std::vector<Problem>& pro
   const int64_t Hkv = s.kv_heads, D = s.head_dim, group = s.q_heads / Hkv;
   const int64_t n_problems = static_cast<int64_t>(problems.size());
   const int64_t max_rows = u.max_rows;
-  const std::vector<int64_t>& unit_begin = u.unit_begin;
-  const std::vector<int64_t>& chunks_of = u.chunks_of;
-  const std::vector<float>& part_acc = u.part_acc;
-  const std::vector<float>& part_max = u.part_max;
-  const std::vector<float>& part_sum = u.part_sum;
   at::parallel_for(0, n_problems * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t p = index / Hkv, hkv = index % Hkv;
       const Problem& pr = problems[p];
-      const int64_t Lq = pr.q_len, first_unit = unit_begin[p] + hkv * chunks_of[p];
+      const int64_t Lq = pr.q_len, chunks = u.chunks_of[p], first_unit = u.unit_of(p, hkv, 0);
+      const int64_t t = (hkv % u.heads_per_unit) * group * Lq;  // the kv head's first row in its units
       for (int64_t r = 0; r < group * Lq; ++r) {
         const int64_t h = hkv * group + r / Lq, i = r % Lq;
         float global_max = kNegInf;
-        for (int64_t c = 0; c < chunks_of[p]; ++c)
-          global_max = nan_max(global_max, part_max[(first_unit + c) * max_rows + r]);
+        for (int64_t c = 0; c < chunks; ++c)
+          global_max = nan_max(global_max, u.part_max[(first_unit + c) * max_rows + t + r]);
         std::fill(merged.begin(), merged.end(), 0.0f);
         float total = 0.0f;
         if (std::isfinite(global_max)) {
-          for (int64_t c = 0; c < chunks_of[p]; ++c) {
-            const int64_t part = (first_unit + c) * max_rows + r;
-            const float weight = std::exp(part_max[part] - global_max);  // 0 for a chunk at -inf
-            total += weight * part_sum[part];
-            const float* acc = &part_acc[part * D];
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t part = (first_unit + c) * max_rows + t + r;
+            const float weight = std::exp(u.part_max[part] - global_max);  // 0 for a chunk at -inf
+            total += weight * u.part_sum[part];
+            const float* acc = &u.part_acc[part * D];
             for (int64_t d = 0; d < D; ++d) merged[d] += weight * acc[d];
           }
         }
@@ -1376,8 +1425,9 @@ void rerope_decode_plan(const AttentionShape& s, const std::vector<Problem>& pro
   const DecodeTiles tiles = classify_decode_tiles(s, problems, off);
   const auto near_rot = key_rotations(tiles.near_blocks, problems, off, s.rotary_pairs, false, s.rule);
   const auto far_rot = key_rotations(tiles.far_rotated_blocks, problems, off, s.rotary_pairs, true, s.rule);
+  const QueryRotations query_rot = query_rotations(s, problems, off);
   DecodeUnits units = decode_units(s, problems, off);
-  attend_decode_units<scalar_t>(s, problems, off, tiles, near_rot, far_rot, layout, units);
+  attend_decode_units<scalar_t>(s, problems, off, tiles, query_rot, near_rot, far_rot, layout, units);
   const std::vector<uint8_t> row_seen = rows_with_visible_keys(problems, off, s.causal);
   merge_decode_units(s, problems, off, units, row_seen, layout);
 }

@@ -363,6 +363,44 @@ def test_paged_float32_matches_reference(method, block_size):
         assert_close_to(out, lse, *ref)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReRoPE:
+    """(Leaky) ReRoPE with Method's interface, for the tests that run every region rule."""
+
+    window: int
+    leaky_k: float = 0.0
+
+    def __str__(self):
+        return f"rerope-w{self.window}-k{self.leaky_k:g}"
+
+    @property
+    def kw(self):
+        return dict(leaky_k=self.leaky_k)
+
+    def reference(self, q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True, interleaved=False):
+        return reference(q, k, v, qp, kp, inv_freq, self.window, self.leaky_k, scale, logn_length, causal, interleaved)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("method", [ReRoPE(300), ReRoPE(300, 4.0), SE(300, group=3), DCA(700, 60)], ids=str)
+def test_decode_plan_every_work_split(method, threads):
+    """The decode plan splits a call into units of (request, span of kv heads, chunk of key blocks), their
+    number following the thread count (about 8 units a thread): with three kv heads and 19 blocks of 128
+    keys, 1 and 2 threads put every kv head in one unit, 3 threads spans of two heads and a shorter last one,
+    5 threads one head per unit. Every split must give the reference (pages of 16 slots, 1 to 4 query
+    rows)."""
+    requests = [(1, 1300), (4, 700), (2, 129)]
+    inputs, dense = make_paged(requests, 6, 3, 32, 16, seed=threads)
+    inv_freq = inv_freq_of(32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = ops.rerope_attention_paged(*inputs, inv_freq, method.window, logn_length=900, **method.kw)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_to(out, lse, *paged_reference(method, inputs[0], dense, requests, inv_freq, logn_length=900))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("method", [SE(40, group=4), DCA(24, 5)], ids=str)
 def test_paged_low_precision_within_sdpa_error(method, dtype):
