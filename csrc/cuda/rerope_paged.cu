@@ -86,7 +86,9 @@ void launch_paged(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream,
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
-  rerope_cuda::launch_rerope_paged<T, Shape>(p, splits, stream, ThrowOnLaunchError<kPagedOp>{});
+  // The SIMT rows and then the tensor-core rows (p.paged_tc), from these params: the tensor-core kernels
+  // read the workspaces set above.
+  rerope_cuda::launch_rerope_paged_with_tensor_cores<T, Shape>(p, splits, stream, ThrowOnLaunchError<kPagedOp>{});
 }
 
 // `base` rounded up to the workspace's alignment (rerope_paged_workspace_layout counts the slack).
@@ -153,26 +155,14 @@ void launch(const ReropePagedArgs& a, ReropeParams p, cudaStream_t stream) {
     p.k_near = p.paged_tc_key_budget > 0 ? base + layout.k_near : nullptr;
     p.k_far = p.paged_tc_key_budget > 0 ? base + layout.k_far : nullptr;  // Leaky: keys at p/k; ReRoPE: the raw keys
   }
-  // The key rates, the schedule and the SIMT rows (with the split combine), in the tile shape the device
-  // allows ...
+  // The key rates, the schedule, the SIMT rows (with the split combine) and the tensor-core rows, in the
+  // tile shape the device allows.
   const std::size_t missing = rerope_cuda::with_simt_shape(head_dim, smem_optin, [&]<class Shape>() {
     launch_paged<T, Shape>(a, p, stream, device.multiprocessors);
   });
   TORCH_CHECK(missing == 0, kPagedOp, ": head dim ", a.head_dim, " needs ", missing,
               " bytes of shared memory per block on CUDA, and this GPU (compute capability ", device.major, ".",
               device.minor, ") allows ", smem_optin);
-  // ... then the tensor-core rows (after the combine, which leaves them to this launch).
-  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-    if (tensor_cores) {
-      const ThrowOnLaunchError<kPagedOp> check;
-      switch (head_dim) {
-        case 64: return rerope_cuda::launch_rerope_paged_tc<T, 64>(p, stream, check);
-        case 80: return rerope_cuda::launch_rerope_paged_tc<T, 80>(p, stream, check);
-        case 96: return rerope_cuda::launch_rerope_paged_tc<T, 96>(p, stream, check);
-        default: return rerope_cuda::launch_rerope_paged_tc<T, 128>(p, stream, check);
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -832,18 +832,6 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
   return run;
 }
 
-template <typename T>
-void launch_paged_tc(const ReropeParams& p) {
-  using namespace ropescale::rerope_cuda;
-  switch (p.head_dim) {
-    case 64: launch_rerope_paged_tc<T, 64>(p, nullptr, IgnoreLaunchStatus{}); break;
-    case 80: launch_rerope_paged_tc<T, 80>(p, nullptr, IgnoreLaunchStatus{}); break;
-    case 96: launch_rerope_paged_tc<T, 96>(p, nullptr, IgnoreLaunchStatus{}); break;
-    case 128: launch_rerope_paged_tc<T, 128>(p, nullptr, IgnoreLaunchStatus{}); break;
-    default: FAIL("no tensor-core kernel for head dim " << p.head_dim);
-  }
-}
-
 // What a paged launch decided, per request (the schedule kernel's PagedRequest): the path
 // (kPagedSimt, kPagedTcPreRotated, kPagedTcRotating) and the SIMT key-split length.
 struct PagedDecisions {
@@ -898,9 +886,10 @@ PagedDecisions launch_paged(ReropeParams p, int splits, int64_t tc_key_budget = 
           p.k_far = rotated > 0 ? k_far.data() : nullptr;  // Leaky: keys at p/k; ReRoPE: the raw keys
           p.q_rotation = q_rotation.data();
         }
-        launch_rerope_paged<T, Shape>(p, splits, nullptr);
-        if constexpr (!std::is_same_v<T, float>)
-          if (tensor_cores) launch_paged_tc<T>(p);
+        // rerope_paged.cu's own launch sequence (one params for the SIMT and the tensor-core rows).
+        launch_rerope_paged_with_tensor_cores<T, Shape>(p, splits, nullptr, [](int status, const char* what) {
+          if (status != 0) FAIL(what << " failed");
+        });
         for (const PagedRequest& r : requests) {
           decisions.tensor_core.push_back(r.tensor_core);
           decisions.keys_per_split.push_back(r.keys_per_split);

@@ -60,3 +60,33 @@
 #include "ropescale/rerope_tc_problems.cuh"
 #include "ropescale/rerope_tc_kernels.cuh"
 #include "ropescale/rerope_tc_launch.cuh"
+#include "ropescale/rerope_simt_launch.cuh"
+
+#include <type_traits>
+
+namespace ropescale::rerope_cuda {
+
+// The whole paged launch, as rerope_paged.cu and the emulation tests run it: the schedule, the SIMT rows
+// and the split combine (launch_rerope_paged), then, for fp16/bf16 with p.paged_tc, the tensor-core rows
+// (launch_rerope_paged_tc at p.head_dim), from ONE ReropeParams: the tensor-core kernels read the
+// schedule's workspaces (p.paged_requests, p.paged_tc_tasks, ...), which the caller allocates and sets
+// once for both. (The CUDA glue once launched the tensor-core rows from a copy of the params made before
+// those workspaces were set: every tensor-core row read a null p.paged_requests, an illegal memory access
+// found on an H200 that the emulation, running its own glue, could not see.)
+template <typename T, class Shape, class Check = IgnoreLaunchStatus>
+inline void launch_rerope_paged_with_tensor_cores(const ReropeParams& p, int num_splits, cudaStream_t stream,
+                                                  Check&& check = {}) {
+  launch_rerope_paged<T, Shape>(p, num_splits, stream, check);
+  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+    if (!p.paged_tc) return;
+    switch (p.head_dim) {
+      case 64: return launch_rerope_paged_tc<T, 64>(p, stream, check);
+      case 80: return launch_rerope_paged_tc<T, 80>(p, stream, check);
+      case 96: return launch_rerope_paged_tc<T, 96>(p, stream, check);
+      case 128: return launch_rerope_paged_tc<T, 128>(p, stream, check);
+      default: check(1, "the paged tensor-core prefill (head dim not 64, 80, 96 or 128)");
+    }
+  }
+}
+
+}  // namespace ropescale::rerope_cuda
