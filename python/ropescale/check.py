@@ -187,24 +187,32 @@ def _rotary_rows(device, label: str) -> list[Row]:
     return rows
 
 
-def _attention_rows(device, label: str) -> list[Row]:
-    """rerope_attention against the float64 two-matrix form, out and lse each judged against SDPA's
-    own error in the dtype on the plain-attention problem with the same inputs (RoPE-rotated q and k
-    rounded to the dtype, the same visibility), on problems of at least 64 rows."""
-    # name, batch, q heads, kv heads, q_len, k_len, head dim, rotary dim, left padding of row 1, window,
-    # leaky_k, logn_length, interleaved, dtypes, a view of a longer cache
+def _attention_cases(cuda: bool) -> list[tuple]:
+    """The problems of _attention_rows: (name, batch, q heads, kv heads, q_len, k_len, head dim, rotary dim,
+    left padding of row 1 (batch > 1 only), window, leaky_k, logn_length, interleaved, dtypes, a view of a
+    longer cache); on CUDA also the tensor-core prefill's shape and a head dim past it."""
     all_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     cases = [
         ("prefill", 2, 4, 2, 77, 77, 64, 64, 5, 16, 0.0, 0, False, all_dtypes, False),
         ("decode", 2, 32, 4, 1, 300, 64, 48, 7, 64, 16.0, 128, True, all_dtypes, True),
     ]
-    if device.type == "cuda":
+    if cuda:
         half = (torch.float16, torch.bfloat16)
         cases += [
             ("tensor-core prefill", 1, 8, 2, 257, 257, 128, 128, 0, 100, 0.0, 0, False, half, False),
             ("prefill D=256", 1, 4, 1, 130, 130, 256, 256, 0, 32, 8.0, 0, False, half, False),
         ]
+    return cases
+
+
+def _attention_rows(device, label: str, cases: list[tuple] | None = None) -> list[Row]:
+    """rerope_attention against the float64 two-matrix form, out and lse each judged against SDPA's
+    own error in the dtype on the plain-attention problem with the same inputs (RoPE-rotated q and k
+    rounded to the dtype, the same visibility), on problems of at least 64 rows (``cases``: the device's
+    own, _attention_cases)."""
     rows = []
+    if cases is None:
+        cases = _attention_cases(device.type == "cuda")
     for name, batch, q_heads, kv_heads, q_len, k_len, dim, rotary_dim, pad, window, leaky_k, logn_length, \
             interleaved, dtypes, cache_view in cases:
         inv_freq = ops.default_inv_freq(rotary_dim, 10000.0)
@@ -213,8 +221,9 @@ def _attention_rows(device, label: str) -> list[Row]:
         k64 = torch.randn(batch, kv_heads, k_len, dim, generator=gen, dtype=torch.float64)
         v64 = torch.randn(batch, kv_heads, k_len, dim, generator=gen, dtype=torch.float64)
         kp = torch.arange(k_len).repeat(batch, 1)
-        kp[1, :pad] = -1  # left padding
-        kp[1, pad:] = torch.arange(k_len - pad)
+        if batch > 1:  # row 1 left-padded
+            kp[1, :pad] = -1
+            kp[1, pad:] = torch.arange(k_len - pad)
         qp = kp[:, k_len - q_len:].clone()
         shape = f"q {batch}x{q_heads}x{q_len}x{dim} kv {kv_heads}x{k_len}"
         for dtype in dtypes:

@@ -140,3 +140,17 @@ def test_json_output_and_help():
     else:  # nothing to check: said so, and not a pass
         assert result.returncode == 1 and not report["ok"] and report["notes"] == [
             "no CUDA GPU here (torch.cuda.is_available() is False)"]
+
+
+def test_the_cuda_only_attention_cases_run_and_pass_on_this_cpu():
+    """The problems `ropescale check` adds on a GPU (a batch of one at the tensor-core shape, head dim 256),
+    built and judged on CPU tensors, two rows (out, lse) per case and dtype, all within bounds: on an H200
+    their construction raised IndexError before any kernel ran (row 1's left padding on a batch of one)."""
+    from ropescale import check
+
+    cpu_cases = check._attention_cases(cuda=False)
+    cuda_only = [case for case in check._attention_cases(cuda=True) if case not in cpu_cases]
+    assert cuda_only and all(case[1] == 1 for case in cuda_only)
+    rows = check._attention_rows(torch.device("cpu"), "cpu", cuda_only)
+    assert len(rows) == 2 * sum(len(case[13]) for case in cuda_only)
+    assert all(row.ok for row in rows), [row for row in rows if not row.ok]
