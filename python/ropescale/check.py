@@ -276,9 +276,22 @@ def _plain_attention_error(q, k, v, qp, kp, inv_freq, device, logn_length, inter
     ref_out, ref_lse = rerope_attention_naive(q.double(), k.double(), v.double(), qp, kp, inv_freq.double(),
                                               _NO_WINDOW, logn_length=logn_length, interleaved=interleaved)
     scale = 1 / math.sqrt(dim)
-    out = F.scaled_dot_product_attention(
-        q_rot.to(device), k_rot.repeat_interleave(group, 1).to(device), v.repeat_interleave(group, 1).to(device),
-        attn_mask=visible[:, None].to(device), scale=scale).cpu()
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            q_rot.to(device), k_rot.repeat_interleave(group, 1).to(device), v.repeat_interleave(group, 1).to(device),
+            attn_mask=visible[:, None].to(device), scale=scale).cpu()
+
+    try:
+        out = sdpa()
+    except RuntimeError:
+        # torch's CPU flash kernel may refuse a capability forced below the CPU's own (most likely the
+        # "pack_vnni2 is only supported when avx512 is supported" that killed the default and avx2 workers
+        # of torch 2.11 on an AMX machine); its math backend is PyTorch's own attention in the dtype too.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            out = sdpa()
     scores = (q_rot.float() @ k_rot.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
     lse = torch.logsumexp(scores.masked_fill(~visible[:, None], -math.inf), dim=-1)
     seen = torch.isfinite(ref_lse)

@@ -154,3 +154,25 @@ def test_the_cuda_only_attention_cases_run_and_pass_on_this_cpu():
     rows = check._attention_rows(torch.device("cpu"), "cpu", cuda_only)
     assert len(rows) == 2 * sum(len(case[13]) for case in cuda_only)
     assert all(row.ok for row in rows), [row for row in rows if not row.ok]
+
+
+def test_sdpa_refusing_a_forced_capability_falls_back_to_its_math_backend(monkeypatch):
+    """On an H200 host (AMX), the workers with ATEN_CPU_CAPABILITY=default and avx2 died on
+    "pack_vnni2 is only supported when avx512 is supported", most likely from torch 2.11's CPU flash
+    attention (ropescale packs only in its AVX-512 variant; no traceback was kept). When SDPA refuses,
+    SDPA's own error (the bound of every attention row) comes from its math backend, and the rows are
+    still judged."""
+    from ropescale import check
+
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    refused = []
+
+    def flash_refusing_sdpa(*args, **kwargs):
+        if torch.backends.cuda.flash_sdp_enabled():  # sdpa_kernel(SDPBackend.MATH) turns it off
+            refused.append(True)
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(check.F, "scaled_dot_product_attention", flash_refusing_sdpa)
+    rows = check._attention_rows(torch.device("cpu"), "cpu")
+    assert refused and rows and all(row.ok for row in rows), [row for row in rows if not row.ok]
