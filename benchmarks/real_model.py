@@ -57,6 +57,7 @@ Times are single measurements on a shared CPU: compare ratios from one run, not 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -321,7 +322,7 @@ class Row:
 
 def run(model, tokenizer, methods: list[str], lengths: list[int], passkey_lengths: list[int],
         sliding_lengths: list[int], speed_lengths: list[int], trials: int, decode_steps: int,
-        log=print) -> list[Row]:
+        log=functools.partial(print, flush=True)) -> list[Row]:  # a line per cell as it ends, even into a file
     ids = book_ids(tokenizer)
     if len(ids) < max(lengths) + 4 * STRIDE:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {max(lengths) + 4 * STRIDE}")
