@@ -29,11 +29,16 @@ fast). Timings on a shared CPU are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ropescale import ops, scaling
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import DCA_CHUNK, DCA_LOCAL, leaky_k_for, self_extend_group_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -87,9 +92,6 @@ def case_rows(requests: int, length: int, args) -> dict[str, float]:
     tables = torch.stack([dynamic.inv_freq(dim, 1e5, seq_len=length)] * requests).float()
     factors = torch.full((requests,), float(dynamic.attention_factor_for(length)) ** 2)
     no_window = 2**31 - 1
-    trained = 8192
-    leaky_k = max(1.0, (length - args.window) / (trained - args.window))
-    group = max(1, -(-(length - args.window) // (trained - args.window)))
     # SDPA's operands: the same keys and values, contiguous per request and head.
     rows = block_table.long()
 
@@ -105,9 +107,9 @@ def case_rows(requests: int, length: int, args) -> dict[str, float]:
 
     calls = {
         "rerope": paged(static, args.window),
-        "leaky_rerope": paged(static, args.window, leaky_k=leaky_k),
-        "self_extend": paged(static, args.window, group=group),
-        "dual_chunk": paged(static, 512, chunk_size=6144),
+        "leaky_rerope": paged(static, args.window, leaky_k=leaky_k_for(length, args.window)),
+        "self_extend": paged(static, args.window, group=self_extend_group_for(length, args.window)),
+        "dual_chunk": paged(static, DCA_LOCAL, chunk_size=DCA_CHUNK),
         "dynamic_yarn": paged(tables, no_window, scale_factors=factors),
         "sdpa": lambda layer: torch.nn.functional.scaled_dot_product_attention(q4, *dense_caches[layer],
                                                                                enable_gqa=True),

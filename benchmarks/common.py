@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+
+# SmolLM2-135M's training length and the long-context settings fixed from it (real_model.py's docstring says
+# why), in one place for every benchmark that runs these methods.
+TRAINED = 8192  # SmolLM2-135M's training length (max_position_embeddings)
+WINDOW = TRAINED // 4  # the ReRoPE window (and Self-Extend's neighbour window)
+DCA_CHUNK, DCA_LOCAL = 3 * TRAINED // 4, TRAINED // 16  # ChunkLlama's defaults for a model trained to L
+
+
+def leaky_k_for(length: int, window: int = WINDOW) -> float:
+    """Leaky ReRoPE's k at ``length``: the longest distance lands on the trained length (1: plain RoPE)."""
+    return max(1.0, (length - window) / (TRAINED - window))
+
+
+def self_extend_group_for(length: int, window: int = WINDOW) -> int:
+    """Self-Extend's smallest group whose extended length (TRAINED - window) G + window covers ``length``."""
+    return max(1, math.ceil((length - window) / (TRAINED - window)))
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:

@@ -75,15 +75,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import device_name  # noqa: E402
+from common import (DCA_CHUNK, DCA_LOCAL, TRAINED, WINDOW, device_name, leaky_k_for,  # noqa: E402
+                    self_extend_group_for)
 
 from ropescale import evaluate, hf, realmodel, scaling  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
-TRAINED = 8192  # SmolLM2-135M's training length (max_position_embeddings)
-WINDOW = TRAINED // 4  # the ReRoPE window (and Self-Extend's neighbour window): see the module docstring
-DCA_CHUNK, DCA_LOCAL = 3 * TRAINED // 4, TRAINED // 16  # ChunkLlama's defaults for a model trained to L
 STRIDE = 256  # the YaRN paper's sliding-window stride
 
 # ---------------------------------------------------------------------------------------------
@@ -184,12 +182,12 @@ class Method:
             if not self.leaky:
                 k = 0.0
             else:
-                k = self.leaky_k if self.leaky_k is not None else max(1.0, (length - WINDOW) / (TRAINED - WINDOW))
+                k = self.leaky_k if self.leaky_k is not None else leaky_k_for(length)
             logn = TRAINED if self.logn and length > TRAINED else 0  # log-n scaling is 1 up to L
             if self.served or (WINDOW < length and k != 1.0):
                 kwargs = {"attention": "rerope", "window": WINDOW, "leaky_k": k, "logn_length": logn}
         if self.attention == "self_extend":
-            group = max(1, math.ceil((length - WINDOW) / (TRAINED - WINDOW)))
+            group = self_extend_group_for(length)
             if self.served or group > 1:
                 kwargs = {"attention": "self_extend", "window": WINDOW, "group": group}
         if self.attention == "dual_chunk":
