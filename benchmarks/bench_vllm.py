@@ -48,10 +48,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ORIGINAL = 8192  # SmolLM2's training length
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DCA_CHUNK, DCA_LOCAL, TRAINED, WINDOW, self_extend_group_for  # noqa: E402
 
-
-WINDOW = 2048  # ReRoPE's window for the rerope row
+GROUP = self_extend_group_for(2 * TRAINED)  # Self-Extend's G for the methods' length, 16k: 3
 
 
 def _methods():
@@ -60,14 +60,13 @@ def _methods():
 
     return {
         "native": (None, {}),
-        "yarn": (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL), {}),
-        "resonance_yarn": (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL, resonance=True), {}),
+        "yarn": (scaling.YaRN(factor=2.0, original_max_position=TRAINED), {}),
+        "resonance_yarn": (scaling.YaRN(factor=2.0, original_max_position=TRAINED, resonance=True), {}),
         "rerope": (None, {"attention": "rerope", "window": WINDOW}),
-        "dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=ORIGINAL), {}),
-        # benchmarks/real_model.py's settings at 16k: W = 2048, the smallest G reaching 16k; ChunkLlama's defaults
-        "self_extend": (None, {"attention": "self_extend", "window": WINDOW, "group": 3}),
-        "dual_chunk": (None, {"attention": "dual_chunk", "chunk_size": 3 * ORIGINAL // 4,
-                              "local_size": ORIGINAL // 16}),
+        "dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=TRAINED), {}),
+        # benchmarks/real_model.py's settings at 16k (common.py): W, the smallest G reaching 16k; ChunkLlama's defaults
+        "self_extend": (None, {"attention": "self_extend", "window": WINDOW, "group": GROUP}),
+        "dual_chunk": (None, {"attention": "dual_chunk", "chunk_size": DCA_CHUNK, "local_size": DCA_LOCAL}),
     }
 
 
@@ -93,9 +92,9 @@ ROWS = {
     "dynamic_yarn": Row("dynamic_yarn", "native", {},
                         "Dynamic-YaRN s=2: each request's own table, ropescale's paged kernel"),
     "self_extend": Row("self_extend", "native", {},
-                       f"Self-Extend W={WINDOW}, G=3: raw keys in vLLM's pages, ropescale's paged kernel"),
+                       f"Self-Extend W={WINDOW}, G={GROUP}: raw keys in vLLM's pages, ropescale's paged kernel"),
     "dual_chunk": Row("dual_chunk", "native", {},
-                      f"Dual Chunk Attention, chunk_size {3 * ORIGINAL // 4}, local_size {ORIGINAL // 16}, no "
+                      f"Dual Chunk Attention, chunk_size {DCA_CHUNK}, local_size {DCA_LOCAL}, no "
                       "temperature: ropescale's paged kernel"),
 }
 DEFAULT_ROWS = ("yarn/vllm", "yarn/ropescale", "resonance_yarn")
@@ -124,9 +123,9 @@ def parse_args(argv=None):
     for name in ("batch", "decode_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if min(args.prompt_tokens) < 1 or max(args.prompt_tokens) + args.decode_tokens > 2 * ORIGINAL:
-        parser.error(f"--prompt-tokens must be in [1, {2 * ORIGINAL - args.decode_tokens}] (the methods' length "
-                     f"{2 * ORIGINAL} less --decode-tokens), got {args.prompt_tokens}")
+    if min(args.prompt_tokens) < 1 or max(args.prompt_tokens) + args.decode_tokens > 2 * TRAINED:
+        parser.error(f"--prompt-tokens must be in [1, {2 * TRAINED - args.decode_tokens}] (the methods' length "
+                     f"{2 * TRAINED} less --decode-tokens), got {args.prompt_tokens}")
     rows = []
     for name in args.rows:  # each baseline first, once
         for row in (ROWS[name].baseline, name):
