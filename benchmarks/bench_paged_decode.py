@@ -38,7 +38,7 @@ import torch
 from ropescale import ops, scaling
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import DCA_CHUNK, DCA_LOCAL, leaky_k_for, self_extend_group_for  # noqa: E402
+from common import DCA_CHUNK, DCA_LOCAL, TRAINED, WINDOW, leaky_k_for, self_extend_group_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
     parser.add_argument("--block-size", type=int, default=128, help="slots per page (default 128: vLLM CPU)")
-    parser.add_argument("--window", type=int, default=2048, help="ReRoPE window (default 2048)")
+    parser.add_argument("--window", type=int, default=WINDOW, help=f"ReRoPE window (default {WINDOW})")
     parser.add_argument("--calls", type=int, default=60, help="timed calls per row (default 60)")
     parser.add_argument("--layers", type=int, default=30,
                         help="layers' caches the calls cycle through (default 30; 1: one cache, warm in cache)")
@@ -88,7 +88,7 @@ def case_rows(requests: int, length: int, args) -> dict[str, float]:
     starts = torch.arange(requests + 1, dtype=torch.int32)
     q = torch.randn(requests, hq, dim, generator=g)
     static = scaling.Default().inv_freq(dim, 1e5)
-    dynamic = scaling.DynamicYaRN(factor=2.0, original_max_position=8192)
+    dynamic = scaling.DynamicYaRN(factor=2.0, original_max_position=TRAINED)
     tables = torch.stack([dynamic.inv_freq(dim, 1e5, seq_len=length)] * requests).float()
     factors = torch.full((requests,), float(dynamic.attention_factor_for(length)) ** 2)
     no_window = 2**31 - 1
