@@ -97,8 +97,8 @@ Problem make_problem(const Case& c, unsigned seed) {
     for (float& x : *t) x = normal(gen);
   for (int i = 0; i < c.rotary_dim / 2; ++i)
     p.inv_freq.push_back(static_cast<float>(std::pow(10000.0, -2.0 * i / c.rotary_dim)));
-  // Keys at 0..Lk-1 (after left padding); queries are the last Lq keys' positions, and padding (-1)
-  // where Lq > Lk puts a query before every key (reading k_pos there was out of bounds).
+  // Keys at 0..Lk-1 (after left padding); queries are the last Lq keys' positions. Where Lq > Lk the
+  // first Lq - Lk queries have no key to share a position with: they are padding (-1).
   for (int b = 0; b < c.batch; ++b) {
     const int n_pad = std::min(c.pad * b, c.k_len);
     for (int j = 0; j < c.k_len; ++j) p.k_pos.push_back(j < n_pad ? -1 : j - n_pad);
