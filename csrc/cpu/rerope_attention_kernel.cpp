@@ -35,7 +35,9 @@
 // score and turn the row into zeros); P.V by BLAS over a tile with masked columns would compute
 // 0 * NaN for them, so when such a tile's value block is not finite its non-finite value rows are
 // zeroed for BLAS (the other rows sum in BLAS's order, as without them) and added to the rows that
-// see them alone (masked_tile_accumulate).
+// see them alone (masked_tile_accumulate). The packed (AMX) path packs such a block's values with
+// those rows zeroed and adds them the same way after every tile's GEMM: a masked key's value then
+// changes no bit of any row, whatever it holds (a scalar fallback would sum in another order).
 //
 // Precision (DESIGN.md, "Versions and precision"), the same in both plans and at every size:
 // products are accumulated in float32 and the softmax is float32 throughout. For float16/bfloat16
@@ -753,35 +755,39 @@ void row_accumulate(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_
   }
 }
 
-// acc[rows x D] += probs[rows x cols] . V for a tile with masked pairs whose values hold a non-finite
-// element (the float path): BLAS over the values with the non-finite rows zeroed, so that every row
-// sums in the order of the same tile with finite values (a masked pair's value changes nothing, to
-// the bit), then each non-finite value row added to the rows that see it (0 * inf = NaN there, as
-// SDPA's P.V computes). `values` is scratch [kBlockK x D].
-template <typename ValueAt>
-void masked_tile_accumulate(const float* probs, int64_t rows, int64_t cols, ValueAt value_at, int64_t dim, float* acc,
-                            const int64_t* row_pos, const int64_t* key_pos, bool causal, float* values) {
-  int64_t non_finite[kBlockK];
-  int64_t n_non_finite = 0;
+// acc[rows] += p * v for each NON-FINITE value row v of a tile and each row that sees its key (visible:
+// 0 * inf = NaN there, as SDPA's P.V computes; masked: nothing), after a GEMM that had those value rows
+// zeroed. probs [rows x cols] with leading dimension ld_probs, of any float type.
+template <typename prob_t, typename ValueAt>
+void add_non_finite_value_rows(const prob_t* probs, int64_t rows, int64_t cols, int64_t ld_probs, ValueAt value_at,
+                               int64_t dim, float* acc, const int64_t* row_pos, const int64_t* key_pos, bool causal) {
   for (int64_t c = 0; c < cols; ++c) {
-    float* row = values + c * dim;
-    load_row(value_at(c), dim, row);
-    if (!row_is_finite(row, dim)) {
-      non_finite[n_non_finite++] = c;
-      std::fill(row, row + dim, 0.0f);
-    }
-  }
-  tile_accumulate(probs, rows, cols, kBlockK, values, dim, dim, acc);
-  for (int64_t n = 0; n < n_non_finite; ++n) {
-    const int64_t c = non_finite[n];
     const auto* value = value_at(c);
+    if (row_is_finite(value, dim)) continue;
     for (int64_t r = 0; r < rows; ++r) {
       if (!rerope_visible(row_pos[r], key_pos[c], causal)) continue;
-      const float p = probs[r * kBlockK + c];
+      const float p = static_cast<float>(probs[r * ld_probs + c]);
       float* a = acc + r * dim;
       for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
     }
   }
+}
+
+// acc[rows x D] += probs[rows x cols] . V for a tile with masked pairs whose values hold a non-finite
+// element (the float path): BLAS over the values with the non-finite rows zeroed, so that every row
+// sums in the order of the same tile with finite values (a masked pair's value changes nothing, to
+// the bit), then each non-finite value row added to the rows that see it. `values` is scratch
+// [kBlockK x D].
+template <typename ValueAt>
+void masked_tile_accumulate(const float* probs, int64_t rows, int64_t cols, ValueAt value_at, int64_t dim, float* acc,
+                            const int64_t* row_pos, const int64_t* key_pos, bool causal, float* values) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float* row = values + c * dim;
+    load_row(value_at(c), dim, row);
+    if (!row_is_finite(row, dim)) std::fill(row, row + dim, 0.0f);
+  }
+  tile_accumulate(probs, rows, cols, kBlockK, values, dim, dim, acc);
+  add_non_finite_value_rows(probs, rows, cols, kBlockK, value_at, dim, acc, row_pos, key_pos, causal);
 }
 
 // Which query rows (flat over the problems) have at least one visible key, from the positions alone
@@ -991,6 +997,7 @@ KeyPanels<scalar_t> prepare_key_panels(const AttentionShape& s, const std::vecto
   at::parallel_for(0, total_kb * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(D), key_rows(kBlockK * D);
     std::vector<lp_t> staging(packed ? kBlockK * D : 0);
+    std::vector<uint8_t> finite_value(kBlockK);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t block = unit / Hkv, h = unit % Hkv, p = off.k_block_problem[block];
       const Problem& pr = problems[p];
@@ -1021,13 +1028,15 @@ KeyPanels<scalar_t> prepare_key_panels(const AttentionShape& s, const std::vecto
       if (needs_near[block]) write_panel(near_panels, near_packed, near_rot->rows(block));
       if (needs_far[block]) write_panel(far_panels, far_packed, far_rot->rows(block));  // ReRoPE: raw keys
       if (packed) {
-        // The block's values [kBlockK x D] (zero past cols) in column blocks of up to kPackN dims.
+        // The block's values [kBlockK x D] (zero past cols) in column blocks of up to kPackN dims; a block
+        // with non-finite values gets those rows zeroed (every tile adds them after its GEMM).
+        for (int64_t c = 0; c < cols; ++c) finite_value[c] = !v_not_finite[unit] || row_is_finite(value_at(c), D);
         lp_t* out = v_packed.panel(block, h);
         for (int64_t d0 = 0; d0 < D; d0 += kPackN) {
           const int64_t width = std::min(kPackN, D - d0);
           for (int64_t c = 0; c < kBlockK; ++c)
             for (int64_t d = 0; d < width; ++d)
-              staging[c * width + d] = c < cols ? static_cast<lp_t>(value_at(c)[d0 + d]) : lp_t(0.0f);
+              staging[c * width + d] = c < cols && finite_value[c] ? static_cast<lp_t>(value_at(c)[d0 + d]) : lp_t(0.0f);
           at::native::cpublas::pack(kBlockK, width, width, width, lp_dtype, lp_dtype, staging.data(), out + kBlockK * d0);
         }
       } else if (!values_in_place) {  // float rows [cols x D] (exact: a conversion, or a gather of pages)
@@ -1136,14 +1145,9 @@ void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& prob
           if (packed) probs_out = probs_lp.data();
         online_softmax_update<scalar_t>(scores.data(), rows, cols, kBlockK, &row_factor[row0], row_max.data(),
                                         row_sum.data(), acc.data(), D, probs_out);
-        if (tc.needs_mask && v_not_finite[block * Hkv + hkv]) {  // rare: masked values that are not finite
-          auto value_at = [&](int64_t c) { return layout.value_row(pr.index, hkv, j0 + c); };
-          if (probs_out != nullptr)
-            row_accumulate(probs_out, rows, cols, kBlockK, value_at, D, acc.data(), row_pos, key_pos, s.causal);
-          else
-            masked_tile_accumulate(scores.data(), rows, cols, value_at, D, acc.data(), row_pos, key_pos, s.causal,
-                                   masked_values.data());
-        } else if (packed) {  // P in lp_t (zero columns past cols) times the packed V
+        const bool values_not_finite = v_not_finite[block * Hkv + hkv];  // rare
+        auto value_at = [&](int64_t c) { return layout.value_row(pr.index, hkv, j0 + c); };
+        if (packed) {  // P in lp_t (zero columns past cols) times the packed V (its non-finite rows zeroed)
           if (cols < kBlockK)
             for (int64_t r = 0; r < rows; ++r)
               std::fill(&probs_lp[r * kBlockK] + cols, &probs_lp[r * kBlockK] + kBlockK, lp_t(0.0f));
@@ -1152,6 +1156,12 @@ void run_prefill_tasks(const AttentionShape& s, const std::vector<Problem>& prob
             at::native::cpublas::brgemm(rows, width, kBlockK, kBlockK, width, D, /*add_C=*/true, probs_lp.data(),
                                         v_packed.panel(block, hkv) + kBlockK * d0, acc.data() + d0, /*is_vnni=*/true);
           }
+          if (values_not_finite)
+            add_non_finite_value_rows(probs_lp.data(), rows, cols, kBlockK, value_at, D, acc.data(), row_pos, key_pos,
+                                      s.causal);
+        } else if (tc.needs_mask && values_not_finite) {
+          masked_tile_accumulate(scores.data(), rows, cols, value_at, D, acc.data(), row_pos, key_pos, s.causal,
+                                 masked_values.data());
         } else if (values_in_place) {
           const float* v_rows = reinterpret_cast<const float*>(layout.value_row(pr.index, hkv, j0));
           tile_accumulate(scores.data(), rows, cols, kBlockK, v_rows, layout.float_values_ld(), D, acc.data());
