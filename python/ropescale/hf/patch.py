@@ -961,7 +961,12 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
         raise ValueError("ropescale: Dual Chunk Attention has no training path (ops.rerope_attention_train takes "
                          "ReRoPE and Self-Extend): run the model under torch.no_grad() (generate does), or fine-tune "
                          "with attention='self_extend' or 'rerope'")
-    attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
+    # The fused op takes float32/fp16/bf16; a float64 model (numerics checks) runs the float64 composite, which
+    # computes the same attention in plain PyTorch (differentiable; Lq x Lk masks, fine at a check's sizes).
+    if query.dtype == torch.float64:
+        attention = ops.rerope_attention_composite
+    else:
+        attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
     plan = state.tables.plan
     method_arguments = plan.method_arguments()  # Self-Extend's group, DCA's chunk size
     if plan.temperature_length:

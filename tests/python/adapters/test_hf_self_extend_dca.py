@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 
-from support.attention import reference_dual_chunk, reference_self_extend  # noqa: E402
+from support.attention import reference, reference_dual_chunk, reference_self_extend  # noqa: E402
 from support.families import VOCAB, build  # noqa: E402
 from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
@@ -60,8 +60,8 @@ class LayerChecker:
     padding query rows are not compared. DCA's temperature: query and key rows times m(max(P, p + 1)), P the row's
     prompt length (its real tokens), as vLLM computes it."""
 
-    def __init__(self, model, attention, pads=None, original=0, **parameters):
-        self.attention, self.parameters, self.original = attention, parameters, original
+    def __init__(self, model, attention, pads=None, original=0, inv_freq=INV_FREQ, **parameters):
+        self.attention, self.parameters, self.original, self.inv_freq = attention, parameters, original, inv_freq
         self.pads, self.seen, self.errors, self.prompt = pads, {}, [], None
         self.handles = [m.register_forward_hook(self.hook, with_kwargs=True) for m in model.modules()
                         if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
@@ -99,9 +99,11 @@ class LayerChecker:
         q = q * temperature(torch.maximum(self.prompt[:, None], qp + 1), self.original)[:, None, :, None]
         k = k * temperature(torch.maximum(self.prompt[:, None], kp + 1), self.original)[:, None, :, None]
         if self.attention == "self_extend":
-            ref, _ = reference_self_extend(q, k, v, qp, kp, INV_FREQ, scale=module.scaling, **self.parameters)
+            ref, _ = reference_self_extend(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
+        elif self.attention == "rerope":
+            ref, _ = reference(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
         else:
-            ref, _ = reference_dual_chunk(q, k, v, qp, kp, INV_FREQ, scale=module.scaling, **self.parameters)
+            ref, _ = reference_dual_chunk(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
         o_proj = module.o_proj
         ref = ref.transpose(1, 2).reshape(batch, length, -1) @ o_proj.weight.double().T
         if o_proj.bias is not None:
@@ -145,6 +147,31 @@ def test_every_layer_equals_the_float64_reference_in_prefill_and_decode(case):
     assert out.shape[1] == 28
     assert len(checker.errors) == 2 * 8  # two layers, a prefill and seven decoding steps
     assert max(checker.errors) <= 1e-5, checker.errors
+
+
+FLOAT64_CASES = {**CASES,  # and ReRoPE's two rules, which take the same float64 path
+                 "rerope": ("Llama", dict(attention="rerope", window=5), dict(window=5), 0),
+                 "leaky_rerope": ("Llama", dict(attention="rerope", window=5, leaky_k=4.0),
+                                  dict(window=5, leaky_k=4.0), 0)}
+
+
+@pytest.mark.parametrize("case", sorted(FLOAT64_CASES))
+def test_a_float64_model_is_served_and_equals_the_float64_reference(case):
+    """People check numerics in float64 (issue 42): a float64 model patched with a raw-key attention runs (the fused
+    op takes float32/fp16/bf16 only: the float64 composite serves it) and every layer, prefill and each decoding
+    step, equals the float64 reference to float64's precision, not float32's (over the float32 table, which
+    transformers' own float64 model rotates with too: its inv_freq is computed in float32)."""
+    family, arguments, parameters, original = FLOAT64_CASES[case]
+    model = patched(family, **arguments).to(torch.float64)
+    pads = [0, 5]
+    x, mask = left_padded(ids(length=20), pads)
+    checker = LayerChecker(model, arguments["attention"], pads, original, INV_FREQ.float().double(), **parameters)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                             pad_token_id=0)
+    checker.remove()
+    assert out.shape[1] == 24 and len(checker.errors) == 2 * 4
+    assert max(checker.errors) <= 1e-12, checker.errors
 
 
 @pytest.mark.parametrize("case", ["self_extend", "dual_chunk"])
