@@ -22,6 +22,26 @@ if TESTS not in sys.path:
 import ropescale  # noqa: F401  (registers torch.ops.ropescale)
 
 
+def _demo_folder_state() -> dict[str, tuple[int, int]]:
+    """Each file in the user's default demo folder (``ropescale demo`` with no --output): (size, mtime_ns)."""
+    from ropescale.cli import DEMO_OUTPUT
+
+    if not os.path.isdir(DEMO_OUTPUT):
+        return {}
+    return {entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns) for entry in os.scandir(DEMO_OUTPUT)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_leave_the_users_folders_alone():
+    """Tests write only into their own temporary folders: the picture README's first command made in the default
+    demo folder is the user's, never rewritten by a test (issue 42: test_cli ran the demo into it)."""
+    before = _demo_folder_state()
+    yield
+    after = _demo_folder_state()
+    assert after == before, (f"a test wrote into the user's default demo folder: {before} became {after}; run the "
+                             "demo with --output/--plot under tmp_path, or monkeypatch cmd_demo.DEMO_OUTPUT")
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests marked `cuda` skip cleanly on machines without a GPU (every CI machine).
     if torch.cuda.is_available():
