@@ -74,8 +74,8 @@ ATTENTIONS = ("sdpa", "rerope", "self_extend", "dual_chunk")
 #: Self-Extend's neighbour window W and group size G, Dual Chunk Attention's chunk size C and local size S (as Qwen
 #: names them).
 ATTENTION_PARAMETERS = {"sdpa": (), "rerope": ("window", "leaky_k", "logn_length"), "self_extend": ("window", "group"),
-                        "dual_chunk": ("chunk_size", "local_size")}
-ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size")
+                        "dual_chunk": ("chunk_size", "local_size", "temperature")}
+ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size", "temperature")
 #: Each raw-key attention as messages name it.
 ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend attention",
                    "dual_chunk": "Dual Chunk Attention"}
@@ -84,6 +84,11 @@ ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend att
 #: attention temperature's length L0, 0: none) and vLLM's sparse approximation (``sparse_attention_*``).
 DUAL_CHUNK_KEY = "dual_chunk_attention_config"
 DUAL_CHUNK_DEFAULTS = {"chunk_size": 8192, "local_size": 1024, "original_max_position_embeddings": 0}
+#: Dual Chunk Attention's attention temperatures by source: the coefficient c of ``m(len) = max(1, c ln(len / L0) + 1)``
+#: on query and key. ``qwen``: Qwen's ``dual_chunk_attention_config`` as vLLM's DCA backend computes it (L0: its
+#: ``original_max_position_embeddings``); ``chunkllama``: ChunkLlama's Llama patch (``chunkllama_attn_replace.py``,
+#: ``get_mscale``, L0: the model's ``max_position_embeddings``). The entry names a temperature other than ``qwen``.
+DUAL_CHUNK_TEMPERATURES = {"qwen": 0.1, "chunkllama": 0.05}
 DUAL_CHUNK_KEYS = ("chunk_size", "local_size", "original_max_position_embeddings", "sparse_attention_config",
                    "sparse_attention_enabled", "sparse_attention_threshold", "sparse_attention_last_q")
 #: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
@@ -114,6 +119,7 @@ class RopeConfig:
     chunk_size: int | None = None  # Dual Chunk Attention's C
     local_size: int | None = None  # Dual Chunk Attention's S
     temperature_length: int = 0  # Dual Chunk Attention's L0 (Qwen's original_max_position_embeddings; 0: none)
+    temperature: str = "qwen"  # Dual Chunk Attention's temperature rule (DUAL_CHUNK_TEMPERATURES)
 
     @property
     def raw_keys(self) -> bool:
@@ -212,7 +218,7 @@ def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) 
 def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,
           attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
           partial_rotary_factor: float | None = None, group: int | None = None, chunk_size: int | None = None,
-          local_size: int | None = None, temperature_length: int = 0) -> Written:
+          local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
     (original) ``max_position_embeddings``, with the attention side given. ``partial_rotary_factor``: the
     model's, kept in the written parameters (refused where the method carries its own and it differs).
@@ -229,7 +235,7 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
     entry = attention_entry(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
-                            local_size=local_size)
+                            local_size=local_size, temperature=temperature)
     if entry_method is not None:
         entry = {**(entry or {}), METHOD_KEY: entry_method}
     return Written(params, length, entry, dual_chunk_entry(attention, chunk_size, local_size, temperature_length))
@@ -273,15 +279,20 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
 
 
 def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int, *, group: int | None = None,
-                    chunk_size: int | None = None, local_size: int | None = None) -> dict[str, Any] | None:
-    """The ``ropescale`` entry's attention side (None for plain attention)."""
+                    chunk_size: int | None = None, local_size: int | None = None,
+                    temperature: str | None = None) -> dict[str, Any] | None:
+    """The ``ropescale`` entry's attention side (None for plain attention). DCA's ``temperature`` is written only
+    when it is not Qwen's, which its ``dual_chunk_attention_config`` implies."""
     if attention == "rerope":
         return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k),
                 "logn_length": int(logn_length)}
     if attention == "self_extend":
         return {"attention": "self_extend", "window": int(window), "group": int(group)}
     if attention == "dual_chunk":
-        return {"attention": "dual_chunk", "chunk_size": int(chunk_size), "local_size": int(local_size)}
+        entry = {"attention": "dual_chunk", "chunk_size": int(chunk_size), "local_size": int(local_size)}
+        if temperature not in (None, "qwen"):
+            entry["temperature"] = temperature
+        return entry
     return None
 
 
@@ -298,22 +309,24 @@ def _given(name: str, value: Any) -> bool:
 
 def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn_length: Any = 0, *,
                     group: Any = None, chunk_size: Any = None, local_size: Any = None,
-                    temperature_length: Any = None) -> None:
+                    temperature_length: Any = None, temperature: Any = None) -> None:
     """The attention side, checked in one place for every path that takes it: ``hf.patch``'s arguments, and a
     checkpoint's entry (and Qwen's ``dual_chunk_attention_config``) as ``hf.patch``, transformers' model build and
     the vLLM plugin (at engine start) read it. The values the ops accept:
 
     - ``rerope``: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2;
     - ``self_extend``: integers (not bools) ``window`` W >= 1 and ``group`` G >= 1;
-    - ``dual_chunk``: integers (not bools) ``chunk_size`` C >= 1 and ``local_size`` S with ``0 <= S < C``, and the
-      temperature's length ``temperature_length`` (Qwen's ``original_max_position_embeddings``) 0 (none) or >= 1.
+    - ``dual_chunk``: integers (not bools) ``chunk_size`` C >= 1 and ``local_size`` S with ``0 <= S < C``, the
+      temperature's length ``temperature_length`` (Qwen's ``original_max_position_embeddings``) 0 (none) or >= 1,
+      and its rule ``temperature`` (None: Qwen's; a name of ``DUAL_CHUNK_TEMPERATURES``; other than Qwen's, it needs
+      a length > 0 where one is given).
 
     A parameter of another attention is refused. Raises ValueError; each caller prefixes its own name."""
     if not isinstance(attention, str) or attention not in ATTENTIONS:
         raise ValueError(f"attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got {attention!r}")
     arguments = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
                  "chunk_size": chunk_size, "local_size": local_size,
-                 "original_max_position_embeddings": temperature_length}
+                 "original_max_position_embeddings": temperature_length, "temperature": temperature}
     takes = ATTENTION_PARAMETERS[attention]
     if attention == "dual_chunk":
         takes += ("original_max_position_embeddings",)
@@ -354,6 +367,12 @@ def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn
         if temperature_length is not None and not _integer(temperature_length, 0):
             raise ValueError(f"original_max_position_embeddings (Dual Chunk Attention's temperature length L0; 0: "
                              f"none) must be an integer >= 0, got {temperature_length!r}")
+        if temperature is not None and (not isinstance(temperature, str) or temperature not in DUAL_CHUNK_TEMPERATURES):
+            raise ValueError(f"temperature (Dual Chunk Attention's temperature rule) must be one of "
+                             f"{', '.join(map(repr, DUAL_CHUNK_TEMPERATURES))}, got {temperature!r}")
+        if temperature not in (None, "qwen") and temperature_length == 0:
+            raise ValueError(f"temperature={temperature!r} needs its length L0 (original_max_position_embeddings > 0): "
+                             "with 0 there is no temperature to apply")
 
 
 # Messages warned once per process (the sparse DCA note).
@@ -448,12 +467,15 @@ def checked_entry(entry: Any, rope_type: str, marker: str | bool | None,
         values = {key: entry.get(key) for key in ATTENTION_KEYS[1:]}
         values["leaky_k"] = entry.get("leaky_k", 0.0)
         values["logn_length"] = entry.get("logn_length", 0)
+        temperature_length = None
         if attention == "dual_chunk":
             qwen = checked_dual_chunk(dual_chunk) or {}
             for key in ("chunk_size", "local_size"):
                 values[key] = qwen.get(key) if values[key] is None else values[key]
+            temperature_length = qwen.get("original_max_position_embeddings", 0)
         check_attention(attention, values["window"], values["leaky_k"], values["logn_length"], group=values["group"],
-                        chunk_size=values["chunk_size"], local_size=values["local_size"])
+                        chunk_size=values["chunk_size"], local_size=values["local_size"],
+                        temperature_length=temperature_length, temperature=values["temperature"])
         extra = sorted(set(entry) - {"attention", METHOD_KEY, *ATTENTION_PARAMETERS[attention]})
         if attention in ("self_extend", "dual_chunk") and extra:
             raise ValueError(f"config.{CONFIG_KEY}: attention {attention!r} takes "
@@ -533,7 +555,8 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
             chunk_size, local_size = qwen["chunk_size"], qwen["local_size"]
             length = qwen["original_max_position_embeddings"]
         return RopeConfig(method, base, "dual_chunk", recorded=recorded, chunk_size=int(chunk_size),
-                          local_size=int(local_size), temperature_length=int(length))
+                          local_size=int(local_size), temperature_length=int(length),
+                          temperature=attention.get("temperature", "qwen"))
     return RopeConfig(method, base, recorded=recorded)
 
 

@@ -49,6 +49,7 @@ class PreRopePlan:
     group: int = 0  # Self-Extend's group size G (0: not Self-Extend)
     chunk_size: int = 0  # Dual Chunk Attention's C (0: not DCA)
     temperature_length: int = 0  # DCA's attention temperature length L0 (0: none)
+    temperature: str = "qwen"  # DCA's temperature rule (config.DUAL_CHUNK_TEMPERATURES)
 
     @classmethod
     def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
@@ -58,7 +59,7 @@ class PreRopePlan:
         return cls(parsed.method, float(parsed.base), int(rotary_dim), NO_WINDOW if window is None else int(window),
                    float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
                    not is_neox_style, int(parsed.group or 0), int(parsed.chunk_size or 0),
-                   int(parsed.temperature_length))
+                   int(parsed.temperature_length), parsed.temperature)
 
     @property
     def attention(self) -> str:
@@ -102,7 +103,13 @@ class PreRopePlan:
         positions = ends - counts.repeat_interleave(counts) + offset
         prompts = torch.tensor([int(p) for p in prompt_lens], dtype=torch.int64).repeat_interleave(counts)
         lengths = torch.maximum(prompts, positions + 1)
-        return dual_chunk_temperature(lengths, self.temperature_length).to(torch.float32)
+        return self.temperature_at(lengths).to(torch.float32)
+
+    def temperature_at(self, lengths: torch.Tensor) -> torch.Tensor:
+        """DCA's temperature of this plan at integer ``lengths`` (:func:`dual_chunk_temperature` with the plan's L0
+        and rule), float64."""
+        return dual_chunk_temperature(lengths, self.temperature_length,
+                                      config_lib.DUAL_CHUNK_TEMPERATURES[self.temperature])
 
     @classmethod
     def of_config(cls, config) -> "PreRopePlan | None":
@@ -194,14 +201,15 @@ def ropescale_rotary(rope_parameters, entry) -> bool:
     return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
 
 
-def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int) -> torch.Tensor:
-    """Dual Chunk Attention's attention temperature ``m(len) = max(1, 0.1 ln(len / L0) + 1)`` at integer ``lengths``,
-    float64 (the formula and operations of ``hf.patch``'s, so that both round the same float32 factors; 1 where
-    ``L0 = temperature_length`` is 0)."""
+def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int, coefficient: float = 0.1) -> torch.Tensor:
+    """Dual Chunk Attention's attention temperature ``m(len) = max(1, c ln(len / L0) + 1)`` at integer ``lengths``,
+    float64, ``c = coefficient`` (Qwen's 0.1, ChunkLlama's 0.05: ``config.DUAL_CHUNK_TEMPERATURES``); 1 where
+    ``L0 = temperature_length`` is 0. ``hf.patch`` and the vLLM backend both take it from here, so both round the
+    same float32 factors."""
     lengths = lengths.clamp_min(1).to(torch.float64)
     if not temperature_length:
         return torch.ones_like(lengths)
-    return (0.1 * torch.log(lengths / float(temperature_length)) + 1.0).clamp_min(1.0)
+    return (coefficient * torch.log(lengths / float(temperature_length)) + 1.0).clamp_min(1.0)
 
 
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:

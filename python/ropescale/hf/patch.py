@@ -102,6 +102,7 @@ class _PatchState:
     group: int | None = None  # Self-Extend's group size G (its neighbour window W is ``window``)
     chunk_size: int | None = None  # Dual Chunk Attention's C (its local size S is ``window``)
     temperature_length: int = 0  # DCA's temperature length L0 (Qwen's original_max_position_embeddings; 0: none)
+    temperature: str = "qwen"  # DCA's temperature rule (config.DUAL_CHUNK_TEMPERATURES)
     config: Any = None
     # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
     pair_streams: list[int] | None = None
@@ -128,7 +129,7 @@ class _PatchState:
         self.tables = serving.TableCache(serving.PreRopePlan(
             self.method, self.base, self.rotary_dim, window, self.leaky_k, self.logn_length,
             group=int(self.group or 0), chunk_size=int(self.chunk_size or 0),
-            temperature_length=int(self.temperature_length or 0)))
+            temperature_length=int(self.temperature_length or 0), temperature=self.temperature))
         self.step_pre_rope = self.pre_rope
         # A KV-shared layer (Gemma 4's last num_kv_shared_layers) has no cache of its own: it attends the keys that
         # its source layer (the last earlier layer of its type: kv_sharing_modes "store") cached, at their positions.
@@ -246,6 +247,7 @@ def patch(
     chunk_size: int | None = None,
     local_size: int | None = None,
     original_max_position_embeddings: int | None = None,
+    temperature: str | None = None,
 ) -> nn.Module:
     """Swap ropescale's frequencies and kernels into a transformers model of a family ropescale knows
     (``ropescale.hf.architectures``), and record the method in ``model.config`` (``save_pretrained`` then
@@ -257,7 +259,10 @@ def patch(
     (Self-Extend) needs ``window`` (the neighbour window W) and ``group`` (the group size G);
     ``attention="dual_chunk"`` (Dual Chunk Attention, Qwen's parameters) needs ``chunk_size`` and ``local_size``,
     and optionally ``original_max_position_embeddings`` (L0: the attention temperature ``max(1, 0.1 ln(len/L0) + 1)``
-    on query and key, ``len`` the larger of the prompt's length and the token's position + 1; 0, the default: none).
+    on query and key, ``len`` the larger of the prompt's length and the token's position + 1; 0, the default: none)
+    and ``temperature``, the rule by its source: ``"qwen"`` (the default, the formula above: Qwen's checkpoints as
+    vLLM serves them) or ``"chunkllama"`` (ChunkLlama's own Llama patch: ``max(1, 0.05 ln(len/L0) + 1)``, L0 by
+    default the model's ``max_position_embeddings``).
     DCA runs over default RoPE only and has no training path (refused when gradients are wanted).
     ``attention=None`` (the default) takes the attention side the config records (a reloaded ReRoPE,
     Self-Extend or DCA checkpoint; a Qwen config's ``dual_chunk_attention_config``), else "sdpa";
@@ -285,8 +290,11 @@ def patch(
             local_size = saved["local_size"] if local_size is None else local_size
             if original_max_position_embeddings is None:
                 original_max_position_embeddings = saved["original_max_position_embeddings"]
+            temperature = saved["temperature"] if temperature is None else temperature
+    if attention == "dual_chunk" and temperature == "chunkllama" and original_max_position_embeddings is None:
+        original_max_position_embeddings = config.max_position_embeddings  # ChunkLlama's L0: the model's length
     _check_attention_arguments(attention, window, leaky_k, logn_length, group, chunk_size, local_size,
-                               original_max_position_embeddings)
+                               original_max_position_embeddings, temperature)
     if attention != "sdpa":
         _check_rerope_implementation(config, attention)
     if attention == "dual_chunk":
@@ -312,6 +320,7 @@ def patch(
         group=group,
         chunk_size=chunk_size,
         temperature_length=int(original_max_position_embeddings or 0),
+        temperature=temperature or "qwen",
     )
     state.pair_streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
     _check_layers(state, scaling)
@@ -320,7 +329,7 @@ def patch(
         checkpoint.record(config, None if scaling is None else state.method, attention,
                           None if attention == "dual_chunk" else window, state.leaky_k, state.logn_length,
                           layer_types=layer_types, group=group, chunk_size=chunk_size, local_size=local_size,
-                          temperature_length=state.temperature_length)
+                          temperature_length=state.temperature_length, temperature=temperature)
     except ValueError as err:
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
@@ -473,12 +482,13 @@ class _Request:
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length, group=None, chunk_size=None,
-                               local_size=None, temperature_length=None) -> None:
+                               local_size=None, temperature_length=None, temperature=None) -> None:
     """The attention side of a patch, checked before the model is touched (``config.check_attention``: the
     same check, and message, as a checkpoint's entry gets at load and at vLLM engine start)."""
     try:
         config_lib.check_attention(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
-                                   local_size=local_size, temperature_length=temperature_length)
+                                   local_size=local_size, temperature_length=temperature_length,
+                                   temperature=temperature)
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
 
@@ -916,20 +926,18 @@ _PROMPT = "_ropescale_prompt"  # a cache's prompt lengths per row (DCA's tempera
 
 def _dual_chunk_temperature(state, cache, positions, key_positions):
     """Dual Chunk Attention's temperature (L0 = ``state.temperature_length`` > 0), as vLLM applies it: the query of
-    a token at position ``i`` times ``m(max(P, i + 1))`` and the key at ``j`` times ``m(max(P, j + 1))``, ``m(len) =
-    max(1, 0.1 ln(len / L0) + 1)``, ``P`` the row's prompt length: the length of its first forward into an empty
-    cache (every key of that forward, padding masked; without a cache, the forward's own). ``(q_factors [B, Lq],
-    k_factors [B, Lk])`` float64, or None when every factor is 1 (every length within L0)."""
+    a token at position ``i`` times ``m(max(P, i + 1))`` and the key at ``j`` times ``m(max(P, j + 1))``, ``m`` the
+    plan's rule (``serving.dual_chunk_temperature``: Qwen's ``max(1, 0.1 ln(len / L0) + 1)`` or ChunkLlama's 0.05),
+    ``P`` the row's prompt length: the length of its first forward into an empty cache (every key of that forward,
+    padding masked; without a cache, the forward's own). ``(q_factors [B, Lq], k_factors [B, Lk])`` float64, or
+    None when every factor is 1 (every length within L0)."""
     prompt = getattr(cache, _PROMPT, None) if cache is not None else None
     if prompt is None or prompt.shape[0] != key_positions.shape[0]:
         prompt = key_positions.amax(dim=-1) + 1  # padding keys are at a negative position
         if cache is not None:
             setattr(cache, _PROMPT, prompt)
-    length = float(state.temperature_length)
-
     def m(positions):
-        lengths = torch.maximum(prompt[:, None], positions + 1).clamp_min(1).to(torch.float64)
-        return (0.1 * torch.log(lengths / length) + 1.0).clamp_min(1.0)
+        return state.tables.plan.temperature_at(torch.maximum(prompt[:, None], positions + 1))
 
     q_factors, k_factors = m(positions), m(key_positions)
     if not bool((q_factors != 1).any() | (k_factors != 1).any()):

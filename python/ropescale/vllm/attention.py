@@ -180,8 +180,9 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
     if "active" not in _warned:
         _warned.add("active")
         details = {"self_extend": f"window {plan.window}, group {plan.group}",
-                   "dual_chunk": f"chunk_size {plan.chunk_size}, local_size {plan.window}, temperature length "
-                                 f"{plan.temperature_length or 'none'}"}.get(plan.attention) or (
+                   "dual_chunk": f"chunk_size {plan.chunk_size}, local_size {plan.window}, temperature "
+                                 + (f"{plan.temperature}'s at length {plan.temperature_length}"
+                                    if plan.temperature_length else "none")}.get(plan.attention) or (
             f"window {'none' if plan.window == NO_WINDOW else plan.window}, leaky_k {plan.leaky_k}, "
             f"logn_length {plan.logn_length}")
         logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "

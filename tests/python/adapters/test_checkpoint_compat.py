@@ -114,7 +114,9 @@ def check_logits(model, expected: dict, want: torch.Tensor) -> float:
 # the method it was, plus these (issue 29: the dynamic methods' ``per``, "step" being the only rule they had).
 ADDED_AT_DEFAULT = (", per='step'",
                     # Self-Extend's and Dual Chunk Attention's fields (issue 31)
-                    ", group=None, chunk_size=None, local_size=None, temperature_length=0")
+                    ", group=None, chunk_size=None, local_size=None, temperature_length=0",
+                    # Dual Chunk Attention's temperature rule (issue 42: ChunkLlama's beside Qwen's)
+                    ", temperature='qwen'")
 
 
 def as_read_then(parsed) -> str:

@@ -46,11 +46,23 @@ def left_padded(x, pads):
     return x.masked_fill(mask == 0, 0), mask
 
 
-def temperature(lengths, original):
-    """DCA's m(len) = max(1, 0.1 ln(len / L0) + 1), float64 (1 everywhere for L0 = 0)."""
+# The temperature's coefficient c by source, read off each: vLLM's DCA backend (Qwen's checkpoints) scales by
+# 0.1 * log(len / L0) + 1; ChunkLlama's Llama patch (chunkllama_attn_replace.py, get_mscale) by 0.05 * log(scale) + 1.
+COEFFICIENTS = {"qwen": 0.1, "chunkllama": 0.05}
+
+
+def temperature(lengths, original, rule="qwen"):
+    """DCA's m(len) = max(1, c ln(len / L0) + 1), float64 (1 everywhere for L0 = 0)."""
     if not original:
         return torch.ones_like(lengths, dtype=torch.float64)
-    return (0.1 * torch.log(lengths.double() / original) + 1).clamp_min(1.0)
+    return (COEFFICIENTS[rule] * torch.log(lengths.double() / original) + 1).clamp_min(1.0)
+
+
+def chunkllama_mscale(seq_len, max_position_embeddings):
+    """ChunkLlama's own factor on q's and k's cos/sin tables (chunkllama_attn_replace.py: ``scale = seq_len /
+    max_position_embeddings``; ``get_mscale``: 1 when ``scale <= 1``, else ``0.05 * math.log(scale) + 1``)."""
+    scale = seq_len / max_position_embeddings
+    return 1.0 if scale <= 1 else 0.05 * math.log(scale) + 1.0
 
 
 class LayerChecker:
@@ -60,8 +72,9 @@ class LayerChecker:
     padding query rows are not compared. DCA's temperature: query and key rows times m(max(P, p + 1)), P the row's
     prompt length (its real tokens), as vLLM computes it."""
 
-    def __init__(self, model, attention, pads=None, original=0, inv_freq=INV_FREQ, **parameters):
+    def __init__(self, model, attention, pads=None, original=0, inv_freq=INV_FREQ, rule="qwen", **parameters):
         self.attention, self.parameters, self.original, self.inv_freq = attention, parameters, original, inv_freq
+        self.rule = rule
         self.pads, self.seen, self.errors, self.prompt = pads, {}, [], None
         self.handles = [m.register_forward_hook(self.hook, with_kwargs=True) for m in model.modules()
                         if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
@@ -96,8 +109,8 @@ class LayerChecker:
             return proj(x).view(batch, x.shape[1], -1, HEAD).transpose(1, 2).double()
 
         q, k, v = heads(module.q_proj, hidden), heads(module.k_proj, keys_hidden), heads(module.v_proj, keys_hidden)
-        q = q * temperature(torch.maximum(self.prompt[:, None], qp + 1), self.original)[:, None, :, None]
-        k = k * temperature(torch.maximum(self.prompt[:, None], kp + 1), self.original)[:, None, :, None]
+        q = q * temperature(torch.maximum(self.prompt[:, None], qp + 1), self.original, self.rule)[:, None, :, None]
+        k = k * temperature(torch.maximum(self.prompt[:, None], kp + 1), self.original, self.rule)[:, None, :, None]
         if self.attention == "self_extend":
             ref, _ = reference_self_extend(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
         elif self.attention == "rerope":
@@ -130,6 +143,8 @@ CASES = {  # name: (family, patch arguments, reference parameters, L0)
                             dict(chunk_size=6, local_size=0), 0),
     "dual_chunk_temperature": ("Llama", dict(DCA, original_max_position_embeddings=8),
                                dict(chunk_size=12, local_size=4), 8),
+    "dual_chunk_chunkllama": ("Llama", dict(DCA, temperature="chunkllama", original_max_position_embeddings=8),
+                              dict(chunk_size=12, local_size=4), 8),
 }
 
 
@@ -139,7 +154,8 @@ def test_every_layer_equals_the_float64_reference_in_prefill_and_decode(case):
     model = patched(family, **arguments)
     pads = [0, 5]
     x, mask = left_padded(ids(length=20), pads)
-    checker = LayerChecker(model, arguments["attention"], pads, original, **parameters)
+    checker = LayerChecker(model, arguments["attention"], pads, original, rule=arguments.get("temperature", "qwen"),
+                           **parameters)
     with torch.no_grad():
         out = model.generate(x, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                              pad_token_id=0)
@@ -165,7 +181,8 @@ def test_a_float64_model_is_served_and_equals_the_float64_reference(case):
     model = patched(family, **arguments).to(torch.float64)
     pads = [0, 5]
     x, mask = left_padded(ids(length=20), pads)
-    checker = LayerChecker(model, arguments["attention"], pads, original, INV_FREQ.float().double(), **parameters)
+    checker = LayerChecker(model, arguments["attention"], pads, original, INV_FREQ.float().double(),
+                           rule=arguments.get("temperature", "qwen"), **parameters)
     with torch.no_grad():
         out = model.generate(x, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                              pad_token_id=0)
@@ -208,6 +225,33 @@ def test_the_temperature_follows_the_prompt_not_the_whole_sequence():
     steps = torch.stack(out.logits, 1)
     assert (steps - full[:, 15:-1]).abs().max() > 1e-3
     torch.testing.assert_close(torch.stack(both.logits, 1)[1:], steps, rtol=0, atol=2e-5)
+
+
+def test_chunkllamas_own_temperature_is_offered_and_is_not_qwens():
+    """ChunkLlama's rule (issue 42): its Llama patch multiplies q's and k's cos/sin by ``get_mscale(seq_len /
+    max_position_embeddings)``, 0.05 ln(.) + 1 past the model's length, on every region. ``temperature="chunkllama"``
+    takes L0 from the model's max_position_embeddings (64 here) and applies exactly that factor: a prefill of 150
+    tokens equals the float64 reference with q and k times ChunkLlama's own mscale(150); Qwen's rule (0.1) at the
+    same L0 is another model, and so is no temperature."""
+    x = ids(batch=1, length=150, seed=11)
+    model = patched("Llama", **DCA, temperature="chunkllama")
+    assert model.config.dual_chunk_attention_config["original_max_position_embeddings"] == 64
+    assert model.config.ropescale["temperature"] == "chunkllama"
+    checker = LayerChecker(model, "dual_chunk", None, 64, rule="chunkllama", chunk_size=12, local_size=4)
+    with torch.no_grad():
+        chunkllama = model(x).logits
+    checker.remove()
+    assert max(checker.errors) <= 1e-5, checker.errors
+    # the reference's factor is ChunkLlama's own get_mscale at the prompt's length
+    assert float(temperature(torch.tensor([150]), 64, "chunkllama")) == pytest.approx(chunkllama_mscale(150, 64),
+                                                                                        rel=1e-15)
+    hf.unpatch(model)
+    with torch.no_grad():
+        qwen = hf.patch(model, **DCA, original_max_position_embeddings=64)(x).logits
+        hf.unpatch(model)
+        none = hf.patch(model, **DCA)(x).logits
+    for other in (qwen, none):
+        assert ((other - chunkllama).abs().max() / chunkllama.abs().max()) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +331,11 @@ def saved(tmp_path_factory):
     """Self-Extend, DCA (with its temperature) and a Qwen DCA model, each patched and saved."""
     root = tmp_path_factory.mktemp("self_extend_dca")
     out = {}
-    for name, model in (("self_extend", build("Llama")), ("dual_chunk", build("Llama")), ("qwen", qwen_dca())):
-        arguments = {"self_extend": SE, "dual_chunk": dict(DCA, original_max_position_embeddings=8)}.get(name, {})
+    for name, model in (("self_extend", build("Llama")), ("dual_chunk", build("Llama")), ("qwen", qwen_dca()),
+                        ("chunkllama", build("Llama"))):
+        arguments = {"self_extend": SE, "dual_chunk": dict(DCA, original_max_position_embeddings=8),
+                     "chunkllama": dict(DCA, temperature="chunkllama", original_max_position_embeddings=8)
+                     }.get(name, {})
         hf.patch(model, **arguments)
         model.save_pretrained(root / name)
         out[name] = (root / name, model)
@@ -302,6 +349,8 @@ WRITTEN = {
                    {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}, QWEN_DCA),
     "qwen": ({"rope_type": "dual_chunk", "rope_theta": 10000.0},
              {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}, QWEN_DCA),
+    "chunkllama": ({"rope_type": "dual_chunk", "rope_theta": 10000.0},
+                   {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4, "temperature": "chunkllama"}, QWEN_DCA),
 }
 
 
@@ -434,6 +483,14 @@ HOSTILE = {
     "dca_marker_on_yarn": ({**YARN, "rope_type": "dual_chunk_yarn"}, {"attention": "dual_chunk"}, QWEN_DCA,
                            "Dual Chunk Attention over a scaled table (YaRN, rope_type 'dual_chunk_yarn')"),
     "unknown_attention": (DEFAULT, {"attention": "chunked"}, None, "config.ropescale must be a dict with keys"),
+    "dca_unknown_temperature": (DCA_TYPE, {"attention": "dual_chunk", "temperature": "chunk_llama"}, QWEN_DCA,
+                                "temperature (Dual Chunk Attention's temperature rule) must be one of 'qwen', "
+                                "'chunkllama', got 'chunk_llama'"),
+    "dca_chunkllama_without_length": (DCA_TYPE, {"attention": "dual_chunk", "temperature": "chunkllama"},
+                                      {"chunk_size": 12, "local_size": 4},
+                                      "temperature='chunkllama' needs its length L0"),
+    "se_temperature": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": 2, "temperature": "chunkllama"},
+                       None, "temperature applies to attention='dual_chunk' only"),
 }
 
 
@@ -475,6 +532,11 @@ BAD_ARGUMENTS = [
           scaling=scaling.YaRN(factor=4.0, original_max_position=16)),
      "Dual Chunk Attention over a scaled table (YaRN)"),
     (dict(attention="chunked"), "attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got 'chunked'"),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=2, temperature="ChunkLlama"),
+     "must be one of 'qwen', 'chunkllama', got 'ChunkLlama'"),
+    (dict(attention="dual_chunk", chunk_size=8, local_size=2, temperature="chunkllama",
+          original_max_position_embeddings=0), "temperature='chunkllama' needs its length L0"),
+    (dict(attention="rerope", window=4, temperature="chunkllama"), "temperature applies to attention='dual_chunk'"),
 ]
 
 
