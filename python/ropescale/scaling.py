@@ -601,10 +601,21 @@ class YaRN(RopeScaling):
                                            cli="--original-max-position", help=_ORIGINAL_HELP)
     beta_fast: float = parameter(32.0, cli="--beta-fast", help="YaRN beta_fast")
     beta_slow: float = parameter(1.0, cli="--beta-slow", help="YaRN beta_slow")
-    truncate: bool = parameter(True)
-    mscale: float | None = parameter(None)
-    mscale_all_dim: float | None = parameter(None)
-    attention_factor_override: float | None = parameter(None, hf="attention_factor")
+    truncate: bool = parameter(True, cli="--truncate",
+                               help="YaRN truncate: round the ramp's bounds to whole pairs (--no-truncate: keep them "
+                                    "fractional, as gpt-oss does)")
+    mscale: float | None = parameter(None, cli="--mscale",
+                                     help="YaRN mscale m (DeepSeek): the attention factor is (0.1 m ln s + 1) / "
+                                          "(0.1 m' ln s + 1), m' = --mscale-all-dim, when both are set (else 0.1 ln s "
+                                          "+ 1)")
+    mscale_all_dim: float | None = parameter(None, cli="--mscale-all-dim",
+                                             help="YaRN mscale_all_dim m' (DeepSeek): the divisor of the attention "
+                                                  "factor; DeepSeek's MLA also multiplies its softmax scale by "
+                                                  "(0.1 m' ln s + 1)^2")
+    attention_factor_override: float | None = parameter(
+        None, hf="attention_factor", cli="--attention-factor",
+        help="the attention factor on cos and sin, fixed, in place of YaRN's own rule of s (config key "
+             "attention_factor)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -704,7 +715,10 @@ class LongRoPE(RopeScaling):
     factor: float | None = parameter(None, cli="--factor",
                                      help="the length scale s its long factors were searched for (the attention "
                                           "factor, and the length s x L it is served to)")
-    attention_factor_override: float | None = parameter(None, hf="attention_factor")
+    attention_factor_override: float | None = parameter(
+        None, hf="attention_factor", cli="--attention-factor",
+        help="the attention factor on cos and sin, fixed, in place of LongRoPE's own rule of s and L (config key "
+             "attention_factor)")
 
     def __post_init__(self):
         super().__post_init__()

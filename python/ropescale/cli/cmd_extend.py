@@ -1,9 +1,18 @@
-"""``extend``: a copy of a local model directory with a scaling method (and ReRoPE attention) written into its
-config (ropescale.hf.checkpoint)."""
+"""``extend``: a copy of a local model directory with a scaling method, an attention (ReRoPE, Self-Extend, Dual Chunk
+Attention) or both written into its config (ropescale.hf.checkpoint).
+
+``extend`` never rewrites what it was not asked to (issue 42): where the method written is of the family of SRC's own
+(the same class, or one a subclass of the other: YaRN and Dynamic YaRN), every field the command line did not give
+is SRC's (DeepSeek's ``mscale``/``mscale_all_dim``, gpt-oss's ``truncate: false``, Llama 3's frequency bounds, a
+dynamic method's ``per``, ...), and the output says which; a kept value that would be wrong at the new table is
+refused, naming its key and the flags that settle it (``_inherit``). Without --method, the attention goes over SRC's
+own table."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -11,14 +20,25 @@ from .. import scaling
 from . import methods
 from .common import UsageError, positive_int, subcommand
 
+_SAME_METHOD = "SRC's own when it has the same method, else "
 _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
-           "--resonance", "--longrope-factors", "--window", "--leaky-k", "--logn"),
-    required=True,
-    defaults={"--original-max-position": "SRC's original_max_position_embeddings, else its max_position_embeddings"},
-    notes={"--floor": ". Not the way to serve longer: that is --max-length"},
-    own_table="SRC's own table", serve_longer="give --max-length N (the floor stays 1)",
-    attention_title="ReRoPE attention (on top of --method's table; --method rerope: SRC's own)")
+           "--truncate", "--mscale", "--mscale-all-dim", "--attention-factor", "--resonance", "--longrope-factors",
+           "--attention", "--window", "--leaky-k", "--logn", "--group", "--chunk-size", "--local-size",
+           "--temperature-length", "--dca-temperature"),
+    # Not given, a variant flag is SRC's (None tells it from its default; _inherit fills it).
+    defaults={"--method": "none: with --attention, the attention over SRC's own table",
+              "--original-max-position": "SRC's original_max_position_embeddings, else its max_position_embeddings",
+              "--per": _SAME_METHOD + "step", "--beta-fast": _SAME_METHOD + "32",
+              "--beta-slow": _SAME_METHOD + "1", "--truncate": _SAME_METHOD + "--truncate",
+              "--mscale": _SAME_METHOD + "none", "--mscale-all-dim": _SAME_METHOD + "none",
+              "--attention-factor": _SAME_METHOD + "auto"},
+    notes={"--floor": ". Not the way to serve longer: that is --max-length. Not given: SRC's own floor when SRC is a "
+                      "dynamic_yarn",
+           "--attention-factor": " (a fixed factor SRC has is refused at another scale: give one, or auto)",
+           "--window": "; Self-Extend (--attention self_extend): the neighbour window W, distances below it exact"},
+    own_table="SRC's own table", serve_longer="give --max-length N (the floor stays 1)", refuse_unread=True,
+    attention_title="attention (over --method's table; without --method, or with --method rerope: SRC's own)")
 
 # Files a model directory keeps its weights in: hard-linked into DST (copied where a link cannot be made).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -28,13 +48,25 @@ _DESCRIPTION = (
     "a link cannot be made; tokenizer and other files copied) whose config.json carries the method "
     "as rope_parameters, with max_position_embeddings set as transformers and vLLM expect: ready "
     "for fine-tuning (ropescale.hf.patch(model) re-applies it) or for an engine that reads "
-    "rope_parameters. Types transformers lacks (dynamic_ntk, dynamic_yarn, resonance_*, rerope*) load "
-    "after `import ropescale.hf`.",
+    "rope_parameters. Types transformers lacks (dynamic_ntk, dynamic_yarn, resonance_*, rerope*, "
+    "self_extend*, dual_chunk*) load after `import ropescale.hf`.",
+    "Only what is asked for changes. Where --method is of SRC's own method (yarn over a YaRN, "
+    "dynamic_yarn over a YaRN or the reverse, llama3 over a Llama 3, ...), every setting no flag gives "
+    "is SRC's: DeepSeek's mscale and mscale_all_dim, gpt-oss's truncate false, Llama 3's frequency "
+    "bounds, YaRN's betas, a dynamic method's --per; the output lists what was kept, and a flag "
+    "overrides each. A fixed attention_factor SRC has is refused at another scale (it is SRC's "
+    "temperature for SRC's factor): give --attention-factor A, or auto for the method's own rule. "
+    "Another method keeps nothing of SRC's.",
+    "Attention: --attention rerope (ReRoPE, --window W), self_extend (Self-Extend, --window W "
+    "--group G) or dual_chunk (Dual Chunk Attention, --chunk-size C --local-size S, with Qwen's "
+    "temperature --temperature-length L0) runs over --method's table, or over SRC's own without "
+    "--method (DCA only over an unscaled one). Each reloads as hf.patch(model, attention=...) on the "
+    "same weights.",
     "Two lengths, not to be confused. A static table (linear, ntk, yarn, llama3, longrope) is set for "
     "one length, s x L: --factor s sets it, and vLLM serves the checkpoint up to it (max_model_len). "
-    "A pre-RoPE checkpoint (dynamic_yarn, dynamic_ntk, or ReRoPE attention with --window) has no such "
-    "length: a dynamic table follows each request's own length (native up to L), ReRoPE clips "
-    "distances at its window. --max-length N is then the length it may be served to (written as "
+    "A pre-RoPE checkpoint (dynamic_yarn, dynamic_ntk, or an --attention) has no such length: a "
+    "dynamic table follows each request's own length (native up to L), the attentions bound the "
+    "distances they show. --max-length N is then the length it may be served to (written as "
     "model_max_length: vLLM's max_model_len, no VLLM_ALLOW_LONG_MAX_MODEL_LEN); without it, vLLM "
     "serves it up to the length it records: L, or s x L where the table has a factor s. "
     "dynamic_yarn takes no --factor: its --floor F applies at EVERY length.",
@@ -50,17 +82,34 @@ def add_parser(sub) -> None:
                      "--original-max-position 8192",
                      "ropescale extend ./llama ./llama-dyarn --method dynamic_yarn --max-length 32768"
                      "   # native up to L",
+                     "ropescale extend ./deepseek-v3 ./dsv3-x80 --method yarn --factor 80"
+                     "   # keeps its mscale, mscale_all_dim, betas",
+                     "ropescale extend ./gpt-oss ./gpt-oss-x64 --method yarn --factor 64"
+                     "   # keeps truncate false (--truncate to change it)",
                      "ropescale extend ./llama ./llama-rerope --method rerope --window 1024 --max-length 32768",
                      "ropescale extend ./llama ./llama-leaky --method rerope --window 1024 --leaky-k 16 --logn "
                      "--max-length 32768",
+                     "ropescale extend ./llama ./llama-se --attention self_extend --window 1024 --group 8 "
+                     "--max-length 32768",
+                     "ropescale extend ./llama ./llama-se-yarn --method yarn --factor 2 --attention self_extend "
+                     "--window 1024 --group 4",
+                     "ropescale extend ./qwen ./qwen-dca --attention dual_chunk --chunk-size 32768 --local-size 4096 "
+                     "--temperature-length 32768 --max-length 131072",
                      "ropescale extend ./phi ./phi-lr --method longrope --longrope-factors factors.json --factor 32",
                      "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config"])
     ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json)")
     ex.add_argument("dst", metavar="DST", help="the new directory (must not exist, nor be inside SRC)")
     group = methods.add_options(ex, _METHOD_OPTIONS)
+    group.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                       help="per='request' checkpoints: the tokens a request that does not say how many it may "
+                            "generate is planned for (and stops at: finish_reason 'length'), written as "
+                            "generation_config.json's max_new_tokens, the default of vLLM's chat endpoint and of "
+                            "transformers' generate (default: SRC's own, else a quarter of the original length L, so "
+                            "a prompt up to 3L/4 runs the native model)")
     group.add_argument("--max-length", type=positive_int, default=None, metavar="N",
-                       help="pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window): the length it may be served "
-                            "to, vLLM's max_model_len (default: the length it records, L or s x L). The table keeps L")
+                       help="pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, an --attention): the length it may be "
+                            "served to, vLLM's max_model_len (default: the length it records, L or s x L). The table "
+                            "keeps L")
     ex.add_argument("--target", choices=("any", "vllm"), default="any",
                     help="vllm: write the table as a longrope (short == long factors) that stock vLLM serves "
                          "exactly with no plugin (static methods only)")
@@ -90,14 +139,160 @@ def _check_extend_paths(src, dst) -> None:
                          "of SRC would take DST's weights along)")
 
 
+def _source_method(config) -> scaling.RopeScaling | None:
+    """SRC's own method, as every engine adapter reads it (None where ropescale cannot read SRC's config: then nothing
+    is kept from it)."""
+    from .. import config as config_lib
+
+    try:
+        return config_lib.read_config(config).method
+    except ValueError:
+        return None
+
+
+# Fields never taken from SRC: Resonance is part of --method's name, and the original length has its own default
+# (SRC's original_max_position_embeddings, else its max_position_embeddings).
+_NEVER_KEPT = ("resonance", "original_max_position")
+
+
+def _same_family(method: scaling.RopeScaling, source: scaling.RopeScaling) -> bool:
+    return isinstance(method, type(source)) or isinstance(source, type(method))
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _listed(values: dict) -> str:
+    return ", ".join(f"{key}={_shown(value)}" for key, value in values.items())
+
+
+def _inherit(method: scaling.RopeScaling, source: scaling.RopeScaling | None,
+             given: frozenset[str]) -> tuple[scaling.RopeScaling, dict[str, object]]:
+    """``method`` with every field the command line did not give (``given``) taken from SRC's ``source`` where SRC's
+    value is not the method's default, when the two are of one family; and what was kept, by config key.
+
+    A field is kept only where it means the same in both methods (the same flag: YaRN's ``factor`` is its scale,
+    Dynamic YaRN's the floor of its scale, so neither is ever the other's). Right to keep at any factor, being the
+    model's own choices that every factor's formula takes: YaRN's betas, ``truncate``, ``mscale`` and
+    ``mscale_all_dim`` (DeepSeek's MLA softmax scale reads ``mscale_all_dim`` and the factor), Llama 3's frequency
+    bounds, Proportional's ``partial_rotary_factor`` (the model's rotated pairs), a dynamic method's ``per`` and
+    Dynamic YaRN's floor. Wrong, and refused: a fixed ``attention_factor`` (YaRN, LongRoPE) at another scale, or
+    from a static table to a dynamic one; it is a temperature chosen for SRC's scale, which the method's own rule
+    would change with the scale."""
+    if source is None or not _same_family(method, source):
+        return method, {}
+    own = {p.name: p for p in type(method).parameters()}
+    theirs = {p.name: p for p in type(source).parameters()}
+    kept: dict[str, object] = {}
+    for name, parameter in own.items():
+        if name in _NEVER_KEPT or name in given or name not in theirs or theirs[name].cli != parameter.cli:
+            continue
+        value = getattr(source, name)
+        if value != parameter.default:
+            kept[name] = value
+    if not kept:
+        return method, {}
+    by_key = {(own[name].hf_key or name): value for name, value in kept.items()}
+    try:
+        inherited = dataclasses.replace(method, **kept)
+    except ValueError as err:
+        raise UsageError(f"{err}, with SRC's {_listed(by_key)} kept: give the flag of each value you mean") from None
+    if "attention_factor_override" in kept:
+        _check_kept_attention_factor(inherited, source)
+    return inherited, by_key
+
+
+def _check_kept_attention_factor(method: scaling.RopeScaling, source: scaling.RopeScaling) -> None:
+    """SRC's fixed attention factor is its temperature at SRC's scale: kept only where the new table has that scale
+    (the same static factor, or both dynamic: SRC's factor then already held at every length)."""
+    factor, source_factor = method.factor or 1.0, source.factor or 1.0  # LongRoPE's None: 1
+    if method.dynamic == source.dynamic and (method.dynamic or factor == source_factor):
+        return
+    value = source.attention_factor_override
+    own_rule = dataclasses.replace(method, attention_factor_override=None)
+    name = type(method).rope_type
+    if method.dynamic:
+        rule = f"{name}'s own rule follows each length's scale"
+        settle = f"--attention-factor {methods.AUTO} for that rule, or --attention-factor A to fix A at every length"
+    else:
+        rule = f"{name}'s own rule gives {own_rule.attention_factor:g} at factor {factor:g}"
+        settle = (f"--attention-factor {methods.AUTO} for that rule, or --attention-factor A to fix one (e.g. "
+                  f"{own_rule.attention_factor:g})")
+    written_for = "its dynamic scale" if source.dynamic else f"its factor {source_factor:g}"
+    raise UsageError(f"attention_factor: SRC's {type(source).rope_type} fixes it at {value:g}, set for {written_for}; "
+                     f"{rule}. Keeping {value:g} would keep SRC's temperature on the new table: give {settle}")
+
+
+def _planning_budget(args, src: Path, written) -> int | None:
+    """The ``max_new_tokens`` a per-request checkpoint's generation config gets (None: not per request, nothing
+    written): --max-new-tokens, else SRC's own, else a quarter of the original length. A request that does not say
+    how many tokens it may generate is planned with it (vLLM's chat endpoint and transformers' generate take it as
+    their default), so a short question runs the native model and stops there rather than running the model scaled
+    for max_model_len (vLLM's own fallback)."""
+    if not written.method.per_request:
+        if args.max_new_tokens is not None:
+            raise UsageError("--max-new-tokens is the planning budget of a per='request' checkpoint (--per request): "
+                             "other methods do not plan a request's length")
+        return None
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    own = _generation_config(src).get("max_new_tokens")
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    return max(1, int(written.method.original_max_position) // 4)
+
+
+def _generation_config(folder: Path) -> dict:
+    import json
+
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as err:
+        raise UsageError(f"{path} is not JSON: {err}") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _write_planning_budget(src: Path, dst: Path, budget: int) -> None:
+    """DST's generation_config.json: SRC's (or a new one) with ``max_new_tokens`` set to ``budget``."""
+    import json
+
+    generation = _generation_config(src)
+    generation["max_new_tokens"] = int(budget)
+    (dst / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def _attention_summary(arguments: dict) -> str:
+    """The attention's line of the report: its name and parameters."""
+    from .. import config as config_lib
+
+    values = {key: value for key, value in arguments.items() if key != "attention"}
+    if arguments["attention"] == "rerope":  # 0 is off for these two
+        values = {key: value for key, value in values.items() if key == "window" or value}
+    if arguments["attention"] == "dual_chunk":
+        length, rule = values.pop("original_max_position_embeddings"), values.pop("temperature") or "qwen"
+        values["temperature"] = f"{rule}'s at length {length}" if length else "none"
+    return (f"  {config_lib.ATTENTION_NAMES[arguments['attention']]}: "
+            + ", ".join(f"{key} {_shown(value)}" for key, value in values.items())
+            + " (import ropescale.hf, then hf.patch(model); vLLM with ropescale's plugin)")
+
+
 def _cmd_extend(args) -> int:
     import shutil
 
     src, dst = Path(args.src), Path(args.dst)
+    methods.check_attention_options(args)
+    attention = methods.attention_of(args)
+    if args.method is None and attention is None:
+        raise UsageError("give --method M (a scaling method), --attention A (an attention over SRC's own table), or "
+                         "both (the attention over M's table)")
     _check_extend_paths(src, dst)
     from transformers import AutoConfig
 
-    from .. import config as config_lib
+    from .. import config as config_lib, serving
     from ..hf import checkpoint
 
     try:
@@ -110,32 +305,53 @@ def _cmd_extend(args) -> int:
                          "(or one set per layer type, which extend does not write)")
     args.original_max_position = (args.original_max_position or params.get("original_max_position_embeddings")
                                   or config.max_position_embeddings)
-    methods.check_rerope(args)
-    method = methods.build(args)  # None for --method rerope: SRC's own table
-    rerope = args.window is not None
-    if rerope and args.target == "vllm":
-        raise UsageError("--target vllm writes a table stock vLLM serves with no plugin; ReRoPE attention needs "
-                         "ropescale's plugin: leave --target out")
+    method = methods.build(args) if args.method is not None else None  # None: SRC's own table
+    kept: dict[str, object] = {}
+    if method is not None:
+        method, kept = _inherit(method, _source_method(config),
+                                methods.given_fields(args, methods.NAMES[args.method].rope_type))
+    if attention is not None and args.target == "vllm":
+        raise UsageError(f"--target vllm writes a table stock vLLM serves with no plugin; "
+                         f"{config_lib.ATTENTION_NAMES[attention]} needs ropescale's plugin: leave --target out")
     if method is not None:
         try:
             method.check_rotary_dim(config_lib.rotary_dim_of(config))
         except ValueError as err:
             raise UsageError(f"SRC: {err}") from None
-    if args.max_length is not None and not rerope and not method.dynamic:
-        raise UsageError(f"--max-length is for pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, --window), whose table "
-                         f"follows each request's length; --method {args.method} is a static table, set for s x L: "
-                         "--factor s sets the length it is served to")
+    if args.max_length is not None and attention is None and not method.dynamic:
+        raise UsageError(f"--max-length is for pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, an --attention), whose "
+                         f"table follows each request's length or whose attention bounds the distances; --method "
+                         f"{args.method} is a static table, set for s x L: --factor s sets the length it is served to")
     replaced = params.get("rope_type", "default")
+    patch_arguments = methods.attention_arguments(args)
+    if patch_arguments.get("temperature") == "chunkllama" and patch_arguments["original_max_position_embeddings"] is None:
+        # ChunkLlama's temperature starts at the model's own length (hf.patch's default too)
+        patch_arguments["original_max_position_embeddings"] = config.max_position_embeddings
+    # checkpoint.record names DCA's temperature length temperature_length (hf.patch: Qwen's key)
+    recorded = {("temperature_length" if key == "original_max_position_embeddings" else key): value
+                for key, value in patch_arguments.items()}
     try:
-        checkpoint.record(config, method, **methods.rerope_attention(args), target=args.target,
-                          max_length=args.max_length)
-    except ValueError as err:
-        raise UsageError(f"--target {args.target}: {err}" if args.target != "any" else str(err)) from None
+        checkpoint.record(config, method, **recorded, target=args.target, max_length=args.max_length)
+    except ValueError as err:  # a table DCA does not take, one --target vllm cannot write, ...
+        if args.target != "any":
+            raise UsageError(f"--target {args.target}: {err}") from None
+        raise UsageError(f"--attention {attention}: {err}" if attention not in (None, "rerope") else str(err)) from None
     try:  # what every engine adapter will read back (hf.patch, the vLLM plugin)
         written = config_lib.read_config(config)
     except ValueError as err:
-        raise UsageError(f"--method {args.method}: {err}") from None
+        raise UsageError(f"--method {args.method}: {err}" if args.method else f"--attention {attention}: {err}") \
+            from None
     text = config.to_json_string(use_diff=True)
+    budget = _planning_budget(args, src, written)
+    plan = serving.PreRopePlan.of_config(config)
+    reduced = plan.self_extend_reduces_within(config_lib.vllm_max_model_len(
+        config.rope_parameters, config.max_position_embeddings, getattr(config, config_lib.SERVED_LENGTH_KEY, None))
+    ) if plan is not None else None
+    if reduced is not None:
+        print(f"warning: {reduced}", file=sys.stderr)
+    if kept:  # on stderr beside --dry-run's JSON
+        print(f"kept from SRC (a flag overrides each): {_listed(kept)}",
+              file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         print(text, end="")
         return 0
@@ -158,6 +374,8 @@ def _cmd_extend(args) -> int:
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     (dst / "config.json").write_text(text)
+    if budget is not None:
+        _write_planning_budget(src, dst, budget)
     new = config.rope_parameters
     served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
     max_model_len = config_lib.vllm_max_model_len(new, config.max_position_embeddings, served)
@@ -166,9 +384,13 @@ def _cmd_extend(args) -> int:
           + f", max_position_embeddings {config.max_position_embeddings}"
           + (f", model_max_length {served}" if served is not None else "")
           + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")
+    if patch_arguments:
+        print(_attention_summary(patch_arguments))
     if written.method.per_request:
         print("  per request: each request runs the static model of the table at its prompt + max new tokens, for its "
-              "whole life (the native model when that fits L)")
+              "whole life (the native model when that fits L); a request that does not set them (a chat request "
+              f"without max_tokens) is planned at prompt + {budget} and stops there (finish_reason 'length'): "
+              "generation_config.json max_new_tokens, --max-new-tokens N")
     if written.length_free and served is None:
         print(f"  pre-RoPE: its table follows each request's length; to serve it past {max_model_len} tokens, write "
               "it with --max-length N")

@@ -4,13 +4,18 @@
 ``OPTIONS``: one entry per option (flag, type, default, help); the methods that read it and the field it fills
 come from the registry (each method's parameters declare their flag: ``scaling.parameter(cli=...)``). A
 command names the subset it takes in a ``MethodOptions`` and ``add_options`` adds them; ``build`` turns the
-parsed options into a ``scaling.RopeScaling``.
+parsed options into a ``scaling.RopeScaling`` and ``given_fields`` says which of its fields the command line
+gave (``extend`` takes the others from SRC). The attention options (ReRoPE's, Self-Extend's, Dual Chunk
+Attention's) are declared here too: ``check_attention_options`` says which go together and
+``attention_arguments`` turns them into ``hf.patch``'s arguments.
 
 The method's dataclass checks the values it is given (``__post_init__``): its ValueError is the usage error
 the user sees (``main``). Checked here: which option goes with which method, and the values whose argparse
 check says more than the dataclass would: --factor and --floor >= 1 (both fill ``factor``; s < 1 would
 shrink the context), --original-max-position and --window > 0 (within int64, and found while parsing,
-before a model is loaded), --leaky-k > 1 (``config.check_attention`` takes 1: plain RoPE past the window).
+before a model is loaded), --leaky-k > 1 (``config.check_attention`` takes 1: plain RoPE past the window),
+--mscale and --mscale-all-dim > 0 (the dataclass takes any finite number, and transformers reads 0 as unset),
+--attention-factor > 0 or ``auto``, and the attentions' sizes (``config.check_attention`` checks them again).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import scaling
-from .common import UsageError, number, positive_float, positive_int
+from .. import config as config_lib, scaling
+from .common import UsageError, non_negative_int, number, positive_float, positive_int
 
 
 def scale_factor(text: str) -> float:
@@ -42,6 +48,51 @@ def leaky_k(text: str) -> float:
 def per_choice(text: str) -> str:
     if text not in scaling.PER_CHOICES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(scaling.PER_CHOICES)}, got {text!r}")
+    return text
+
+
+def mscale_value(text: str) -> float:
+    value = number(text)
+    if not (math.isfinite(value) and value > 0):
+        hint = " (transformers reads 0 as not set: leave the flag out)" if value == 0 else ""
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}{hint}")
+    return value
+
+
+#: What --attention-factor takes besides a number: no fixed factor, the method's own rule.
+AUTO = "auto"
+
+
+def attention_factor(text: str) -> float | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, or {AUTO} (the method's own rule), "
+                                         f"got {text!r}")
+    return value
+
+
+#: The attentions --attention takes: the raw-key ones (``scaling.RopeType.MARKERS``).
+ATTENTIONS = scaling.RopeType.MARKERS
+
+
+def attention_choice(text: str) -> str:
+    if text not in ATTENTIONS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(ATTENTIONS)}, got {text!r}")
+    return text
+
+
+# Dual Chunk Attention's temperature rules by source (config.DUAL_CHUNK_TEMPERATURES).
+DUAL_CHUNK_TEMPERATURES = tuple(config_lib.DUAL_CHUNK_TEMPERATURES)
+
+
+def dca_temperature_choice(text: str) -> str:
+    if text not in DUAL_CHUNK_TEMPERATURES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DUAL_CHUNK_TEMPERATURES)}, got {text!r}")
     return text
 
 
@@ -80,6 +131,12 @@ def _field(flag: str) -> str:
     return name
 
 
+def _help(flag: str) -> str:
+    """The one help text the parameters ``flag`` fills declare (``scaling.parameter(help=...)``)."""
+    (text,) = {p.help for m in scaling.METHODS.values() for p in m.parameters() if p.cli == flag}
+    return text
+
+
 @dataclass(frozen=True)
 class Option:
     """One method option."""
@@ -92,7 +149,8 @@ class Option:
     default: Any = None
     metavar: str | None = None
     switch: bool = False  # store_true
-    attention: bool = False  # ReRoPE's, listed in the attention group
+    negatable: bool = False  # --X / --no-X (argparse.BooleanOptionalAction); None when neither is given
+    attention: tuple[str, ...] = ()  # the attentions whose option it is (listed in the attention group)
     # --method name -> a sentence of help, shown where the command offers that name
     method_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -121,6 +179,16 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            default=32.0),
     Option("--beta-slow", "YaRN beta_slow", read_by=_read_by("--beta-slow"), field=_field("--beta-slow"), type=number,
            default=1.0),
+    Option("--truncate", _help("--truncate"), read_by=_read_by("--truncate"), field=_field("--truncate"),
+           negatable=True),
+    Option("--mscale", _help("--mscale"), read_by=_read_by("--mscale"), field=_field("--mscale"), type=mscale_value,
+           metavar="M"),
+    Option("--mscale-all-dim", _help("--mscale-all-dim"), read_by=_read_by("--mscale-all-dim"),
+           field=_field("--mscale-all-dim"), type=mscale_value, metavar="M'"),
+    Option("--attention-factor", "yarn, dynamic_yarn, longrope: the attention factor A on cos and sin, fixed (config "
+           f"key attention_factor), in place of the method's own rule of its scale; {AUTO}: the method's own rule",
+           read_by=_read_by("--attention-factor"), field=_field("--attention-factor"), type=attention_factor,
+           metavar="{A," + AUTO + "}"),
     Option("--per", "dynamic methods: how long the scale holds: step (each step's length, the paper's rule) or "
            "request (prompt + the tokens a request may generate, fixed for its whole life: a request that fits L is "
            "the native model, a longer one the static model of its scale)", read_by=_read_by("--per"),
@@ -133,14 +201,41 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--longrope-factors", "longrope: a JSON object with short_factor and long_factor (one per rotary pair), "
            "at its top or under rope_parameters / rope_scaling (a LongRoPE model's config.json), optionally factor",
            read_by=_read_by("--longrope-factors"), metavar="FILE.json"),
-    Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W", attention=True),
+    Option("--attention", "the attention over the table, on raw keys: rerope (ReRoPE: distances past a window "
+           "clipped), self_extend (Self-Extend: distances past a neighbour window grouped), dual_chunk (Dual Chunk "
+           "Attention: positions inside chunks, as Qwen2.5-1M); default: rerope when --window is given",
+           type=attention_choice, metavar="{" + ",".join(ATTENTIONS) + "}", attention=ATTENTIONS),
+    Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W",
+           attention=("rerope", "self_extend")),
     Option("--leaky-k", "Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)", type=leaky_k, metavar="K",
-           attention=True),
-    Option("--logn", "ReRoPE log-n scaling: queries past L times log(n)/log(L)", switch=True, attention=True),
+           attention=("rerope",)),
+    Option("--logn", "ReRoPE log-n scaling: queries past L times log(n)/log(L)", switch=True, attention=("rerope",)),
+    Option("--group", "Self-Extend: the group size G: past the neighbour window W, a query at i and a key at j count "
+           "as floor(i/G) - floor(j/G) + W - floor(W/G) apart, so a model trained to L reaches about (L - W) x G + W",
+           type=positive_int, metavar="G", attention=("self_extend",)),
+    Option("--chunk-size", "Dual Chunk Attention: the chunk size C (Qwen's chunk_size), the largest relative position "
+           "it shows the model (Qwen's checkpoints: C = the trained length L)", type=positive_int, metavar="C",
+           attention=("dual_chunk",)),
+    Option("--local-size", "Dual Chunk Attention: the local size S < C (Qwen's local_size): chunks are C - S "
+           "positions long, and a key in the previous chunk keeps its true distance while the query is within S "
+           "positions of its own chunk's start", type=non_negative_int, metavar="S", attention=("dual_chunk",)),
+    Option("--temperature-length", "Dual Chunk Attention: the length L0 of its attention temperature max(1, c "
+           "ln(len/L0) + 1) on queries and keys (Qwen's original_max_position_embeddings; default 0: none, or the "
+           "model's max_position_embeddings under --dca-temperature chunkllama)",
+           type=non_negative_int, metavar="L0", attention=("dual_chunk",)),
+    Option("--dca-temperature", "Dual Chunk Attention: whose temperature rule: qwen (c = 0.1, Qwen's checkpoints as "
+           "vLLM serves them) or chunkllama (c = 0.05, ChunkLlama's own Llama patch, L0 by default the model's "
+           "max_position_embeddings); default qwen", type=dca_temperature_choice,
+           metavar="{" + ",".join(DUAL_CHUNK_TEMPERATURES) + "}", attention=("dual_chunk",)),
 )}
 
-# What --method rerope refuses: the options that shape a table and that nothing else reads.
-_TABLE_ONLY = ("--factor", "--floor", "--resonance", "--longrope-factors")
+# What a table method reads and an attention over the model's own table refuses: every option that fills a field but
+# the original length (ReRoPE's --logn reads it too), and LongRoPE's factors.
+_TABLE_ONLY = tuple(flag for flag, option in OPTIONS.items()
+                    if (option.field or flag == "--longrope-factors") and flag != "--original-max-position")
+# The options each attention needs (``attention_arguments``): the others of its own are optional.
+_ATTENTION_NEEDS = {"rerope": ("--window",), "self_extend": ("--window", "--group"),
+                    "dual_chunk": ("--chunk-size", "--local-size")}
 
 
 @dataclass(frozen=True)
@@ -155,6 +250,8 @@ class MethodOptions:
     notes: Mapping[str, str] = dataclasses.field(default_factory=dict)  # flag -> help text only this command needs
     own_table: str = "the model's own table"  # what --method rerope keeps
     serve_longer: str | None = None  # how this command serves dynamic_yarn longer (its --factor refusal says)
+    # Refuse an option --method does not read (off where an option may be meant for another method: table --compare).
+    refuse_unread: bool = False
     title: str = "method"
     attention_title: str = "ReRoPE attention"
 
@@ -189,6 +286,8 @@ def add_options(parser: argparse.ArgumentParser, taken: MethodOptions) -> argpar
                 help += f", or rerope ({taken.own_table} with ReRoPE attention: needs --window)"
         elif option.switch:
             kwargs.update(action="store_true")
+        elif option.negatable:
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
         else:
             kwargs.update(type=option.type, metavar=option.metavar,
                           default=None if option.flag in taken.defaults else option.default)
@@ -214,8 +313,43 @@ def _default_help(option: Option, taken: MethodOptions) -> str | None:
     return f"default {option.default:g}" if isinstance(option.default, (int, float)) else f"default {option.default}"
 
 
+def _not_given(option: Option, taken: MethodOptions) -> Any:
+    """An option's value when the command line does not give it: None where the command tells the two apart
+    (``MethodOptions.defaults``, a negatable switch), False for a switch, else its default."""
+    if option.flag in taken.defaults or option.negatable:
+        return None
+    return False if option.switch else option.default
+
+
 def _given(args, flag: str) -> bool:
-    return flag in args.method_options.flags and getattr(args, OPTIONS[flag].dest) not in (None, False)
+    """Whether the command line gave ``flag`` (one whose default is a value, as table's --beta-fast 32, reads as given
+    only where it differs from it)."""
+    taken: MethodOptions = args.method_options
+    if flag not in taken.flags:
+        return False
+    value = getattr(args, OPTIONS[flag].dest)
+    return value is not None and value != _not_given(OPTIONS[flag], taken)
+
+
+def given_fields(args, rope_type: str) -> frozenset[str]:
+    """The fields of the ``rope_type`` method that ``build`` took from the command line (``resonance`` aside: it is in
+    --method's name): those of the options given, and LongRoPE's factors (--longrope-factors, --factor or the file's,
+    which it always takes). Exact for a command whose options default to None (``extend``: ``MethodOptions.defaults``),
+    which takes every other field from SRC's method."""
+    taken: MethodOptions = args.method_options
+    fields = {option.field for option in OPTIONS.values()
+              if option.field and option.field != "resonance" and rope_type in option.read_by
+              and _given(args, option.flag)}
+    if rope_type in OPTIONS["--longrope-factors"].read_by and "--longrope-factors" in taken.flags:
+        fields |= {p.name for p in scaling.METHODS[rope_type].parameters()
+                   if p.cli in ("--longrope-factors", "--factor")}
+    return frozenset(fields)
+
+
+def _refuse_table_options(args, keeps: str, instead: str) -> None:
+    given = [flag for flag in _TABLE_ONLY if _given(args, flag)]
+    if given:
+        raise UsageError(f"{keeps}: {', '.join(given)} belong to a table method ({instead})")
 
 
 def check_rerope(args) -> None:
@@ -225,20 +359,86 @@ def check_rerope(args) -> None:
         if args.window is None:
             raise UsageError("--method rerope needs --window W: relative distances below W stay exact, longer ones "
                              "count as W (a quarter of the trained length is a good start)")
-        given = [flag for flag in _TABLE_ONLY if _given(args, flag)]
-        if given:
-            raise UsageError(f"--method rerope keeps {taken.own_table}: {', '.join(given)} belong to a table method "
-                             "(ReRoPE over one: --method M --window W)")
+        _refuse_table_options(args, f"--method rerope keeps {taken.own_table}",
+                              "ReRoPE over one: --method M --window W")
     if args.window is None and (args.leaky_k or args.logn):
         raise UsageError("--leaky-k and --logn belong to ReRoPE: add --window W (e.g. --method rerope --window W)")
 
 
+def attention_of(args) -> str | None:
+    """The attention the command line asks for: --attention's, else ReRoPE where --window or --method rerope says
+    so; None for plain attention."""
+    chosen = getattr(args, "attention", None)
+    if chosen is not None:
+        return chosen
+    return "rerope" if args.window is not None or args.method == "rerope" else None
+
+
+def _usage(attention: str) -> str:
+    """An attention's options as the command line takes them: ``--window W --group G``, optional ones bracketed."""
+    words = []
+    for option in OPTIONS.values():
+        if attention in option.attention and option.flag != "--attention":
+            word = option.flag if option.switch else f"{option.flag} {option.metavar}"
+            words.append(word if option.flag in _ATTENTION_NEEDS[attention] else f"[{word}]")
+    return " ".join(words)
+
+
+def check_attention_options(args) -> None:
+    """The attention options against each other and --method (``extend``, which takes --attention): which go with which
+    attention, what each needs. Usage errors found before a model is loaded."""
+    taken: MethodOptions = args.method_options
+    chosen = getattr(args, "attention", None)
+    if args.method == "rerope" and chosen not in (None, "rerope"):
+        raise UsageError(f"--method rerope is ReRoPE attention over {taken.own_table}; for "
+                         f"{config_lib.ATTENTION_NAMES[chosen]} over it leave --method out: --attention {chosen} "
+                         f"{_usage(chosen)}")
+    attention = attention_of(args)
+    if attention in (None, "rerope"):
+        check_rerope(args)
+    for option in OPTIONS.values():
+        if not option.attention or option.flag == "--attention" or not _given(args, option.flag) \
+                or attention in option.attention:
+            continue
+        owners = " or ".join(f"{config_lib.ATTENTION_NAMES[a]} (--attention {a} {_usage(a)})" for a in option.attention)
+        if attention is None:
+            raise UsageError(f"{option.flag} belongs to {owners}")
+        raise UsageError(f"{option.flag} belongs to {owners}, not to {config_lib.ATTENTION_NAMES[attention]}, which "
+                         f"takes {_usage(attention)}")
+    if attention is None:
+        return
+    missing = [flag for flag in _ATTENTION_NEEDS[attention] if not _given(args, flag)]
+    if missing:
+        raise UsageError(f"--attention {attention} needs {', '.join(missing)}: {_usage(attention)}")
+    if attention == "dual_chunk" and args.local_size >= args.chunk_size:
+        raise UsageError(f"--local-size S must be below --chunk-size C (chunks are C - S positions long), got S = "
+                         f"{args.local_size} and C = {args.chunk_size}")
+    if args.method is None:
+        _refuse_table_options(args, f"--attention {attention} without --method keeps {taken.own_table}",
+                              f"{config_lib.ATTENTION_NAMES[attention]} over one: --method M --attention {attention}")
+
+
+def attention_arguments(args) -> dict[str, Any]:
+    """``hf.patch``'s attention arguments from the command line (none for plain attention): ReRoPE's (--window,
+    --leaky-k, --logn over --original-max-position), Self-Extend's, Dual Chunk Attention's (L0 as
+    ``original_max_position_embeddings``, Qwen's key)."""
+    attention = attention_of(args)
+    if attention == "rerope":
+        return {"attention": "rerope", "window": args.window, "leaky_k": args.leaky_k or 0.0,
+                "logn_length": args.original_max_position if args.logn else 0}
+    if attention == "self_extend":
+        return {"attention": "self_extend", "window": args.window, "group": args.group}
+    if attention == "dual_chunk":  # L0 None: the rule's own default (hf.patch's: chunkllama's is the model's length)
+        return {"attention": "dual_chunk", "chunk_size": args.chunk_size, "local_size": args.local_size,
+                "original_max_position_embeddings": args.temperature_length,
+                "temperature": getattr(args, "dca_temperature", None)}
+    return {}
+
+
 def rerope_attention(args) -> dict[str, Any]:
-    """``hf.patch``'s / ``checkpoint.record``'s attention arguments (none without --window)."""
-    if args.window is None:
-        return {}
-    return {"attention": "rerope", "window": args.window, "leaky_k": args.leaky_k or 0.0,
-            "logn_length": args.original_max_position if args.logn else 0}
+    """``hf.patch``'s attention arguments of a command whose only attention is ReRoPE (``eval``):
+    :func:`attention_arguments`."""
+    return attention_arguments(args)
 
 
 def build(args, name: str | None = None, *, factor: float | None = None) -> scaling.RopeScaling | None:
@@ -258,8 +458,8 @@ def build(args, name: str | None = None, *, factor: float | None = None) -> scal
     for option in OPTIONS.values():
         if option.field and rope_type in option.read_by and option.flag in taken.flags:
             value = getattr(args, option.dest)
-            if value is not None:
-                kwargs[option.field] = value
+            if value is not None:  # --attention-factor auto: the field's default, the method's own rule
+                kwargs[option.field] = None if value == AUTO else value
     kwargs["resonance"] = kwargs.get("resonance", False) or resonance
     scales = rope_type in OPTIONS["--factor"].read_by
     if scales and "factor" not in kwargs:
@@ -293,11 +493,19 @@ def _refuse_unread(args, rope_type: str) -> None:
             f"the FLOOR F at every length (requests shorter than {args.factor:g} x L would no longer be native). "
             + (f"To serve it longer {taken.serve_longer}; for a floor, " if taken.serve_longer else "For a floor, ")
             + f"--floor {args.factor:g}")
-    if "--per" in taken.flags and args.per != "step" and rope_type not in OPTIONS["--per"].read_by:
+    if _given(args, "--per") and args.per != "step" and rope_type not in OPTIONS["--per"].read_by:
         raise UsageError(f"--per {args.per} belongs to the dynamic methods ({', '.join(sorted(_DYNAMIC))}): the table "
                          f"of --method {args.method} is the same at every length")
     if _given(args, "--longrope-factors") and rope_type not in OPTIONS["--longrope-factors"].read_by:
         raise UsageError("--longrope-factors belongs to --method longrope")
+    if not taken.refuse_unread:
+        return
+    for option in OPTIONS.values():
+        # --per's step is every static table's rule; --original-max-position the command fills from the model.
+        if option.field and option.flag not in ("--per", "--original-max-position") and _given(args, option.flag) \
+                and rope_type not in option.read_by:
+            raise UsageError(f"{option.flag} belongs to --method {', '.join(sorted(option.read_by))}: --method "
+                             f"{args.method} has none")
 
 
 def longrope_factors(path: str | None) -> dict:
