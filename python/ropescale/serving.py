@@ -79,6 +79,27 @@ class PreRopePlan:
             return dataclasses.replace(self, temperature_length=0)
         return self
 
+    def self_extend_reduces_within(self, max_length: int | None) -> str | None:
+        """Why Self-Extend under this plan is another, simpler method at every length up to ``max_length`` (the
+        longest a checkpoint may be served to), or None (not Self-Extend, a length it extends, or none known).
+        Distances there are ``0 .. max_length - 1``: a window ``W >= max_length`` leaves every pair in the neighbour
+        region (plain RoPE attention); a group ``G >= max_length`` puts every position in group 0, so every grouped
+        pair sits at ``W`` (ReRoPE with window W); ``G = 1`` is RoPE attention at every length."""
+        if not self.group or max_length is None:
+            return None
+        window, group, length = self.window, self.group, int(max_length)
+        head = f"Self-Extend with window {window} and group {group}"
+        if group == 1:
+            return f"{head} is plain RoPE attention at every length (a group of 1 keeps every position)"
+        if window >= length:
+            return (f"{head}, served up to {length} tokens, is plain RoPE attention there: every distance is below "
+                    f"the window (a window below the trained length makes it extend)")
+        if group >= length:
+            return (f"{head}, served up to {length} tokens, is ReRoPE with window {window} there: every position is "
+                    f"below the group size, so every grouped pair sits at distance {window} (the paper's group sizes "
+                    "are small: 2 to 16)")
+        return None
+
     @property
     def prompt_dependent(self) -> bool:
         """Whether a row's result depends on its request's prompt length, not on positions alone: a length-dependent

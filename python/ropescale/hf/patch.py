@@ -54,6 +54,7 @@ import dataclasses
 import inspect
 import sys
 import types
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -334,6 +335,12 @@ def patch(
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
     _check_written_config(state)
+    served = config_lib.vllm_max_model_len(config_lib.layer_type_parameters(config, layer_type),
+                                           config.max_position_embeddings,
+                                           getattr(config, config_lib.SERVED_LENGTH_KEY, None))
+    reduced = state.tables.plan.self_extend_reduces_within(served)
+    if reduced is not None:  # a setting that makes the written checkpoint another method wherever it is served
+        warnings.warn(f"patch: {reduced}", stacklevel=2)
     for module in rotary_modules:
         if architecture.cat_layout:
             module.forward = types.MethodType(_rotary_forward, module)

@@ -18,7 +18,10 @@ does there, once per process and without touching a GPU:
 - with ``ROPESCALE_VLLM_ROTATION=1`` (opt-in), vLLM's own rotary classes (default, linear, YaRN,
   Llama 3) also rotate with ropescale's kernel (``CustomOp.register_oot``), over vLLM's own tables;
 - registers ropescale's rope types in transformers (``import ropescale.hf``), so vLLM's config
-  validation knows them.
+  validation knows them;
+- makes ropescale's reason for refusing a model the last line of vLLM's engine-start error, and on the CPU
+  platform keeps a seeded request whose prompt is chunked from killing the engine (a vLLM 0.32 bug):
+  :mod:`ropescale.vllm.engine`.
 
 On a GPU platform with a ropescale built without CUDA kernels (:func:`missing_kernels`: no nvcc at build
 time) it refuses to go active: one error line per process saying how to rebuild, and ropescale's checkpoints
@@ -115,8 +118,9 @@ def register() -> None:
             "is NOT active; checkpoints with ropescale's rope types will be refused by vLLM", version, *lower, *upper)
         return
     from .. import __version__ as ropescale_version
-    from . import rotary
+    from . import engine, rotary
 
+    engine.install_startup_reasons()  # in the front end: a refusal's reason ends its error at engine start
     problem = missing_kernels()
     if problem is not None:
         # Refused, loudly: ropescale's checkpoints fail at model build with this message (rather than as
@@ -133,6 +137,7 @@ def register() -> None:
     if not attention.install_block_hash_key():
         logger.warning("ropescale: this vLLM has no hook for the block hash: a dynamic method's pages may be reused "
                        "from the prefix cache across prompts of different scale; pass --no-enable-prefix-caching")
+    engine.install_seeded_sampling_fix()  # vLLM 0.32's CPU runner: seeded requests with a chunked prompt
     rotation = rotary.install_rotation() if os.environ.get("ROPESCALE_VLLM_ROTATION", "0").strip() == "1" else False
     _state["active"] = True
     logger.info("ropescale %s: vLLM %s plugin active (ropescale rope types served%s)", ropescale_version, version,

@@ -63,6 +63,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from .. import config as config_lib, ops
+from . import engine
 from ..serving import (NO_WINDOW, PreRopePlan, Segments, StepTables, TableCache, cut_segments,  # noqa: F401
                        needs_pre_rope)
 
@@ -179,15 +180,66 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
         install_prompt_lengths()
     if "active" not in _warned:
         _warned.add("active")
-        details = {"self_extend": f"window {plan.window}, group {plan.group}",
-                   "dual_chunk": f"chunk_size {plan.chunk_size}, local_size {plan.window}, temperature "
-                                 + (f"{plan.temperature}'s at length {plan.temperature_length}"
-                                    if plan.temperature_length else "none")}.get(plan.attention) or (
-            f"window {'none' if plan.window == NO_WINDOW else plan.window}, leaky_k {plan.leaky_k}, "
-            f"logn_length {plan.logn_length}")
         logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
-                    "attention backend (%s)", what, details)
+                    "attention backend; %s", what, describe_plan(plan, vllm_config))
+        length = _max_model_len(vllm_config)
+        reduced = plan.self_extend_reduces_within(length)
+        if reduced is not None:
+            logger.warning("ropescale: %s (max_model_len %s)", reduced, length)
+        if plan.per_request and unset_max_tokens_default(vllm_config) is None:
+            logger.warning(
+                "ropescale: per='request': a chat request without max_tokens is planned at max_model_len (%s "
+                "tokens), so even a short question runs the model scaled for that length; give the checkpoint a "
+                "planning budget (generation_config.json max_new_tokens: `ropescale extend --max-new-tokens N`, or "
+                "--override-generation-config '{\"max_new_tokens\": N}'), or send max_tokens", length)
     return PreRopeRotary(head_size, rotary_dim, max_position, is_neox_style, plan)
+
+
+def unset_max_tokens_default(vllm_config) -> int | None:
+    """What vLLM's chat endpoint gives a request that sets neither max_tokens nor max_completion_tokens: the
+    model's generation config ``max_new_tokens`` (with ``--override-generation-config`` applied; none under
+    ``--generation-config vllm``), or None: then ``max_model_len`` less the prompt."""
+    model_config = getattr(vllm_config, "model_config", None)
+    try:
+        value = model_config.get_diff_sampling_param().get("max_tokens")
+    except Exception:  # noqa: BLE001 (an unreadable generation config reads as none, as vLLM's own falls back)
+        return None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def describe_plan(plan: PreRopePlan, vllm_config=None) -> str:
+    """What the engine does with each request under ``plan``, for the startup line: the attention's settings,
+    and for a length-dependent table which length each row's table is for (under ``per="request"``: the rule a
+    request without max_tokens is planned by)."""
+    method = type(plan.method).__name__ + (" with Resonance" if plan.method.resonance else "")
+    original = getattr(plan.method, "original_max_position", None)
+    if plan.attention == "self_extend":
+        parts = [f"Self-Extend window {plan.window}, group {plan.group}"]
+    elif plan.attention == "dual_chunk":
+        parts = [f"Dual Chunk Attention chunk_size {plan.chunk_size}, local_size {plan.window}, temperature "
+                 + (f"{plan.temperature}'s at length {plan.temperature_length}" if plan.temperature_length
+                    else "none")]
+    elif plan.window != NO_WINDOW:
+        parts = [("Leaky ReRoPE" if plan.leaky_k else "ReRoPE") + f" window {plan.window}"
+                 + (f", leaky_k {plan.leaky_k:g}" if plan.leaky_k else "")
+                 + (f", log-n past {plan.logn_length}" if plan.logn_length else "")]
+    else:
+        parts = []
+    if plan.per_request:
+        default = unset_max_tokens_default(vllm_config)
+        parts.append(
+            f"{method} per='request': each request runs, for its whole life, the static table of its planned length "
+            f"prompt + max_tokens (the native model when that fits {original or 'the original length'}); a request "
+            "without max_tokens gets vLLM's default: 16 offline (SamplingParams()) and on /v1/completions, on "
+            "/v1/chat/completions " + (f"the generation config's max_new_tokens, {default} (it stops there: "
+                                       "finish_reason 'length')" if default is not None
+                                       else "max_model_len less the prompt (planned at max_model_len)"))
+    elif plan.length_dependent:
+        parts.append(f"{method} per step: each row takes the table of its own length (the whole prompt's for a "
+                     f"prompt row, its position + 1 after it; native up to {original or 'the original length'})")
+    else:
+        parts.append(f"table {method}")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +490,7 @@ class PreRopeLayer:
 
     workspace: torch.Tensor | None = None  # the CUDA backend's reserved scratch (reserve_workspace)
 
+    @engine.reported
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *, sliding_window=None,
                  alibi_slopes=None, logits_soft_cap=None, kv_cache_dtype: str = "auto",
                  attn_type: str = AttentionType.DECODER, sinks=None) -> None:
@@ -580,6 +633,7 @@ class RopescaleCPUAttentionMetadataBuilder(_StepTablesOwner, CPUAttentionMetadat
 class RopescaleCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, or ropescale's pre-RoPE attention for the layers of a pre-RoPE model."""
 
+    @engine.reported
     def __init__(self, *args, **kwargs) -> None:
         pre_rope = _serving_pre_rope()
         if pre_rope:  # vLLM's Qwen models pass DCA's config to the layer (for its DUAL_CHUNK backend): read already
@@ -665,6 +719,7 @@ class PreRopeMetadataBuilder(_StepTablesOwner, AttentionMetadataBuilder[PreRopeM
 
 
 class PreRopeAttentionImpl(AttentionImpl[PreRopeMetadata]):
+    @engine.reported
     def __init__(self, *args, **kwargs) -> None:
         options = _impl_options(args, kwargs)
         if not _serving_pre_rope():

@@ -20,6 +20,7 @@ from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
 from .. import config as config_lib, ops, scaling, serving
+from . import engine
 
 logger = logging.getLogger("vllm.ropescale")
 _stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
@@ -115,6 +116,7 @@ def _model_config():
     return get_current_vllm_config().model_config
 
 
+@engine.reported  # its refusals end the front end's error at engine start
 def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
              rope_parameters: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
              *args, **kwargs) -> RotaryEmbedding:

@@ -185,11 +185,18 @@ def prompts():
     return [torch.randint(1, 101, (n,), generator=g).tolist() for n in (64 - NEW_TOKENS - 2, 11)]
 
 
+# LLM options a family needs on every CPU. DeepSeek-V3's MLA: on a CPU with AMX, vLLM 0.32 picks its AMX_MLA backend
+# whatever the dtype, and that backend's weight packing refuses float32 ("expect weight to be bfloat16, float16, int8,
+# fp8_e4m3 or uint8": platforms/cpu.py never checks AMX_MLA's supported dtypes, bfloat16 only); a CPU without AMX
+# gets CPU_MLA, which takes float32. Asking for CPU_MLA serves the float32 checkpoint the same way on both kinds.
+FAMILY_OPTIONS = {"DeepSeek-V3": {"attention_backend": "CPU_MLA"}}
+
+
 def serve(tmp_path, checkpoints, keys, env):
     params = dict(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=0, ignore_eos=True, detokenize=False)
     # A pre-RoPE checkpoint keeps its original length as max_position_embeddings: served past it on purpose.
     engines = [{"id": "/".join(key), "path": str(checkpoints[key]),
-                "options": dict(enforce_eager=True, max_num_seqs=2, max_model_len=64),
+                "options": dict(enforce_eager=True, max_num_seqs=2, max_model_len=64, **FAMILY_OPTIONS.get(key[1], {})),
                 "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if key[0] == "pre_rope" else {},
                 "batches": [{"prompts": prompts(), "params": params}]} for key in keys]
     environ = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}

@@ -339,8 +339,17 @@ class GpuPlatform(Platform):
 
 @pytest.fixture
 def fresh_plugin(monkeypatch):
-    """register() as in a new process, vLLM's get_rope, backend registry and platform restored after."""
+    """register() as in a new process, vLLM's get_rope, backend registry, platform, engine start and CPU sampling
+    (ropescale.vllm.engine) restored after."""
+    from vllm.v1.engine import utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ropescale.vllm import engine
+
     monkeypatch.setattr(plugin, "_state", {})
+    monkeypatch.setenv(engine.REASONS_ENV, "")
+    monkeypatch.setattr(utils, "wait_for_engine_startup", utils.wait_for_engine_startup)
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", GPUModelRunner.sample_tokens)
     monkeypatch.setattr(rotary._rope_package, "get_rope", rotary._rope_package.get_rope)
     monkeypatch.setitem(rotary._refusal, "reason", None)
     saved = dict(_ATTN_OVERRIDES)

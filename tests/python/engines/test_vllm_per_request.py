@@ -9,9 +9,14 @@ With engines (slow: one subprocess, four engines):
 - a longer one equals transformers + ``hf.patch`` with the static ``YaRN(factor=s)`` table (1e-5);
 - the same requests with chunked prefill and prefix caching on, and with both off: identical;
 - two requests that share a 150-token prefix but not their scale share no page; with the same scale they do;
-- a KV cache too small for the batch (preemption, then recompute): every request keeps its scale.
+- a KV cache too small for the batch (preemption, then recompute): every request keeps its scale;
+- a request that states no length (no SamplingParams: vLLM's defaults from the generation config) is planned with
+  the budget ``ropescale extend --per request`` writes there: the native model's output, stopped at the budget; the
+  engine logs that rule, and warns for a checkpoint without a budget (vLLM's chat endpoint plans such a request at
+  max_model_len).
 """
 
+import json
 import types
 
 import pytest
@@ -109,11 +114,30 @@ def static_model(length):
     return hf.patch(model, scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL))
 
 
+BUDGET = 12  # the planning budget extend writes (generation_config.json max_new_tokens)
+
+
+def budgeted(tmp_path, native):
+    """``ropescale extend --per request --max-new-tokens BUDGET`` of the native checkpoint, whose generation config
+    asks for greedy decoding (vLLM's defaults then are greedy, BUDGET tokens)."""
+    from ropescale import cli
+
+    generation = json.loads((native / "generation_config.json").read_text())
+    (native / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0}))
+    path = tmp_path / "budgeted"
+    assert cli.main(["extend", str(native), str(path), "--method", "dynamic_yarn", "--per", "request",
+                     "--original-max-position", str(ORIGINAL), "--max-length", str(SERVED),
+                     "--max-new-tokens", str(BUDGET)]) == 0
+    assert json.loads((path / "generation_config.json").read_text())["max_new_tokens"] == BUDGET
+    return path
+
+
 @pytest.mark.slow
 def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it(tmp_path):
     per_request, native = tmp_path / "per_request", tmp_path / "native"
     hf.patch(served_llama(), METHOD).save_pretrained(per_request)
     served_llama().save_pretrained(native)
+    unstated = {"prompts": prompts([10, 30, 44], 5), "params": None}  # P + 12 <= 64: native
     mixed = batch(SHORT + LONG, 1)
     short = {"prompts": mixed["prompts"][:len(SHORT)], "params_each": mixed["params_each"][:len(SHORT)]}
     prefix = prompts([150], 2)[0]
@@ -129,7 +153,8 @@ def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it
         {"id": "chunked", "path": str(per_request), "options": load,
          "batches": [mixed, shared, shared_same, shared_other]},
         {"id": "whole", "path": str(per_request), "options": whole, "batches": [mixed]},
-        {"id": "native", "path": str(native), "options": load, "batches": [short]},
+        {"id": "native", "path": str(native), "options": load, "batches": [short, unstated]},
+        {"id": "budgeted", "path": str(budgeted(tmp_path, native)), "options": load, "batches": [unstated]},
         # 10 pages of 32 tokens: vLLM preempts and recomputes (the engine core in this process counts it)
         {"id": "preempted", "path": str(per_request), "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
          "options": dict(load, num_gpu_blocks_override=10, block_size=32), "batches": [crossing]},
@@ -151,6 +176,14 @@ def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it
     # preemption and recompute keep each request's scale
     assert by_id["preempted"]["preemptions"] > 0, by_id["preempted"]
     assert_same(by_id["preempted"]["batches"][0], reference(static_model, crossing), "preempted")
+    # no stated length: planned with the budget (native here), stopped there; the rule logged, its absence warned
+    # (the native checkpoint has no budget: vLLM's offline default, 16 tokens, of which the first BUDGET compare)
+    unplanned = [r["tokens"] for r in by_id["budgeted"]["batches"][0]]
+    native_unplanned = [r["tokens"] for r in by_id["native"]["batches"][1]]
+    assert unplanned == [tokens[:BUDGET] for tokens in native_unplanned], (unplanned, native_unplanned)
+    assert BUDGET in map(len, unplanned) and all(len(t) <= BUDGET for t in unplanned)
+    assert f"on /v1/chat/completions the generation config's max_new_tokens, {BUDGET}" in log, log[-6000:]
+    assert "a chat request without max_tokens is planned at max_model_len (256 tokens)" in log
 
 
 def test_cuda_builder_declares_full_graphs_for_uniform_batches():

@@ -21,6 +21,7 @@ Runs on the vLLM leg (as test_vllm.py); skips elsewhere. Cheapest first:
    Self-Extend and DCA checkpoints (their marked rope types).
 """
 
+import math
 import types
 
 import pytest
@@ -145,6 +146,26 @@ def test_the_temperature_is_hf_patchs_per_row_rule():
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=0, atol=0)
     # a prompt's rows share m(P) (a chunk of a longer prompt too); each row past it takes its own length's
     assert got[0] > 1.1 and got[29] == got[0] and got[31] == got[36] < got[37] < got[42]
+
+
+def test_chunkllamas_temperature_reaches_the_plan_and_each_rows_factor(monkeypatch):
+    """A checkpoint with ChunkLlama's temperature (``hf.patch(..., temperature="chunkllama")``: 0.05 ln(len / L0) + 1,
+    L0 the model's length): get_rope's plan carries the rule, each step's row factors are ChunkLlama's (the same rows
+    as Qwen's rule, another coefficient), and the prompt's block hashes carry its m(P), not Qwen's."""
+    attention.register_backends()
+    config = hf.patch(served_llama(), attention="dual_chunk", chunk_size=48, local_size=12,
+                      temperature="chunkllama").config
+    model_get_rope(monkeypatch, config)
+    plan = attention.current_plan()
+    assert (plan.temperature, plan.temperature_length) == ("chunkllama", ORIGINAL)
+    seq_lens, query_lens, prompt_lens = [150, 101], [30, 1], [200, 20]
+    want = [max(1.0, 0.05 * math.log(max(p, i + 1) / ORIGINAL) + 1)
+            for n, q, p in zip(seq_lens, query_lens, prompt_lens) for i in range(n - q, n)]
+    torch.testing.assert_close(plan.temperature_factors(seq_lens, query_lens, prompt_lens),
+                               torch.tensor(want, dtype=torch.float32), rtol=0, atol=0)
+    qwen = serving.PreRopePlan.of(config_lib.read_config(patched("dual_chunk").config), HEAD, True)
+    assert (qwen.temperature_factors([150], [1], [200]) - 1).item() == pytest.approx(
+        2 * (plan.temperature_factors([150], [1], [200]) - 1).item(), rel=1e-5)  # float32 factors
 
 
 def test_block_hashes_carry_the_prompts_temperature(monkeypatch):

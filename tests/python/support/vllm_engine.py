@@ -61,8 +61,9 @@ ENGINE = textwrap.dedent("""
                 else:
                     result["batches"] = []
                     for batch in engine["batches"]:
+                        # "params": None is no SamplingParams at all: the model's generation config's defaults
                         params = ([SamplingParams(**each) for each in batch["params_each"]] if "params_each" in batch
-                                  else SamplingParams(**batch["params"]))
+                                  else None if batch["params"] is None else SamplingParams(**batch["params"]))
                         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]],
                                             params, use_tqdm=False)
                         result["batches"].append([request(out) for out in outs])
@@ -88,8 +89,8 @@ ENGINE = textwrap.dedent("""
 def run_engines(tmp_path, engines, env, timeout):
     """Serves ``engines`` one after the other in one subprocess (cwd ``tmp_path``, ``env`` over os.environ):
     each {"id", "path", "options": LLM's keyword arguments (dtype float32 unless given), "batches": [{"prompts":
-    [[token id, ...], ...], "params": SamplingParams' keyword arguments (or "params_each": one such dict per
-    prompt)}], "env": variables set for this engine
+    [[token id, ...], ...], "params": SamplingParams' keyword arguments, or None for vLLM's defaults from the
+    model's generation config (or "params_each": one such dict per prompt)}], "env": variables set for this engine
     only, "bad_entry": true where the engine must refuse to start}. Returns (results, the process's output): one
     result per engine that ran, in order, {"id", "error"} or {"id", "batches": per batch, per request {"tokens",
     "prompt_logprobs" (None where not asked or read from vLLM's prefix cache), "logprobs" (the generated tokens'),
