@@ -176,6 +176,14 @@ if [ "$build_ok" = 1 ] && part core; then
     "$OUT/pytest_cuda.log" \
     "$PYTHON" -m pytest tests/python -m cuda -q -p no:cacheprovider -rfE \
     --ignore=tests/python/adapters/test_training.py --deselect "$VLLM_ENGINE_TEST"
+  # The lent machines' hosts are Intel Xeons with AMX: the CPU kernels' packed bf16/fp16 path (and oneDNN's AMX
+  # GEMMs) run there, which an AVX2-only development machine cannot reach (CONTRIBUTING, "Before you stop").
+  cpu_kind=AVX2
+  grep -q -m1 -w avx512f /proc/cpuinfo && cpu_kind=AVX-512
+  grep -q -m1 -w amx_tile /proc/cpuinfo && cpu_kind=AMX
+  run "CPU op suites on this host's CPU ($cpu_kind)" 150 \
+    "$OUT/pytest_cpu_host.log" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -m "not slow and not cuda" \
+    tests/python/ops/test_rerope_attention.py tests/python/ops/test_rerope_paged.py tests/python/ops/test_self_extend_dca_ops.py
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
     # bench_rerope.py's CUDA mode includes paged16 (rerope_attention_paged, one request in pages of 16
@@ -210,7 +218,7 @@ if [ "$build_ok" = 1 ] && part first-day; then
 fi
 
 section "Tests"
-for t in pytest_cuda training vllm_cuda; do
+for t in pytest_cuda pytest_cpu_host training vllm_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"
