@@ -6,10 +6,11 @@
    warned about (vLLM's chat endpoint plans such a request at max_model_len); a Self-Extend that is plain RoPE or
    ReRoPE at every length served is warned about; a refusal raised in an engine process is written where the front
    end reads it, and ends the front end's error;
-2. engines (slow): a refused checkpoint's reason is the last line of the error vLLM raises at engine start, with the
-   engine core and worker in processes of their own (vLLM's default); a seeded request whose prompt is chunked
-   samples what it samples unchunked (vLLM 0.32's CPU runner dies on it without the plugin: kept true here, so that
-   README's note is dropped when vLLM fixes it).
+2. an engine (slow): a refused checkpoint's reason is the last line of the error vLLM raises at engine start, with
+   the engine core and worker in processes of their own (vLLM's default).
+
+(The seeded requests with a chunked prompt that vLLM 0.32's CPU runner dies on without the plugin are served in
+test_vllm.py's engine processes.)
 
 Runs on the vLLM leg (scripts/test_torch_compat.sh); skips elsewhere.
 """
@@ -20,7 +21,6 @@ import types
 import warnings
 
 import pytest
-import torch
 
 from support.vllm_engine import run_engines
 from support.vllm_testing import ORIGINAL, plugin_isolated, require_vllm, served_llama
@@ -180,32 +180,3 @@ def test_a_refused_checkpoints_reason_is_the_last_line_of_vllms_error(tmp_path):
     last = error.splitlines()[-1]
     assert last.startswith("ropescale refused the model: ValueError: ropescale.vllm: config.ropescale.method") and \
         "the config was edited by hand" in last, error
-
-
-def seeded_engines(path, prompts, chunked_only=False):
-    params = [dict(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True, detokenize=False) for seed in (1, 2)]
-    batch = {"prompts": prompts, "params_each": params}
-    runs = [("chunked", 16)] if chunked_only else [("chunked", 16), ("whole", 256)]
-    return [{"id": name, "path": str(path), "batches": [batch],
-             "options": dict(enforce_eager=True, max_num_batched_tokens=budget, max_model_len=ORIGINAL, max_num_seqs=4)}
-            for name, budget in runs]
-
-
-@pytest.mark.slow
-def test_a_seeded_request_with_a_chunked_prompt_samples_what_it_samples_unchunked(tmp_path):
-    """A 50-token prompt and a 30-token one, each with its own seed, under a 16-token budget (both chunked) and
-    whole: the same sampled tokens with the plugin. Stock vLLM 0.32 on the CPU dies on the chunked run ("CPU
-    Generator does not use offset", README's serving notes)."""
-    path = tmp_path / "llama"
-    served_llama().save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (50, 30)]
-    environ = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    results, log = run_engines(tmp_path, seeded_engines(path, prompts), environ, timeout=900)
-    by_id = {r["id"]: r for r in results}
-    assert all("batches" in by_id.get(name, {}) for name in ("chunked", "whole")), log[-5000:]
-    chunked = [r["tokens"] for r in by_id["chunked"]["batches"][0]]
-    assert chunked == [r["tokens"] for r in by_id["whole"]["batches"][0]] and all(len(t) == 8 for t in chunked)
-    stock, log = run_engines(tmp_path, seeded_engines(path, prompts, chunked_only=True),
-                             {**environ, "ROPESCALE_VLLM": "0"}, timeout=900)
-    assert "error" in stock[0] and "CPU Generator does not use offset" in log, (stock, log[-3000:])
