@@ -62,7 +62,8 @@ from . import scaling
 __all__ = [
     "CONFIG_KEY", "ATTENTIONS", "ATTENTION_KEYS", "ATTENTION_NAMES", "ATTENTION_PARAMETERS", "DUAL_CHUNK_KEY",
     "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
-    "write", "base_of", "table_parameters", "vllm_max_model_len", "served_length_value", "rotary_dim",
+    "write", "base_of", "table_parameters", "vllm_max_model_len", "max_model_len_of", "served_length_value",
+    "rotary_dim", "temperature_length_for",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
@@ -197,6 +198,13 @@ def vllm_max_model_len(rope_parameters: Mapping[str, Any] | None, max_position_e
     return int(length * vllm_length_factor(rope_parameters))
 
 
+def max_model_len_of(config, layer_type: str | None = None) -> int:
+    """:func:`vllm_max_model_len` of a transformers-style config (its rope parameters, of ``layer_type``'s layers where
+    given, its ``max_position_embeddings`` and served length): the longest a checkpoint of it is served to."""
+    return vllm_max_model_len(layer_type_parameters(config, layer_type), config.max_position_embeddings,
+                              getattr(config, SERVED_LENGTH_KEY, None))
+
+
 def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) -> int | float:
     """The ``model_max_length`` from which vLLM derives ``max_model_len == length``: ``length / factor``, an
     integer where that divides (else the float just large enough that vLLM's float product, truncated, is
@@ -239,6 +247,15 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
     if entry_method is not None:
         entry = {**(entry or {}), METHOD_KEY: entry_method}
     return Written(params, length, entry, dual_chunk_entry(attention, chunk_size, local_size, temperature_length))
+
+
+def temperature_length_for(temperature: str | None, temperature_length: int | None,
+                           max_position_embeddings: int) -> int | None:
+    """Dual Chunk Attention's temperature length L0 as given, else its rule's own default: ChunkLlama's is the
+    model's ``max_position_embeddings`` (its ``get_mscale`` divides by it); Qwen's is none (None, read as 0)."""
+    if temperature_length is None and temperature == "chunkllama":
+        return int(max_position_embeddings)
+    return temperature_length
 
 
 def dual_chunk_entry(attention: str, chunk_size: int | None, local_size: int | None,

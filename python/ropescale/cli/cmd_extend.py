@@ -324,9 +324,10 @@ def _cmd_extend(args) -> int:
                          f"{args.method} is a static table, set for s x L: --factor s sets the length it is served to")
     replaced = params.get("rope_type", "default")
     patch_arguments = methods.attention_arguments(args)
-    if patch_arguments.get("temperature") == "chunkllama" and patch_arguments["original_max_position_embeddings"] is None:
-        # ChunkLlama's temperature starts at the model's own length (hf.patch's default too)
-        patch_arguments["original_max_position_embeddings"] = config.max_position_embeddings
+    if attention == "dual_chunk":  # L0 as given, else its rule's default (hf.patch's too)
+        patch_arguments["original_max_position_embeddings"] = config_lib.temperature_length_for(
+            patch_arguments["temperature"], patch_arguments["original_max_position_embeddings"],
+            config.max_position_embeddings)
     # checkpoint.record names DCA's temperature length temperature_length (hf.patch: Qwen's key)
     recorded = {("temperature_length" if key == "original_max_position_embeddings" else key): value
                 for key, value in patch_arguments.items()}
@@ -344,9 +345,8 @@ def _cmd_extend(args) -> int:
     text = config.to_json_string(use_diff=True)
     budget = _planning_budget(args, src, written)
     plan = serving.PreRopePlan.of_config(config)
-    reduced = plan.self_extend_reduces_within(config_lib.vllm_max_model_len(
-        config.rope_parameters, config.max_position_embeddings, getattr(config, config_lib.SERVED_LENGTH_KEY, None))
-    ) if plan is not None else None
+    max_model_len = config_lib.max_model_len_of(config)
+    reduced = plan.self_extend_reduces_within(max_model_len) if plan is not None else None
     if reduced is not None:
         print(f"warning: {reduced}", file=sys.stderr)
     if kept:  # on stderr beside --dry-run's JSON
@@ -378,7 +378,6 @@ def _cmd_extend(args) -> int:
         _write_planning_budget(src, dst, budget)
     new = config.rope_parameters
     served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
-    max_model_len = config_lib.vllm_max_model_len(new, config.max_position_embeddings, served)
     print(f"wrote {dst}: rope_type {new['rope_type']}"
           + (f" (was {replaced})" if replaced not in ("default", new["rope_type"]) else "")
           + f", max_position_embeddings {config.max_position_embeddings}"

@@ -292,8 +292,9 @@ def patch(
             if original_max_position_embeddings is None:
                 original_max_position_embeddings = saved["original_max_position_embeddings"]
             temperature = saved["temperature"] if temperature is None else temperature
-    if attention == "dual_chunk" and temperature == "chunkllama" and original_max_position_embeddings is None:
-        original_max_position_embeddings = config.max_position_embeddings  # ChunkLlama's L0: the model's length
+    if attention == "dual_chunk":
+        original_max_position_embeddings = config_lib.temperature_length_for(
+            temperature, original_max_position_embeddings, config.max_position_embeddings)
     _check_attention_arguments(attention, window, leaky_k, logn_length, group, chunk_size, local_size,
                                original_max_position_embeddings, temperature)
     if attention != "sdpa":
@@ -335,10 +336,7 @@ def patch(
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
     _check_written_config(state)
-    served = config_lib.vllm_max_model_len(config_lib.layer_type_parameters(config, layer_type),
-                                           config.max_position_embeddings,
-                                           getattr(config, config_lib.SERVED_LENGTH_KEY, None))
-    reduced = state.tables.plan.self_extend_reduces_within(served)
+    reduced = state.tables.plan.self_extend_reduces_within(config_lib.max_model_len_of(config, layer_type))
     if reduced is not None:  # a setting that makes the written checkpoint another method wherever it is served
         warnings.warn(f"patch: {reduced}", stacklevel=2)
     for module in rotary_modules:

@@ -180,13 +180,14 @@ def pass_through(head_size: int, rotary_dim: int, max_position: int, is_neox_sty
         install_prompt_lengths()
     if "active" not in _warned:
         _warned.add("active")
+        default = unset_max_tokens_default(vllm_config) if plan.per_request else None
         logger.info("ropescale: %s served pre-RoPE: raw keys in vLLM's paged cache, rotated by ropescale's "
-                    "attention backend; %s", what, describe_plan(plan, vllm_config))
+                    "attention backend; %s", what, describe_plan(plan, default))
         length = _max_model_len(vllm_config)
         reduced = plan.self_extend_reduces_within(length)
         if reduced is not None:
             logger.warning("ropescale: %s (max_model_len %s)", reduced, length)
-        if plan.per_request and unset_max_tokens_default(vllm_config) is None:
+        if plan.per_request and default is None:
             logger.warning(
                 "ropescale: per='request': a chat request without max_tokens is planned at max_model_len (%s "
                 "tokens), so even a short question runs the model scaled for that length; give the checkpoint a "
@@ -207,10 +208,11 @@ def unset_max_tokens_default(vllm_config) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def describe_plan(plan: PreRopePlan, vllm_config=None) -> str:
+def describe_plan(plan: PreRopePlan, unset_max_tokens: int | None = None) -> str:
     """What the engine does with each request under ``plan``, for the startup line: the attention's settings,
     and for a length-dependent table which length each row's table is for (under ``per="request"``: the rule a
-    request without max_tokens is planned by)."""
+    request without max_tokens is planned by, ``unset_max_tokens`` the chat default :func:`unset_max_tokens_default`
+    read)."""
     method = type(plan.method).__name__ + (" with Resonance" if plan.method.resonance else "")
     original = getattr(plan.method, "original_max_position", None)
     if plan.attention == "self_extend":
@@ -226,13 +228,12 @@ def describe_plan(plan: PreRopePlan, vllm_config=None) -> str:
     else:
         parts = []
     if plan.per_request:
-        default = unset_max_tokens_default(vllm_config)
         parts.append(
             f"{method} per='request': each request runs, for its whole life, the static table of its planned length "
             f"prompt + max_tokens (the native model when that fits {original or 'the original length'}); a request "
             "without max_tokens gets vLLM's default: 16 offline (SamplingParams()) and on /v1/completions, on "
-            "/v1/chat/completions " + (f"the generation config's max_new_tokens, {default} (it stops there: "
-                                       "finish_reason 'length')" if default is not None
+            "/v1/chat/completions " + (f"the generation config's max_new_tokens, {unset_max_tokens} (it stops there: "
+                                       "finish_reason 'length')" if unset_max_tokens is not None
                                        else "max_model_len less the prompt (planned at max_model_len)"))
     elif plan.length_dependent:
         parts.append(f"{method} per step: each row takes the table of its own length (the whole prompt's for a "
@@ -490,7 +491,6 @@ class PreRopeLayer:
 
     workspace: torch.Tensor | None = None  # the CUDA backend's reserved scratch (reserve_workspace)
 
-    @engine.reported
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *, sliding_window=None,
                  alibi_slopes=None, logits_soft_cap=None, kv_cache_dtype: str = "auto",
                  attn_type: str = AttentionType.DECODER, sinks=None) -> None:
