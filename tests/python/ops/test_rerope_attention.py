@@ -19,7 +19,7 @@ from ropescale import ops
 from ropescale.cache import PreRopeCache
 from support import TESTS
 from support.attention import (BASE, as_layout, assert_within_sdpa_error, make_inputs, poison, reference, reference_ieee,
-                               rot64, sdpa_error)
+                               rot64, sdpa_cannot_pack, sdpa_error)
 
 
 def assert_matches_reference(out, lse, ref_out, ref_lse, atol, rtol, lse_atol):
@@ -572,8 +572,15 @@ def test_non_finite_inputs_follow_sdpa_on_every_path_and_size(q_len, k_len, pad,
     ref_out, ref_lse = reference_ieee(q, k, v, qp, kp, inv_freq, 5, leaky_k)
     paths = {"fused": ops.rerope_attention, "composite": ops.rerope_attention_composite,
              "naive": ropescale.rerope.rerope_attention_naive}
+    unavailable = []
     for name, path in paths.items():
-        out, lse = path(q, k, v, qp, kp, inv_freq, 5, leaky_k)
+        try:
+            out, lse = path(q, k, v, qp, kp, inv_freq, 5, leaky_k)
+        except RuntimeError as err:  # the plain-PyTorch paths run SDPA, which PyTorch cannot run here
+            if name == "fused" or not sdpa_cannot_pack(err):
+                raise
+            unavailable.append(name)
+            continue
         assert torch.equal(out.isfinite(), ref_out.isfinite()), f"{name}: finite pattern of out"
         assert torch.equal(lse.isfinite(), ref_lse.isfinite()), f"{name}: finite pattern of lse"
         assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{name}: rows without a visible key"
@@ -585,6 +592,9 @@ def test_non_finite_inputs_follow_sdpa_on_every_path_and_size(q_len, k_len, pad,
                                             inv_freq, 5, leaky_k)
         torch.testing.assert_close(ops.rerope_attention(q, k, v, qp, kp, inv_freq, 5, leaky_k)[0], clean_out,
                                    rtol=0, atol=0)
+    if unavailable:  # after every check the fused op (and any other path) could make
+        pytest.skip(f"PyTorch's own SDPA cannot run {dtype} at this ATEN_CPU_CAPABILITY on this CPU: the {unavailable} "
+                    "path(s) not checked")
 
 
 def test_non_finite_value_of_a_future_key_only_reaches_later_queries():

@@ -173,6 +173,12 @@ def make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype=torch.float32
 SDPA_ERROR_FACTOR = 2
 
 
+def sdpa_cannot_pack(err: RuntimeError) -> bool:
+    """A PyTorch bug: on an AMX CPU with ATEN_CPU_CAPABILITY lowered below AVX512 (default), SDPA's own bf16/fp16 CPU
+    kernel asks oneDNN to pack (the hardware could) with ATen code built only for AVX-512."""
+    return "pack_vnni2 is only supported" in str(err)
+
+
 def sdpa_error(q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True, interleaved=False):
     """Largest |error| against float64 of (out, lse) from PyTorch's SDPA in q's dtype on the
     plain-attention problem with the same inputs: RoPE attention (ReRoPE with a window past every
@@ -195,9 +201,7 @@ def sdpa_error(q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True
             q_rot, k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 0.0, False, attn_mask=mask,
             scale=scale)
     except RuntimeError as err:
-        # A PyTorch bug: on an AMX CPU with ATEN_CPU_CAPABILITY lowered below AVX512, SDPA's own bf16/fp16
-        # CPU kernel asks oneDNN to pack (the hardware could) with ATen code built only for AVX-512.
-        if "pack_vnni2 is only supported" in str(err):
+        if sdpa_cannot_pack(err):
             pytest.skip(f"PyTorch's own SDPA cannot run {dtype} at this ATEN_CPU_CAPABILITY on this CPU "
                         f"({err}), so its error, the bound here, cannot be measured")
         raise
