@@ -66,6 +66,13 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk(const at::Tensor& q, cons
                                                        double scale, bool interleaved, bool conjugate);
 void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                           const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
+std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& positions, const at::Tensor& request_index,
+                                                            const at::Tensor& inv_freq,
+                                                            const at::Tensor& attention_factors, bool interleaved);
+void apply_rotary_per_request_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const at::Tensor& request_index, const at::Tensor& inv_freq,
+                               const at::Tensor& attention_factors, bool interleaved);
 // Meta kernels of the rotary ops (rotary.cpp): the ops' own checks, then empty outputs.
 at::Tensor apply_rotary_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                              bool half_width, bool conjugate);
@@ -86,11 +93,22 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_qk_meta(const at::Tensor& q,
 void apply_rotary_pos_qk_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate);
 
+std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request_meta(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& positions,
+                                                                 const at::Tensor& request_index,
+                                                                 const at::Tensor& inv_freq,
+                                                                 const at::Tensor& attention_factors, bool interleaved);
+void apply_rotary_per_request_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                    const at::Tensor& request_index, const at::Tensor& inv_freq,
+                                    const at::Tensor& attention_factors, bool interleaved);
 // The rotary checks as ops (rotary.cpp): ropescale::_check_rotary / _check_rotary_pos.
 void check_rotary(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k, const at::Tensor& cos,
                   const at::Tensor& sin, bool interleaved, bool half_width);
 void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k,
                       const at::Tensor& positions, const at::Tensor& inv_freq, double scale);
+void check_rotary_per_request(c10::string_view op, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& positions, const at::Tensor& request_index,
+                              const at::Tensor& inv_freq, const at::Tensor& attention_factors);
 
 // ---- rerope_attention: cpu/rerope_attention.cpp, cuda/rerope_attention.cu ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,

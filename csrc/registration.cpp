@@ -86,6 +86,13 @@ TORCH_LIBRARY(ropescale, m) {
   // apply_rotary_pos_qk, in place.
   m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
         "bool interleaved=False, *, bool conjugate=False) -> ()");
+  // An engine's packed tokens q [T, Hq, D], k [T, Hk, D] rotated at positions [T], each with its request's
+  // table: row request_index[t] of inv_freq [R, rotary_dim/2] (float32), cos and sin times attention_factors[r].
+  m.def("apply_rotary_per_request(Tensor q, Tensor k, Tensor positions, Tensor request_index, Tensor inv_freq, "
+        "Tensor attention_factors, bool interleaved=False) -> (Tensor, Tensor)");
+  // apply_rotary_per_request, in place (k may have 0 heads: q alone).
+  m.def("apply_rotary_per_request_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor request_index, "
+        "Tensor inv_freq, Tensor attention_factors, bool interleaved=False) -> ()");
   // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse); with
   // group > 0 Self-Extend, with chunk_size > 0 Dual Chunk Attention (window = its local_size).
   m.def(
@@ -121,6 +128,8 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("_check_rotary(str op, Tensor x, Tensor? k, Tensor cos, Tensor sin, bool interleaved=False, "
         "bool half_width=False) -> ()");
   m.def("_check_rotary_pos(str op, Tensor x, Tensor? k, Tensor positions, Tensor inv_freq, float scale=1.) -> ()");
+  m.def("_check_rotary_per_request(str op, Tensor q, Tensor k, Tensor positions, Tensor request_index, "
+        "Tensor inv_freq, Tensor attention_factors) -> ()");
   // allow_float64: rerope_attention_composite also takes float64 (gradcheck, references).
   m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
         "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "
@@ -151,6 +160,7 @@ TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   // Metadata (and CPU data) only: one kernel for every device, Meta and fake tensors included.
   m.impl("_check_rotary", &ropescale::check_rotary);
   m.impl("_check_rotary_pos", &ropescale::check_rotary_pos);
+  m.impl("_check_rotary_per_request", &ropescale::check_rotary_per_request);
   m.impl("_check_rerope_attention", &ropescale::check_rerope_attention);
   m.impl("_check_rerope_attention_paged", &ropescale::check_rerope_attention_paged_op);
   m.impl("_check_rerope_cache_write", &ropescale::check_rerope_cache_write);
@@ -179,6 +189,8 @@ static void register_rotary_impls(Impl&& impl) {
   impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_);
   impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk);
   impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_);
+  impl("apply_rotary_per_request", &ropescale::apply_rotary_per_request);
+  impl("apply_rotary_per_request_", &ropescale::apply_rotary_per_request_);
 }
 
 TORCH_LIBRARY_IMPL(ropescale, CPU, m) {
@@ -194,6 +206,8 @@ TORCH_LIBRARY_IMPL(ropescale, Meta, m) {
   m.impl("apply_rotary_pos_", &ropescale::apply_rotary_pos_meta_);
   m.impl("apply_rotary_pos_qk", &ropescale::apply_rotary_pos_qk_meta);
   m.impl("apply_rotary_pos_qk_", &ropescale::apply_rotary_pos_qk_meta_);
+  m.impl("apply_rotary_per_request", &ropescale::apply_rotary_per_request_meta);
+  m.impl("apply_rotary_per_request_", &ropescale::apply_rotary_per_request_meta_);
   m.impl("rerope_attention", &ropescale::rerope_attention_meta);
   m.impl("rerope_attention_paged", &ropescale::rerope_attention_paged_meta);
   m.impl("rerope_attention_paged.workspace", &ropescale::rerope_attention_paged_workspace_meta);
@@ -230,7 +244,8 @@ static void in_place_without_autograd(const c10::OperatorHandle& op, c10::Dispat
 }
 
 TORCH_LIBRARY_IMPL(ropescale, Autograd, m) {
-  for (const char* name : {"apply_rotary_", "apply_rotary_qk_", "apply_rotary_pos_", "apply_rotary_pos_qk_"})
+  for (const char* name :
+       {"apply_rotary_", "apply_rotary_qk_", "apply_rotary_pos_", "apply_rotary_pos_qk_", "apply_rotary_per_request_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&in_place_without_autograd>());
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -141,6 +142,87 @@ void check_position_range(const char* op, const at::Tensor& positions) {
               largest >= 0 ? largest : std::numeric_limits<int64_t>::min());
 }
 
+// ---- The per-request op (apply_rotary_per_request): packed tokens, a table per token's request.
+
+// q [T, Hq, D] and k [T, Hk, D] (Hk may be 0: q alone): a float type, one device and dtype, unit last stride.
+void check_packed_operand(const char* op, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, op, ": ", name, " must be 3-D [tokens, heads, head_dim] (an engine's packed tokens), got "
+              "shape ", x.sym_sizes());
+  TORCH_CHECK(is_rotary_dtype(x.scalar_type()), op, ": ", name,
+              " must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.sym_stride(2) == 1 || x.sym_size(2) <= 1, op, ": ", name,
+              " must have a unit stride along head_dim (the last dimension), got strides ", x.sym_strides());
+}
+
+void check_index(const char* op, const char* name, const at::Tensor& index, const at::Tensor& q) {
+  check_same_device(op, q, "q", name, index);
+  TORCH_CHECK(index.scalar_type() == at::kInt || index.scalar_type() == at::kLong, op, ": ", name,
+              " must be int32 or int64, got ", index.scalar_type());
+  TORCH_CHECK(index.dim() == 1 && index.sym_size(0) == q.sym_size(0), op, ": ", name,
+              " must be 1-D with one entry per token of q (", q.sym_size(0), "), got shape ", index.sym_sizes());
+}
+
+// request_index [T] picks each token's row of inv_freq [R, rotary_dim/2] (float32, unit last stride) and of
+// attention_factors [R] (float32); positions [T].
+void check_per_request(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                       const at::Tensor& request_index, const at::Tensor& inv_freq,
+                       const at::Tensor& attention_factors) {
+  check_packed_operand(op, "q", q);
+  check_packed_operand(op, "k", k);
+  check_same_device(op, q, "q", "k", k);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": q and k must have the same dtype, got ", q.scalar_type(),
+              " and ", k.scalar_type());
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && k.sym_size(2) == q.sym_size(2), op,
+              ": q and k must have the same tokens and head_dim (dims 0 and 2), got shapes ", q.sym_sizes(), " and ",
+              k.sym_sizes());
+  check_index(op, "positions", positions, q);
+  check_index(op, "request_index", request_index, q);
+  check_same_device(op, q, "q", "inv_freq", inv_freq);
+  check_same_device(op, q, "q", "attention_factors", attention_factors);
+  TORCH_CHECK(inv_freq.dim() == 2, op, ": inv_freq must be 2-D [requests, rotary_dim / 2] (a table per request), got "
+              "shape ", inv_freq.sym_sizes());
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, op, ": inv_freq must be float32, got ", inv_freq.scalar_type());
+  TORCH_CHECK(attention_factors.scalar_type() == at::kFloat, op, ": attention_factors must be float32, got ",
+              attention_factors.scalar_type());
+  TORCH_CHECK(attention_factors.dim() == 1 && attention_factors.sym_size(0) == inv_freq.sym_size(0), op,
+              ": attention_factors must be [requests] with one entry per row of inv_freq (", inv_freq.sym_size(0),
+              "), got shape ", attention_factors.sym_sizes());
+  TORCH_CHECK(inv_freq.sym_size(0) >= 1 || q.sym_size(0) == 0, op,
+              ": inv_freq has no rows (no request) but q has ", q.sym_size(0), " tokens");
+  check_rotary_dim(op, inv_freq.sym_size(1) * 2, q.sym_size(2), "2 * inv_freq.size(1)");
+}
+
+// The data checks on CPU tensors (on CUDA a host sync per call: the caller's contract there): positions in
+// range, every request_index a row of inv_freq, finite attention factors.
+void check_per_request_values(const char* op, const at::Tensor& positions, const at::Tensor& request_index,
+                              const at::Tensor& inv_freq, const at::Tensor& attention_factors) {
+  check_position_range(op, positions);
+  // Plain loops, not ATen reductions: a decode step has a handful of tokens, and three reductions would cost
+  // as much as the rotation itself.
+  if (request_index.numel() != 0 && request_index.device().is_cpu()) {
+    const at::Tensor index = request_index.contiguous();
+    int64_t low = std::numeric_limits<int64_t>::max(), high = std::numeric_limits<int64_t>::min();
+    const auto scan = [&](const auto* values) {
+      for (int64_t i = 0; i < index.numel(); ++i) {
+        low = std::min<int64_t>(low, values[i]);
+        high = std::max<int64_t>(high, values[i]);
+      }
+    };
+    if (index.scalar_type() == at::kLong)
+      scan(index.const_data_ptr<int64_t>());
+    else
+      scan(index.const_data_ptr<int32_t>());
+    TORCH_CHECK(low >= 0 && high < inv_freq.size(0), op, ": request_index must be in [0, ", inv_freq.size(0),
+                ") (the rows of inv_freq), got values from ", low, " to ", high);
+  }
+  if (attention_factors.numel() != 0 && attention_factors.device().is_cpu()) {
+    const at::Tensor factors = attention_factors.contiguous();
+    const float* values = factors.const_data_ptr<float>();
+    for (int64_t i = 0; i < factors.numel(); ++i)
+      TORCH_CHECK(std::isfinite(values[i]), op, ": attention_factors must be finite, got ", values[i], " at ", i);
+  }
+}
+
 // ---- The checked arguments in the kernels' form (concrete sizes).
 
 void set_operands(RotaryArgs& a, const at::Tensor& q, const at::Tensor* k) {
@@ -194,8 +276,12 @@ void run(const char* op, RotaryArgs& a, bool in_place) {
       const bool positions = a.table == TableKind::kPositions;
       check_no_overlap(op, a.in[o], names[o], positions ? a.positions : a.cos, positions ? "positions" : "cos");
       check_no_overlap(op, a.in[o], names[o], positions ? a.inv_freq : a.sin, positions ? "inv_freq" : "sin");
+      if (a.table_index.defined()) {
+        check_no_overlap(op, a.in[o], names[o], a.table_index, "request_index");
+        check_no_overlap(op, a.in[o], names[o], a.scales, "attention_factors");
+      }
       a.out[o] = a.in[o];
-    } else {
+    } else if (!a.out[o].defined()) {
       a.out[o] = at::empty_like(a.in[o]);
     }
   }
@@ -257,6 +343,28 @@ RotaryArgs position_args(const char* op, const at::Tensor& q, const at::Tensor* 
   return a;
 }
 
+// q [T, Hq, D] and k [T, Hk, D] as the kernels' [1, heads, T, D] operands (same memory), positions and
+// request_index as one table row of T tokens; out3: the 3-D outputs (undefined in place).
+RotaryArgs per_request_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                            const at::Tensor& request_index, const at::Tensor& inv_freq,
+                            const at::Tensor& attention_factors, bool interleaved, const at::Tensor* out3) {
+  check_per_request(op, q, k, positions, request_index, inv_freq, attention_factors);
+  check_per_request_values(op, positions, request_index, inv_freq, attention_factors);
+  RotaryArgs a;
+  const at::Tensor q4 = q.transpose(0, 1).unsqueeze(0), k4 = k.transpose(0, 1).unsqueeze(0);
+  set_operands(a, q4, &k4);
+  a.positions = positions.unsqueeze(0);
+  a.table_index = request_index.unsqueeze(0);
+  a.inv_freq = inv_freq.contiguous();
+  a.scales = attention_factors.contiguous();
+  a.table = TableKind::kPositions;
+  a.rotary_dim = 2 * inv_freq.size(1);
+  a.interleaved = interleaved;
+  if (out3 != nullptr)
+    for (int o = 0; o < 2; ++o) a.out[o] = out3[o].transpose(0, 1).unsqueeze(0);
+  return a;
+}
+
 }  // namespace
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
@@ -311,6 +419,25 @@ void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& inv_freq, double scale, bool interleaved, bool conjugate) {
   RotaryArgs a = position_args("apply_rotary_pos_qk_", q, &k, positions, inv_freq, scale, interleaved, conjugate);
   run("apply_rotary_pos_qk_", a, /*in_place=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& positions, const at::Tensor& request_index,
+                                                            const at::Tensor& inv_freq,
+                                                            const at::Tensor& attention_factors, bool interleaved) {
+  const at::Tensor out[2] = {at::empty_like(q), at::empty_like(k)};  // the 3-D layouts of q and k
+  RotaryArgs a = per_request_args("apply_rotary_per_request", q, k, positions, request_index, inv_freq,
+                                  attention_factors, interleaved, out);
+  run("apply_rotary_per_request", a, /*in_place=*/false);
+  return {out[0], out[1]};
+}
+
+void apply_rotary_per_request_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const at::Tensor& request_index, const at::Tensor& inv_freq,
+                               const at::Tensor& attention_factors, bool interleaved) {
+  RotaryArgs a = per_request_args("apply_rotary_per_request_", q, k, positions, request_index, inv_freq,
+                                  attention_factors, interleaved, nullptr);
+  run("apply_rotary_per_request_", a, /*in_place=*/true);
 }
 
 // ---- Meta kernels (FakeTensorMode, torch.compile, meta tensors): the same checks as the kernels
@@ -371,6 +498,21 @@ void apply_rotary_pos_qk_meta_(const at::Tensor& q, const at::Tensor& k, const a
   check_positions("apply_rotary_pos_qk_", q, &k, positions, inv_freq, scale, kQK);
 }
 
+std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request_meta(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& positions,
+                                                                 const at::Tensor& request_index,
+                                                                 const at::Tensor& inv_freq,
+                                                                 const at::Tensor& attention_factors, bool interleaved) {
+  check_per_request("apply_rotary_per_request", q, k, positions, request_index, inv_freq, attention_factors);
+  return {at::empty_like(q), at::empty_like(k)};
+}
+
+void apply_rotary_per_request_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                    const at::Tensor& request_index, const at::Tensor& inv_freq,
+                                    const at::Tensor& attention_factors, bool interleaved) {
+  check_per_request("apply_rotary_per_request_", q, k, positions, request_index, inv_freq, attention_factors);
+}
+
 // ---- The checks as ops of their own (ropescale::_check_rotary, _check_rotary_pos), for the
 // plain-PyTorch paths that compute these ops (the reference kernels): the metadata checks and, for
 // CPU positions, the range check; `op` names the op in the messages.
@@ -392,6 +534,14 @@ void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optio
   check_operands(name.c_str(), x, k_ptr, names);
   check_positions(name.c_str(), x, k_ptr, positions, inv_freq, scale, names);
   check_position_range(name.c_str(), positions);
+}
+
+void check_rotary_per_request(c10::string_view op, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& positions, const at::Tensor& request_index,
+                              const at::Tensor& inv_freq, const at::Tensor& attention_factors) {
+  const std::string name(op);
+  check_per_request(name.c_str(), q, k, positions, request_index, inv_freq, attention_factors);
+  check_per_request_values(name.c_str(), positions, request_index, inv_freq, attention_factors);
 }
 
 }  // namespace ropescale

@@ -20,8 +20,10 @@ struct RotaryArgs {
   rotary::TableKind table = rotary::TableKind::kFullWidth;
   at::Tensor cos, sin;       // [table_batch, seq, width] (2-D tables are viewed as 3-D); in[0]'s dtype or float32
   at::Tensor positions;      // [table_batch, seq], int32 or int64
-  at::Tensor inv_freq;       // [rotary_dim / 2], float32, contiguous
+  at::Tensor inv_freq;       // [rotary_dim / 2] or, with table_index, [tables, rotary_dim / 2]; float32, contiguous
   double scale = 1.0;
+  at::Tensor table_index;    // undefined, or [table_batch, seq] int32/int64: each token's row of inv_freq
+  at::Tensor scales;         // with table_index: [tables] float32, each row's factor on cos and sin
   bool interleaved = false, conjugate = false, in_place = false;
 };
 
@@ -59,6 +61,14 @@ rotary::Params<T, Table> make_rotary_params(const RotaryArgs& a) {
     p.positions_stride_seq = a.positions.stride(1);
     p.inv_freq = a.inv_freq.const_data_ptr<float>();
     p.scale = a.scale;
+    if (a.table_index.defined()) {
+      p.table_index = a.table_index.const_data_ptr();
+      p.table_index_int64 = a.table_index.scalar_type() == at::kLong;
+      p.table_index_stride_batch = a.table_index.stride(0);
+      p.table_index_stride_seq = a.table_index.stride(1);
+      p.inv_freq_stride = a.inv_freq.size(-1);
+      p.scales = a.scales.const_data_ptr<float>();
+    }
   } else {
     TORCH_INTERNAL_ASSERT(a.cos.element_size() == sizeof(Table) && a.sin.element_size() == sizeof(Table));
     p.cos = static_cast<const Table*>(a.cos.const_data_ptr());

@@ -186,8 +186,9 @@ void rotary_cpu_kernel(const Params<T, Table>& p) {
         const int64_t table_row = token / p.seq_len, seq = token % p.seq_len;
         if constexpr (kFloatAcc) {
           if (vector_positions) {
-            position_coeffs_row(rotary::token_position(p, table_row, seq), p.inv_freq, half,
-                                static_cast<float>(p.scale), p.conjugate, base);
+            const rotary::TokenTable table = rotary::token_table(p, table_row, seq);
+            position_coeffs_row(rotary::token_position(p, table_row, seq), table.inv_freq, half,
+                                static_cast<float>(table.scale), p.conjugate, base);
             continue;
           }
         }

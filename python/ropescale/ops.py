@@ -370,6 +370,60 @@ def apply_rotary_pos_qk_(
     _ops.apply_rotary_pos_qk_(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
 
 
+__all__ += ["apply_rotary_per_request", "apply_rotary_per_request_"]
+
+
+def _per_request_key(q: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+    """k, or (q alone) a k of no heads, which the op skips."""
+    return q.new_empty(q.shape[0], 0, q.shape[-1]) if k is None else k
+
+
+def apply_rotary_per_request(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    request_index: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factors: torch.Tensor,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An engine's packed tokens rotated, each with the table of the request it belongs to: token ``t`` of
+    ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (or None) at ``positions[t]`` by row ``r = request_index[t]`` of
+    ``inv_freq`` (float32 ``[R, rotary_dim / 2]``, one table per request: any real scale, no cos/sin table of
+    the served length per request), cos and sin times ``attention_factors[r]`` (float32 ``[R]``): what
+    :func:`apply_rotary_pos` gives each request alone with its own table and ``scale``, in one pass over a
+    batch of requests of different scales. sin/cos are computed once per token, angles reduced in double.
+
+    On CPU tensors the values are checked (positions within +-(2^31 - 1), every ``request_index`` a row of
+    ``inv_freq``, finite factors); on CUDA they are the caller's contract (a check would cost a host sync; an
+    engine builds them itself). No backward pass (an inference op)."""
+    q, k_out = _ops.apply_rotary_per_request(q, _per_request_key(q, k), positions, request_index, inv_freq,
+                                             attention_factors, interleaved)
+    return q, None if k is None else k_out
+
+
+def apply_rotary_per_request_(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    request_index: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factors: torch.Tensor,
+    interleaved: bool = False,
+) -> None:
+    """:func:`apply_rotary_per_request` in place: what an engine's rotary layer runs on its q and k views."""
+    _ops.apply_rotary_per_request_(q, _per_request_key(q, k), positions, request_index, inv_freq,
+                                   attention_factors, interleaved)
+
+
+def _apply_rotary_per_request_backward(ctx, *grads):
+    raise RuntimeError("apply_rotary_per_request: no backward pass (an engine's inference op); train with the "
+                       "static table of the request's scale (apply_rotary_pos, which is differentiable)")
+
+
+torch.library.register_autograd("ropescale::apply_rotary_per_request", _apply_rotary_per_request_backward)
+
+
 # Autograd: the map is linear in x (q, k), so the backward is the same op with conjugate flipped
 # (the transposed map; the inverse rotation), done by the same kernels; it is itself differentiable.
 # cos/sin, positions and inv_freq are constants: asking for their gradient is an error, not a

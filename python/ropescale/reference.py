@@ -4,8 +4,9 @@ A way around a native kernel that misbehaves on some machine (``ropescale check`
 the variable before ``import ropescale`` and every kernel op runs as PyTorch code on the same device:
 
 * the rotary family (``apply_rotary``, ``apply_rotary_qk``, ``apply_rotary_pos``,
-  ``apply_rotary_pos_qk`` and their in-place twins): the definition, with float32 math for
-  half types (float64 for float64 inputs) and the angles of the positions ops formed in float64;
+  ``apply_rotary_pos_qk``, ``apply_rotary_per_request`` and their in-place twins): the definition, with
+  float32 math for half types (float64 for float64 inputs) and the angles of the positions ops formed in
+  float64;
 * ``rerope_attention``: :func:`ropescale.rerope.rerope_attention_composite` (two SDPA calls; every method of the
   family: ReRoPE, Leaky, Self-Extend, Dual Chunk Attention).
 * ``rerope_attention_paged`` / ``rerope_cache_write_``: :func:`ropescale.rerope.rerope_attention_paged_composite`
@@ -55,7 +56,8 @@ KERNELS = _requested()
 
 _ROTARY_TABLE_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
 _ROTARY_POSITION_OPS = ("apply_rotary_pos", "apply_rotary_pos_", "apply_rotary_pos_qk", "apply_rotary_pos_qk_")
-ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + ("rerope_attention", "rerope_attention_paged",
+_ROTARY_PER_REQUEST_OPS = ("apply_rotary_per_request", "apply_rotary_per_request_")
+ROUTED_OPS = _ROTARY_TABLE_OPS + _ROTARY_POSITION_OPS + _ROTARY_PER_REQUEST_OPS + ("rerope_attention", "rerope_attention_paged",
                                                           "rerope_attention_paged.workspace", "rerope_cache_write_")
 
 _R = torch.ops.ropescale
@@ -139,6 +141,34 @@ def _position_rotary(op: str, q, k, positions, inv_freq, scale, interleaved, con
     cos, sin = cos_sin(positions[None] if positions.dim() == 1 else positions, inv_freq, scale)  # [T, S, P]
     return _rotary(op, q, k, cos[:, None], sin[:, None], interleaved, True, conjugate, in_place,
                    {"positions": positions, "inv_freq": inv_freq})
+
+
+def _per_request_rotary(op: str, q, k, positions, request_index, inv_freq, attention_factors, interleaved,
+                        in_place: bool):
+    """Packed tokens ``[T, H, D]``, each rotated by its request's row of inv_freq and factor: the position rotation
+    with per-token tables ``[1, T, P]`` (heads on dim 1 as the 4-D ops have them)."""
+    _R._check_rotary_per_request(op, q, k, positions, request_index, inv_freq, attention_factors)
+    rows = request_index.long()
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64).index_select(0, rows)
+    factors = attention_factors.to(torch.float64).index_select(0, rows)[:, None]
+    cos, sin = angles.cos() * factors, angles.sin() * factors  # as _position_rotary's cos_sin with scale=factor
+    read = {"positions": positions, "inv_freq": inv_freq, "request_index": request_index,
+            "attention_factors": attention_factors}
+    views = [x.transpose(0, 1)[None] for x in (q, k)]
+    out = _rotary(op, *views, cos[None, None], sin[None, None], interleaved, True, False, in_place, read)
+    if in_place:
+        return None
+    return tuple(o[0].transpose(0, 1) for o in out)
+
+
+def apply_rotary_per_request(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False):
+    return _per_request_rotary("apply_rotary_per_request", q, k, positions, request_index, inv_freq,
+                               attention_factors, interleaved, False)
+
+
+def apply_rotary_per_request_(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False):
+    _per_request_rotary("apply_rotary_per_request_", q, k, positions, request_index, inv_freq, attention_factors,
+                        interleaved, True)
 
 
 def apply_rotary(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):

@@ -2,7 +2,8 @@
 // through the SIMT emulation and compared with a float64 reference written here from the
 // definition (DESIGN.md "Rotation"): y = x * cos + rotate(x) * sin on the first rotary_dim
 // features, the rest copied (or untouched in place). Small odd shapes, every dtype, both layouts,
-// every table kind, q alone and q+k with different head (and batch) counts, strided and
+// every table kind (positions with one table for every token, or a table per token: an engine's batch
+// of requests of different scales), q alone and q+k with different head (and batch) counts, strided and
 // misaligned rows (the one-pair-per-thread path), and grids split over rows (few tokens); tables of
 // the operands' type and float tables with half, bfloat16 and double operands. Every output is
 // the float64 value of the given entries rounded ONCE to the operands' type, within what fp32 (fp64)
@@ -93,17 +94,22 @@ struct Reference {
   int64_t rotary_dim, width, table_batch, seq;
   std::vector<double> cos, sin;        // [table_batch, seq, width] (tables)
   std::vector<int64_t> positions;      // [table_batch, seq]
-  std::vector<float> inv_freq;
+  std::vector<float> inv_freq;         // [tables, rotary_dim / 2]
   double scale = 1.0;
+  std::vector<int64_t> table_rows;     // per token: its row of inv_freq and of scales (empty: row 0, scale)
+  std::vector<float> scales;
 
   // cos and sin multiplying feature e (< rotary_dim) of a token: x*cos + rotate(x)*sin.
   void entry(int64_t tb, int64_t s, int64_t e, double* c, double* sn) const {
     const int64_t half = rotary_dim / 2;
     const int64_t pair = interleaved ? e / 2 : e % half;
     if (table == TableKind::kPositions) {
-      const double angle = static_cast<double>(positions[tb * seq + s]) * static_cast<double>(inv_freq[pair]);
-      *c = scale * std::cos(angle);
-      *sn = scale * std::sin(angle);
+      const int64_t row = table_rows.empty() ? 0 : table_rows[tb * seq + s];
+      const double factor = table_rows.empty() ? scale : static_cast<double>(scales[row]);
+      const double angle =
+          static_cast<double>(positions[tb * seq + s]) * static_cast<double>(inv_freq[row * half + pair]);
+      *c = factor * std::cos(angle);
+      *sn = factor * std::sin(angle);
       return;
     }
     const int64_t col = table == TableKind::kFullWidth ? e : pair;
@@ -129,6 +135,7 @@ struct Case {
   int64_t seq = 3, head_dim = 16, rotary_dim = 16;
   int64_t min_blocks = 1;
   bool positions_int64 = true;
+  bool per_token_tables = false;  // kPositions: each token's row of three tables (int32 indices, or int64)
 };
 
 std::string describe(const Case& c) {
@@ -137,7 +144,7 @@ std::string describe(const Case& c) {
          " in_place=" + std::to_string(c.in_place) + " conjugate=" + std::to_string(c.conjugate) +
          " layout=" + std::to_string(static_cast<int>(c.layout)) + " seq=" + std::to_string(c.seq) +
          " head_dim=" + std::to_string(c.head_dim) + " rotary_dim=" + std::to_string(c.rotary_dim) +
-         " min_blocks=" + std::to_string(c.min_blocks);
+         " min_blocks=" + std::to_string(c.min_blocks) + " per_token_tables=" + std::to_string(c.per_token_tables);
 }
 
 // Runs one case through the emulated kernel; checks every output element against the reference,
@@ -161,12 +168,22 @@ void run_case(const Case& c, std::mt19937& rng) {
   ref.table_batch = table_batch;
   ref.seq = S;
   std::vector<Table> cos_table, sin_table;
-  std::vector<int32_t> positions32;
+  std::vector<int32_t> positions32, rows32;
   std::vector<int64_t> positions64;
   if (c.table == TableKind::kPositions) {
     for (int64_t i = 0; i < table_batch * S; ++i) ref.positions.push_back(static_cast<int64_t>(rng() % 5000));
-    for (int64_t i = 0; i < R / 2; ++i) ref.inv_freq.push_back(static_cast<float>(std::pow(1e4, -2.0 * i / R)));
+    const int64_t tables = c.per_token_tables ? 3 : 1;
+    for (int64_t t = 0; t < tables; ++t)  // the default table, then tables of 1/2 and 1/5 of its frequencies
+      for (int64_t i = 0; i < R / 2; ++i)
+        ref.inv_freq.push_back(static_cast<float>(std::pow(1e4, -2.0 * i / R) / (t == 0 ? 1.0 : 3.0 * t - 1.0)));
     ref.scale = 1.25;
+    if (c.per_token_tables) {
+      ref.scales = {1.0f, 1.0693f, 1.25f};  // the largest scale bounds the tolerance's terms below
+      for (int64_t i = 0; i < table_batch * S; ++i) {
+        ref.table_rows.push_back(static_cast<int64_t>(rng() % tables));
+        rows32.push_back(static_cast<int32_t>(ref.table_rows.back()));
+      }
+    }
     for (int64_t p : ref.positions) {
       positions32.push_back(static_cast<int32_t>(p));
       positions64.push_back(p);
@@ -212,6 +229,15 @@ void run_case(const Case& c, std::mt19937& rng) {
     p.positions_stride_seq = 1;
     p.inv_freq = ref.inv_freq.data();
     p.scale = ref.scale;
+    if (c.per_token_tables) {
+      p.table_index = c.positions_int64 ? static_cast<const void*>(ref.table_rows.data()) : rows32.data();
+      p.table_index_int64 = c.positions_int64;
+      p.table_index_stride_batch = S;
+      p.table_index_stride_seq = 1;
+      p.inv_freq_stride = R / 2;
+      p.scales = ref.scales.data();
+      p.scale = -99.0;  // must not be read
+    }
   } else {
     p.cos = cos_table.data();
     p.sin = sin_table.data();
@@ -306,6 +332,10 @@ void run_grid(bool quick) {
           c.head_dim = layout == Layout::kContiguous ? 16 : 24;
           c.min_blocks = c.seq == 1 ? 64 : 1;
           run_case<T, Table>(c, rng);
+          if (table == TableKind::kPositions && !c.conjugate) {  // the same with a table per token
+            c.per_token_tables = true;
+            run_case<T, Table>(c, rng);
+          }
           if (quick) break;
         }
 }

@@ -10,7 +10,9 @@
 //   y_a = x_a * cos_a - x_b * sin_a,   y_b = x_b * cos_b + x_a * sin_b.
 // With a full-width table (transformers' [.., seq, rotary_dim]) cos_a = cos[a], cos_b = cos[b]:
 // that is exactly x * cos + rotate_half(x) * sin, whatever the table holds. With a half-width table
-// ([.., seq, rotary_dim/2]) both read cos[i]; with positions, cos = scale * cos(p * inv_freq[i]).
+// ([.., seq, rotary_dim/2]) both read cos[i]; with positions, cos = scale * cos(p * inv_freq[i]), and
+// with a table per token (an engine's batch of requests of different scales) the token's row r of
+// inv_freq [tables, rotary_dim/2] and its scale scales[r] instead.
 // Tables are of the operands' type T or of float (fp32 tables with fp16/bf16/fp64 operands, as
 // FlashInfer and vLLM take them and autocast produces them): Params' second parameter. Either way
 // the math is fp32 (fp64 for double operands) and the result is rounded once to T.
@@ -66,6 +68,12 @@ struct Params {
   int64_t positions_stride_batch = 0, positions_stride_seq = 0;
   const float* inv_freq = nullptr;
   double scale = 1.0;
+  // kPositions with a table per token: token (b, s) reads row table_index[b, s] of inv_freq (rows of
+  // inv_freq_stride floats) and takes scales[row] instead of `scale`. None (nullptr): row 0, `scale`.
+  const void* table_index = nullptr;
+  bool table_index_int64 = true;
+  int64_t table_index_stride_batch = 0, table_index_stride_seq = 0, inv_freq_stride = 0;
+  const float* scales = nullptr;
 
   bool interleaved = false;
   // Apply the transpose of the map (angle -theta for a true rotation): the backward pass.
@@ -176,6 +184,23 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double token_position(const Params<T, Tab
                            : static_cast<double>(static_cast<const int32_t*>(p.positions)[offset]);
 }
 
+// The inv_freq row and scale of a token (kPositions): row table_index[token] with its own scale when
+// the parameters have a table per token, else the one table and `scale`.
+struct TokenTable {
+  const float* inv_freq;
+  double scale;
+};
+
+template <class T, class Table>
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE TokenTable token_table(const Params<T, Table>& p, int64_t table_row,
+                                                              int64_t seq) {
+  if (p.table_index == nullptr) return {p.inv_freq, p.scale};
+  const int64_t offset = table_row * p.table_index_stride_batch + seq * p.table_index_stride_seq;
+  const int64_t row = p.table_index_int64 ? static_cast<const int64_t*>(p.table_index)[offset]
+                                          : static_cast<int64_t>(static_cast<const int32_t*>(p.table_index)[offset]);
+  return {p.inv_freq + row * p.inv_freq_stride, static_cast<double>(p.scales[row])};
+}
+
 // Coefficients of pair i of a token from a table of kind kTable, conjugated when asked. `to_acc`
 // converts a table entry of type Table to a type that widens exactly to Acc (the conversion
 // differs between the host types and CUDA's __half/__nv_bfloat16; a float entry goes to a double
@@ -186,7 +211,8 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<
                                                                    int64_t seq, int64_t i, ToAcc to_acc) {
   PairCoeffs<Acc> c;
   if constexpr (kTable == TableKind::kPositions) {
-    c = position_coeffs<Acc>(token_position(p, table_row, seq), p.inv_freq[i], static_cast<Acc>(p.scale));
+    const TokenTable table = token_table(p, table_row, seq);
+    c = position_coeffs<Acc>(token_position(p, table_row, seq), table.inv_freq[i], static_cast<Acc>(table.scale));
   } else {
     const PairIndex e = table_entries(kTable, p.interleaved, p.half(), i);
     const Table* cos_row = p.cos + table_row * p.cos_stride_batch + seq * p.cos_stride_seq;

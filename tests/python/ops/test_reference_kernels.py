@@ -70,6 +70,16 @@ def _cases():
         yield f"apply_rotary_pos_ {dtype}", lambda: in_place(
             lambda x: ops.apply_rotary_pos_(x, positions[0].int(), inv_freq, conjugate=True), q)
         yield f"apply_rotary_pos_qk {dtype}", lambda: list(ops.apply_rotary_pos_qk(q, k, positions, inv_freq, 0.8))
+        # an engine's packed tokens [T, H, D], a table and factor per request
+        packed_q, packed_k = q[0].transpose(0, 1), k[1].transpose(0, 1)
+        request_index = torch.tensor([0] * 5 + [2] * 6 + [1] * 2, dtype=torch.int32)
+        tables = torch.stack([inv_freq, inv_freq / 2.5, inv_freq / 7.0])
+        factors = torch.tensor([1.0, 1.09, 1.19])
+        yield f"apply_rotary_per_request {dtype}", lambda: list(ops.apply_rotary_per_request(
+            packed_q, packed_k, positions[0], request_index, tables, factors, True))
+        yield f"apply_rotary_per_request_ {dtype}", lambda: in_place(
+            lambda a, b: ops.apply_rotary_per_request_(a, b, positions[1], request_index.long(), tables, factors),
+            packed_q, packed_k)
         yield f"apply_rotary_pos_qk_ {dtype}", lambda: in_place(
             lambda a, b: ops.apply_rotary_pos_qk_(a, b, positions, inv_freq, 1.0, True), q, k)
 
