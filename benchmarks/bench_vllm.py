@@ -64,6 +64,7 @@ def _methods():
         "resonance_yarn": (scaling.YaRN(factor=2.0, original_max_position=TRAINED, resonance=True), {}),
         "rerope": (None, {"attention": "rerope", "window": WINDOW}),
         "dynamic_yarn": (scaling.DynamicYaRN(factor=2.0, original_max_position=TRAINED), {}),
+        "dynamic_yarn_per_request": (scaling.DynamicYaRN(factor=2.0, original_max_position=TRAINED, per="request"), {}),
         # benchmarks/real_model.py's settings at 16k (common.py): W, the smallest G reaching 16k; ChunkLlama's defaults
         "self_extend": (None, {"attention": "self_extend", "window": WINDOW, "group": GROUP}),
         "dual_chunk": (None, {"attention": "dual_chunk", "chunk_size": DCA_CHUNK, "local_size": DCA_LOCAL}),
@@ -91,6 +92,9 @@ ROWS = {
     "rerope": Row("rerope", "native", {}, f"ReRoPE w={WINDOW}: raw keys in vLLM's pages, ropescale's paged kernel"),
     "dynamic_yarn": Row("dynamic_yarn", "native", {},
                         "Dynamic-YaRN s=2: each request's own table, ropescale's paged kernel"),
+    "per_request": Row("dynamic_yarn_per_request", "native", {},
+                       "Dynamic-YaRN per request: each request's table (prompt + max_tokens) on its keys as they are "
+                       "written (ropescale's rotary), vLLM's own attention"),
     "self_extend": Row("self_extend", "native", {},
                        f"Self-Extend W={WINDOW}, G={GROUP}: raw keys in vLLM's pages, ropescale's paged kernel"),
     "dual_chunk": Row("dual_chunk", "native", {},

@@ -185,6 +185,9 @@ if [ "$build_ok" = 1 ] && part core; then
     "$OUT/pytest_cpu_host.log" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -m "not slow and not cuda" \
     tests/python/ops/test_rerope_attention.py tests/python/ops/test_rerope_paged.py tests/python/ops/test_self_extend_dca_ops.py
   run "bench_rotary (GPU)" 60 "$OUT/bench_rotary.log" "$PYTHON" benchmarks/bench_rotary.py --device cuda --quick
+  # The rotation with a table per request (per-request YaRN rotated at write) against the single-table rotations.
+  run "bench_rotary_per_request (GPU)" 40 "$OUT/bench_rotary_per_request.log" \
+    "$PYTHON" benchmarks/bench_rotary_per_request.py --device cuda --quick
   if "$PYTHON" benchmarks/bench_rerope.py --help 2>/dev/null | grep -q -- '--device'; then
     # bench_rerope.py's CUDA mode includes paged16 (rerope_attention_paged, one request in pages of 16
     # slots: tensor-core prefill rows, split-K decode rows) beside the dense kernels.
@@ -208,6 +211,10 @@ if [ "$build_ok" = 1 ] && part first-day; then
   if "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
     run "vLLM on CUDA: CUSTOM backend, CUDA graphs, ReRoPE and Dynamic-YaRN against transformers" 240 \
       "$OUT/vllm_cuda.log" "$PYTHON" -m pytest "$VLLM_ENGINE_TEST" -m cuda -q -p no:cacheprovider -rfEs
+    # Per-request YaRN rotated at write: vLLM's own FlashAttention (no --attention-backend), CUDA graphs and
+    # compiled mode, against the native model served by the same engine (8 x 4k and 1 x 16k, issue 43's rows).
+    run "vLLM on CUDA: per-request YaRN through vLLM's own backend, against native" 240 "$OUT/vllm_per_request.log" \
+      "$PYTHON" benchmarks/bench_vllm.py --rows native per_request --prompt-tokens 4096 --batch 8 --compiled
   else
     # No network on the lent machines, and vLLM's CUDA wheel is far larger than what travels with a call.
     echo "vLLM is not installed on this machine: the CUSTOM-backend engine test did not run" >"$OUT/vllm_cuda.log"
@@ -222,7 +229,7 @@ for t in pytest_cuda pytest_cpu_host training vllm_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"
-for b in bench_rotary bench_rerope bench_rerope_train bench_chunked_prefill; do
+for b in bench_rotary bench_rotary_per_request bench_rerope bench_rerope_train bench_chunked_prefill vllm_per_request; do
   [ -f "$OUT/$b.log" ] && { echo "### $b"; echo; fenced "$OUT/$b.log"; echo; } >>"$REPORT"
 done
 section "Steps"

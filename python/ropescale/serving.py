@@ -2,7 +2,10 @@
 ``ropescale.vllm`` both use it; an adapter for another engine starts here).
 
 - :class:`PreRopePlan`: how a model's layers attend (the method's table, ReRoPE's attention side), read from
-  a checkpoint's config; :func:`needs_pre_rope` says whether a checkpoint needs one at all.
+  a checkpoint's config; :func:`needs_pre_rope` says whether a checkpoint needs raw keys, :func:`rotated_at_write`
+  whether it is a ``per="request"`` table whose keys are rotated once, when written (then any attention serves it);
+- :class:`RequestRotaryTables`: a step's per-request rotation (each token's request, each request's table and
+  attention factor) in buffers at fixed addresses, what an engine's rotary layer reads for ``rotated_at_write``.
 - :class:`TableCache`: the tables by length (``inv_freq`` and attention factor at ``seq_len``, largest
   position + 1), on the host and on a device, and each step's tables for a batch of requests
   (:class:`StepTables`), cut where rows of one request need different tables (:func:`cut_segments`).
@@ -28,7 +31,8 @@ import torch
 
 from . import config as config_lib, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "dual_chunk_temperature", "needs_pre_rope", "ropescale_rotary", "Segments",
+__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "dual_chunk_temperature", "needs_pre_rope",
+           "rotated_at_write", "ropescale_rotary", "Segments",
            "StepTables", "cut_segments", "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
@@ -135,14 +139,22 @@ class PreRopePlan:
     @classmethod
     def of_config(cls, config) -> "PreRopePlan | None":
         """The plan of a transformers-style config (``rope_parameters``, ``max_position_embeddings``, the
-        ``ropescale`` entry), or None when its method needs no pre-RoPE attention."""
+        ``ropescale`` entry), or None when its method needs neither pre-RoPE attention nor a table per request
+        (:attr:`rotated_at_write` tells the two apart)."""
         params = config.rope_parameters
         parsed = config_lib.read(params, getattr(config, "max_position_embeddings", None),
                                  getattr(config, config_lib.CONFIG_KEY, None), None,
                                  getattr(config, config_lib.DUAL_CHUNK_KEY, None))
-        if not needs_pre_rope(parsed):
+        if not needs_pre_rope(parsed) and not rotated_at_write(parsed):
             return None
         return cls.of(parsed, config_lib.rotary_dim_of(config, params), True)
+
+    @property
+    def rotated_at_write(self) -> bool:
+        """A ``per="request"`` table with plain attention (:func:`rotated_at_write`): each request's keys are rotated
+        once, with its table, when written; the engine's own cache and attention serve it."""
+        return (self.per_request and self.window == NO_WINDOW and not self.group and not self.chunk_size
+                and not self.logn_length and not self.temperature_length)
 
     @property
     def attention_factor_varies(self) -> bool:
@@ -233,11 +245,19 @@ def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int, coeff
     return (coefficient * torch.log(lengths / float(temperature_length)) + 1.0).clamp_min(1.0)
 
 
+def rotated_at_write(parsed: config_lib.RopeConfig) -> bool:
+    """Whether a checkpoint's method is a table per request (``per="request"``: one table for a request's whole life,
+    at its planned length) with plain attention: its keys need no raw form, they are rotated once, with the
+    request's table, when written, and the engine's own cache and attention serve them (vLLM's backend on every
+    platform, transformers' cache and attention implementation)."""
+    return parsed.per_length and parsed.method.per_request and not parsed.raw_keys
+
+
 def needs_pre_rope(parsed: config_lib.RopeConfig) -> bool:
-    """Whether a checkpoint's method rotates at attention time (ReRoPE, Self-Extend, Dual Chunk Attention, or a table
-    that changes with each request's length: the dynamic methods and a LongRoPE ropescale wrote with distinct
-    factors)."""
-    return parsed.raw_keys or parsed.per_length
+    """Whether a checkpoint's method rotates raw keys at attention time (ReRoPE, Self-Extend, Dual Chunk Attention,
+    or a table that changes with each step's length: the per-step dynamic methods and a LongRoPE ropescale wrote
+    with distinct factors). A ``per="request"`` table does not: :func:`rotated_at_write`."""
+    return parsed.raw_keys or (parsed.per_length and not rotated_at_write(parsed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,3 +422,52 @@ class TableCache:
         tables = StepTables(inv_freq, factors, 1.0, pieces)
         self._last = (key, tables)
         return tables
+
+
+class RequestRotaryTables:
+    """A step's per-request rotation for an engine's rotary layer (:func:`rotated_at_write`): ``request_index``
+    (int32 ``[max_tokens]``: token t's request), ``inv_freq`` (float32 ``[max_requests, rotary_dim / 2]``: request r's
+    table, the plan's at its planned length) and ``attention_factors`` (float32 ``[max_requests]``), what
+    ``ops.apply_rotary_per_request`` takes.
+
+    The three tensors are allocated once, at the engine's largest step, and written in place every step (from
+    pinned host memory, without waiting for the device): a compiled graph and a CUDA graph read them at the
+    addresses they captured, and nothing inside a step reads the host. Tokens past the step (an engine's padding)
+    keep request 0, a valid row. Tables come from the plan's :class:`TableCache` (computed once per length)."""
+
+    def __init__(self, plan: PreRopePlan, device: torch.device | str, max_tokens: int, max_requests: int) -> None:
+        if not plan.per_request:
+            raise ValueError("RequestRotaryTables: the plan's method has no table per request")
+        self.plan, self.device = plan, torch.device(device)
+        self.max_tokens, self.max_requests = max(int(max_tokens), 1), max(int(max_requests), 1)
+        self.tables = TableCache(plan)
+        native, factor = self.tables.table(1)  # a valid row for every slot until a step writes it
+        self.request_index = torch.zeros(self.max_tokens, dtype=torch.int32, device=self.device)
+        self.inv_freq = native.to(self.device).repeat(self.max_requests, 1)
+        self.attention_factors = torch.full((self.max_requests,), factor, dtype=torch.float32, device=self.device)
+        self._last: tuple | None = None
+
+    def update(self, request_lens: list[int], query_lens: list[int]) -> None:
+        """This step's requests, in the order the step packs their tokens: request r has ``query_lens[r]`` tokens
+        and the planned length ``request_lens[r]`` (prompt + max new tokens)."""
+        count, tokens = len(request_lens), sum(max(int(n), 0) for n in query_lens)
+        if count > self.max_requests or tokens > self.max_tokens:
+            raise RuntimeError(f"ropescale: a step of {count} requests and {tokens} tokens is larger than the "
+                               f"per-request rotation's buffers ({self.max_requests} requests, {self.max_tokens} "
+                               "tokens: the engine's max_num_seqs and max_num_batched_tokens)")
+        key = (tuple(int(n) for n in request_lens), tuple(int(n) for n in query_lens))
+        if key == self._last:
+            return
+        rows = [self.tables.table(self.plan.table_length(length, 0)) for length in request_lens]
+        index = torch.repeat_interleave(torch.arange(count, dtype=torch.int32),
+                                        torch.tensor([max(int(n), 0) for n in query_lens], dtype=torch.int64))
+        host = [index]
+        if rows:
+            host += [torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows], dtype=torch.float32)]
+        if self.device.type != "cpu":  # asynchronous copies need page-locked sources
+            host = [t.pin_memory() for t in host]
+        self.request_index[:tokens].copy_(host[0], non_blocking=True)
+        if rows:
+            self.inv_freq[:count].copy_(host[1], non_blocking=True)
+            self.attention_factors[:count].copy_(host[2], non_blocking=True)
+        self._last = key

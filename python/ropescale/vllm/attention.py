@@ -64,8 +64,8 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from .. import config as config_lib, ops
 from . import engine
-from ..serving import (NO_WINDOW, PreRopePlan, Segments, StepTables, TableCache, cut_segments,  # noqa: F401
-                       needs_pre_rope)
+from ..serving import (NO_WINDOW, PreRopePlan, RequestRotaryTables, Segments, StepTables, TableCache,  # noqa: F401
+                       cut_segments, needs_pre_rope)
 
 logger = logging.getLogger("vllm.ropescale")
 
@@ -348,16 +348,59 @@ def _wrap_vllm(module_name: str, owner_name: str | None, attribute: str, wrapper
     return True
 
 
+# The per-request rotation tables of the model this process serves (rotated at write: serving.rotated_at_write), one
+# per rotary dim, made by get_rope (rotary.py) and written once per step by the model runner's hook below.
+_request_rotary: dict[tuple, RequestRotaryTables] = {}
+
+
+def request_rotary_tables(plan: PreRopePlan, vllm_config) -> RequestRotaryTables:
+    """The process's :class:`RequestRotaryTables` for ``plan`` (one per rotary dim and interleaving), sized for the
+    engine's largest step and on its device; installs the step hook that writes them."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
+    requests = int(getattr(scheduler, "max_num_seqs", 0) or 0)
+    device = torch.device(vllm_config.device_config.device) if getattr(vllm_config, "device_config", None) else "cpu"
+    key = (id(vllm_config), plan)
+    if key not in _request_rotary:
+        if any(k[0] != id(vllm_config) for k in _request_rotary):  # a new engine in this process: a new model
+            _request_rotary.clear()
+        _request_rotary[key] = RequestRotaryTables(plan, device, max(tokens, 1), max(requests, 1))
+        install_prompt_lengths()
+    return _request_rotary[key]
+
+
+def update_request_rotary(runner, num_reqs: int) -> None:
+    """Write this step's per-request rotation (each token's request, each request's table) for the step whose
+    attention metadata ``runner`` is building: requests in the runner's batch order, their tokens at
+    ``query_start_loc``, their planned lengths from :func:`step_request_lens`."""
+    if not _request_rotary or num_reqs is None:
+        return
+    count = int(num_reqs)
+    starts = getattr(getattr(runner, "query_start_loc", None), "np", None)
+    request_lens = step_request_lens(count)
+    if starts is None or request_lens is None:
+        raise RuntimeError("ropescale.vllm: a per='request' table needs each request's planned length and tokens, "
+                           "which this vLLM's model runner did not give (ropescale reads them from the V1 runner: "
+                           "unset VLLM_USE_V2_MODEL_RUNNER)")
+    bounds = [int(n) for n in starts[: count + 1]]
+    query_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    for tables in _request_rotary.values():
+        tables.update(request_lens, query_lens)
+
+
 def install_prompt_lengths() -> bool:
-    """Wrap vLLM's ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) so that the metadata
-    builders of this step can read each request's prompt length (``input_batch.num_prompt_tokens``). Idempotent;
-    False where this vLLM has no such method (the builders then fall back to each request's current length)."""
+    """Wrap vLLM's ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it; every step calls it
+    before the model runs) so that the metadata builders of this step can read each request's prompt length
+    (``input_batch.num_prompt_tokens``), and the per-request rotation tables are written for the step
+    (:func:`update_request_rotary`). Idempotent; False where this vLLM has no such method (the builders then fall
+    back to each request's current length)."""
     def wrapper_of(stock):
         def _build_attention_metadata(self, *args, **kwargs):
             batch = getattr(self, "input_batch", None)
             _prompt_lens["tensor"] = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
             _prompt_lens["runner"] = self
             try:
+                update_request_rotary(self, kwargs.get("num_reqs", args[1] if len(args) > 1 else None))
                 return stock(self, *args, **kwargs)
             finally:
                 _prompt_lens["tensor"] = _prompt_lens["runner"] = None
@@ -560,8 +603,8 @@ class PreRopeLayer:
 
 
 def served_plan(vllm_config) -> PreRopePlan | None:
-    """The pre-RoPE plan of the model ``vllm_config`` serves (its config, read as get_rope reads it), or None for
-    a model that is not pre-RoPE."""
+    """The plan of the model ``vllm_config`` serves (its config, read as get_rope reads it): a pre-RoPE one, or a
+    per-request table rotated at write (``plan.rotated_at_write``); None for any other model."""
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
@@ -574,10 +617,12 @@ def served_plan(vllm_config) -> PreRopePlan | None:
 
 
 def _serving_pre_rope() -> bool:
-    """Whether the model this process builds is a pre-RoPE one."""
+    """Whether the model this process builds is a pre-RoPE one (raw keys; a per-request table rotated at write is
+    served by vLLM's own attention)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    return served_plan(get_current_vllm_config_or_none()) is not None
+    plan = served_plan(get_current_vllm_config_or_none())
+    return plan is not None and not plan.rotated_at_write
 
 
 # What vLLM's Qwen-family attention layers pass an impl when the config has Qwen's dual_chunk_attention_config (for

@@ -110,6 +110,84 @@ class RopescaleMRotaryEmbedding(MRotaryEmbedding):
         return f"{super().extra_repr()}, method={self.method}"
 
 
+class RequestRotaryEmbedding(RotaryEmbedding):
+    """A ``per="request"`` table rotated at write (``serving.rotated_at_write``): every token's q and k turned with the
+    table and attention factor of the request it belongs to (``ops.apply_rotary_per_request``, over the step's
+    :class:`~ropescale.serving.RequestRotaryTables`, written by the model runner's hook before the step runs), so
+    vLLM caches rotated keys and its own attention backend serves the request: the static model of the request's
+    scale, on every platform, with vLLM's CUDA graphs and compiled mode (the tables sit at fixed addresses). Its
+    ``cos_sin_cache`` is the native table (unused here; for code that reads the attribute)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method, tables: serving.RequestRotaryTables) -> None:
+        self.method, self.request_tables = method, tables
+        super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv_freq, factor = self.request_tables.tables.table(1)
+        angles = torch.arange(self.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq.double()
+        return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
+
+    def _rotate(self, positions, query, key, in_place: bool):
+        tables = self.request_tables
+        positions = positions.flatten()
+        tokens = positions.shape[0]
+        index = tables.request_index[:tokens]
+        q = query.view(tokens, -1, self.head_size)
+        k = key.view(tokens, -1, self.head_size) if key is not None else None
+        interleaved = not self.is_neox_style
+        if in_place:
+            ops.apply_rotary_per_request_(q, k, positions, index, tables.inv_freq, tables.attention_factors,
+                                          interleaved)
+            return query, key
+        q, k = ops.apply_rotary_per_request(q, k, positions, index, tables.inv_freq, tables.attention_factors,
+                                            interleaved)
+        return q.reshape(query.shape), (k.reshape(key.shape) if key is not None else None)
+
+    def forward_native(self, positions, query, key=None):
+        return self._rotate(positions, query, key, in_place=False)
+
+    def forward_cpu(self, positions, query, key=None):
+        return self._rotate(positions, query, key, in_place=True)
+
+    forward_cuda = forward_cpu
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, method={self.method}, a table per request (rotated at write)"
+
+
+def request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool, dtype: torch.dtype,
+                   parsed: config_lib.RopeConfig, multimodal: bool, vllm_config) -> RotaryEmbedding:
+    """``get_rope``'s answer for a per-request table rotated at write (no pass-through, no backend of ropescale's),
+    for the engine of ``vllm_config``; its startup line once per process."""
+    from . import attention
+
+    if multimodal:
+        raise NotImplementedError(
+            f"ropescale.vllm: {type(parsed.method).__name__}(per='request') on a multimodal rope (mrope_section) is not "
+            "served by vLLM yet: the per-request rotation turns each token at one position, a multimodal rope at "
+            "three. Serve a static table (YaRN with the factor you need), or use transformers + ropescale.hf")
+    plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style)
+    tables = attention.request_rotary_tables(plan, vllm_config)
+    if "request" not in _warned:
+        _warned.add("request")
+        default = attention.unset_max_tokens_default(vllm_config)
+        logger.info("ropescale: %s; keys rotated when written, served by vLLM's own attention backend",
+                    attention.describe_plan(plan, default))
+        if default is None:
+            logger.warning(
+                "ropescale: per='request': a chat request without max_tokens is planned at max_model_len (%s "
+                "tokens), so even a short question runs the model scaled for that length; give the checkpoint a "
+                "planning budget (generation_config.json max_new_tokens: `ropescale extend --max-new-tokens N`, or "
+                "--override-generation-config '{\"max_new_tokens\": N}'), or send max_tokens",
+                attention._max_model_len(vllm_config))
+    key = (head_size, rotary_dim, max_position, is_neox_style, parsed, dtype, id(tables))
+    if key not in _layers:
+        _layers[key] = RequestRotaryEmbedding(head_size, rotary_dim, max_position, parsed.base, is_neox_style,
+                                              dtype or torch.get_default_dtype(), parsed.method, tables)
+    return _layers[key]
+
+
 def _model_config():
     from vllm.config import get_current_vllm_config
 
@@ -155,6 +233,11 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     from . import attention
 
     multimodal = "mrope_section" in params
+    if serving.rotated_at_write(parsed):
+        from vllm.config import get_current_vllm_config
+
+        return request_rotary(head_size, rotary_dim, max_position, is_neox_style, dtype, parsed, multimodal,
+                              get_current_vllm_config())
     if multimodal and attention.needs_pre_rope(parsed):
         raise NotImplementedError(
             f"ropescale.vllm: {type(parsed.method).__name__}"

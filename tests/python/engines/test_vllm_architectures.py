@@ -11,6 +11,7 @@ partial rotary, per-layer-type parameters, sinks with ``truncate=False`` YaRN, M
 Ministral 3's query temperature.
 """
 
+import contextlib
 import importlib.util
 import json
 import types
@@ -75,8 +76,25 @@ def static_checkpoint(name):
 
 
 def pre_rope_checkpoint(name):
-    """Per-request Dynamic YaRN: vLLM must cache raw keys and rotate each request at its own scale."""
-    return hf.patch(build_served(name), scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+    """Dynamic YaRN per step (the paper's rule): vLLM must cache raw keys and rotate them at every step's scale."""
+    return hf.patch(build_served(name), scaling.DynamicYaRN(original_max_position=ORIGINAL))
+
+
+PER_REQUEST_METHOD = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
+
+
+def save_per_request_checkpoint(name, path):
+    """Per-request Dynamic YaRN (rotated at write: vLLM's own attention serves it): written by ``hf.patch`` where the
+    family's layout takes a table per row, else by ``ropescale extend`` from the saved family model (gpt-oss)."""
+    try:
+        hf.patch(build_served(name), PER_REQUEST_METHOD).save_pretrained(path)
+    except ValueError:
+        from ropescale import cli
+
+        source = path.parent / f"{path.name}-source"
+        build_served(name).save_pretrained(source)
+        assert cli.main(["extend", str(source), str(path), "--method", "dynamic_yarn", "--per", "request",
+                         "--original-max-position", str(ORIGINAL), "--max-length", "64"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +185,9 @@ def test_proportional_in_stock_vllm_and_the_plugin(monkeypatch, factor):
 # The pre-RoPE families (their attention takes pre-RoPE methods) whose config takes the method's type.
 SERVED = [name for name in FAMILIES if name not in NOT_RUN]
 PRE_ROPE = [name for name in SERVED if ARCHS[name].pre_rope is None and name != "Phi-3 / Phi-4-mini"]
+# Per-request tables (rotated at write, vLLM's own attention): the layouts the pre-RoPE backend refused (per layer
+# type, sinks and sliding layers) and GLM-4's partial interleaved pairs; other layouts are Llama's (test_vllm_per_request).
+PER_REQUEST = [name for name in ("GLM-4", "Gemma 3", "Gemma 4", "gpt-oss") if name in SERVED]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +198,8 @@ def checkpoints(tmp_path_factory):
         static_checkpoint(name).save_pretrained(paths.setdefault(("static", name), root / f"static-{len(paths)}"))
     for name in PRE_ROPE:
         pre_rope_checkpoint(name).save_pretrained(paths.setdefault(("pre_rope", name), root / f"pre-{len(paths)}"))
+    for name in PER_REQUEST:
+        save_per_request_checkpoint(name, paths.setdefault(("per_request", name), root / f"request-{len(paths)}"))
     return paths
 
 
@@ -198,7 +221,7 @@ def serve(tmp_path, checkpoints, keys, env):
     # A pre-RoPE checkpoint keeps its original length as max_position_embeddings: served past it on purpose.
     engines = [{"id": "/".join(key), "path": str(checkpoints[key]),
                 "options": dict(enforce_eager=True, max_num_seqs=2, max_model_len=64, **FAMILY_OPTIONS.get(key[1], {})),
-                "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if key[0] == "pre_rope" else {},
+                "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if key[0] in ("pre_rope", "per_request") else {},
                 "batches": [{"prompts": prompts(), "params": params}]} for key in keys]
     environ = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     results, log = run_engines(tmp_path, engines, environ, timeout=1800)
@@ -214,22 +237,27 @@ def stock(tmp_path_factory, checkpoints):
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory, checkpoints):
-    keys = [*(("static", name) for name in SERVED), *(("pre_rope", name) for name in PRE_ROPE)]
+    keys = [*(("static", name) for name in SERVED), *(("pre_rope", name) for name in PRE_ROPE),
+            *(("per_request", name) for name in PER_REQUEST)]
     # Refusals last: an engine refused while its model is built leaves vLLM's process state half set up.
     keys.sort(key=lambda key: key[0] == "pre_rope" and key[1] in PLUGIN_REFUSES_PRE_ROPE)
     return serve(tmp_path_factory.mktemp("plugin"), checkpoints, keys, {})
 
 
-def reference(path):
+def reference(path, models=None):
     """transformers + ropescale on the saved checkpoint (plain transformers' reload, then ``hf.patch``): each
     prompt one request that may generate NEW_TOKENS (``hf.request``: a per-request method's scale), greedy
-    through the model's own cache."""
-    config = json.loads((path / "config.json").read_text())
-    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
-    hf.patch(model)
+    through the model's own cache. ``models``: instead, the model each prompt runs (by prompt length)."""
+    if models is None:
+        config = json.loads((path / "config.json").read_text())
+        model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
+        hf.patch(model)
     out = []
     for prompt in prompts():
-        with torch.no_grad(), hf.request(model, max_new_tokens=NEW_TOKENS):
+        if models is not None:
+            model = models(len(prompt))
+        planned = hf.request(model, max_new_tokens=NEW_TOKENS) if hf.is_patched(model) else contextlib.nullcontext()
+        with torch.no_grad(), planned:
             cache = transformers.DynamicCache(config=model.config)
             logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0]
             logprobs = logits.double().log_softmax(-1)
@@ -280,11 +308,30 @@ def test_plugin_serves_each_familys_static_checkpoint_as_transformers_does(plugi
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", PER_REQUEST)
+def test_plugin_serves_each_familys_per_request_table_by_vllms_own_attention(plugin, checkpoints, name):
+    """Each request the static YaRN(s) model of its planned length (s = (P + N) / L; native within L), as
+    transformers + ropescale compute it, through vLLM's own attention backend: sliding layers, sinks, per-layer-type
+    tables and partial interleaved pairs, none of which the pre-RoPE backend takes."""
+    results, log = plugin
+
+    def static(length):
+        if length <= ORIGINAL:
+            return build_served(name)
+        return hf.patch(build_served(name), scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL))
+
+    assert "keys rotated when written, served by vLLM's own attention backend" in log, log[-3000:]
+    assert_same(outputs(results[f"per_request/{name}"], log), reference(None, lambda n: static(n + NEW_TOKENS)),
+                f"{name} per-request, vLLM + plugin")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRE_ROPE)
-def test_plugin_serves_each_familys_per_request_dynamic_yarn_or_refuses_it(plugin, checkpoints, name):
+def test_plugin_serves_each_familys_per_step_dynamic_yarn_or_refuses_it(plugin, checkpoints, name):
     results, log = plugin
     result = results[f"pre_rope/{name}"]
     if name in PLUGIN_REFUSES_PRE_ROPE:
         assert PLUGIN_REFUSES_PRE_ROPE[name] in result.get("error", ""), result
         return
-    assert_same(outputs(result, log), reference(checkpoints[("pre_rope", name)]), f"{name} pre-RoPE, vLLM + plugin")
+    assert_same(outputs(result, log), reference(checkpoints[("pre_rope", name)]),
+                f"{name} pre-RoPE per step, vLLM + plugin")

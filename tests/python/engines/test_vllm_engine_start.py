@@ -21,6 +21,7 @@ import types
 import warnings
 
 import pytest
+import torch
 
 from support.vllm_engine import run_engines
 from support.vllm_testing import ORIGINAL, plugin_isolated, require_vllm, served_llama
@@ -73,15 +74,36 @@ def start(config, max_model_len=256, generation=None):
 PER_REQUEST = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
 
 
+def start_per_request(config, max_model_len=256, generation=None):
+    """The plugin's startup of a per-request model (get_rope's rotary, rotated at write): its INFO and WARNING lines."""
+    from ropescale.vllm import rotary
+
+    model_config = types.SimpleNamespace(hf_config=config, max_model_len=max_model_len,
+                                         get_diff_sampling_param=lambda: dict(generation or {}))
+    vllm_config = types.SimpleNamespace(model_config=model_config, parallel_config=types.SimpleNamespace())
+    rotary._warned.discard("request")  # once per process: this test's
+    lines = Lines()
+    attention.logger.addHandler(lines)
+    try:
+        parsed = config_lib.read_config(config)
+        layer = rotary.request_rotary(16, 16, config.max_position_embeddings, True, torch.float32, parsed, False,
+                                      vllm_config)
+    finally:
+        attention.logger.removeHandler(lines)
+    assert isinstance(layer, rotary.RequestRotaryEmbedding)
+    return lines.text("INFO"), lines.text("WARNING")
+
+
 def test_a_per_request_checkpoint_says_its_plan_and_the_rule_of_a_request_without_max_tokens():
     config = hf.patch(served_llama(), PER_REQUEST).config
-    info, warning = start(config)
+    info, warning = start_per_request(config)
+    assert "keys rotated when written, served by vLLM's own attention backend" in info, info
     assert "per='request'" in info and "prompt + max_tokens" in info and f"fits {ORIGINAL}" in info, info
     assert "16 offline (SamplingParams()) and on /v1/completions" in info, info
     assert "leaky_k" not in info and "window" not in info, info  # no ReRoPE here (the audit's startup line)
     assert "a chat request without max_tokens is planned at max_model_len (256 tokens)" in warning, warning
     assert "ropescale extend --max-new-tokens N" in warning
-    info, warning = start(config, generation={"max_tokens": 20})  # generation_config.json max_new_tokens 20
+    info, warning = start_per_request(config, generation={"max_tokens": 20})  # generation_config.json max_new_tokens
     assert "the generation config's max_new_tokens, 20 (it stops there: finish_reason 'length')" in info, info
     assert warning == ""
 

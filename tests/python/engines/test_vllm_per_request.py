@@ -1,8 +1,10 @@
-"""Issue 29 in vLLM: a ``per="request"`` Dynamic-YaRN checkpoint served over the raw-key pages, each request under
-the static YaRN model of ``s = max(1, (P + N) / L)`` (N: its ``max_tokens``) for its whole life.
+"""Issues 29 and 43 in vLLM: a ``per="request"`` Dynamic-YaRN checkpoint served by vLLM's own attention backend, its
+keys rotated when written with their request's table (ropescale's RequestRotaryEmbedding), each request under the
+static YaRN model of ``s = max(1, (P + N) / L)`` (N: its ``max_tokens``) for its whole life.
 
-Runs on the vLLM leg (as test_vllm_paged.py); skips elsewhere. Without an engine: the planned lengths the builders
-read from the V1 runner, and the block hash (a request's pages are shared only with requests of the same scale).
+Runs on the vLLM leg (as test_vllm_paged.py); skips elsewhere. Without an engine: the planned lengths read from the
+V1 runner, the block hash (a request's pages are shared only with requests of the same scale), and the rotary layer
+on CPU tensors (eager, compiled, a capture step's padded dummy requests).
 With engines (slow: one subprocess, four engines):
 
 - a request with P + N <= L gives the prompt logprobs of the unscaled model served by the same engine (1e-6);
@@ -23,15 +25,16 @@ import pytest
 import torch
 
 from support.vllm_engine import run_engines  # noqa: E402
-from support.vllm_testing import (ORIGINAL, assert_same, request_block_hasher, require_vllm,  # noqa: E402
+from support.vllm_testing import (HEAD, ORIGINAL, assert_same, request_block_hasher, require_vllm,  # noqa: E402
                                   served_llama, transformers_request)
 
 require_vllm()
 
-from ropescale import hf, scaling, serving  # noqa: E402
+from ropescale import hf, ops, scaling, serving  # noqa: E402
 from ropescale.vllm import attention  # noqa: E402
 
 SERVED = 256
+BASE = served_llama().config.rope_parameters["rope_theta"]
 METHOD = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
 
 # (prompt length, max_tokens): P + N <= L = 64 (native), then past it (s = (P + N) / 64 up to 3.3)
@@ -84,6 +87,111 @@ def test_block_hashes_carry_the_requests_scale(monkeypatch):
     assert all(a != b for a, b in zip(hashes(tokens[:150], 8), hashes(tokens[:150], 9)))
     assert hashes(tokens[:150], 8) == hashes(tokens[:150], 8)
     assert hashes(tokens[:150], 10)[:9] == hashes(tokens[:152], 8)[:9]  # 160 both: the prefix's blocks are shared
+
+
+# ---------------------------------------------------------------------------------------------
+# The rotary layer (rotated at write), on CPU tensors: what vLLM's model runs, eager and compiled
+
+
+def fake_runner(prompt_lens, max_tokens, query_lens):
+    """What update_request_rotary reads from vLLM's V1 model runner while it builds a step's metadata."""
+    req_ids = [f"r{i}" for i in range(len(max_tokens))]
+    starts = torch.cumsum(torch.tensor([0, *query_lens]), 0).numpy()
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=req_ids),
+        requests={r: types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=n))
+                  for r, n in zip(req_ids, max_tokens)},
+        query_start_loc=types.SimpleNamespace(np=starts))
+    attention._prompt_lens.update(tensor=torch.tensor(prompt_lens), runner=runner)
+    return runner
+
+
+def request_layer():
+    """get_rope's layer for the per-request checkpoint, built under a vLLM config as at model build."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from ropescale import config as config_lib
+    from ropescale.vllm import rotary
+
+    config = hf.patch(served_llama(), METHOD).config
+    vllm_config = VllmConfig()
+    vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.scheduler_config.max_num_seqs = 64, 8
+    with set_current_vllm_config(vllm_config):
+        layer = rotary.get_rope(HEAD, ORIGINAL, True, config.rope_parameters, torch.float32)
+    assert isinstance(layer, rotary.RequestRotaryEmbedding), layer
+    assert serving.rotated_at_write(config_lib.read_config(config))
+    return layer
+
+
+def static_rotation(length, positions, q, k):
+    """q and k ``[T, H*D]`` turned by the static model of a request of ``length`` planned tokens (YaRN(s), native
+    within L): its float32 table and attention factor through ``apply_rotary_pos`` (what hf.patch computes)."""
+    method = (scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL) if length > ORIGINAL
+              else scaling.Default())
+    inv_freq, factor = method.inv_freq(HEAD, BASE), method.attention_factor
+    turned = [ops.apply_rotary_pos(x.view(len(positions), -1, HEAD).transpose(0, 1)[None], positions, inv_freq,
+                                   factor)[0].transpose(0, 1).reshape(x.shape) for x in (q, k)]
+    return turned[0], turned[1]
+
+
+def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_compiled():
+    """A step of 3 requests (a prefill chunk, a decode row, a short request that fits L: native): each token's q and
+    k equal the static YaRN(s) model's rotation of its request bit for bit; the in-place forward (eager
+    vLLM) equals the functional one (compiled vLLM), and a compiled forward reads the NEXT step's tables from the
+    same buffers (nothing specialised to a step; the graph reads no host value)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: F401  (the hook's target exists)
+
+    layer = request_layer()
+    gen = torch.Generator().manual_seed(0)
+    steps = [([150, 200, 20], [40, 16, 8], [7, 1, 5]),   # planned 190, 216, 28
+             ([150, 200, 20, 90], [40, 16, 8, 100], [1, 1, 1, 9])]
+    compiled = torch.compile(layer.forward_native, fullgraph=True, dynamic=True)
+    try:
+        for prompt_lens, max_tokens, query_lens in steps:
+            runner = fake_runner(prompt_lens, max_tokens, query_lens)
+            attention.update_request_rotary(runner, len(prompt_lens))
+            tokens = sum(query_lens)
+            positions = torch.cat([torch.arange(p - q, p) if q < p else torch.arange(q)
+                                   for p, q in zip(prompt_lens, query_lens)])
+            qkv = torch.randn(tokens, 4 * HEAD, generator=gen)
+            q, k = qkv[:, : 2 * HEAD], qkv[:, 2 * HEAD: 3 * HEAD]  # vLLM's views of one fused row
+            want_q, want_k = q.clone(), k.clone()
+            start = 0
+            for p, n, rows in zip(prompt_lens, max_tokens, query_lens):
+                sl = slice(start, start + rows)
+                want_q[sl], want_k[sl] = static_rotation(p + n, positions[sl], q[sl], k[sl])
+                start += rows
+            got_q, got_k = compiled(positions, q.clone(), k.clone())
+            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # the same kernel math, bit for bit
+            eager_q, eager_k = q.clone(), k.clone()
+            layer.forward_cpu(positions, eager_q, eager_k)
+            assert torch.equal(eager_q, got_q) and torch.equal(eager_k, got_k)
+            v_before = qkv[:, 3 * HEAD:].clone()
+            layer.forward_cpu(positions, q, k)  # in place on the fused row: v untouched
+            assert torch.equal(qkv[:, 3 * HEAD:], v_before)
+    finally:
+        attention._prompt_lens.update(tensor=None, runner=None)
+
+
+def test_a_graph_capture_step_of_padded_dummy_requests_gets_valid_tables():
+    """vLLM's capture (``_dummy_run``: ``num_reqs`` padded dummy requests with no ids, ``for_cudagraph_capture``)
+    and a step whose padded tokens run past the real ones: every token's row is a valid table (the op's CPU check
+    would refuse another), and the buffers keep their addresses."""
+    layer = request_layer()
+    tables = layer.request_tables
+    addresses = [t.data_ptr() for t in (tables.request_index, tables.inv_freq, tables.attention_factors)]
+    runner = fake_runner([1, 1, 1, 1], [], [1, 1, 1, 1])
+    runner.input_batch.req_ids = []  # dummy requests
+    try:
+        attention.update_request_rotary(runner, 4)
+        positions = torch.zeros(6, dtype=torch.int64)  # 2 padded tokens past the step
+        q, k = torch.randn(6, 2 * HEAD), torch.randn(6, HEAD)
+        layer.forward_cpu(positions, q, k)
+        with pytest.raises(RuntimeError, match="larger than the per-request rotation's buffers"):
+            attention.update_request_rotary(fake_runner([1] * 9, [1] * 9, [1] * 9), 9)
+    finally:
+        attention._prompt_lens.update(tensor=None, runner=None)
+    assert [t.data_ptr() for t in (tables.request_index, tables.inv_freq, tables.attention_factors)] == addresses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,3 +307,36 @@ def test_cuda_builder_declares_full_graphs_for_uniform_batches():
     assert support(config_of(METHOD), None) == AttentionCGSupport.UNIFORM_BATCH
     per_step = scaling.DynamicYaRN(original_max_position=ORIGINAL)
     assert support(config_of(per_step), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+FP8_NEEDS = "vLLM 0.32's CPU attention takes an fp8 KV cache on x86 CPUs with AVX-512 or AMX only"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()), reason=FP8_NEEDS)
+def test_an_fp8_kv_cache_serves_per_request_as_it_serves_the_static_model(tmp_path):
+    """``kv_cache_dtype="fp8"`` (refused by the pre-RoPE backend; vLLM's own takes it): three requests planned at 160
+    tokens (s = 2.5) against transformers' float32 static YaRN(2.5). The precision rule: within twice what vLLM's
+    fp8 cache costs the static YaRN(2.5) checkpoint served by the same engine on the same requests, plus 1e-5."""
+    per_request, static = tmp_path / "per_request", tmp_path / "static"
+    hf.patch(served_llama(), METHOD).save_pretrained(per_request)
+    static_model(160).save_pretrained(static)
+    requests = batch([(100, 60), (130, 30), (152, 8)], 6)
+    options = dict(enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=SERVED, max_model_len=SERVED,
+                   kv_cache_dtype="fp8")
+    engines = [{"id": "per_request", "path": str(per_request), "options": options, "batches": [requests]},
+               {"id": "static", "path": str(static), "options": options, "batches": [requests]}]
+    results, log = run_engines(tmp_path, engines, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+                                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=900)
+    by_id = {r["id"]: r for r in results}
+    assert all("batches" in by_id.get(e["id"], {}) for e in engines), log[-6000:]
+    expected = reference(static_model, requests)
+
+    def worst(served):
+        return max(max(abs(a - b) for a, b in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]))
+                   for got, want in zip(served, expected))
+
+    fp8_error = worst(by_id["static"]["batches"][0])
+    assert fp8_error > 1e-4, "the fp8 cache made no difference: is it in use?"
+    error = worst(by_id["per_request"]["batches"][0])
+    assert error <= 2 * fp8_error + 1e-5, (error, fp8_error)
