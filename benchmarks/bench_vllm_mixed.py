@@ -16,7 +16,8 @@ on /health and stopped with SIGINT (Ctrl-C) when its part ends, fails or is inte
                 (ropescale's table and rotation, vLLM's attention over rotated keys)
   per_request   Dynamic-YaRN per request (scaling.DynamicYaRN(original_max_position=L, per="request")): a request
                 with P prompt tokens and max_tokens N runs the static YaRN model of s = max(1, (P + N) / L) for its
-                whole life, and the native model when P + N <= L (raw keys in vLLM's pages, ropescale's backend)
+                whole life, and the native model when P + N <= L (keys rotated with the request's table as they
+                are written, vLLM's own attention: issue 43; before it, raw keys and ropescale's pre-RoPE backend)
 
 Checkpoints: the GGUF converted once and written per method with hf.patch + save_pretrained (bench_vllm.py's
 checkpoints()), with the tokenizer, under --workdir. L = --original (8192, SmolLM2's training length).
@@ -38,7 +39,7 @@ Checks (the per-request server; "reference" rows are measurements that pass or f
                  yarn: references; float32 batched on a CPU moves logprobs by ~1e-5 on this model, the linear
                  layers adding in another order for another batch)
   short = native every short request (P + N <= L) equals the native server's: tokens equal, logprobs within the
-                 same tolerance (two attention implementations: ropescale's pre-RoPE backend and vLLM's own)
+                 same tolerance (the same attention, vLLM's own, since issue 43; only the rotation kernel differs)
   long = hf      --check-long K long requests (the shortest and the longest first, then spread; default 2) against
                  transformers + ropescale.hf.patch(model, YaRN(factor=(P+N)/L, original_max_position=L)) run alone
                  on the native checkpoint: one forward over the prompt and the served tokens (teacher forcing: the
@@ -675,7 +676,7 @@ def main(argv=None) -> int:
                                          solo_tol) for r in requests], solo_tol))
     short_picks = sorted(short, key=lambda r: r.planned)[::-1][:args.check_short]
     if "per_request" in outputs and "native" in outputs and short:
-        # two engines' attention (ropescale's pre-RoPE backend, vLLM's own): held to SAME_TOL, or twice the larger of
+        # the same attention (vLLM's own) over keys turned by two kernels: held to SAME_TOL, or twice the larger of
         # the two stock servers' load/solo variance where that was measured
         checks.append(summarise("short (P+N <= L): per-request = native server",
                                 [compare(r.name, outputs["per_request"][r.name], outputs["native"][r.name], solo_tol)

@@ -18,8 +18,9 @@ if [ $# -eq 0 ]; then
   # The escape hatch users are told about must itself pass the op suites.
   echo "== Op suites with ROPESCALE_KERNELS=reference (every kernel op as plain PyTorch)"
   ROPESCALE_KERNELS=reference "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/python/ops/test_rotary.py tests/python/ops/test_rerope_attention.py tests/python/ops/test_bad_input_rotary.py \
-    tests/python/ops/test_bad_input_rerope.py tests/python/ops/test_reference_kernels.py || status=1
+    tests/python/ops/test_rotary.py tests/python/ops/test_rotary_per_request.py tests/python/ops/test_rerope_attention.py \
+    tests/python/ops/test_bad_input_rotary.py tests/python/ops/test_bad_input_rerope.py \
+    tests/python/ops/test_reference_kernels.py || status=1
 fi
 if [ $# -eq 0 ] && grep -q -m1 -w avx512f /proc/cpuinfo; then
   # The other CPU kind (CONTRIBUTING, "Before you stop"): on an AVX-512 (Intel) CPU, torch's and ropescale's
@@ -27,8 +28,8 @@ if [ $# -eq 0 ] && grep -q -m1 -w avx512f /proc/cpuinfo; then
   # AVX-512/AMX paths cannot run at all: scripts/gpu_check.sh runs these suites on the lent machine's AMX host.)
   echo "== Op suites as an AVX2-only CPU runs them (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)"
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/python/ops/test_rotary.py tests/python/ops/test_rerope_attention.py tests/python/ops/test_rerope_paged.py \
-    tests/python/ops/test_self_extend_dca_ops.py || status=1
+    tests/python/ops/test_rotary.py tests/python/ops/test_rotary_per_request.py tests/python/ops/test_rerope_attention.py \
+    tests/python/ops/test_rerope_paged.py tests/python/ops/test_self_extend_dca_ops.py || status=1
 fi
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
   echo "== Core suite and vLLM leg against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"

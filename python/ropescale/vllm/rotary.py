@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -208,13 +208,21 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     dual_chunk = kwargs.get("dual_chunk_attention_config")
     if dual_chunk is None:
         dual_chunk = getattr(hf_config, config_lib.DUAL_CHUNK_KEY, None)
+    params = _config_parameters(params, hf_config, entry)
     rope_type = params.get("rope_type", "default")
     ours = serving.ropescale_rotary(params, entry) or dual_chunk is not None
     if ours and _refusal["reason"] is not None:
         raise RuntimeError(_refusal["reason"])
+    checkpoint_is_ours = ours or (config_lib.per_layer_type(hf_config) and any(
+        serving.ropescale_rotary(p, entry) for p in hf_config.rope_parameters.values()))
     if ours and config_lib.per_layer_type(hf_config):
         ours = _extended_layer_type(params, hf_config, entry, max_position)
     if not ours:
+        if checkpoint_is_ours:
+            # A layer ropescale's checkpoint leaves to vLLM (a sliding layer's own table, Gemma 3 and 4): its table
+            # must reach every position the engine serves, and a length-free checkpoint (per request, dynamic)
+            # keeps its original max_position_embeddings, which vLLM builds that table to (then reads past it).
+            max_position = max(int(max_position), int(getattr(model_config, "max_model_len", 0) or 0))
         if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
             _warned.add("ntk")
             logger.warning(
@@ -269,6 +277,19 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         _layers[key] = RopescaleRotaryEmbedding(head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,
                                                 parsed.method)
     return _layers[key]
+
+
+def _config_parameters(params, hf_config, entry) -> dict:
+    """The rope parameters a layer is built with: those vLLM's model passes, or the config's own where the model
+    rebuilt them from a few keys of a ropescale checkpoint's config and lost its method (vLLM 0.32's gpt-oss always
+    passes ``rope_type: "yarn"`` with the config's factor: a per-request or dynamic YaRN, or any ropescale type,
+    would be served as static YaRN at that factor without a word)."""
+    config_params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(config_params, Mapping) or config_lib.per_layer_type(hf_config):
+        return params
+    if serving.ropescale_rotary(params, entry) or not serving.ropescale_rotary(config_params, entry):
+        return params
+    return {**params, **config_params}
 
 
 def _extended_layer_type(params, hf_config, entry, max_position) -> bool:

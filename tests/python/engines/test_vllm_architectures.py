@@ -182,6 +182,32 @@ def test_proportional_in_stock_vllm_and_the_plugin(monkeypatch, factor):
                                rtol=0)
 
 
+def test_the_plugin_reads_the_method_from_the_config_where_vllms_model_rebuilds_the_rope_parameters(monkeypatch):
+    """vLLM 0.32's gpt-oss passes get_rope ``rope_type: "yarn"`` with the config's factor whatever the config says: a
+    per-request Dynamic YaRN checkpoint was served as static YaRN at factor 1 (NaN past the original length). The
+    plugin takes the config's own parameters there. And a layer a ropescale checkpoint leaves to vLLM (Gemma 3's
+    sliding layers) gets a table reaching max_model_len, not the original max_position_embeddings a length-free
+    checkpoint keeps (vLLM read past its 16 rows)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = types.SimpleNamespace(
+        rope_parameters={"rope_type": "dynamic_yarn", "per": "request", "factor": 1.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": ORIGINAL, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": True}, max_position_embeddings=ORIGINAL)
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=64))
+    as_gpt_oss_passes = {k: config.rope_parameters[k] for k in ("rope_theta", "factor", "beta_fast", "beta_slow",
+                                                                 "truncate", "original_max_position_embeddings")}
+    with set_current_vllm_config(VllmConfig()):
+        layer = rotary.get_rope(32, ORIGINAL, False, {**as_gpt_oss_passes, "rope_type": "yarn"}, torch.float32)
+    assert isinstance(layer, rotary.RequestRotaryEmbedding), type(layer)
+
+    gemma = hf.patch(build_served("Gemma 3"), PER_REQUEST_METHOD).config
+    monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=gemma, max_model_len=64))
+    with set_current_vllm_config(VllmConfig()):
+        sliding = rotary.get_rope(32, ORIGINAL, True, gemma.rope_parameters["sliding_attention"], torch.float32)
+    assert not isinstance(sliding, rotary.RequestRotaryEmbedding) and sliding.cos_sin_cache.shape[0] >= 64
+
+
 # The pre-RoPE families (their attention takes pre-RoPE methods) whose config takes the method's type.
 SERVED = [name for name in FAMILIES if name not in NOT_RUN]
 PRE_ROPE = [name for name in SERVED if ARCHS[name].pre_rope is None and name != "Phi-3 / Phi-4-mini"]
