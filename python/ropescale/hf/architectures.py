@@ -29,6 +29,9 @@ MLA = ("its multi-head latent attention (MLA) rotates a decoupled rope head and 
        "per head")
 MROPE = ("its multimodal rope turns each rotary pair at one of three positions per token (time, height, width), "
          "so no one distance between a query and a key exists for ReRoPE's window")
+MLA_SCALE = ("its multi-head latent attention's softmax scale is set from rope_parameters' factor and mscale_all_dim "
+             "when the model is built, one scale for every request, while a per-request method's scale differs by "
+             "request")
 SOFTCAP = "attention logits soft-capped (attn_logit_softcapping), which ropescale's ReRoPE kernels lack"
 BIDIRECTIONAL = ("its attention is bidirectional (use_bidirectional_attention='all'), and ropescale's ReRoPE kernels "
                  "are causal")
@@ -46,7 +49,10 @@ class Architecture:
     ``[batch, seq]`` positions (ropescale computes it, angles in double). False: another layout (multimodal
     sections, half width, MLA's rope head): the model's own rotary forward runs with ropescale's table and
     attention factor in its buffers. ``interleaved``: at attention time the pairs are ``(2i, 2i+1)`` (GLM),
-    else ``(i, i + rotary_dim/2)``. ``pre_rope`` / ``rerope``: why those methods are refused (None: they run).
+    else ``(i, i + rotary_dim/2)``. ``half_width``: the rotary module returns cos/sin of the pairs only,
+    ``[batch, seq, rotary_dim/2]`` (gpt-oss), not ``cat(angles, angles)``. ``pre_rope`` / ``rerope``: why those
+    methods are refused (None: they run). ``per_request``: why a per-request method (each row's cos/sin from its
+    request's table, keys rotated when cached) is refused (None: ropescale computes them in the family's layout).
     ``fixed_method``: why only the config's own method can be patched (the model derives more than the rope
     from ``rope_parameters`` when it is built). ``narrow_table``: why a table narrower than the extended layers'
     head is refused (None: the attention rotates the table's width)."""
@@ -55,7 +61,9 @@ class Architecture:
     model_types: tuple[str, ...]
     cat_layout: bool = True
     interleaved: bool = False
+    half_width: bool = False
     pre_rope: str | None = None
+    per_request: str | None = None
     rerope: str | None = None
     fixed_method: str | None = None
     narrow_table: str | None = None
@@ -74,8 +82,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Gemma 4: per-layer-type rope (proportional on the full layers), their own head dim (per_layer_config); its
     # KV-shared layers attend the keys of their source layer, rotated there at attention time with its positions.
     Architecture("Gemma 4", ("gemma4_text",), narrow_table=WHOLE_HEAD),
-    Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, pre_rope=f"{SINKS}, and {SHARED_SLIDING}"),
-    Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA,
+    Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, half_width=True, pre_rope=f"{SINKS}, and {SHARED_SLIDING}"),
+    Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA, per_request=MLA_SCALE,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
                               "built: write the method into the config (ropescale extend) and load the model from it"),
     Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, rerope=MROPE),

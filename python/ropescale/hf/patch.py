@@ -2,17 +2,41 @@
 
 The families it knows, and what each one's layers can take, are declared in ``ropescale.hf.architectures``.
 It works through transformers' own extension points (no re-implemented attention forward); what changes,
-per model instance, undone by ``unpatch``:
+per model instance, undone by ``unpatch``: the rotary module's forward (``ropescale.hf.rotary``), the attention
+implementation (``AttentionInterface``: ``config._attn_implementation`` X becomes ``ropescale_X``, which calls X
+unchanged unless the forward serves raw keys: ``ropescale.hf.pre_rope``), two hooks on the base model (this
+module: which path a forward takes, and its cache), and for a per-request method ``generate``
+(``ropescale.hf.requests``). A per-layer-type config (Gemma 3) extends the layer types named (its full-attention
+layers by default); the other layers keep their own rope, untouched. A method is served on one of two paths, by
+what its keys need:
 
-- the rotary module: for a static method, cos/sin from ropescale's table times the method's attention factor
-  (in transformers' Llama layout ropescale computes them, angles in double precision, accurate at long
-  positions; other layouts (multimodal sections, half width) run the model's own forward with ropescale's
-  table in its buffers); for a pre-RoPE method, the identity rotation, so the model's own attention forward
-  caches raw keys. A per-layer-type config (Gemma 3) extends the layer types named (its full-attention layers by
-  default); the other layers keep their own rope, untouched;
-- the attention implementation (``AttentionInterface``): ``config._attn_implementation`` X becomes
-  ``ropescale_X``, which calls X unchanged for a static method and, for a pre-RoPE method (dynamic methods,
-  a ``PreRopeCache``, ``attention="rerope"``, ``"self_extend"``, ``"dual_chunk"``):
+- ROTATED AT WRITE (the static methods, and a dynamic method with ``per="request"`` and plain attention:
+  ``_PatchState.rotated_at_write``): the rotary module returns cos/sin of ropescale's tables times the attention
+  factor, so the model's own attention rotates q and k, its own cache (``DynamicCache``, ``StaticCache``, sliding
+  window layers) keeps the rotated keys, and its own attention implementation (``sdpa``, ``eager``,
+  ``flex_attention``, ``flash_attention_*``; sinks, soft-capping) serves them unchanged.
+
+  * a static method: one table (in transformers' Llama layout ropescale computes cos/sin, angles in double
+    precision, accurate at long positions; other layouts (multimodal sections, half width) run the model's own
+    forward with ropescale's table in its buffers); a LongRoPE with distinct factors gives each row the table of
+    its own length;
+  * ``per="request"``: each row takes, in every layer and step, the table (and attention factor) of its request's
+    planned length, fixed at its first forward: the prompt (the row's largest position + 1) plus the tokens it may
+    generate (``generate``'s ``max_new_tokens``, or its ``max_length`` less the input; a manual loop states it with
+    :func:`request`; a forward outside both is a whole request). So a request runs the static model of its scale
+    from first token to last (the whole model exact), a request that fits the trained length runs the native model,
+    and a batched row equals its solo run. The rotary module computes each row's cos/sin in the family's layout
+    (Llama's, a multimodal rope's streams, gpt-oss's half width) from the request's per-row tables, computed once
+    per request; a ``generate`` call's later steps read them with tensor ops only, so a compiled decode step (a
+    ``StaticCache`` under ``torch.compile``, ``fullgraph=True`` included) does not break its graph. A step past the
+    planned length is refused (outside ``generate``, which never goes past it).
+
+- RAW KEYS (``ropescale.hf.pre_rope``: the per-step dynamic methods, whose table follows each step's length;
+  ``attention="rerope"``, ``"self_extend"``, ``"dual_chunk"``; any method given a ``PreRopeCache``): the rotary
+  module returns the identity rotation, so the model's own attention forward caches raw keys, and the base model's
+  pre-hook makes the cache's layers of extended attention layers :class:`PreRopeLayer` (keys with their positions;
+  transformers' ``DynamicCache``, what ``generate`` and ``use_cache=True`` make, is converted while empty, so a
+  patched model needs no special cache argument). ``ropescale_X`` then
 
   * rotates q and every cached key at attention time with the table for the current length (largest position
     + 1), which keeps every key's ROTATION exact at every decoding step when the table changes (the whole
@@ -21,24 +45,18 @@ per model instance, undone by ``unpatch``:
     ``rerope_attention`` on the un-rotated q/k, and so do Self-Extend (its ``group``) and Dual Chunk Attention
     (its ``chunk_size``; the temperature of Qwen's ``original_max_position_embeddings`` on q and on each key,
     from the row's prompt length, which the cache keeps; DCA refuses gradients: no training path). In a batch
-    each row gets the table of ITS OWN length: rows
-    are grouped by length and each group is rotated with its table, so a short prompt batched with a long one
-    (left padding) gets the same scale as alone;
-  * a dynamic method with ``per="request"``: each row takes, in every layer and step, the table of its
-    request's planned length, fixed at its first forward: the prompt (the row's largest position + 1) plus
-    the tokens it may generate (``generate``'s ``max_new_tokens``, or its ``max_length`` less the input; a
-    manual loop states it with :class:`request`; a forward outside both is a whole request). So a request
-    runs the static model of its scale from first token to last (the whole model exact), a request that
-    fits the trained length runs the native model, and a batched row equals its solo run;
+    each row gets the table of ITS OWN length (a per-request method under a raw-key attention: its planned
+    length's): rows are grouped by length and each group is rotated with its table, so a short prompt batched
+    with a long one (left padding) gets the same scale as alone;
   * ReRoPE reads padding from the attention mask of every mask format transformers builds for
     ``eager``, ``sdpa``, ``flex_attention`` (a BlockMask) and ``flash_attention_*`` (the 2-D mask);
-    other implementations (paged, custom ones) are refused with a clear error;
-  * length-dependent tables (dynamic methods) pick the table from the current length, a value read
-    off the data: ``torch.compile(model)`` breaks the graph there and works; ``fullgraph=True`` fails
-    with ropescale's message saying so (use a static method such as ``scaling.YaRN`` for a full graph);
-- the base model's forward (a pre-hook): for a pre-RoPE method the cache's layers of extended attention layers
-  become :class:`PreRopeLayer` (keys with their positions); transformers' ``DynamicCache`` (what ``generate``
-  and ``use_cache=True`` make) is converted while empty, so a patched model needs no special cache argument.
+    other implementations (paged, custom ones) are refused with a clear error.
+
+Length-dependent tables pick the table from a length read off the data (each step's: per-step dynamic methods,
+LongRoPE; a request's first forward, and each step outside ``generate``: per-request methods):
+``torch.compile(model)`` breaks the graph there and works; ``fullgraph=True`` fails with ropescale's message saying
+so (use a static method such as ``scaling.YaRN`` for a full graph; a per-request method's ``generate`` decode steps
+compile whole).
 
 What is recorded (in ``model.config``, so ``save_pretrained`` writes it; see ``ropescale.hf.checkpoint``):
 the method as ``rope_parameters`` (of the extended layer types, for a per-layer-type config),
@@ -52,38 +70,26 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 import types
 import warnings
 from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.cache_utils import DynamicCache
 
-from torch.nn.attention.flex_attention import BlockMask
-from transformers.cache_utils import DynamicCache, DynamicLayer
-
-from .. import config as config_lib, ops, scaling as scaling_lib, serving
+from .. import config as config_lib, scaling as scaling_lib, serving
 from . import architectures, checkpoint
 from .cache import PreRopeCache, PreRopeLayer
+# request (public), REROPE_IMPLEMENTATIONS and the raw-key attention stay importable from here
+from .pre_rope import (REROPE_IMPLEMENTATIONS, _check_rerope_implementation, _pre_rope_attention,  # noqa: F401
+                       _pre_rope_layers, _rerope, _wrap_implementations)
+from .requests import (_GENERATED_LENGTH, _Request, _end_request_step, _generate, _prepare_generated_length,
+                       _start_request_step, request)
+from .rotary import _own_layout_rotary_forward, _rotary_forward, _set_rotary_buffers
 
 #: The families ``patch`` knows (``ropescale.hf.architectures``), by name.
 SUPPORTED_ARCHITECTURES = tuple(arch.name for arch in architectures.ARCHITECTURES)
-
-# rerope_attention never attends a key at a negative position: how padding keys are masked out.
-_PADDING_POSITION = -1
-
-# The attention implementations whose mask ReRoPE reads padding from (see ``_padding_keys``): the
-# 4-D masks of eager and sdpa, flex's BlockMask, and the 2-D padding mask flash attention gets.
-REROPE_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
-                          "flash_attention_4")
-
-# ``config._attn_implementation`` X of a patched model is ``ropescale_X`` (registered on first use).
-_WRAPPED = "ropescale_"
-
-# The raw-key attentions by name, for messages.
 
 
 @dataclasses.dataclass
@@ -118,6 +124,12 @@ class _PatchState:
     in_request: bool = False
     new_tokens: int | None = None
     planned: torch.Tensor | None = None
+    # a ``generate`` call's request: transformers stops every row at its planned length, so once the first forward
+    # fixed the planned lengths the steps need no check (and a compiled decode step reads only tensors)
+    request_bounded: bool = False
+    # rotated at write: the request's per-row tables, fixed with its planned lengths (planned [B], inv_freq [B, P],
+    # attention factor [B]; float64, or float32 for a family whose own rotary forward computes in float32)
+    request_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # this forward (set by the base model's pre-hook and the rotary module, cleared after it): whether it runs
     # pre-RoPE, its cache, its positions and (per request) its planned lengths
     step_pre_rope: bool = False
@@ -146,10 +158,18 @@ class _PatchState:
         return self.attention != "sdpa"
 
     @property
+    def rotated_at_write(self) -> bool:
+        """A ``per="request"`` method with plain attention: each request keeps one table, so its keys are rotated
+        when written (by the model's own rotary application, with cos/sin of each row's table) and the model's own
+        cache and attention implementation serve them (``serving.PreRopePlan.rotated_at_write``)."""
+        return self.tables.plan.rotated_at_write
+
+    @property
     def pre_rope(self) -> bool:
-        """Keys cached raw and rotated at attention time: ReRoPE, Self-Extend, DCA, and the dynamic methods (whose
-        scale follows the length). A LongRoPE keeps transformers' rotated-key cache."""
-        return self.raw_keys or self.method.dynamic
+        """Keys cached raw and rotated at attention time: ReRoPE, Self-Extend, DCA, and the per-step dynamic
+        methods (whose scale follows each step's length). A LongRoPE and a per-request method (rotated at write)
+        keep transformers' rotated-key cache."""
+        return self.raw_keys or (self.method.dynamic and not self.rotated_at_write)
 
     @property
     def length_dependent(self) -> bool:
@@ -344,7 +364,8 @@ def patch(
             module.forward = types.MethodType(_rotary_forward, module)
         else:
             _set_rotary_buffers(state, module)
-            if architecture.pre_rope is None:  # the identity in its own layout, for a pre-RoPE forward
+            # the identity in its own layout for a pre-RoPE forward; each row's table for a per-request method
+            if architecture.pre_rope is None or state.rotated_at_write:
                 module.forward = types.MethodType(_own_layout_rotary_forward, module)
         module._ropescale_patch = state
     for module in attention_modules:
@@ -392,6 +413,9 @@ def _check_layers(state: _PatchState, scaling) -> None:
         raise ValueError(f"patch: {name} takes only the method its config holds (patch(model)): {arch.fixed_method}")
     if state.pre_rope and arch.pre_rope:
         raise ValueError(f"patch: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {name}: {arch.pre_rope}")
+    if state.rotated_at_write and arch.per_request:
+        raise ValueError(f"patch: per-request methods ({type(state.method).__name__}(per='request')) cannot patch "
+                         f"{name}: {arch.per_request}")
     if state.raw_keys:
         what = config_lib.ATTENTION_NAMES[state.attention]
         if arch.rerope:
@@ -425,65 +449,15 @@ def _check_layers(state: _PatchState, scaling) -> None:
                          "original_max_position_embeddings from rope_parameters, which "
                          f"{type(state.method).__name__} has none of: use a method with an original length (YaRN, "
                          "Llama 3, LongRoPE, Dynamic YaRN)")
-    if not arch.cat_layout and state.length_dependent and not state.pre_rope:
+    if not arch.cat_layout and state.length_dependent and not state.pre_rope and not state.rotated_at_write:
         raise ValueError(f"patch: {type(state.method).__name__} switches its table with the length; {name}'s rope "
                          "layout takes one fixed table (use a static method such as scaling.YaRN)")
 
 
-# transformers' GenerationMixin resolves how long a generate call may run here (max_new_tokens, max_length, the
-# generation config, their defaults): ropescale reads the result rather than re-deriving the rule.
-_GENERATED_LENGTH = "_prepare_generated_length"
-
-
-def _generate(self, *args, **kwargs):
-    """``generate`` of a per-request model: the call is one request per row; its budget arrives from
-    :func:`_prepare_generated_length` before the first forward."""
-    with _Request(self._ropescale_patch, None):
-        return type(self).generate(self, *args, **kwargs)
-
-
-def _prepare_generated_length(self, generation_config, *args, **kwargs):
-    """transformers' own, then each row's budget: ``max_length`` less the input's (padded) length."""
-    config = getattr(type(self), _GENERATED_LENGTH)(self, generation_config, *args, **kwargs)
-    input_length = kwargs.get("input_ids_length")
-    state: _PatchState = self._ropescale_patch
-    if state.in_request and input_length is not None and config.max_length is not None:
-        state.new_tokens = max(int(config.max_length) - int(input_length), 0)
-    return config
-
-
-def request(model: nn.Module, max_new_tokens: int) -> "_Request":
-    """``with ropescale.hf.request(model, max_new_tokens=N):`` the forwards inside are ONE request per row (a
-    manual decoding loop: the prompt, then a step per token), which may generate up to ``N`` tokens: a model
-    patched with a ``per="request"`` method gives each row, at every step, the table of its planned length
-    (its prompt, the largest position + 1 of its first forward, plus ``N``). ``generate`` does this itself.
-    A step past the planned length is an error, never a silently different scale. Other patches ignore it."""
-    state = getattr(model, "_ropescale_patch", None)
-    if state is None:
-        raise RuntimeError("request: this model is not patched by ropescale")
-    if max_new_tokens is None:
-        raise ValueError("request: max_new_tokens must be an integer >= 0, got None")
-    return state.request(max_new_tokens)
-
-
-class _Request:
-    """The context :func:`request` returns (``_PatchState.request``)."""
-
-    def __init__(self, state: "_PatchState", max_new_tokens: int | None) -> None:
-        # None: generate's, set once transformers has resolved it (_prepare_generated_length)
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 0):
-            raise ValueError(f"request: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        self.state, self.max_new_tokens = state, max_new_tokens
-
-    def __enter__(self):
-        if self.state.in_request:
-            raise RuntimeError("request: a request of this model is already open (generate or request)")
-        self.state.in_request, self.state.new_tokens, self.state.planned = True, self.max_new_tokens, None
-        return self
-
-    def __exit__(self, *exc):
-        self.state.in_request, self.state.new_tokens, self.state.planned = False, None, None
+def _sliding_window(module):
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length, group=None, chunk_size=None,
@@ -496,22 +470,6 @@ def _check_attention_arguments(attention, window, leaky_k, logn_length, group=No
                                    temperature=temperature)
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
-
-
-def _base_implementation(config) -> str:
-    """The attention implementation the model runs (``X`` of a patched model's ``ropescale_X``)."""
-    implementation = getattr(config, "_attn_implementation", None) or "eager"
-    return implementation[len(_WRAPPED):] if implementation.startswith(_WRAPPED) else implementation
-
-
-def _check_rerope_implementation(config, attention: str = "rerope") -> None:
-    implementation = _base_implementation(config)
-    if implementation not in REROPE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"patch: {config_lib.ATTENTION_NAMES[attention]} reads padding from the attention mask, and ropescale "
-            "knows the masks of "
-            f"attn_implementation {', '.join(REROPE_IMPLEMENTATIONS)}; this model uses {implementation!r}: "
-            "load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -543,147 +501,13 @@ def is_patched(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The patched forwards
-
-
-# A length-dependent table is picked by the current length, read off the data: a graph break under
-# torch.compile (which works), an error under fullgraph=True, with this message.
-_DATA_DEPENDENT = (
-    "ropescale: a length-dependent table (Dynamic-YaRN, Dynamic-NTK, LongRoPE under the pre-RoPE cache) is "
-    "chosen from each row's current length, a value read off the data, so the patched model cannot be "
-    "captured as one graph: compile with torch.compile(model) (fullgraph=False: the graph breaks there, "
-    "the rest is compiled), or patch a static method (e.g. scaling.YaRN with a fixed factor) for fullgraph=True")
-
-
-@torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _row_groups(positions: torch.Tensor, lengths: torch.Tensor | None = None) -> list[tuple[torch.Tensor | None, int]]:
-    """``[(rows, seq_len)]``: the batch rows grouped by their own length (largest position + 1, or ``lengths``
-    where given: a per-request method's planned lengths), with ``rows=None`` for "every row" (all rows share one
-    length, the common case: no gather needed)."""
-    if lengths is None:
-        lengths = positions.amax(dim=-1) + 1
-    distinct = torch.unique(lengths).tolist()
-    if len(distinct) == 1:
-        return [(None, int(distinct[0]))]
-    return [(torch.nonzero(lengths == n)[:, 0], int(n)) for n in distinct]
-
-
-def _groups(state: _PatchState, positions: torch.Tensor, planned: torch.Tensor | None = None):
-    if not state.length_dependent:
-        return [(None, None)]
-    return _row_groups(positions, planned)
-
-
-_PLANNED = "_ropescale_planned"  # a cache's per-request planned lengths, fixed at its first forward
-
-
-@torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torch.Tensor:
-    """Each row's planned length under a per-request method (see the module's docstring): fixed at the
-    request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
-    forward itself without a cache) as the row's length then (its largest position + 1: this forward's
-    positions are the latest) plus the tokens it may generate."""
-    current = positions.amax(dim=-1) + 1
-    if state.in_request:
-        if state.new_tokens is None:
-            raise RuntimeError("ropescale: per='request' could not read this generate call's length from "
-                               f"transformers ({_GENERATED_LENGTH} was not called before the first forward): wrap "
-                               "the call in `with ropescale.hf.request(model, max_new_tokens=N):` instead")
-        planned = state.planned
-        if planned is None or planned.shape[0] != current.shape[0]:
-            planned = state.planned = current + state.new_tokens
-    elif cache is not None:
-        planned = getattr(cache, _PLANNED, None)
-        if planned is None or planned.shape[0] != current.shape[0]:
-            planned = current
-            setattr(cache, _PLANNED, planned)
-    else:
-        planned = current
-    if bool((current > planned).any()):
-        row = int(torch.nonzero(current > planned)[0, 0])
-        raise ValueError(
-            f"ropescale: {type(state.method).__name__}(per='request') fixes each request's scale at its first "
-            f"forward, for its prompt plus the tokens it may generate; row {row} is now at length {int(current[row])}, "
-            f"past its planned {int(planned[row])}. Generate with max_new_tokens (generate does the rest), or wrap a "
-            "manual decoding loop in `with ropescale.hf.request(model, max_new_tokens=N):`")
-    return planned
-
-
-@torch.no_grad()
-def _rotary_forward(self, x, position_ids, layer_type=None):
-    """cos/sin in transformers' Llama layout: for a static method, of ropescale's table (each row with the table
-    of its own length when the table depends on it); for a pre-RoPE forward, the identity (the attention
-    function rotates). A layer type the patch does not extend gets the model's own."""
-    state: _PatchState = self._ropescale_patch
-    if state.layer_types is not None and layer_type not in state.layer_types:
-        return type(self).forward(self, x, position_ids, layer_type)
-    if state.step_pre_rope:
-        _start_pre_rope_step(state, position_ids, x.shape[0])
-        ones = torch.ones(*position_ids.shape, state.rotary_dim, dtype=x.dtype, device=x.device)
-        return ones, torch.zeros_like(ones)
-    groups = _groups(state, position_ids)
-    if groups[0][0] is not None:  # rows of different lengths: per-row angles and factors
-        angles = position_ids.new_empty(*position_ids.shape, state.rotary_dim // 2, dtype=torch.float64)
-        factors = angles.new_empty(position_ids.shape[0], 1, 1)
-    for rows, seq_len in groups:
-        inv_freq, factor = state.table(seq_len, x.device)
-        # Angles in double: a float32 product is already ~1e-2 rad off at position 1e6.
-        group = (position_ids if rows is None else position_ids[rows]).to(torch.float64)[..., None]
-        group_angles = group * inv_freq.to(torch.float64)
-        if rows is None:
-            angles, factors = group_angles, factor
-        else:
-            angles[rows], factors[rows] = group_angles, factor
-    emb = torch.cat((angles, angles), dim=-1)
-    cos = (emb.cos() * factors).to(x.dtype)
-    sin = (emb.sin() * factors).to(x.dtype)
-    return cos, sin
-
-
-def _set_rotary_buffers(state: _PatchState, module: nn.Module) -> None:
-    """A rotary module of another layout keeps its forward and runs it on ropescale's (static) table: its
-    ``inv_freq`` and ``attention_scaling`` (per extended layer type), its ``rope_type`` made ``default`` so
-    that transformers' dynamic update leaves them alone. ``unpatch`` puts all back."""
-    inv_freq, factor = state.table(None, torch.device("cpu"))
-    prefixes = [f"{t}_" for t in state.layer_types] if state.layer_types else [""]
-    for prefix in prefixes:
-        for name in (f"{prefix}inv_freq", f"{prefix}original_inv_freq"):
-            old = getattr(module, name, None)
-            if old is None:
-                continue
-            if old.shape != inv_freq.shape:
-                raise ValueError(f"patch: {state.architecture.name}'s rotary table {name} has {old.shape[-1]} "
-                                 f"frequencies, ropescale's method {inv_freq.shape[-1]}")
-            state.saved_buffers.append((module, name, old))
-            setattr(module, name, inv_freq.to(device=old.device, dtype=old.dtype))
-        name = f"{prefix}attention_scaling"
-        state.saved_buffers.append((module, name, getattr(module, name)))
-        setattr(module, name, factor)
-    rope_type = module.rope_type
-    state.saved_buffers.append((module, "rope_type", rope_type))
-    module.rope_type = ({t: ("default" if t in state.layer_types else v) for t, v in rope_type.items()}
-                        if isinstance(rope_type, dict) else "default")
-
-
-def _own_layout_rotary_forward(self, x, position_ids, *args, **kwargs):
-    """A rotary module of another layout that takes pre-RoPE methods (multimodal sections): its own forward on
-    ropescale's static table (``_set_rotary_buffers``), or for a pre-RoPE forward the identity in its own output
-    layout (the attention function rotates, each pair at its stream's position)."""
-    state: _PatchState = self._ropescale_patch
-    cos, sin = type(self).forward(self, x, position_ids, *args, **kwargs)
-    if not state.step_pre_rope:
-        return cos, sin
-    _start_pre_rope_step(state, position_ids, x.shape[0])
-    return torch.ones_like(cos), torch.zeros_like(sin)
-
-
-# ---------------------------------------------------------------------------------------------
-# A pre-RoPE forward: the base model's hooks, the cache, the attention function
+# The base model's hooks: which path a forward takes, and its cache
 
 
 def _base_model_pre_hook(module, args, kwargs):
     """Before the base model runs: whether this forward is pre-RoPE (the method, or a ``PreRopeCache`` given),
-    the cache it will use (made here as the model would, so that its layers can hold raw keys), and the
+    the cache it will use (pre-RoPE: made here as the model would, so that its layers can hold raw keys; a
+    per-request forward outside ``generate`` and ``request``: the cache whose request it continues), and the
     attention implementation still wrapped (the user may have changed it since ``patch``)."""
     state: _PatchState = module._ropescale_patch
     _wrap_implementations(state)
@@ -695,6 +519,8 @@ def _base_model_pre_hook(module, args, kwargs):
     state.step_pre_rope = state.pre_rope or isinstance(cache, PreRopeCache)
     state.step_cache, state.step_positions, state.step_planned = None, None, None
     if not state.step_pre_rope:
+        if state.rotated_at_write and not state.in_request:
+            _start_request_step(state, cache)
         return None
     if cache is None and _uses_cache(module, bound.get("use_cache")):
         cache = DynamicCache(config=state.config)
@@ -708,7 +534,11 @@ def _base_model_pre_hook(module, args, kwargs):
 
 
 def _base_model_hook(module, args, output):
+    """After the base model (or its error): a per-request forward's planned lengths kept with the cache the model
+    made (outside a request), the pre-RoPE layers' pending positions cleared, the step's state reset."""
     state: _PatchState = module._ropescale_patch
+    if state.step_planned is not None and not state.step_pre_rope:
+        _end_request_step(state, output)
     if state.step_cache is not None:
         for layer in state.step_cache.layers:
             if isinstance(layer, PreRopeLayer):
@@ -735,274 +565,3 @@ def _uses_cache(module, use_cache) -> bool:
     if use_cache and getattr(module, "gradient_checkpointing", False) and module.training:
         use_cache = False
     return bool(use_cache)
-
-
-def _pre_rope_layers(state: _PatchState, cache) -> None:
-    """The layers of ``cache`` of extended attention layers as pre-RoPE layers. transformers' ``DynamicCache``
-    (made by ``generate``, by ``use_cache=True`` and by this hook) is converted while its layers are empty; a
-    layer already holding rotated keys cannot be."""
-    layers = cache.layers
-    for idx in state.extended_layers:
-        while len(layers) <= idx and getattr(cache, "layer_class_to_replicate", None) in (DynamicLayer, PreRopeLayer):
-            layers.append(cache.layer_class_to_replicate())
-        if idx < len(layers) and type(layers[idx]) is DynamicLayer and not layers[idx].is_initialized:
-            layers[idx] = PreRopeLayer()
-        if idx >= len(layers) or not isinstance(layers[idx], PreRopeLayer):
-            raise TypeError(
-                "ropescale: this patch caches keys before rotation, but the cache given holds rotated keys "
-                f"({type(cache).__name__}); pass past_key_values=ropescale.hf.PreRopeCache()")
-
-
-def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: int) -> None:
-    """The rotary module's part of a pre-RoPE forward (it sees the positions first, before any layer caches a
-    key): the positions each pre-RoPE cache layer stores, and a per-request method's planned lengths."""
-    if state.step_positions is not None:  # a per-layer-type rotary module runs once per type
-        return
-    if state.pair_streams is not None:  # [streams, B, T] (or [B, T]: every stream at the text position)
-        streams = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
-        position_ids = streams.permute(1, 2, 0)
-    positions = _batch_positions(position_ids, batch)
-    state.step_positions = positions
-    cache = state.step_cache
-    if cache is not None:
-        for layer in cache.layers:
-            if isinstance(layer, PreRopeLayer):
-                layer.pending_positions = positions
-    if cache is not None and state.temperature_length and cache.get_seq_length(state.extended_layers[0]) == 0:
-        vars(cache).pop(_PROMPT, None)  # a new request in this cache: DCA's prompt lengths are this forward's
-    if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
-        if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
-            vars(cache).pop(_PLANNED, None)  # a new request in this cache
-        state.step_planned = _planned_lengths(state, _token_positions(positions), cache)
-
-
-def _batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
-    """int64 positions ``[batch, T]`` (``[batch, T, streams]`` under a multimodal rope) from ``[T]``, ``[1, T]``
-    or ``[batch, T]`` (and their stream forms)."""
-    positions = positions.to(torch.int64)
-    if positions.dim() == 1:
-        positions = positions[None]
-    return positions.expand(batch, *positions.shape[1:])
-
-
-def _token_positions(positions: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: each token's position for lengths (a multimodal rope's largest stream, as transformers' dynamic
-    update takes the largest position id)."""
-    return positions.amax(dim=-1) if positions.dim() == 3 else positions
-
-
-def _wrap_implementations(state: _PatchState) -> None:
-    """Every attention config's implementation X as ``ropescale_X`` (registered on first use, with X's mask)."""
-    configs = {id(m.config): m.config for m in state.attention_modules}
-    for config in configs.values():
-        implementation = getattr(config, "_attn_implementation", None) or "eager"
-        if implementation.startswith(_WRAPPED):
-            continue
-        if state.raw_keys:  # at patch and at every forward: the implementation can change after patch
-            _check_rerope_implementation(config, state.attention)
-        name = _WRAPPED + implementation
-        if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-            AttentionInterface.register(name, _attention_function(implementation))
-            if implementation in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
-        # unpatch restores the implementation the user chose last (set_attn_implementation after patch included)
-        state.saved_implementations = [(c, i) for c, i in state.saved_implementations if c is not config]
-        state.saved_implementations.append((config, config._attn_implementation_internal))
-        config._attn_implementation_internal = name
-
-
-def _attention_function(implementation: str):
-    """``ropescale_<implementation>``: the model's own ``implementation``, after ropescale's rotation (or
-    ReRoPE) in a pre-RoPE forward of an extended layer."""
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        if implementation == "eager":
-            function = sys.modules[type(module).__module__].eager_attention_forward
-        else:
-            function = ALL_ATTENTION_FUNCTIONS[implementation]
-        state: _PatchState | None = getattr(module, "_ropescale_patch", None)
-        if state is None or not state.step_pre_rope or not state.extends(module):
-            return function(module, query, key, value, attention_mask, **kwargs)
-        return _pre_rope_attention(state, function, module, query, key, value, attention_mask, **kwargs)
-
-    attention.__name__ = f"ropescale_{implementation}"
-    return attention
-
-
-def _pre_rope_attention(state: _PatchState, function, module, query, key, value, attention_mask, **kwargs):
-    # The model's identity rotation multiplied q and k by cos/sin of the hidden states' dtype: under autocast a
-    # bf16 projection came back float32, exactly (x * 1 - y * 0). They go on in the projection's dtype, as v.
-    query, key = query.to(value.dtype), key.to(value.dtype)
-    # A multimodal rope's layers get the text positions: the streams are the rotary module's (step_positions).
-    positions = kwargs.get("position_ids") if state.pair_streams is None else None
-    if positions is None:
-        positions = state.step_positions
-    if positions is None:
-        raise RuntimeError("ropescale: pre-RoPE attention needs the positions of the step (call the model, not its "
-                           "layers)")
-    # A KV-shared layer may run the last queries only (Gemma 4 slices them to generate's logits_to_keep) while its
-    # keys, those of its source layer, are the whole step's.
-    key_positions = _batch_positions(positions, query.shape[0])
-    positions = key_positions[:, -query.shape[-2]:]
-    cache = state.step_cache
-    layer_idx = state.kv_sources.get(module.layer_idx, module.layer_idx)
-    if cache is not None and layer_idx < len(cache.layers):
-        key_positions = cache.layers[layer_idx].positions
-    if key_positions.shape[1] != key.shape[-2]:
-        raise RuntimeError(f"ropescale: layer {module.layer_idx} attends {key.shape[-2]} keys but knows the positions "
-                           f"of {key_positions.shape[1]}: its cache was not made by this patched model's forward")
-    planned = state.step_planned if state.per_request else None
-    if state.per_request and planned is None:
-        planned = _planned_lengths(state, _token_positions(positions), None)
-    groups = _groups(state, _token_positions(key_positions), planned)
-    if state.raw_keys:
-        return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
-                       kwargs), None
-    query, key = _rotate_groups(state, groups, query, key, positions, key_positions)
-    return function(module, query, key, value, attention_mask, **kwargs)
-
-
-def _sliding_window(module):
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
-
-
-def _rotate_groups(state, groups, query, key, positions, key_positions):
-    """q and k rotated, each group of rows with the table (and attention factor) of its own length, in the
-    family's pair layout."""
-    if groups[0][0] is None:
-        inv_freq, factor = state.table(groups[0][1], query.device)
-        return _rotate(state, query, positions, inv_freq, factor), _rotate(state, key, key_positions, inv_freq, factor)
-    rotated_q, rotated_k = torch.empty_like(query), torch.empty_like(key)
-    for rows, seq_len in groups:
-        inv_freq, factor = state.table(seq_len, query.device)
-        rotated_q[rows] = _rotate(state, query[rows], positions[rows], inv_freq, factor)
-        rotated_k[rows] = _rotate(state, key[rows], key_positions[rows], inv_freq, factor)
-    return rotated_q, rotated_k
-
-
-def _rotate(state, x, positions, inv_freq, factor):
-    """``x`` ``[B, H, T, D]`` rotated at ``positions`` in the family's pair layout. Under a multimodal rope each
-    pair turns at its own stream's position: rotations of disjoint pairs commute, so one rotation per stream with
-    the other pairs' frequencies zero (an identity on them), the attention factor in the last one only (it scales
-    a zero-frequency pair too), so that every pair takes it once."""
-    interleaved = state.architecture.interleaved
-    if state.pair_streams is None:
-        return ops.apply_rotary_pos(x, positions, inv_freq, factor, interleaved)
-    masks = state.stream_masks.get(inv_freq.device)
-    if masks is None:  # once per device, not per layer and step
-        streams = torch.tensor(state.pair_streams)
-        masks = torch.stack([streams == s for s in range(3)]).to(inv_freq.device)  # time, height, width
-        state.stream_masks[inv_freq.device] = masks
-    last = positions.shape[-1] - 1
-    for stream in range(last + 1):
-        x = ops.apply_rotary_pos(x, positions[..., stream], inv_freq * masks[stream],
-                                 factor if stream == last else 1.0, interleaved)
-    return x
-
-
-def _padding_keys(attention_mask, batch: int, query_length: int, key_length: int):
-    """[B, K] True where a key is padding, or None when no key is, read off the mask the model built
-    for its attention implementation (the last query row of a causal mask sees every non-padding key):
-    eager/sdpa: a 4-D bool or additive float mask; flex_attention: a BlockMask (its mask_mod evaluated
-    on the last query row); flash_attention_*: the 2-D padding mask (1 = token), or None."""
-    if attention_mask is None:
-        return None
-    if isinstance(attention_mask, BlockMask):
-        q_len, kv_len = attention_mask.seq_lengths
-        device = attention_mask.kv_num_blocks.device
-        visible = attention_mask.mask_mod(
-            torch.arange(batch, device=device)[:, None], torch.zeros(1, 1, dtype=torch.long, device=device),
-            torch.full((1, 1), q_len - 1, dtype=torch.long, device=device),
-            torch.arange(kv_len, device=device)[None, :])
-        return ~visible.expand(batch, kv_len)[:, -key_length:]
-    if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
-        last_row = attention_mask[:, 0, -1, -key_length:]
-        return ~last_row if last_row.dtype == torch.bool else last_row < torch.finfo(last_row.dtype).min / 2
-    if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
-        return attention_mask[:, -key_length:] == 0
-    raise TypeError(f"ropescale: ReRoPE cannot read padding from an attention mask of type "
-                    f"{type(attention_mask).__name__}; use attn_implementation='sdpa'")
-
-
-_PROMPT = "_ropescale_prompt"  # a cache's prompt lengths per row (DCA's temperature), fixed at its first forward
-
-
-def _dual_chunk_temperature(state, cache, positions, key_positions):
-    """Dual Chunk Attention's temperature (L0 = ``state.temperature_length`` > 0), as vLLM applies it: the query of
-    a token at position ``i`` times ``m(max(P, i + 1))`` and the key at ``j`` times ``m(max(P, j + 1))``, ``m`` the
-    plan's rule (``serving.dual_chunk_temperature``: Qwen's ``max(1, 0.1 ln(len / L0) + 1)`` or ChunkLlama's 0.05),
-    ``P`` the row's prompt length: the length of its first forward into an empty cache (every key of that forward,
-    padding masked; without a cache, the forward's own). ``(q_factors [B, Lq], k_factors [B, Lk])`` float64, or
-    None when every factor is 1 (every length within L0)."""
-    prompt = getattr(cache, _PROMPT, None) if cache is not None else None
-    if prompt is None or prompt.shape[0] != key_positions.shape[0]:
-        prompt = key_positions.amax(dim=-1) + 1  # padding keys are at a negative position
-        if cache is not None:
-            setattr(cache, _PROMPT, prompt)
-    def m(positions):
-        return state.tables.plan.temperature_at(torch.maximum(prompt[:, None], positions + 1))
-
-    q_factors, k_factors = m(positions), m(key_positions)
-    if not bool((q_factors != 1).any() | (k_factors != 1).any()):
-        return None
-    return q_factors, k_factors
-
-
-def _times_rows(x, factors):
-    """``x`` ``[B, H, T, D]`` times ``factors`` ``[B, T]``, formed in float32 (float64 for float64) and rounded once
-    to x's dtype (vLLM multiplies its keys in place, in their dtype)."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(compute) * factors.to(device=x.device, dtype=compute)[:, None, :, None]).to(x.dtype)
-
-
-def _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask, kwargs):
-    what = config_lib.ATTENTION_NAMES[state.attention]
-    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
-        raise ValueError(f"ropescale: {what} cannot run layer {module.layer_idx}: its attention has sinks or "
-                         "soft-capped logits")
-    softmax_scale = kwargs.get("scaling")
-    softmax_scale = module.scaling if softmax_scale is None else softmax_scale
-    pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
-    if pad is not None and bool(pad.any()):
-        key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
-    # The fused op has no backward: when gradients are wanted (fine-tuning), the training path computes
-    # the same attention differentiably from PyTorch's fused attention kernels (no L x L tensor).
-    wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if wants_grad and state.attention == "dual_chunk":
-        raise ValueError("ropescale: Dual Chunk Attention has no training path (ops.rerope_attention_train takes "
-                         "ReRoPE and Self-Extend): run the model under torch.no_grad() (generate does), or fine-tune "
-                         "with attention='self_extend' or 'rerope'")
-    # The fused op takes float32/fp16/bf16; a float64 model (numerics checks) runs the float64 composite, which
-    # computes the same attention in plain PyTorch (differentiable; Lq x Lk masks, fine at a check's sizes).
-    if query.dtype == torch.float64:
-        attention = ops.rerope_attention_composite
-    else:
-        attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
-    plan = state.tables.plan
-    method_arguments = plan.method_arguments()  # Self-Extend's group, DCA's chunk size
-    if plan.temperature_length:
-        factors = _dual_chunk_temperature(state, state.step_cache, positions, key_positions)
-        if factors is not None:
-            query, key = _times_rows(query, factors[0]), _times_rows(key, factors[1])
-
-    def attend(q, k, v, q_pos, k_pos, seq_len):
-        inv_freq, factor = state.table(seq_len, q.device)
-        # The attention factor multiplies cos and sin of both q and k: factor^2 on the rotated dims' part of every
-        # score (the whole score on a fully rotated head; folded into q on a partial-rotary one).
-        q, scale, _ = plan.attention_arguments(q, q.shape[-1], softmax_scale, factor * factor)
-        out, _lse = attention(
-            q, k, v, q_pos, k_pos, inv_freq, state.window,
-            leaky_k=state.leaky_k, scale=scale, logn_length=state.logn_length,
-            interleaved=state.architecture.interleaved, **method_arguments,
-        )
-        return out
-
-    if groups[0][0] is None:
-        out = attend(query, key, value, positions, key_positions, groups[0][1])
-    else:
-        out = query.new_empty(*query.shape[:-1], value.shape[-1])
-        for rows, seq_len in groups:
-            out[rows] = attend(query[rows], key[rows], value[rows], positions[rows], key_positions[rows], seq_len)
-    return out.transpose(1, 2)

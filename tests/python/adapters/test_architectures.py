@@ -26,6 +26,8 @@ LENGTH = 40
 ARCHS = {arch.name: arch for arch in architectures.ARCHITECTURES}
 PRE_ROPE = sorted(name for name, arch in ARCHS.items() if arch.pre_rope is None)
 RE_ROPE = [name for name in PRE_ROPE if ARCHS[name].rerope is None]
+# the families a per-request method (rotated at write: each row's cos/sin of its table) patches
+PER_REQUEST = sorted(name for name, arch in ARCHS.items() if arch.per_request is None)
 # (family, method) pairs a family's layers refuse
 REFUSED = sorted([(name, "dynamic_yarn") for name, arch in ARCHS.items() if arch.pre_rope]
                  + [(name, "rerope") for name, arch in ARCHS.items() if arch.pre_rope or arch.rerope])
@@ -119,12 +121,12 @@ def test_static_method_equals_transformers_own_model(name, method, params):
     torch.testing.assert_close(output(model, x), before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", PRE_ROPE)
+@pytest.mark.parametrize("name", PER_REQUEST)
 def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_cache(name):
-    """A request of P + N tokens through the model's own cache (raw keys) is transformers' own model with static
-    YaRN at s = (P + N)/L, at every step: the identity rotation, the attention-time rotation, the cached keys'
-    positions, the extended layer types (Gemma 3: its full layers only; its sliding layers keep their rope), a
-    multimodal rope's three position streams (each pair at its own stream's)."""
+    """A request of P + N tokens through the model's own cache (keys rotated when written) is transformers' own
+    model with static YaRN at s = (P + N)/L, at every step: each row's cos/sin in the family's layout (gpt-oss's half
+    width, a multimodal rope's three position streams: each pair at its own stream's), the extended layer types
+    (Gemma 3: its full layers only; its sliding layers keep their rope), sinks and sliding windows (gpt-oss)."""
     prompt, new = 24, 8
     factor = (prompt + new) / ORIGINAL
     if refused_by_transformers(name, {"rope_type": "yarn", "factor": factor,
@@ -175,7 +177,7 @@ def _assert_rerope_layer_is_the_reference(model, name, window, length, inv_freq,
     layer = _attention_layer(model)
     seen = {}
     handle = layer.register_forward_hook(lambda module, args, result: seen.update(out=result[0]))
-    patch_module = importlib.import_module("ropescale.hf.patch")
+    patch_module = importlib.import_module("ropescale.hf.pre_rope")  # where the raw-key attention calls _rerope
     rerope = patch_module._rerope
 
     def spy(module, state, groups, query, key, value, positions, key_positions, mask, kwargs):

@@ -59,10 +59,11 @@ class PatchKind:
 
     @property
     def path(self) -> str:
-        """Which attention path the patch takes: the fused rotation (static), pre-RoPE, or ReRoPE."""
+        """Which attention path the patch takes: the fused rotation (static; a per-request method's too: its keys
+        are rotated when written, each row with its table), pre-RoPE, or ReRoPE."""
         if self.attention.get("attention") == "rerope":
             return "rerope"
-        return "pre_rope" if self.method.dynamic else "static"
+        return "pre_rope" if self.method.dynamic and not self.method.per_request else "static"
 
 
 def _method(cls: type[scaling.RopeScaling], **fields) -> scaling.RopeScaling:

@@ -83,12 +83,17 @@ def pre_rope_checkpoint(name):
 PER_REQUEST_METHOD = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
 
 
+# Written by `ropescale extend` (its rope type alone, no ropescale entry): vLLM's gpt-oss rebuilds the rope parameters
+# as "yarn" with the config's factor, which the plugin must see through.
+EXTENDED = ("gpt-oss",)
+
+
 def save_per_request_checkpoint(name, path):
-    """Per-request Dynamic YaRN (rotated at write: vLLM's own attention serves it): written by ``hf.patch`` where the
-    family's layout takes a table per row, else by ``ropescale extend`` from the saved family model (gpt-oss)."""
-    try:
+    """Per-request Dynamic YaRN (rotated at write: vLLM's own attention serves it): written by ``hf.patch``, or by
+    ``ropescale extend`` from the saved family model for EXTENDED."""
+    if name not in EXTENDED:
         hf.patch(build_served(name), PER_REQUEST_METHOD).save_pretrained(path)
-    except ValueError:
+    else:
         from ropescale import cli
 
         source = path.parent / f"{path.name}-source"

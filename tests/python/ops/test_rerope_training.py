@@ -271,7 +271,7 @@ LENGTH = 256  # > 2 x every other dimension of the tiny model (vocab 101, hidden
 
 
 def training_step(model, ids, mask, autocast_dtype, recorder):
-    patch_module = importlib.import_module("ropescale.hf.patch")
+    patch_module = importlib.import_module("ropescale.hf.pre_rope")  # where the raw-key attention calls _rerope
     rerope_forward = patch_module._rerope
 
     def watched(*args, **kwargs):
