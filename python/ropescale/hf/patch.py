@@ -94,22 +94,16 @@ SUPPORTED_ARCHITECTURES = tuple(arch.name for arch in architectures.ARCHITECTURE
 
 @dataclasses.dataclass
 class _PatchState:
-    method: scaling_lib.RopeScaling
-    attention: str
-    window: int | None
-    leaky_k: float
-    logn_length: int
-    rotary_dim: int
-    base: float
+    # the one place of the method and its attention side's settings (read through ``plan``, never copied here)
+    plan: serving.PreRopePlan
+    # whether the user's attention is a raw-key op: the plan alone cannot tell plain attention (NO_WINDOW) from
+    # ReRoPE with a window of NO_WINDOW
+    raw_keys: bool
     architecture: architectures.Architecture
     rotary_modules: list[nn.Module]
     attention_modules: list[nn.Module]
     base_model: nn.Module
     layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
-    group: int | None = None  # Self-Extend's group size G (its neighbour window W is ``window``)
-    chunk_size: int | None = None  # Dual Chunk Attention's C (its local size S is ``window``)
-    temperature_length: int = 0  # DCA's temperature length L0 (Qwen's original_max_position_embeddings; 0: none)
-    temperature: str = "qwen"  # DCA's temperature rule (config.DUAL_CHUNK_TEMPERATURES)
     config: Any = None
     # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
     pair_streams: list[int] | None = None
@@ -118,7 +112,7 @@ class _PatchState:
     saved_buffers: list = dataclasses.field(default_factory=list)  # (module, name, value) unpatch puts back
     saved_implementations: list = dataclasses.field(default_factory=list)  # (config, X) unpatch puts back
     hooks: list = dataclasses.field(default_factory=list)
-    tables: serving.TableCache | None = None
+    tables: serving.TableCache = dataclasses.field(init=False)  # the plan's tables by length
     # per="request": whether a ``generate`` / ``request`` is open, the tokens each of its rows may generate (a
     # generate call's arrives when transformers has resolved its length), the planned lengths its first forward fixed
     in_request: bool = False
@@ -138,11 +132,7 @@ class _PatchState:
     step_planned: torch.Tensor | None = None
 
     def __post_init__(self):
-        window = self.window if self.raw_keys else serving.NO_WINDOW
-        self.tables = serving.TableCache(serving.PreRopePlan(
-            self.method, self.base, self.rotary_dim, window, self.leaky_k, self.logn_length,
-            group=int(self.group or 0), chunk_size=int(self.chunk_size or 0),
-            temperature_length=int(self.temperature_length or 0), temperature=self.temperature))
+        self.tables = serving.TableCache(self.plan)
         self.step_pre_rope = self.pre_rope
         # A KV-shared layer (Gemma 4's last num_kv_shared_layers) has no cache of its own: it attends the keys that
         # its source layer (the last earlier layer of its type: kv_sharing_modes "store") cached, at their positions.
@@ -153,16 +143,30 @@ class _PatchState:
         self.extended_layers = [m.layer_idx for m in extended if m.layer_idx not in self.kv_sources]
 
     @property
-    def raw_keys(self) -> bool:
-        """Whether the attention runs ropescale's raw-key op (ReRoPE, Self-Extend, Dual Chunk Attention)."""
-        return self.attention != "sdpa"
+    def method(self) -> scaling_lib.RopeScaling:
+        return self.plan.method
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.plan.rotary_dim
+
+    @property
+    def attention(self) -> str:
+        """The attention ``patch`` took: ``sdpa`` (plain attention; the plan's op name is then ``rerope``, with
+        NO_WINDOW), ``rerope``, ``self_extend`` or ``dual_chunk``."""
+        return self.plan.attention if self.raw_keys else "sdpa"
+
+    @property
+    def window(self) -> int | None:
+        """The raw-key op's window (ReRoPE's, Self-Extend's W, DCA's local size S); None for plain attention."""
+        return self.plan.window if self.raw_keys else None
 
     @property
     def rotated_at_write(self) -> bool:
         """A ``per="request"`` method with plain attention: each request keeps one table, so its keys are rotated
         when written (by the model's own rotary application, with cos/sin of each row's table) and the model's own
         cache and attention implementation serve them (``serving.PreRopePlan.rotated_at_write``)."""
-        return self.tables.plan.rotated_at_write
+        return self.plan.rotated_at_write
 
     @property
     def pre_rope(self) -> bool:
@@ -173,11 +177,11 @@ class _PatchState:
 
     @property
     def length_dependent(self) -> bool:
-        return self.method.length_dependent
+        return self.plan.length_dependent
 
     @property
     def per_request(self) -> bool:
-        return self.tables.plan.per_request
+        return self.plan.per_request
 
     def extends(self, module: nn.Module) -> bool:
         """Whether the method applies to this attention module (every layer, or its layer type's)."""
@@ -324,39 +328,36 @@ def patch(
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
+    raw_keys = attention != "sdpa"
+    plan = serving.PreRopePlan(
+        method, config_lib.base_of(config, layer_type),
+        method.rotary_dim_for(config_lib.head_dim_of(config, layer_type), params.get("partial_rotary_factor", 1.0)),
+        window if raw_keys else serving.NO_WINDOW, float(leaky_k or 0.0), int(logn_length or 0),
+        group=int(group or 0), chunk_size=int(chunk_size or 0),
+        temperature_length=int(original_max_position_embeddings or 0), temperature=temperature or "qwen")
     state = _PatchState(
-        method=method,
-        attention=attention,
-        window=window,
-        leaky_k=float(leaky_k or 0.0),
-        logn_length=int(logn_length or 0),
-        rotary_dim=method.rotary_dim_for(config_lib.head_dim_of(config, layer_type),
-                                         params.get("partial_rotary_factor", 1.0)),
-        base=config_lib.base_of(config, layer_type),
+        plan=plan,
+        raw_keys=raw_keys,
         architecture=architecture,
         rotary_modules=rotary_modules,
         attention_modules=attention_modules,
         base_model=base_model,
         layer_types=layer_types,
         config=config,
-        group=group,
-        chunk_size=chunk_size,
-        temperature_length=int(original_max_position_embeddings or 0),
-        temperature=temperature or "qwen",
     )
     state.pair_streams = config_lib.mrope_pair_streams(params, state.rotary_dim // 2)
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     try:
         checkpoint.record(config, None if scaling is None else state.method, attention,
-                          None if attention == "dual_chunk" else window, state.leaky_k, state.logn_length,
+                          None if attention == "dual_chunk" else window, plan.leaky_k, plan.logn_length,
                           layer_types=layer_types, group=group, chunk_size=chunk_size, local_size=local_size,
-                          temperature_length=state.temperature_length, temperature=temperature)
+                          temperature_length=plan.temperature_length, temperature=temperature)
     except ValueError as err:
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
     _check_written_config(state)
-    reduced = state.tables.plan.self_extend_reduces_within(config_lib.max_model_len_of(config, layer_type))
+    reduced = plan.self_extend_reduces_within(config_lib.max_model_len_of(config, layer_type))
     if reduced is not None:  # a setting that makes the written checkpoint another method wherever it is served
         warnings.warn(f"patch: {reduced}", stacklevel=2)
     for module in rotary_modules:

@@ -134,7 +134,7 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
         for layer in cache.layers:
             if isinstance(layer, PreRopeLayer):
                 layer.pending_positions = positions
-    if cache is not None and state.temperature_length and cache.get_seq_length(state.extended_layers[0]) == 0:
+    if cache is not None and state.plan.temperature_length and cache.get_seq_length(state.extended_layers[0]) == 0:
         vars(cache).pop(_PROMPT, None)  # a new request in this cache: DCA's prompt lengths are this forward's
     if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
         if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
@@ -241,7 +241,7 @@ _PROMPT = "_ropescale_prompt"  # a cache's prompt lengths per row (DCA's tempera
 
 
 def _dual_chunk_temperature(state, cache, positions, key_positions):
-    """Dual Chunk Attention's temperature (L0 = ``state.temperature_length`` > 0), as vLLM applies it: the query of
+    """Dual Chunk Attention's temperature (L0 = the plan's ``temperature_length`` > 0), as vLLM applies it: the query of
     a token at position ``i`` times ``m(max(P, i + 1))`` and the key at ``j`` times ``m(max(P, j + 1))``, ``m`` the
     plan's rule (``serving.dual_chunk_temperature``: Qwen's ``max(1, 0.1 ln(len / L0) + 1)`` or ChunkLlama's 0.05),
     ``P`` the row's prompt length: the length of its first forward into an empty cache (every key of that forward,
@@ -253,7 +253,7 @@ def _dual_chunk_temperature(state, cache, positions, key_positions):
         if cache is not None:
             setattr(cache, _PROMPT, prompt)
     def m(positions):
-        return state.tables.plan.temperature_at(torch.maximum(prompt[:, None], positions + 1))
+        return state.plan.temperature_at(torch.maximum(prompt[:, None], positions + 1))
 
     q_factors, k_factors = m(positions), m(key_positions)
     if not bool((q_factors != 1).any() | (k_factors != 1).any()):
@@ -291,7 +291,7 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
         attention = ops.rerope_attention_composite
     else:
         attention = ops.rerope_attention_train if wants_grad else ops.rerope_attention
-    plan = state.tables.plan
+    plan = state.plan
     method_arguments = plan.method_arguments()  # Self-Extend's group, DCA's chunk size
     if plan.temperature_length:
         factors = _dual_chunk_temperature(state, state.step_cache, positions, key_positions)
@@ -305,7 +305,7 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
         q, scale, _ = plan.attention_arguments(q, q.shape[-1], softmax_scale, factor * factor)
         out, _lse = attention(
             q, k, v, q_pos, k_pos, inv_freq, state.window,
-            leaky_k=state.leaky_k, scale=scale, logn_length=state.logn_length,
+            leaky_k=plan.leaky_k, scale=scale, logn_length=plan.logn_length,
             interleaved=state.architecture.interleaved, **method_arguments,
         )
         return out

@@ -155,8 +155,8 @@ def test_reload_gives_the_trained_model(checkpoints, family, name):
         assert model.config.to_json_string() == loaded
         torch.testing.assert_close(model(x).logits, trained_logits, atol=1e-5, rtol=0)
     ours, theirs = model._ropescale_patch, trained._ropescale_patch
-    assert (ours.attention, ours.window, ours.leaky_k, ours.logn_length) == (
-        theirs.attention, theirs.window, theirs.leaky_k, theirs.logn_length)
+    assert (ours.attention, ours.window, ours.plan.leaky_k, ours.plan.logn_length) == (
+        theirs.attention, theirs.window, theirs.plan.leaky_k, theirs.plan.logn_length)
     if name == "resonance_longrope":  # the same tables, now as plain longrope factors
         for seq_len in (ORIGINAL, LENGTH):
             torch.testing.assert_close(ours.method.inv_freq(16, 1e4, seq_len=seq_len),
@@ -269,7 +269,7 @@ def test_explicit_arguments_override_what_the_config_records(checkpoints):
     model, _ = load(path)
     hf.patch(model, attention="rerope", window=4)  # the saved leaky_k and logn_length are not mixed in
     state = model._ropescale_patch
-    assert (state.window, state.leaky_k, state.logn_length) == (4, 0.0, 0)
+    assert (state.window, state.plan.leaky_k, state.plan.logn_length) == (4, 0.0, 0)
     recorded = {"method": {**model.config.rope_parameters, "rope_type": "yarn"}}  # the YaRN table stays recorded
     assert model.config.ropescale == {"attention": "rerope", "window": 4, "leaky_k": 0.0, "logn_length": 0, **recorded}
     hf.unpatch(model)

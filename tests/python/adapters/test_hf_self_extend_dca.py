@@ -270,7 +270,8 @@ def test_a_qwen_config_is_read_as_dual_chunk_attention():
     before = model.config.to_json_string()
     hf.patch(model)
     state = model._ropescale_patch
-    assert (state.attention, state.chunk_size, state.window, state.temperature_length) == ("dual_chunk", 12, 4, 8)
+    assert (state.attention, state.plan.chunk_size, state.window, state.plan.temperature_length) == (
+        "dual_chunk", 12, 4, 8)
     assert model.config.rope_parameters["rope_type"] == "dual_chunk"
     assert model.config.ropescale == {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}
     assert model.config.dual_chunk_attention_config == QWEN_DCA
@@ -280,7 +281,7 @@ def test_a_qwen_config_is_read_as_dual_chunk_attention():
     model = qwen_dca({"original_max_position_embeddings": 4})
     hf.patch(model)
     state = model._ropescale_patch
-    assert (state.chunk_size, state.window, state.temperature_length) == (8192, 1024, 4)
+    assert (state.plan.chunk_size, state.window, state.plan.temperature_length) == (8192, 1024, 4)
 
 
 def test_a_qwen_checkpoint_runs_its_dual_chunk_attention():
