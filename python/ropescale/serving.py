@@ -428,7 +428,11 @@ class RequestRotaryTables:
     """A step's per-request rotation for an engine's rotary layer (:func:`rotated_at_write`): ``request_index``
     (int32 ``[max_tokens]``: token t's request), ``inv_freq`` (float32 ``[max_requests, rotary_dim / 2]``: request r's
     table, the plan's at its planned length) and ``attention_factors`` (float32 ``[max_requests]``), what
-    ``ops.apply_rotary_per_request`` takes.
+    ``ops.apply_rotary_per_request`` takes; ``native`` (bool ``[max_requests]``): request r's table is the model's
+    own (the default table, factor 1: a request that fits the trained length), which the engine then rotates with
+    its OWN native rotation, so that such a request is the native model as that engine serves it (engines and
+    transformers form the native angles in float32, ropescale's tables in double: 2.4e-4 rad apart at 8k), and
+    ``step_has_native``, whether any request of the last step is (a host value, for eager forwards).
 
     The three tensors are allocated once, at the engine's largest step, and written in place every step (from
     pinned host memory, without waiting for the device): a compiled graph and a CUDA graph read them at the
@@ -445,7 +449,18 @@ class RequestRotaryTables:
         self.request_index = torch.zeros(self.max_tokens, dtype=torch.int32, device=self.device)
         self.inv_freq = native.to(self.device).repeat(self.max_requests, 1)
         self.attention_factors = torch.full((self.max_requests,), factor, dtype=torch.float32, device=self.device)
+        self.native = torch.zeros(self.max_requests, dtype=torch.bool, device=self.device)
+        self.step_has_native = True  # until a step says otherwise: the engine's own rotation is computed too
+        self._default = torch.ops.ropescale.default_inv_freq(plan.rotary_dim, plan.base)
+        self._native_lengths: dict[int, bool] = {}
         self._last: tuple | None = None
+
+    def is_native(self, length: int) -> bool:
+        """Whether the plan's table at ``length`` is the model's own: the default table, attention factor 1."""
+        if length not in self._native_lengths:
+            inv_freq, factor = self.tables.table(self.plan.table_length(length, 0))
+            self._native_lengths[length] = factor == 1.0 and torch.equal(inv_freq, self._default)
+        return self._native_lengths[length]
 
     def update(self, request_lens: list[int], query_lens: list[int]) -> None:
         """This step's requests, in the order the step packs their tokens: request r has ``query_lens[r]`` tokens
@@ -461,13 +476,17 @@ class RequestRotaryTables:
         rows = [self.tables.table(self.plan.table_length(length, 0)) for length in request_lens]
         index = torch.repeat_interleave(torch.arange(count, dtype=torch.int32),
                                         torch.tensor([max(int(n), 0) for n in query_lens], dtype=torch.int64))
+        native = [self.is_native(length) for length in request_lens]
         host = [index]
         if rows:
-            host += [torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows], dtype=torch.float32)]
+            host += [torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows], dtype=torch.float32),
+                     torch.tensor(native, dtype=torch.bool)]
         if self.device.type != "cpu":  # asynchronous copies need page-locked sources
             host = [t.pin_memory() for t in host]
         self.request_index[:tokens].copy_(host[0], non_blocking=True)
         if rows:
             self.inv_freq[:count].copy_(host[1], non_blocking=True)
             self.attention_factors[:count].copy_(host[2], non_blocking=True)
+            self.native[:count].copy_(host[3], non_blocking=True)
+        self.step_has_native = any(native)
         self._last = key

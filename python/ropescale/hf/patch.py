@@ -122,8 +122,9 @@ class _PatchState:
     # fixed the planned lengths the steps need no check (and a compiled decode step reads only tensors)
     request_bounded: bool = False
     # rotated at write: the request's per-row tables, fixed with its planned lengths (planned [B], inv_freq [B, P],
-    # attention factor [B]; float64, or float32 for a family whose own rotary forward computes in float32)
-    request_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # attention factor [B]; float64, or float32 for a family whose own rotary forward computes in float32; whether
+    # the row's table is the model's own, native [B])
+    request_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # this forward (set by the base model's pre-hook and the rotary module, cleared after it): whether it runs
     # pre-RoPE, its cache, its positions and (per request) its planned lengths
     step_pre_rope: bool = False

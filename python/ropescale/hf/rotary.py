@@ -38,7 +38,15 @@ def _rotary_forward(self, x, position_ids, layer_type=None):
         ones = torch.ones(*position_ids.shape, state.rotary_dim, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
     if state.rotated_at_write:
-        return _request_cos_sin(state, x, position_ids)
+        cos, sin = _request_cos_sin(state, x, position_ids)
+        if _own_rotary_is_native(self):
+            # A request whose table is the model's own (it fits the trained length) takes the model's own cos/sin: it
+            # IS the native model, bit for bit (transformers forms the native angles in float32, ropescale in double:
+            # 2.4e-4 rad apart at 8k). Always computed, picked per row: no data-dependent branch in a compiled step.
+            own_cos, own_sin = type(self).forward(self, x, position_ids, layer_type)
+            native = state.request_rows[3][:, None, None]
+            cos, sin = torch.where(native, own_cos, cos), torch.where(native, own_sin, sin)
+        return cos, sin
     groups = _groups(state, position_ids)
     if groups[0][0] is not None:  # rows of different lengths: per-row angles and factors
         angles = position_ids.new_empty(*position_ids.shape, state.rotary_dim // 2, dtype=torch.float64)
@@ -113,7 +121,7 @@ def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Te
         streams = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
         position_ids = streams.permute(1, 2, 0)
     positions = _batch_positions(position_ids, x.shape[0])
-    _, inv_freq, factor = _request_rows(state, positions, x.device)
+    _, inv_freq, factor, _ = _request_rows(state, positions, x.device)
     if state.pair_streams is None:
         per_pair = positions.to(inv_freq.dtype)[..., None]  # [B, T, 1]
     else:
@@ -125,8 +133,15 @@ def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Te
     return (angles.cos() * factor).to(x.dtype), (angles.sin() * factor).to(x.dtype)
 
 
+def _own_rotary_is_native(module: nn.Module) -> bool:
+    """Whether the model's own rotary module computes the default table, attention factor 1 (the table a per-request
+    method takes within the trained length); a model whose own rope is scaled (Llama 3.1's llama3) is not."""
+    return getattr(module, "rope_type", None) == "default" and getattr(module, "attention_scaling", 1.0) == 1.0
+
+
 def _request_rows(state: _PatchState, positions: torch.Tensor, device: torch.device):
-    """``(planned [B], inv_freq [B, P], factor [B])``: each row's planned length, table and attention factor. A
+    """``(planned [B], inv_freq [B, P], factor [B], native [B])``: each row's planned length, table, attention factor
+    and whether that table is the default one with factor 1 (the model's own, within the trained length). A
     ``generate`` call's decode steps read the tables its first forward fixed (transformers stops every row at its
     planned length: nothing to check); other forwards go through :func:`_fix_request_rows`."""
     rows = state.request_rows
@@ -148,11 +163,14 @@ def _fix_request_rows(state: _PatchState, positions: torch.Tensor, device: torch
 
 
 def _row_tables(state: _PatchState, planned: torch.Tensor, device: torch.device):
-    """``inv_freq [B, P]`` and the attention factor ``[B]`` of each row's planned length (the serving core's table
-    cache: one table per distinct length), in the precision the rotary forward computes angles in."""
+    """``inv_freq [B, P]``, the attention factor ``[B]`` and whether the table is the default one with factor 1
+    ``[B]``, of each row's planned length (the serving core's table cache: one table per distinct length), in the
+    precision the rotary forward computes angles in."""
     compute = torch.float64 if state.architecture.cat_layout else torch.float32
     lengths = planned.tolist()
-    tables = {n: state.table(n, device) for n in dict.fromkeys(lengths)}
+    tables = {n: state.table(n, torch.device("cpu")) for n in dict.fromkeys(lengths)}
+    default = torch.ops.ropescale.default_inv_freq(state.rotary_dim, state.plan.base)
+    native = {n: t[1] == 1.0 and torch.equal(t[0], default) for n, t in tables.items()}
     inv_freq = torch.stack([tables[n][0] for n in lengths]).to(device=device, dtype=compute)
     factor = torch.tensor([tables[n][1] for n in lengths], dtype=compute, device=device)
-    return inv_freq, factor
+    return inv_freq, factor, torch.tensor([native[n] for n in lengths], dtype=torch.bool, device=device)

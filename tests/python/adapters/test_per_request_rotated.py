@@ -228,3 +228,25 @@ def test_raw_key_methods_keep_the_pre_rope_path():
         with torch.no_grad():
             _, _, cache = generate(model, ids(1, 20), 2)
         assert any(isinstance(layer, PreRopeLayer) for layer in cache.layers)
+
+
+def test_a_request_within_the_trained_length_is_the_native_model_bit_for_bit_at_long_positions():
+    """A row planned within the trained length takes the model's OWN cos/sin, not ropescale's default table: at
+    positions in the thousands transformers' float32 angles are up to 2.4e-4 rad from ropescale's double-precision
+    ones (SmolLM2 moved 2.6e-4 nats in vLLM), and the promise is the native model, bit for bit. Long rows of the
+    same batch keep ropescale's YaRN(s) table."""
+    trained = 8192
+    native = tiny(mpe=trained, layers=2).eval()
+    patched = hf.patch(tiny(mpe=trained, layers=2).eval(),
+                       scaling.DynamicYaRN(original_max_position=trained, per="request"))
+    x = ids(2, 12, seed=4)
+    positions = torch.stack([torch.arange(6000, 6012), torch.arange(9000, 9012)])
+    with torch.no_grad():
+        want = native(x[:1], position_ids=positions[:1]).logits
+        with hf.request(patched, max_new_tokens=4):  # row 0 planned at 6016 <= 8192: native; row 1 at 9016
+            got = patched(x, position_ids=positions).logits
+        yarn = hf.patch(tiny(mpe=trained, layers=2).eval(),
+                        scaling.YaRN(factor=9016 / trained, original_max_position=trained))
+        long_row = yarn(x[1:], position_ids=positions[1:]).logits
+    assert torch.equal(got[:1], want)
+    torch.testing.assert_close(got[1:], long_row, atol=1e-5, rtol=1e-5)

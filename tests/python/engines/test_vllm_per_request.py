@@ -124,10 +124,17 @@ def request_layer():
 
 
 def static_rotation(length, positions, q, k):
-    """q and k ``[T, H*D]`` turned by the static model of a request of ``length`` planned tokens (YaRN(s), native
-    within L): its float32 table and attention factor through ``apply_rotary_pos`` (what hf.patch computes)."""
-    method = (scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL) if length > ORIGINAL
-              else scaling.Default())
+    """q and k ``[T, H*D]`` turned by the static model of a request of ``length`` planned tokens: past L, YaRN(s)'s
+    float32 table and attention factor through ``apply_rotary_pos`` (what hf.patch computes); within L, the native
+    model as vLLM serves it (its own rotary: float32 angles)."""
+    if length <= ORIGINAL:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        with set_current_vllm_config(VllmConfig()):
+            native = RotaryEmbedding(HEAD, HEAD, ORIGINAL, BASE, True, torch.float32)
+        return RotaryEmbedding.forward_static(positions, q, k, HEAD, HEAD, native.cos_sin_cache, True)
+    method = scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL)
     inv_freq, factor = method.inv_freq(HEAD, BASE), method.attention_factor
     turned = [ops.apply_rotary_pos(x.view(len(positions), -1, HEAD).transpose(0, 1)[None], positions, inv_freq,
                                    factor)[0].transpose(0, 1).reshape(x.shape) for x in (q, k)]
@@ -136,7 +143,8 @@ def static_rotation(length, positions, q, k):
 
 def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_compiled():
     """A step of 3 requests (a prefill chunk, a decode row, a short request that fits L: native): each token's q and
-    k equal the static YaRN(s) model's rotation of its request bit for bit; the in-place forward (eager
+    k equal the static YaRN(s) model's rotation of its request, and the short request's vLLM's own native
+    rotation, bit for bit; the in-place forward (eager
     vLLM) equals the functional one (compiled vLLM), and a compiled forward reads the NEXT step's tables from the
     same buffers (nothing specialised to a step; the graph reads no host value)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: F401  (the hook's target exists)
