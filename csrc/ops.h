@@ -69,10 +69,12 @@ void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Te
 std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& positions, const at::Tensor& request_index,
                                                             const at::Tensor& inv_freq,
-                                                            const at::Tensor& attention_factors, bool interleaved);
+                                                            const at::Tensor& attention_factors, bool interleaved,
+                                                            const std::optional<at::Tensor>& native_angles);
 void apply_rotary_per_request_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                const at::Tensor& request_index, const at::Tensor& inv_freq,
-                               const at::Tensor& attention_factors, bool interleaved);
+                               const at::Tensor& attention_factors, bool interleaved,
+                               const std::optional<at::Tensor>& native_angles);
 // Meta kernels of the rotary ops (rotary.cpp): the ops' own checks, then empty outputs.
 at::Tensor apply_rotary_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                              bool half_width, bool conjugate);
@@ -97,10 +99,12 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request_meta(const at::Tenso
                                                                  const at::Tensor& positions,
                                                                  const at::Tensor& request_index,
                                                                  const at::Tensor& inv_freq,
-                                                                 const at::Tensor& attention_factors, bool interleaved);
+                                                                 const at::Tensor& attention_factors, bool interleaved,
+                                                                 const std::optional<at::Tensor>& native_angles);
 void apply_rotary_per_request_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                     const at::Tensor& request_index, const at::Tensor& inv_freq,
-                                    const at::Tensor& attention_factors, bool interleaved);
+                                    const at::Tensor& attention_factors, bool interleaved,
+                                    const std::optional<at::Tensor>& native_angles);
 // The rotary checks as ops (rotary.cpp): ropescale::_check_rotary / _check_rotary_pos.
 void check_rotary(c10::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& k, const at::Tensor& cos,
                   const at::Tensor& sin, bool interleaved, bool half_width);
@@ -108,7 +112,8 @@ void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optio
                       const at::Tensor& positions, const at::Tensor& inv_freq, double scale);
 void check_rotary_per_request(c10::string_view op, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& positions, const at::Tensor& request_index,
-                              const at::Tensor& inv_freq, const at::Tensor& attention_factors);
+                              const at::Tensor& inv_freq, const at::Tensor& attention_factors,
+                              const std::optional<at::Tensor>& native_angles);
 
 // ---- rerope_attention: cpu/rerope_attention.cpp, cuda/rerope_attention.cu ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, const at::Tensor& k,

@@ -87,12 +87,13 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("apply_rotary_pos_qk_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, float scale=1., "
         "bool interleaved=False, *, bool conjugate=False) -> ()");
   // An engine's packed tokens q [T, Hq, D], k [T, Hk, D] rotated at positions [T], each with its request's
-  // table: row request_index[t] of inv_freq [R, rotary_dim/2] (float32), cos and sin times attention_factors[r].
+  // table: row request_index[t] of inv_freq [R, rotary_dim/2] (float32), cos and sin times attention_factors[r];
+  // native_angles[r]: that request's angles formed as an engine's native table forms them (float32 product).
   m.def("apply_rotary_per_request(Tensor q, Tensor k, Tensor positions, Tensor request_index, Tensor inv_freq, "
-        "Tensor attention_factors, bool interleaved=False) -> (Tensor, Tensor)");
+        "Tensor attention_factors, bool interleaved=False, Tensor? native_angles=None) -> (Tensor, Tensor)");
   // apply_rotary_per_request, in place (k may have 0 heads: q alone).
   m.def("apply_rotary_per_request_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor request_index, "
-        "Tensor inv_freq, Tensor attention_factors, bool interleaved=False) -> ()");
+        "Tensor inv_freq, Tensor attention_factors, bool interleaved=False, Tensor? native_angles=None) -> ()");
   // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse); with
   // group > 0 Self-Extend, with chunk_size > 0 Dual Chunk Attention (window = its local_size).
   m.def(
@@ -129,7 +130,7 @@ TORCH_LIBRARY(ropescale, m) {
         "bool half_width=False) -> ()");
   m.def("_check_rotary_pos(str op, Tensor x, Tensor? k, Tensor positions, Tensor inv_freq, float scale=1.) -> ()");
   m.def("_check_rotary_per_request(str op, Tensor q, Tensor k, Tensor positions, Tensor request_index, "
-        "Tensor inv_freq, Tensor attention_factors) -> ()");
+        "Tensor inv_freq, Tensor attention_factors, Tensor? native_angles=None) -> ()");
   // allow_float64: rerope_attention_composite also takes float64 (gradcheck, references).
   m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
         "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "

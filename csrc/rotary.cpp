@@ -166,7 +166,7 @@ void check_index(const char* op, const char* name, const at::Tensor& index, cons
 // attention_factors [R] (float32); positions [T].
 void check_per_request(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                        const at::Tensor& request_index, const at::Tensor& inv_freq,
-                       const at::Tensor& attention_factors) {
+                       const at::Tensor& attention_factors, const std::optional<at::Tensor>& native_angles) {
   check_packed_operand(op, "q", q);
   check_packed_operand(op, "k", k);
   check_same_device(op, q, "q", "k", k);
@@ -190,6 +190,13 @@ void check_per_request(const char* op, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(inv_freq.sym_size(0) >= 1 || q.sym_size(0) == 0, op,
               ": inv_freq has no rows (no request) but q has ", q.sym_size(0), " tokens");
   check_rotary_dim(op, inv_freq.sym_size(1) * 2, q.sym_size(2), "2 * inv_freq.size(1)");
+  if (native_angles.has_value()) {
+    check_same_device(op, q, "q", "native_angles", *native_angles);
+    TORCH_CHECK(native_angles->scalar_type() == at::kBool && native_angles->dim() == 1 &&
+                    native_angles->sym_size(0) == inv_freq.sym_size(0),
+                op, ": native_angles must be bool [requests] with one entry per row of inv_freq (",
+                inv_freq.sym_size(0), "), got ", native_angles->scalar_type(), " of shape ", native_angles->sym_sizes());
+  }
 }
 
 // The data checks on CPU tensors (on CUDA a host sync per call: the caller's contract there): positions in
@@ -279,6 +286,7 @@ void run(const char* op, RotaryArgs& a, bool in_place) {
       if (a.table_index.defined()) {
         check_no_overlap(op, a.in[o], names[o], a.table_index, "request_index");
         check_no_overlap(op, a.in[o], names[o], a.scales, "attention_factors");
+        if (a.native_angles.defined()) check_no_overlap(op, a.in[o], names[o], a.native_angles, "native_angles");
       }
       a.out[o] = a.in[o];
     } else if (!a.out[o].defined()) {
@@ -347,8 +355,9 @@ RotaryArgs position_args(const char* op, const at::Tensor& q, const at::Tensor* 
 // request_index as one table row of T tokens; out3: the 3-D outputs (undefined in place).
 RotaryArgs per_request_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                             const at::Tensor& request_index, const at::Tensor& inv_freq,
-                            const at::Tensor& attention_factors, bool interleaved, const at::Tensor* out3) {
-  check_per_request(op, q, k, positions, request_index, inv_freq, attention_factors);
+                            const at::Tensor& attention_factors, bool interleaved,
+                            const std::optional<at::Tensor>& native_angles, const at::Tensor* out3) {
+  check_per_request(op, q, k, positions, request_index, inv_freq, attention_factors, native_angles);
   check_per_request_values(op, positions, request_index, inv_freq, attention_factors);
   RotaryArgs a;
   const at::Tensor q4 = q.transpose(0, 1).unsqueeze(0), k4 = k.transpose(0, 1).unsqueeze(0);
@@ -357,6 +366,7 @@ RotaryArgs per_request_args(const char* op, const at::Tensor& q, const at::Tenso
   a.table_index = request_index.unsqueeze(0);
   a.inv_freq = inv_freq.contiguous();
   a.scales = attention_factors.contiguous();
+  if (native_angles.has_value()) a.native_angles = native_angles->contiguous();
   a.table = TableKind::kPositions;
   a.rotary_dim = 2 * inv_freq.size(1);
   a.interleaved = interleaved;
@@ -424,19 +434,21 @@ void apply_rotary_pos_qk_(const at::Tensor& q, const at::Tensor& k, const at::Te
 std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& positions, const at::Tensor& request_index,
                                                             const at::Tensor& inv_freq,
-                                                            const at::Tensor& attention_factors, bool interleaved) {
+                                                            const at::Tensor& attention_factors, bool interleaved,
+                                                            const std::optional<at::Tensor>& native_angles) {
   const at::Tensor out[2] = {at::empty_like(q), at::empty_like(k)};  // the 3-D layouts of q and k
   RotaryArgs a = per_request_args("apply_rotary_per_request", q, k, positions, request_index, inv_freq,
-                                  attention_factors, interleaved, out);
+                                  attention_factors, interleaved, native_angles, out);
   run("apply_rotary_per_request", a, /*in_place=*/false);
   return {out[0], out[1]};
 }
 
 void apply_rotary_per_request_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                const at::Tensor& request_index, const at::Tensor& inv_freq,
-                               const at::Tensor& attention_factors, bool interleaved) {
+                               const at::Tensor& attention_factors, bool interleaved,
+                               const std::optional<at::Tensor>& native_angles) {
   RotaryArgs a = per_request_args("apply_rotary_per_request_", q, k, positions, request_index, inv_freq,
-                                  attention_factors, interleaved, nullptr);
+                                  attention_factors, interleaved, native_angles, nullptr);
   run("apply_rotary_per_request_", a, /*in_place=*/true);
 }
 
@@ -502,15 +514,19 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_per_request_meta(const at::Tenso
                                                                  const at::Tensor& positions,
                                                                  const at::Tensor& request_index,
                                                                  const at::Tensor& inv_freq,
-                                                                 const at::Tensor& attention_factors, bool interleaved) {
-  check_per_request("apply_rotary_per_request", q, k, positions, request_index, inv_freq, attention_factors);
+                                                                 const at::Tensor& attention_factors, bool interleaved,
+                                                                 const std::optional<at::Tensor>& native_angles) {
+  check_per_request("apply_rotary_per_request", q, k, positions, request_index, inv_freq, attention_factors,
+                    native_angles);
   return {at::empty_like(q), at::empty_like(k)};
 }
 
 void apply_rotary_per_request_meta_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                     const at::Tensor& request_index, const at::Tensor& inv_freq,
-                                    const at::Tensor& attention_factors, bool interleaved) {
-  check_per_request("apply_rotary_per_request_", q, k, positions, request_index, inv_freq, attention_factors);
+                                    const at::Tensor& attention_factors, bool interleaved,
+                                    const std::optional<at::Tensor>& native_angles) {
+  check_per_request("apply_rotary_per_request_", q, k, positions, request_index, inv_freq, attention_factors,
+                    native_angles);
 }
 
 // ---- The checks as ops of their own (ropescale::_check_rotary, _check_rotary_pos), for the
@@ -538,9 +554,10 @@ void check_rotary_pos(c10::string_view op, const at::Tensor& x, const std::optio
 
 void check_rotary_per_request(c10::string_view op, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& positions, const at::Tensor& request_index,
-                              const at::Tensor& inv_freq, const at::Tensor& attention_factors) {
+                              const at::Tensor& inv_freq, const at::Tensor& attention_factors,
+                              const std::optional<at::Tensor>& native_angles) {
   const std::string name(op);
-  check_per_request(name.c_str(), q, k, positions, request_index, inv_freq, attention_factors);
+  check_per_request(name.c_str(), q, k, positions, request_index, inv_freq, attention_factors, native_angles);
   check_per_request_values(name.c_str(), positions, request_index, inv_freq, attention_factors);
 }
 

@@ -24,6 +24,7 @@ struct RotaryArgs {
   double scale = 1.0;
   at::Tensor table_index;    // undefined, or [table_batch, seq] int32/int64: each token's row of inv_freq
   at::Tensor scales;         // with table_index: [tables] float32, each row's factor on cos and sin
+  at::Tensor native_angles;  // with table_index: undefined or [tables] bool, rows with an engine's native angles
   bool interleaved = false, conjugate = false, in_place = false;
 };
 
@@ -68,6 +69,7 @@ rotary::Params<T, Table> make_rotary_params(const RotaryArgs& a) {
       p.table_index_stride_seq = a.table_index.stride(1);
       p.inv_freq_stride = a.inv_freq.size(-1);
       p.scales = a.scales.const_data_ptr<float>();
+      if (a.native_angles.defined()) p.native_angles = a.native_angles.const_data_ptr<bool>();
     }
   } else {
     TORCH_INTERNAL_ASSERT(a.cos.element_size() == sizeof(Table) && a.sin.element_size() == sizeof(Table));

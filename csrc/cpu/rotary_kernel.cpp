@@ -117,14 +117,19 @@ void rotate_row(const T* in, T* out, int64_t half, const TokenCoeffs<Acc>& c) {
 // rotary_reduced_angle does (a loop the compiler vectorises), then at::vec's sin/cos (Sleef, 3.5 ulp
 // on the reduced angle) replace per-pair libm calls, which dominated whenever few rows share a
 // token's coefficients (decode, GQA k/v heads, re-rotating a pre-RoPE cache, ReRoPE's key tables).
-void vector_cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out) {
+void vector_cos_sin(double position, const float* inv_freq, int64_t pairs, float* cos_out, float* sin_out,
+                    bool native_angles = false) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t kChunk = 64;  // reduced angles on the stack, a chunk at a time
   float reduced[kChunk];
   for (int64_t first = 0; first < pairs; first += kChunk) {
     const int64_t count = std::min(kChunk, pairs - first);
-    for (int64_t i = 0; i < count; ++i)
-      reduced[i] = static_cast<float>(rotary_reduced_angle(position, inv_freq[first + i]));
+    if (native_angles) {  // an engine's native table: the float32 product, not reduced (native_sincos)
+      for (int64_t i = 0; i < count; ++i) reduced[i] = static_cast<float>(position) * inv_freq[first + i];
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        reduced[i] = static_cast<float>(rotary_reduced_angle(position, inv_freq[first + i]));
+    }
     int64_t i = 0;
     for (; i + Vec::size() <= count; i += Vec::size()) {
       const Vec angle = Vec::loadu(reduced + i);
@@ -141,8 +146,8 @@ void vector_cos_sin(double position, const float* inv_freq, int64_t pairs, float
 // Coefficients of every pair of a token at `position` (the kPositions table) into the four arrays
 // of `base`: the symmetric pair (c, s, c, s) times scale, (c, -s, c, -s) for the conjugate.
 void position_coeffs_row(double position, const float* inv_freq, int64_t half, float scale, bool conjugate,
-                         float* base) {
-  vector_cos_sin(position, inv_freq, half, base, base + half);
+                         float* base, bool native_angles = false) {
+  vector_cos_sin(position, inv_freq, half, base, base + half, native_angles);
   const float sin_scale = conjugate ? -scale : scale;
   for (int64_t i = 0; i < half; ++i) {
     base[i] *= scale;
@@ -188,7 +193,7 @@ void rotary_cpu_kernel(const Params<T, Table>& p) {
           if (vector_positions) {
             const rotary::TokenTable table = rotary::token_table(p, table_row, seq);
             position_coeffs_row(rotary::token_position(p, table_row, seq), table.inv_freq, half,
-                                static_cast<float>(table.scale), p.conjugate, base);
+                                static_cast<float>(table.scale), p.conjugate, base, table.native_angles);
             continue;
           }
         }

@@ -386,19 +386,25 @@ def apply_rotary_per_request(
     inv_freq: torch.Tensor,
     attention_factors: torch.Tensor,
     interleaved: bool = False,
+    *,
+    native_angles: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An engine's packed tokens rotated, each with the table of the request it belongs to: token ``t`` of
     ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (or None) at ``positions[t]`` by row ``r = request_index[t]`` of
     ``inv_freq`` (float32 ``[R, rotary_dim / 2]``, one table per request: any real scale, no cos/sin table of
     the served length per request), cos and sin times ``attention_factors[r]`` (float32 ``[R]``): what
     :func:`apply_rotary_pos` gives each request alone with its own table and ``scale``, in one pass over a
-    batch of requests of different scales. sin/cos are computed once per token, angles reduced in double.
+    batch of requests of different scales. sin/cos are computed once per token, angles reduced in double; with
+    ``native_angles`` (bool ``[R]``), request r's angles are instead formed as an engine's native table forms them
+    (``position * inv_freq`` in float32, then float32 sin/cos, as vLLM's ``cos_sin_cache`` and transformers' rotary
+    do), so that a request that fits the trained length is the native model bit for bit (with the engine's own
+    float32 ``inv_freq``: ``serving.native_inv_freq``).
 
     On CPU tensors the values are checked (positions within +-(2^31 - 1), every ``request_index`` a row of
     ``inv_freq``, finite factors); on CUDA they are the caller's contract (a check would cost a host sync; an
     engine builds them itself). No backward pass (an inference op)."""
     q, k_out = _ops.apply_rotary_per_request(q, _per_request_key(q, k), positions, request_index, inv_freq,
-                                             attention_factors, interleaved)
+                                             attention_factors, interleaved, native_angles=native_angles)
     return q, None if k is None else k_out
 
 
@@ -410,10 +416,12 @@ def apply_rotary_per_request_(
     inv_freq: torch.Tensor,
     attention_factors: torch.Tensor,
     interleaved: bool = False,
+    *,
+    native_angles: torch.Tensor | None = None,
 ) -> None:
     """:func:`apply_rotary_per_request` in place: what an engine's rotary layer runs on its q and k views."""
     _ops.apply_rotary_per_request_(q, _per_request_key(q, k), positions, request_index, inv_freq,
-                                   attention_factors, interleaved)
+                                   attention_factors, interleaved, native_angles=native_angles)
 
 
 def _apply_rotary_per_request_backward(ctx, *grads):

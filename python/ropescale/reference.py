@@ -144,12 +144,15 @@ def _position_rotary(op: str, q, k, positions, inv_freq, scale, interleaved, con
 
 
 def _per_request_rotary(op: str, q, k, positions, request_index, inv_freq, attention_factors, interleaved,
-                        in_place: bool):
+                        in_place: bool, native_angles=None):
     """Packed tokens ``[T, H, D]``, each rotated by its request's row of inv_freq and factor: the position rotation
     with per-token tables ``[1, T, P]`` (heads on dim 1 as the 4-D ops have them)."""
-    _R._check_rotary_per_request(op, q, k, positions, request_index, inv_freq, attention_factors)
+    _R._check_rotary_per_request(op, q, k, positions, request_index, inv_freq, attention_factors, native_angles)
     rows = request_index.long()
     angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64).index_select(0, rows)
+    if native_angles is not None:  # those requests' angles as an engine's native table forms them: a float32 product
+        native = (positions.to(torch.float32)[:, None] * inv_freq.index_select(0, rows)).to(torch.float64)
+        angles = torch.where(native_angles.index_select(0, rows)[:, None], native, angles)
     factors = attention_factors.to(torch.float64).index_select(0, rows)[:, None]
     cos, sin = angles.cos() * factors, angles.sin() * factors  # as _position_rotary's cos_sin with scale=factor
     read = {"positions": positions, "inv_freq": inv_freq, "request_index": request_index,
@@ -161,14 +164,16 @@ def _per_request_rotary(op: str, q, k, positions, request_index, inv_freq, atten
     return tuple(o[0].transpose(0, 1) for o in out)
 
 
-def apply_rotary_per_request(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False):
+def apply_rotary_per_request(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False,
+                             native_angles=None):
     return _per_request_rotary("apply_rotary_per_request", q, k, positions, request_index, inv_freq,
-                               attention_factors, interleaved, False)
+                               attention_factors, interleaved, False, native_angles)
 
 
-def apply_rotary_per_request_(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False):
+def apply_rotary_per_request_(q, k, positions, request_index, inv_freq, attention_factors, interleaved=False,
+                              native_angles=None):
     _per_request_rotary("apply_rotary_per_request_", q, k, positions, request_index, inv_freq, attention_factors,
-                        interleaved, True)
+                        interleaved, True, native_angles)
 
 
 def apply_rotary(x, cos, sin, interleaved=False, *, half_width=False, conjugate=False):

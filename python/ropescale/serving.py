@@ -245,6 +245,13 @@ def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int, coeff
     return (coefficient * torch.log(lengths / float(temperature_length)) + 1.0).clamp_min(1.0)
 
 
+def native_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """The default table as engines compute it for a native model (vLLM's ``RotaryEmbedding``, transformers'
+    default rope): ``1 / base ** (2i / d)`` in float32 arithmetic, which differs from ropescale's correctly rounded
+    ``default_inv_freq`` in the last bit of about a third of the entries."""
+    return 1.0 / (float(base) ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim))
+
+
 def rotated_at_write(parsed: config_lib.RopeConfig) -> bool:
     """Whether a checkpoint's method is a table per request (``per="request"``: one table for a request's whole life,
     at its planned length) with plain attention: its keys need no raw form, they are rotated once, with the
@@ -428,11 +435,11 @@ class RequestRotaryTables:
     """A step's per-request rotation for an engine's rotary layer (:func:`rotated_at_write`): ``request_index``
     (int32 ``[max_tokens]``: token t's request), ``inv_freq`` (float32 ``[max_requests, rotary_dim / 2]``: request r's
     table, the plan's at its planned length) and ``attention_factors`` (float32 ``[max_requests]``), what
-    ``ops.apply_rotary_per_request`` takes; ``native`` (bool ``[max_requests]``): request r's table is the model's
-    own (the default table, factor 1: a request that fits the trained length), which the engine then rotates with
-    its OWN native rotation, so that such a request is the native model as that engine serves it (engines and
-    transformers form the native angles in float32, ropescale's tables in double: 2.4e-4 rad apart at 8k), and
-    ``step_has_native``, whether any request of the last step is (a host value, for eager forwards).
+    ``ops.apply_rotary_per_request`` takes; ``native`` (bool ``[max_requests]``, the op's ``native_angles``):
+    request r's table is the model's own (the default table, factor 1: a request that fits the trained length), so
+    its row holds the engines' own float32 ``inv_freq`` (:func:`native_inv_freq`) and its angles are formed as their
+    native tables form them: such a request is the native model as an engine serves it (engines and transformers
+    form the native angles in float32, ropescale's tables in double: 2.4e-4 rad apart at 8k).
 
     The three tensors are allocated once, at the engine's largest step, and written in place every step (from
     pinned host memory, without waiting for the device): a compiled graph and a CUDA graph read them at the
@@ -450,8 +457,8 @@ class RequestRotaryTables:
         self.inv_freq = native.to(self.device).repeat(self.max_requests, 1)
         self.attention_factors = torch.full((self.max_requests,), factor, dtype=torch.float32, device=self.device)
         self.native = torch.zeros(self.max_requests, dtype=torch.bool, device=self.device)
-        self.step_has_native = True  # until a step says otherwise: the engine's own rotation is computed too
         self._default = torch.ops.ropescale.default_inv_freq(plan.rotary_dim, plan.base)
+        self._native_inv_freq = native_inv_freq(plan.rotary_dim, plan.base)
         self._native_lengths: dict[int, bool] = {}
         self._last: tuple | None = None
 
@@ -473,10 +480,11 @@ class RequestRotaryTables:
         key = (tuple(int(n) for n in request_lens), tuple(int(n) for n in query_lens))
         if key == self._last:
             return
-        rows = [self.tables.table(self.plan.table_length(length, 0)) for length in request_lens]
+        native = [self.is_native(length) for length in request_lens]
+        rows = [(self._native_inv_freq, 1.0) if is_native else self.tables.table(self.plan.table_length(length, 0))
+                for length, is_native in zip(request_lens, native)]
         index = torch.repeat_interleave(torch.arange(count, dtype=torch.int32),
                                         torch.tensor([max(int(n), 0) for n in query_lens], dtype=torch.int64))
-        native = [self.is_native(length) for length in request_lens]
         host = [index]
         if rows:
             host += [torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows], dtype=torch.float32),
@@ -488,5 +496,4 @@ class RequestRotaryTables:
             self.inv_freq[:count].copy_(host[1], non_blocking=True)
             self.attention_factors[:count].copy_(host[2], non_blocking=True)
             self.native[:count].copy_(host[3], non_blocking=True)
-        self.step_has_native = any(native)
         self._last = key

@@ -74,6 +74,9 @@ struct Params {
   bool table_index_int64 = true;
   int64_t table_index_stride_batch = 0, table_index_stride_seq = 0, inv_freq_stride = 0;
   const float* scales = nullptr;
+  // With a table per token: rows whose angles are formed as an engine's native table forms them (native_sincos),
+  // e.g. a request that fits the trained length and is the native model; nullptr: none.
+  const bool* native_angles = nullptr;
 
   bool interleaved = false;
   // Apply the transpose of the map (angle -theta for a true rotation): the backward pass.
@@ -167,9 +170,12 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotate(const PairCoeffs<Acc>& c, Acc
 // reduced in double (rotary_sincos), so they stay accurate at positions in the millions.
 template <class Acc>
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> position_coeffs(double position, float inv_freq,
-                                                                       Acc scale) {
+                                                                       Acc scale, bool native_angles = false) {
   Acc s, c;
-  rotary_sincos(position, inv_freq, &s, &c);
+  if (native_angles)
+    native_sincos(position, inv_freq, &s, &c);
+  else
+    rotary_sincos(position, inv_freq, &s, &c);
   s *= scale;
   c *= scale;
   return {c, s, c, s};
@@ -189,16 +195,18 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double token_position(const Params<T, Tab
 struct TokenTable {
   const float* inv_freq;
   double scale;
+  bool native_angles;
 };
 
 template <class T, class Table>
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE TokenTable token_table(const Params<T, Table>& p, int64_t table_row,
                                                               int64_t seq) {
-  if (p.table_index == nullptr) return {p.inv_freq, p.scale};
+  if (p.table_index == nullptr) return {p.inv_freq, p.scale, false};
   const int64_t offset = table_row * p.table_index_stride_batch + seq * p.table_index_stride_seq;
   const int64_t row = p.table_index_int64 ? static_cast<const int64_t*>(p.table_index)[offset]
                                           : static_cast<int64_t>(static_cast<const int32_t*>(p.table_index)[offset]);
-  return {p.inv_freq + row * p.inv_freq_stride, static_cast<double>(p.scales[row])};
+  return {p.inv_freq + row * p.inv_freq_stride, static_cast<double>(p.scales[row]),
+          p.native_angles != nullptr && p.native_angles[row]};
 }
 
 // Coefficients of pair i of a token from a table of kind kTable, conjugated when asked. `to_acc`
@@ -212,7 +220,8 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE PairCoeffs<Acc> pair_coeffs(const Params<
   PairCoeffs<Acc> c;
   if constexpr (kTable == TableKind::kPositions) {
     const TokenTable table = token_table(p, table_row, seq);
-    c = position_coeffs<Acc>(token_position(p, table_row, seq), table.inv_freq[i], static_cast<Acc>(table.scale));
+    c = position_coeffs<Acc>(token_position(p, table_row, seq), table.inv_freq[i], static_cast<Acc>(table.scale),
+                             table.native_angles);
   } else {
     const PairIndex e = table_entries(kTable, p.interleaved, p.half(), i);
     const Table* cos_row = p.cos + table_row * p.cos_stride_batch + seq * p.cos_stride_seq;

@@ -43,6 +43,29 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float
 
 // The same in double precision (float64 tensors: gradcheck, references). The product is exact and
 // double sin/cos reduce their argument exactly themselves, so no reduction of ours is needed.
+// sin/cos of the angle an engine's native table holds: position * inv_freq formed in float32 (one rounding),
+// then float32 sin/cos. Engines (vLLM's cos_sin_cache, transformers' rotary) build the native model's table this
+// way; a request that is the native model takes it bit for bit rather than the accurate angle (up to 2.4e-4 rad
+// apart at 8k).
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float inv_freq, float* sin_out,
+                                                          float* cos_out) {
+  const float angle = static_cast<float>(position) * inv_freq;
+#if defined(__CUDA_ARCH__)
+  sincosf(angle, sin_out, cos_out);
+#else
+  *sin_out = std::sin(angle);
+  *cos_out = std::cos(angle);
+#endif
+}
+
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float inv_freq, double* sin_out,
+                                                          double* cos_out) {
+  float s, c;
+  native_sincos(position, inv_freq, &s, &c);
+  *sin_out = s;
+  *cos_out = c;
+}
+
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, double* sin_out,
                                                           double* cos_out) {
   const double angle = position * static_cast<double>(inv_freq);

@@ -117,41 +117,19 @@ class RequestRotaryEmbedding(RotaryEmbedding):
     vLLM caches rotated keys and its own attention backend serves the request: the static model of the request's
     scale, on every platform, with vLLM's CUDA graphs and compiled mode (the tables sit at fixed addresses).
 
-    A request whose table is the model's own (it fits the trained length) is rotated by vLLM's own native rotation
-    instead, over ``cos_sin_cache``, vLLM's native table as stock vLLM computes it (float32 angles): such a request
-    IS the native model as this engine serves it (ropescale's double-precision angles are 2.4e-4 rad from vLLM's at
-    8k, which moved SmolLM2's logprobs by 2e-4). In eager mode that rotation runs only in steps with such a request;
-    a compiled or captured forward always computes both and picks per token (no host value in the graph)."""
+    A request whose table is the model's own (it fits the trained length) is rotated as vLLM rotates the native
+    model: vLLM's float32 ``inv_freq`` and angles formed as its ``cos_sin_cache`` forms them (``native_angles``):
+    such a request IS the native model as this engine serves it (ropescale's double-precision angles are 2.4e-4 rad
+    from vLLM's at 8k, which moved SmolLM2's logprobs by 2e-4). ``cos_sin_cache`` is vLLM's own native table (not
+    read here; for code that reads the attribute)."""
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, is_neox_style: bool,
                  dtype: torch.dtype, method, tables: serving.RequestRotaryTables) -> None:
         self.method, self.request_tables = method, tables
         super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype)
 
-    def _native(self, positions, query, key):
-        """vLLM's own native rotation of every token (positions past the native table clamped: those tokens are not
-        native and their result is not taken)."""
-        rows = self.cos_sin_cache.shape[0]
-        return RotaryEmbedding.forward_static(positions.clamp(max=rows - 1), query, key, self.head_size,
-                                              self.rotary_dim, self._match_cos_sin_cache_dtype(query),
-                                              self.is_neox_style)
-
-    def _rotate(self, positions, query, key, in_place: bool, always_native: bool = True):
-        positions = positions.flatten()
-        tables = self.request_tables
-        if not (always_native or tables.step_has_native):
-            return self._rotate_per_request(positions, query, key, in_place)
-        native_q, native_k = self._native(positions, query, key)
-        query_out, key_out = self._rotate_per_request(positions, query, key, in_place)
-        native = tables.native[tables.request_index[: positions.shape[0]].long()][:, None]
-        query_out = torch.where(native, native_q.view(query.shape), query_out)
-        key_out = torch.where(native, native_k.view(key.shape), key_out) if key is not None else None
-        if in_place:
-            query.copy_(query_out)
-            if key is not None:
-                key.copy_(key_out)
-            return query, key
-        return query_out, key_out
+    def _rotate(self, positions, query, key, in_place: bool):
+        return self._rotate_per_request(positions, query, key, in_place)
 
     def _rotate_per_request(self, positions, query, key, in_place: bool):
         tables = self.request_tables
@@ -161,19 +139,18 @@ class RequestRotaryEmbedding(RotaryEmbedding):
         q = query.view(tokens, -1, self.head_size)
         k = key.view(tokens, -1, self.head_size) if key is not None else None
         interleaved = not self.is_neox_style
+        arguments = (positions, index, tables.inv_freq, tables.attention_factors, interleaved)
         if in_place:
-            ops.apply_rotary_per_request_(q, k, positions, index, tables.inv_freq, tables.attention_factors,
-                                          interleaved)
+            ops.apply_rotary_per_request_(q, k, *arguments, native_angles=tables.native)
             return query, key
-        q, k = ops.apply_rotary_per_request(q, k, positions, index, tables.inv_freq, tables.attention_factors,
-                                            interleaved)
+        q, k = ops.apply_rotary_per_request(q, k, *arguments, native_angles=tables.native)
         return q.reshape(query.shape), (k.reshape(key.shape) if key is not None else None)
 
     def forward_native(self, positions, query, key=None):
         return self._rotate(positions, query, key, in_place=False)
 
     def forward_cpu(self, positions, query, key=None):
-        return self._rotate(positions, query, key, in_place=True, always_native=False)
+        return self._rotate(positions, query, key, in_place=True)
 
     forward_cuda = forward_cpu
 
@@ -192,9 +169,9 @@ class RequestMRotaryEmbedding(RequestRotaryEmbedding):
         super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype, method, tables)
         self.pair_streams = torch.tensor(pair_streams, dtype=torch.int64, device=tables.request_index.device)
 
-    def _rotate(self, positions, query, key, in_place: bool, always_native: bool = True):
-        # Every token with its request's table, native requests included (vLLM's multimodal native rotation is
-        # not reproduced here: such a request takes ropescale's default table, angles in double).
+    def _rotate(self, positions, query, key, in_place: bool):
+        # Every token with its request's table (a native request's row: vLLM's float32 inv_freq; its angles here in
+        # double, not as vLLM's multimodal table forms them).
         tables = self.request_tables
         if positions.dim() == 1:  # text only: every stream at the token's position
             positions = positions[None].expand(3, -1)

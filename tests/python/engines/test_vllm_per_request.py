@@ -143,8 +143,8 @@ def static_rotation(length, positions, q, k):
 
 def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_compiled():
     """A step of 3 requests (a prefill chunk, a decode row, a short request that fits L: native): each token's q and
-    k equal the static YaRN(s) model's rotation of its request, and the short request's vLLM's own native
-    rotation, bit for bit; the in-place forward (eager
+    k equal the static YaRN(s) model's rotation of its request bit for bit, and the short request's vLLM's own native
+    rotation (within the rotation's float32 rounding: ropescale's accurate angles were 2.4e-4 rad away at 8k); the in-place forward (eager
     vLLM) equals the functional one (compiled vLLM), and a compiled forward reads the NEXT step's tables from the
     same buffers (nothing specialised to a step; the graph reads no host value)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: F401  (the hook's target exists)
@@ -152,7 +152,8 @@ def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_
     layer = request_layer()
     gen = torch.Generator().manual_seed(0)
     steps = [([150, 200, 20], [40, 16, 8], [7, 1, 5]),   # planned 190, 216, 28
-             ([150, 200, 20, 90], [40, 16, 8, 100], [1, 1, 1, 9])]
+             ([150, 200, 20, 90], [40, 16, 8, 100], [1, 1, 1, 9]),
+             ([150, 200], [40, 16], [2, 3])]
     compiled = torch.compile(layer.forward_native, fullgraph=True, dynamic=True)
     try:
         for prompt_lens, max_tokens, query_lens in steps:
@@ -170,10 +171,19 @@ def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_
                 want_q[sl], want_k[sl] = static_rotation(p + n, positions[sl], q[sl], k[sl])
                 start += rows
             got_q, got_k = compiled(positions, q.clone(), k.clone())
-            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # the same kernel math, bit for bit
+            scaled = torch.cat([torch.full((rows,), p + n > ORIGINAL)
+                                for p, n, rows in zip(prompt_lens, max_tokens, query_lens)])
+            # the scaled requests: the same kernel math as the static model's, bit for bit; the native ones: vLLM's
+            # own rotation (its float32 table), within float32 rounding of the rotation's arithmetic
+            assert torch.equal(got_q[scaled], want_q[scaled]) and torch.equal(got_k[scaled], want_k[scaled])
+            torch.testing.assert_close(got_q, want_q, atol=2e-6, rtol=0)
+            torch.testing.assert_close(got_k, want_k, atol=2e-6, rtol=0)
             eager_q, eager_k = q.clone(), k.clone()
             layer.forward_cpu(positions, eager_q, eager_k)
             assert torch.equal(eager_q, got_q) and torch.equal(eager_k, got_k)
+            cuda_q, cuda_k = q.clone(), k.clone()  # forward_cuda's code, on CPU tensors
+            layer.forward_cuda(positions, cuda_q, cuda_k)
+            assert torch.equal(cuda_q, got_q) and torch.equal(cuda_k, got_k)
             v_before = qkv[:, 3 * HEAD:].clone()
             layer.forward_cpu(positions, q, k)  # in place on the fused row: v untouched
             assert torch.equal(qkv[:, 3 * HEAD:], v_before)

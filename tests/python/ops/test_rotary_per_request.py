@@ -261,3 +261,30 @@ def test_cuda_matches_reference(dtype, layout):
     q_cuda, k_cuda = q.cuda(), k.cuda()
     ops.apply_rotary_per_request_(q_cuda, k_cuda, *args)
     assert torch.equal(q_cuda, q_out) and torch.equal(k_cuda, k_out)
+
+
+def test_native_angles_reproduce_an_engines_native_table():
+    """``native_angles[r]``: request r's angles formed as vLLM's cos_sin_cache and transformers' rotary form the native
+    model's (a float32 product, float32 sin/cos), so a request that fits the trained length is the native model as
+    the engine serves it. Against that table (torch's own float32 math) within float32 rounding; ropescale's accurate
+    angles are up to 2.4e-4 rad from it at positions below 8k, which is what the flag is for."""
+    from ropescale import serving
+
+    gen = torch.Generator().manual_seed(9)
+    inv_freq = torch.stack([serving.native_inv_freq(HEAD_DIM, 10000.0), ops.yarn_inv_freq(HEAD_DIM, 10000.0, 3.0, 64)])
+    factors = torch.tensor([1.0, ops.yarn_attention_factor(3.0)])
+    native = torch.tensor([True, False])
+    positions = torch.randint(4000, 8192, (40,), generator=gen)
+    request_index = (torch.arange(40) >= 30).to(torch.int32)  # 30 native tokens, 10 of a scaled request
+    q, k = packed(40, 3, 1, torch.float32, "qkv_views", gen)
+    got_q, got_k = ops.apply_rotary_per_request(q, k, positions, request_index, inv_freq, factors, native_angles=native)
+    angles = positions.float()[:, None] * inv_freq[0]  # the engines' native table: float32 throughout
+    cos, sin = angles.cos(), angles.sin()
+    for x, y in ((q, got_q), (k, got_k)):
+        want = ops.apply_rotary(x[:30].transpose(0, 1)[None], cos[:30], sin[:30], half_width=True)[0].transpose(0, 1)
+        torch.testing.assert_close(y[:30], want, atol=1e-6, rtol=1e-6)
+        assert_matches(y[30:], x[30:], positions[30:], request_index[30:], inv_freq, factors, False, "scaled rows")
+    accurate, _ = ops.apply_rotary_per_request(q, k, positions, request_index, inv_freq, factors)
+    assert (accurate[:30] - got_q[:30]).abs().max() > 1e-5  # without the flag: ropescale's accurate angles
+    with pytest.raises(RuntimeError, match="native_angles must be bool \\[requests\\]"):
+        ops.apply_rotary_per_request(q, k, positions, request_index, inv_freq, factors, native_angles=native[:1])
