@@ -47,11 +47,11 @@ Long context, one column per length N (--lengths; default 512 1k 2k 4k 8k 16k; -
               answers. passkey_retrieval runs each prompt as one request with max_new_tokens = 10: per
               request keeps s = max(1, (P + 10) / L) for all 10 steps where per step's scale moves with every
               token, so both rows are run.
-  `=` marks the cells copied instead of run: Dynamic-YaRN per request's perplexity is per step's, and so is
-  its passkey at lengths up to L (prompt + answer <= L: both rows are s = 1 at every step, the same tables and
-  the same computation). One forward without a cache is a whole request with N = 0: its planned length is the forward's
-  own length, so both pick the same table for the same forward, the same computation (--no-reuse runs it
-  anyway; tests/python/tools/test_per_request.py checks that the two are equal).
+  `=` marks the cells copied instead of run: Dynamic-YaRN per request's perplexity and passkey up to L are
+  native's (a request planned within L takes the model's own rotary: it IS the native model), its perplexity past
+  L per step's (one forward without a cache is a whole request with N = 0: its planned length is the forward's own
+  length, so both pick the same table for the same forward: the same computation up to float64 rounding in the
+  cos/sin). --no-reuse runs them anyway; tests/python/tools/test_per_request_bench.py checks that they are equal.
 
 A budget run (what fits a session on 2 cores, about 45 min): --short-lengths 512 1024 --check-windows 12
 (native and YaRN s=4 on every window, the rows that are native there by construction on 12, the windows
@@ -109,7 +109,9 @@ METHODS = {  # key: the row, one configuration at every length (served=True)
                            served=True),
 }
 # Dynamic-YaRN per request's perplexity cell is per step's (one forward without a cache: the module docstring).
-SAME_FORWARD = {"dynamic_request": "dynamic_step"}
+# The row whose forward a row's is, within the trained length and past it: per request within L IS the native model
+# (the model's own rotary, issue 43), past it per step's table at the same length (YaRN at s = length / L).
+SAME_FORWARD = {"dynamic_request": ("native", "dynamic_step")}
 # The rows that ARE the native model on a short window by construction (s = 1 up to L; no distance reaches w):
 # --check-windows runs them on fewer windows (a check of that, not a measurement).
 NATIVE_WHEN_SHORT = ("dynamic_step", "dynamic_request", "rerope", "leaky_rerope")
@@ -219,7 +221,8 @@ def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: in
             cell = at[key, length] = Cell(method.name, length)
             cells.append(cell)
             started = time.perf_counter()
-            same = at.get((SAME_FORWARD.get(key), length))
+            sources = SAME_FORWARD.get(key)
+            same = at.get((sources[0] if length <= TRAINED else sources[1], length)) if sources else None
             with patched(model, method, length):
                 if reuse and same is not None:
                     cell.perplexity, cell.perplexity_same_as = same.perplexity, same.method
@@ -228,7 +231,7 @@ def long_cells(model, tokenizer, keys: list[str], lengths: list[int], trials: in
                 asked = (passkey_keys is None or key in passkey_keys) and (passkey_lengths is None
                                                                            or length in passkey_lengths)
                 if reuse and same is not None and same.passkey is not None and length <= TRAINED:
-                    # prompt + answer <= L: both rows are s = 1 at every step, the same tables and computation
+                    # prompt + answer <= L: per request is the native model at every step
                     cell.passkey, cell.passkey_same_as = same.passkey, same.method
                     cell.passkey_trials = same.passkey_trials
                 elif trials and asked:

@@ -155,6 +155,24 @@ def _rotary_rows(device, label: str) -> list[Row]:
                                               q, k),
              (q, k), (positions, 1.1), False, False),
         ]
+        # an engine's packed tokens [T, H, D] (row 0 of q and k, strided views), 3 requests of 3 tables and factors
+        packed_q, packed_k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        request_index = (torch.arange(seq) * 3 // seq).to(device, torch.int32)
+        request_tables = torch.stack([inv_freq, inv_freq / 2.5, inv_freq / 7.0])
+        request_factors = torch.tensor([1.0, 1.09, 1.19], device=device)
+        per_request = (positions[0], request_index, request_tables, request_factors)
+
+        def unpacked(outputs):
+            return [y.transpose(0, 1)[None] for y in outputs if y is not None]
+
+        cases += [
+            ("apply_rotary_per_request", lambda: unpacked(ops.apply_rotary_per_request(packed_q, packed_k, *per_request,
+                                                                                       True)),
+             (q[:1], k[:1]), per_request, True, False),
+            ("apply_rotary_per_request_", in_place(lambda a, b: ops.apply_rotary_per_request_(
+                a[0].transpose(0, 1), b[0].transpose(0, 1), *per_request), q[:1], k[:1]),
+             (q[:1], k[:1]), per_request, False, False),
+        ]
         if dtype != torch.float32:
             # what autocast hands over: float32 tables (entries the dtype cannot hold), half q and k
             cos32 = (torch.rand(batch, seq, rotary_dim, generator=gen) * 2 - 1).to(device)
@@ -169,7 +187,10 @@ def _rotary_rows(device, label: str) -> list[Row]:
                 rows.append(Row(op, label, str(dtype)[6:], shape, math.nan, math.nan, math.nan, False,
                                 f"raised {type(error).__name__}: {error}".splitlines()[0][:200]))
                 continue
-            if op.startswith("apply_rotary_pos"):
+            if op.startswith("apply_rotary_per_request"):
+                ref_tables = _request_tables(*tables, interleaved, torch.float64)
+                plain_tables = _request_tables(*tables, interleaved, dtype)
+            elif op.startswith("apply_rotary_pos"):
                 ref_tables = position_tables(tables[0].cpu(), inv_freq.cpu(), tables[1], interleaved, torch.float64)
                 plain_tables = position_tables(tables[0], inv_freq, tables[1], interleaved, dtype)
             else:
@@ -185,6 +206,16 @@ def _rotary_rows(device, label: str) -> list[Row]:
             allowed = ERROR_FACTOR * plain_error + _ROTARY_FLOOR[str(dtype)[6:]]
             rows.append(Row(op, label, str(dtype)[6:], shape, error, allowed, ms, error <= allowed))
     return rows
+
+
+def _request_tables(positions, request_index, inv_freq, factors, interleaved, dtype):
+    """Full-width ``[1, T, R]`` cos/sin of each token with its request's table and factor, from float64 angles, in
+    ``dtype`` (the reference in float64; the correctly rounded tables plain PyTorch would be given at best)."""
+    rows = request_index.long().cpu()
+    angles = positions.cpu().double()[:, None] * inv_freq.cpu().double()[rows]
+    factor = factors.cpu().double()[rows][:, None]
+    cos, sin = (angles.cos() * factor).to(positions.device, dtype), (angles.sin() * factor).to(positions.device, dtype)
+    return full_width(cos, interleaved)[None], full_width(sin, interleaved)[None]
 
 
 def _attention_cases(cuda: bool) -> list[tuple]:
