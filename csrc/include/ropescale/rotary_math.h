@@ -27,35 +27,29 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double rotary_reduced_angle(double positi
   return (angle - turns * kTwoPiHi) - turns * kTwoPiLo;
 }
 
-// sin and cos of position * inv_freq, accurate at long positions: the angle is reduced in double
-// (rotary_reduced_angle), then the small angle goes to the full-precision float sincos (never the
-// fast-math intrinsics).
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, float* sin_out,
-                                                          float* cos_out) {
-  const float reduced = static_cast<float>(rotary_reduced_angle(position, inv_freq));
-#if defined(__CUDA_ARCH__)
-  sincosf(reduced, sin_out, cos_out);
-#else
-  *sin_out = std::sin(reduced);
-  *cos_out = std::cos(reduced);
-#endif
-}
-
-// The same in double precision (float64 tensors: gradcheck, references). The product is exact and
-// double sin/cos reduce their argument exactly themselves, so no reduction of ours is needed.
-// sin/cos of the angle an engine's native table holds: position * inv_freq formed in float32 (one rounding),
-// then float32 sin/cos. Engines (vLLM's cos_sin_cache, transformers' rotary) build the native model's table this
-// way; a request that is the native model takes it bit for bit rather than the accurate angle (up to 2.4e-4 rad
-// apart at 8k).
-ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float inv_freq, float* sin_out,
-                                                          float* cos_out) {
-  const float angle = static_cast<float>(position) * inv_freq;
+// Full-precision float sin and cos (never the fast-math intrinsics).
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void float_sincos(float angle, float* sin_out, float* cos_out) {
 #if defined(__CUDA_ARCH__)
   sincosf(angle, sin_out, cos_out);
 #else
   *sin_out = std::sin(angle);
   *cos_out = std::cos(angle);
 #endif
+}
+
+// sin and cos of position * inv_freq, accurate at long positions: the angle is reduced in double
+// (rotary_reduced_angle), then the small angle goes to the float sincos.
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, float* sin_out,
+                                                          float* cos_out) {
+  float_sincos(static_cast<float>(rotary_reduced_angle(position, inv_freq)), sin_out, cos_out);
+}
+
+// sin/cos of the angle an engine's native table holds: position * inv_freq formed in float32 (one rounding),
+// then float32 sin/cos. Engines (vLLM's cos_sin_cache, transformers' rotary) build the native model's table this
+// way; a request that is the native model takes it rather than the accurate angle (up to 2.4e-4 rad apart at 8k).
+ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float inv_freq, float* sin_out,
+                                                          float* cos_out) {
+  float_sincos(static_cast<float>(position) * inv_freq, sin_out, cos_out);
 }
 
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float inv_freq, double* sin_out,
@@ -66,6 +60,8 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void native_sincos(double position, float
   *cos_out = c;
 }
 
+// The same in double precision (float64 tensors: gradcheck, references). The product is exact and
+// double sin/cos reduce their argument exactly themselves, so no reduction of ours is needed.
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE void rotary_sincos(double position, float inv_freq, double* sin_out,
                                                           double* cos_out) {
   const double angle = position * static_cast<double>(inv_freq);
