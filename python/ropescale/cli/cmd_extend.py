@@ -293,7 +293,7 @@ def _cmd_extend(args) -> int:
     from transformers import AutoConfig
 
     from .. import config as config_lib, serving
-    from ..hf import checkpoint
+    from ..hf import architectures, checkpoint
 
     try:
         config = AutoConfig.from_pretrained(src)
@@ -310,6 +310,11 @@ def _cmd_extend(args) -> int:
     if method is not None:
         method, kept = _inherit(method, _source_method(config),
                                 methods.given_fields(args, methods.NAMES[args.method].rope_type))
+    arch = architectures.find(config)
+    if args.target == "vllm" and arch is not None and arch.vllm_yarn_keys:
+        raise UsageError(f"--target vllm writes a longrope table for stock vLLM, but stock vLLM's {arch.name} model "
+                         "builds YaRN whatever rope_type says: --method yarn (no --target) is what it serves of this "
+                         "family exactly")
     if attention is not None and args.target == "vllm":
         raise UsageError(f"--target vllm writes a table stock vLLM serves with no plugin; "
                          f"{config_lib.ATTENTION_NAMES[attention]} needs ropescale's plugin: leave --target out")
@@ -342,6 +347,9 @@ def _cmd_extend(args) -> int:
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}" if args.method else f"--attention {attention}: {err}") \
             from None
+    misread = architectures.stock_vllm_misreads(config)
+    if misread is not None:
+        print(f"warning: {misread}", file=sys.stderr)
     text = config.to_json_string(use_diff=True)
     budget = _planning_budget(args, src, written)
     plan = serving.PreRopePlan.of_config(config)

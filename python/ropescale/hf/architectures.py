@@ -55,7 +55,10 @@ class Architecture:
     request's table, keys rotated when cached) is refused (None: ropescale computes them in the family's layout).
     ``fixed_method``: why only the config's own method can be patched (the model derives more than the rope
     from ``rope_parameters`` when it is built). ``narrow_table``: why a table narrower than the extended layers'
-    head is refused (None: the attention rotates the table's width)."""
+    head is refused (None: the attention rotates the table's width). ``vllm_yarn_keys``: vLLM's model of the family
+    builds a YaRN rotary from these ``rope_parameters`` whatever their ``rope_type`` says (a missing one fails its
+    load with a KeyError), and ``vllm_yarn_defaulted`` from these where present (None: vLLM reads the config's type),
+    so stock vLLM serves any other table that has those keys wrong, silently (:func:`stock_vllm_misreads`)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -67,6 +70,8 @@ class Architecture:
     rerope: str | None = None
     fixed_method: str | None = None
     narrow_table: str | None = None
+    vllm_yarn_keys: tuple[str, ...] | None = None
+    vllm_yarn_defaulted: tuple[str, ...] = ()
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -82,7 +87,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Gemma 4: per-layer-type rope (proportional on the full layers), their own head dim (per_layer_config); its
     # KV-shared layers attend the keys of their source layer, rotated there at attention time with its positions.
     Architecture("Gemma 4", ("gemma4_text",), narrow_table=WHOLE_HEAD),
-    Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, half_width=True, pre_rope=f"{SINKS}, and {SHARED_SLIDING}"),
+    # vLLM 0.32's gpt_oss.py: get_rope(rope_type "yarn", factor, original_max_position_embeddings, betas, truncate)
+    Architecture("gpt-oss", ("gpt_oss",), cat_layout=False, half_width=True, pre_rope=f"{SINKS}, and {SHARED_SLIDING}",
+                 vllm_yarn_keys=("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+                 vllm_yarn_defaulted=("truncate",)),
     Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA, per_request=MLA_SCALE,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
                               "built: write the method into the config (ropescale extend) and load the model from it"),
@@ -96,6 +104,26 @@ _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in a
 def find(config) -> Architecture | None:
     """The family of a (text) config, by ``model_type``; None when ropescale does not know it."""
     return _BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+
+
+def stock_vllm_misreads(config) -> str | None:
+    """Why stock vLLM (no plugin) would serve ``config``'s rope other than as written, silently: its family's vLLM
+    model builds YaRN from some keys whatever the type (``Architecture.vllm_yarn_keys``), and the config holds another
+    type or a key that model does not read. None where stock vLLM reads the config's own type (and refuses a type it
+    does not know)."""
+    arch = find(config)
+    keys = arch.vllm_yarn_keys if arch is not None else None
+    params = getattr(config, "rope_parameters", None)
+    if keys is None or not isinstance(params, dict) or not set(keys) <= set(params):
+        return None  # not read as YaRN, or refused at load (a KeyError)
+    rope_type = params.get("rope_type", "default")
+    ignored = sorted(set(params) - set(keys) - set(arch.vllm_yarn_defaulted) - {"rope_type"})
+    if rope_type == "yarn" and not ignored:
+        return None
+    what = f"rope_type {rope_type!r}" if rope_type != "yarn" else f"{', '.join(ignored)} (which it does not read)"
+    return (f"stock vLLM's {arch.name} model builds YaRN from {', '.join(keys)} whatever rope_type says, so without "
+            f"ropescale's plugin it would serve this config's {what} as plain YaRN: serve it with the plugin "
+            "(pip install ropescale in vLLM's environment)")
 
 
 def names() -> str:

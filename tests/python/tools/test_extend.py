@@ -437,3 +437,32 @@ def test_a_self_extend_that_is_another_method_wherever_it_is_served_is_warned_ab
     assert f"warning: {expected}" in err, err
     if group != 200:  # hf.patch writes no served length: the checkpoint is served to its 64
         assert len(patch_warnings) == 1 and patch_warnings[0].startswith(f"patch: {expected}"), patch_warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt-oss: stock vLLM's model builds YaRN from factor, original length and betas whatever rope_type says
+
+GPT_OSS_SRC = {**YARN_4, "original_max_position_embeddings": 32, "truncate": False, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("options, warned", [
+    (["--method", "yarn", "--factor", 8], False),  # what stock vLLM builds: served exactly
+    (["--method", "dynamic_yarn", "--per", "request", "--max-length", 256], True),  # silently plain YaRN there
+    (["--method", "resonance_yarn", "--factor", 8], True),
+    (["--method", "linear", "--factor", 8], False),  # no betas: stock vLLM's load fails (KeyError), not silent
+])
+def test_gpt_oss_tables_stock_vllm_would_read_as_yarn_are_warned_about(tmp_path, capsys, options, warned):
+    src, _ = source(tmp_path, "gpt-oss", GPT_OSS_SRC)
+    assert cli.main(["extend", str(src), str(tmp_path / "dst"), *map(str, options)]) == 0
+    captured = capsys.readouterr()
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())["rope_parameters"]
+    assert ("stock vLLM's gpt-oss model builds YaRN" in captured.err) == warned, (written, captured.err)
+    if warned:
+        assert f"rope_type '{written['rope_type']}'" in captured.err and "plugin" in captured.err
+
+
+def test_gpt_oss_longrope_export_for_stock_vllm_is_refused(tmp_path, capsys):
+    src, _ = source(tmp_path, "gpt-oss", GPT_OSS_SRC)
+    err = usage_error(capsys, "extend", src, tmp_path / "dst", "--method", "yarn", "--factor", 8, "--target", "vllm")
+    assert "builds YaRN whatever rope_type says" in err and "--method yarn (no --target)" in err
+    assert not (tmp_path / "dst").exists()
