@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Registers and spills per CUDA kernel and arch, from a build log with ptxas -v output.
+"""Registers and spills per CUDA kernel and arch, from build logs with ptxas -v output.
 
     cmake --build build 2>&1 | tee build/build.log   # configured with -DROPESCALE_PTXAS_VERBOSE=ON
     python scripts/ptxas_summary.py build/build.log
 
 One line per (kernel, arch), names demangled with c++filt when it is on the PATH. Exits 1 when a
-kernel spills, so CI can flag it; prints nothing (exit 0) when the log has no ptxas output (nothing
-was recompiled, or a CPU-only build), except with --require (the ptxas_no_spills_sm* tests), where an
-empty report is a failure (exit 2): a check that saw no kernel checked nothing.
+kernel spills, so CI can flag it; prints nothing (exit 0) when the logs have no ptxas output (nothing
+was recompiled, or a CPU-only build), except with --require (ctest's ptxas tests), where a missing
+log or one with no kernel is a failure (exit 2): a check that saw no kernel checked nothing. With
+--archs 80,90 (ctest's ptxas_no_spills, over the reports a development build keeps per CUDA object in
+build/ptxas/), every log must hold kernels for each of those archs.
 """
 
 from __future__ import annotations
@@ -47,13 +49,24 @@ def demangle(names):
     return dict(zip(names, out.splitlines())) if out else {n: n for n in names}
 
 
-def main(path: str, require: bool = False) -> int:
-    with open(path, errors="replace") as f:
-        kernels = parse(f)
-    if not kernels:
-        if require:
-            print(f"{path}: no ptxas -v output: nothing was checked", file=sys.stderr)
+def main(paths: list[str], require: bool = False, archs: tuple[str, ...] = ()) -> int:
+    kernels = {}
+    for path in paths:
+        try:
+            with open(path, errors="replace") as f:
+                found = parse(f)
+        except FileNotFoundError:
+            if not require:
+                continue
+            print(f"{path}: no such ptxas report (was the object compiled by this build?)", file=sys.stderr)
             return 2
+        missing = [arch for arch in archs if not any(a == f"sm_{arch}" for _, a in found)]
+        if require and (not found or missing):
+            what = f"no kernel for sm_{', sm_'.join(missing)}" if found else "no ptxas -v output"
+            print(f"{path}: {what}: nothing was checked there", file=sys.stderr)
+            return 2
+        kernels.update(found)
+    if not kernels:
         return 0
     names = demangle(sorted({k for k, _ in kernels}))
     spilling = 0
@@ -68,7 +81,11 @@ def main(path: str, require: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    require = "--require" in args
-    paths = [a for a in args if a != "--require"]
-    sys.exit(main(paths[0] if paths else "build/build.log", require))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="*", default=["build/build.log"], help="build logs or ptxas reports")
+    parser.add_argument("--require", action="store_true", help="a missing log or one with no kernel fails (exit 2)")
+    parser.add_argument("--archs", default="", help="comma-separated SM versions every log must hold kernels for")
+    options = parser.parse_args()
+    sys.exit(main(options.logs, options.require, tuple(a for a in options.archs.split(",") if a)))
