@@ -431,6 +431,13 @@ def test_base_lower_bound_32k_is_fast_and_matches_the_paper():
 # opcheck and bad input
 
 
+_OPCHECK_RNG = torch.Generator().manual_seed(0)  # fixed tensors: the same test ids in every process (pytest-xdist)
+
+
+def _rand(*size, dtype=torch.float32):
+    return torch.rand(*size, dtype=dtype, generator=_OPCHECK_RNG)
+
+
 OPCHECK_CASES = [
     (torch.ops.ropescale.default_inv_freq.default, (64, 1e4), {}),
     (torch.ops.ropescale.linear_inv_freq.default, (64, 1e4, 2.0), {"dtype": torch.float64}),
@@ -441,10 +448,10 @@ OPCHECK_CASES = [
     (torch.ops.ropescale.yarn_inv_freq.default, (64, 1e4, 8.0, 512), {}),
     (torch.ops.ropescale.llama3_inv_freq.default, (64, 5e5, 8.0, 1.0, 4.0, 8192), {}),
     (torch.ops.ropescale.longrope_inv_freq.default, (8, 1e4, [1.0] * 4, [2.0] * 4, 64, 100), {}),
-    (torch.ops.ropescale.resonance_inv_freq.default, (torch.rand(16, dtype=torch.float64) * 0.9 + 0.01,), {}),
-    (torch.ops.ropescale.resonance_inv_freq.default, (torch.rand(16) * 0.9 + 0.01, 100), {}),
-    (torch.ops.ropescale.similarity_decay.default, (torch.rand(16, dtype=torch.float64), 50), {}),
-    (torch.ops.ropescale.feature_gap.default, (torch.rand(5, dtype=torch.float64), 20, 50), {}),
+    (torch.ops.ropescale.resonance_inv_freq.default, (_rand(16, dtype=torch.float64) * 0.9 + 0.01,), {}),
+    (torch.ops.ropescale.resonance_inv_freq.default, (_rand(16) * 0.9 + 0.01, 100), {}),
+    (torch.ops.ropescale.similarity_decay.default, (_rand(16, dtype=torch.float64), 50), {}),
+    (torch.ops.ropescale.feature_gap.default, (_rand(5, dtype=torch.float64), 20, 50), {}),
 ]
 
 
