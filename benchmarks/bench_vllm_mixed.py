@@ -138,9 +138,10 @@ def parse_args(argv=None):
                    help="the per-request server's throughput over static YaRN's must be at least this (default 0.9)")
     c.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                    help="do not ask for prompt logprobs (serving cost alone; checks on generated tokens only)")
-    c.add_argument("--solo", nargs="*", choices=SERVERS, default=["per_request"], metavar="SERVER",
+    c.add_argument("--solo", nargs="*", choices=(*SERVERS, "none"), default=["per_request"], metavar="SERVER",
                    help="servers whose requests are also run one at a time and held to their loaded run (default "
-                        "per_request; add native yarn to see stock vLLM's own batch variance; none: no solo runs)")
+                        "per_request; add native yarn to see stock vLLM's own batch variance; none, or no SERVER: no "
+                        "solo runs)")
     c.add_argument("--check-short", type=int, default=2, metavar="K",
                    help="the K longest short requests also against transformers' native model, from the per-request "
                         "server (a check, --long-atol) and from the native server (a reference: stock vLLM's own "
@@ -165,6 +166,10 @@ def parse_args(argv=None):
     s.add_argument("--json", type=Path, metavar="FILE",
                    help="write the workload, every output, the timings and the checks to FILE")
     args = parser.parse_args(argv)
+    if "none" in args.solo:
+        if len(args.solo) > 1:
+            parser.error("--solo none runs no server solo: give it alone")
+        args.solo = []
     if len(args.max_tokens) == 2:
         args.max_tokens = args.max_tokens * 2
     if len(args.max_tokens) != 4:

@@ -50,3 +50,11 @@ def test_the_solo_tolerance_is_twice_stock_vllms_own_variance(bench):
     base = output(bench, [1], [-1.0], [-0.5])
     assert bench.compare("r", base, output(bench, [1], [-1.0 + 2.15e-5], [-0.5]), tol)["ok"]  # within the engine's
     assert not bench.compare("r", base, output(bench, [1], [-1.0 + 6e-5], [-0.5]), tol)["ok"]  # beyond it
+
+
+def test_solo_none_runs_no_server_solo_as_its_help_says(bench):
+    assert bench.parse_args(["--solo", "none"]).solo == []
+    assert bench.parse_args(["--solo"]).solo == []
+    assert bench.parse_args([]).solo == ["per_request"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--solo", "none", "native"])
