@@ -9,6 +9,10 @@ rotates) and Dynamic NTK (pre-RoPE: the identity rotation at the model, q and th
 by ropescale's kernel in the wrapped attention implementation; transformers' own dynamic path on the native
 side). Prefill: one forward over
 the prompt. Decode: 16 greedy steps after the prompt, per token (the prefilled cache copied before each run). Ratios > 1 mean ropescale is faster.
+
+Then Dynamic-YaRN per request (issue 43: rotated at write, the model's own cache and attention) against the native
+model (plain RoPE, never patched): one ``generate`` of the prompt and 16 greedy tokens, timed whole. A request that
+fits the trained length (2048 here) runs the model's own rotary; a longer one each row's table of s = (P + 16) / L.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from common import device_name, median_time  # noqa: E402
 
-from ropescale import hf  # noqa: E402
+from ropescale import hf, scaling  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -88,6 +92,21 @@ def main(argv=None):
                                       device=args.device) / steps
             print(f"{name:8} {n:>6} {n / t_native:>21.0f} {n / t_patched:>9.0f} {t_native / t_patched:>6.2f} "
                   f"{1 / per_native:>20.1f} {1 / per_patched:>9.1f} {per_native / per_patched:>6.2f}")
+
+    print(f"\n{'per request':12} {'tokens':>6} {'generate s native':>18} {'per request':>12} {'ratio':>6}")
+    native = model_for({"rope_type": "default"}, args.device)
+    per_request = hf.patch(model_for({"rope_type": "default"}, args.device),
+                           scaling.DynamicYaRN(original_max_position=2048, per="request"))
+    for n in lengths:
+        x = torch.randint(0, 1000, (1, n), device=args.device)
+        times = [median_time(lambda: generate(model, x, steps), args.repeats, device=args.device)
+                 for model in (native, per_request)]
+        print(f"{'dynamic_yarn':12} {n:>6} {times[0]:>18.3f} {times[1]:>12.3f} {times[0] / times[1]:>6.2f}")
+
+
+def generate(model, x, steps):
+    with torch.no_grad():
+        model.generate(x, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
 
 
 if __name__ == "__main__":
