@@ -117,6 +117,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1, help="prompts per length, served together (default 1)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the prompt (default 32)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, median taken (default 2)")
+    parser.add_argument("--rounds", type=_positive, default=1,
+                        help="run the rows this many times, the order reversed each round (native per_request, "
+                             "per_request native, ...), the median over rounds reported: a shared CPU drifts by "
+                             "10%% over minutes, and the row run second loses (default 1)")
     parser.add_argument("--compiled", action="store_true", help="vLLM's compiled mode (default: enforce_eager)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ropescale-bench-vllm",
                         help="where the converted checkpoints are kept between runs (default %(default)s)")
@@ -229,6 +233,24 @@ def run_row(args, name: str, path: Path) -> dict:
             "load_after": os.getloadavg()[0], "plugin": plugin[-1].split("] ", 1)[-1] if plugin else ""}
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def median_of_rounds(runs: list[dict]) -> dict:
+    """One row's measurement over its rounds: per prompt length the median prefill time and decode rate."""
+    if len(runs) == 1:
+        return runs[0]
+    results = [{**by_length[0], "prefill_s": statistics.median(r["prefill_s"] for r in by_length),
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in by_length)}
+               for by_length in zip(*(run["results"] for run in runs))]
+    return {**runs[0], "results": results, "seconds": sum(run["seconds"] for run in runs),
+            "load_after": runs[-1]["load_after"], "rounds": runs}
+
+
 def table(args, measured) -> str:
     header = ["row", "vs", "prompt", "batch", "prefill s", "prefill x", "decode tok/s", "decode x", "load"]
     rows = []
@@ -254,13 +276,15 @@ def main(argv=None) -> int:
     import platform
 
     paths = checkpoints(args.workdir, sorted({ROWS[name].checkpoint for name in args.rows}))
-    measured = {}
-    for name in args.rows:
-        measured[name] = run_row(args, name, paths[ROWS[name].checkpoint])
-        figures = ", ".join(f"{r['prompt_tokens']}: prefill {r['prefill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s"
-                            for r in measured[name]["results"])  # a row's figures as soon as it ends
-        print(f"{name}: {measured[name]['seconds']:.0f} s ({measured[name]['plugin']}); {figures}", file=sys.stderr,
-              flush=True)
+    rounds: dict[str, list[dict]] = {name: [] for name in args.rows}
+    for round_ in range(args.rounds):  # the order reversed each round: a drifting CPU slows every row alike
+        for name in (args.rows if round_ % 2 == 0 else args.rows[::-1]):
+            rounds[name].append(run_row(args, name, paths[ROWS[name].checkpoint]))
+            figures = ", ".join(f"{r['prompt_tokens']}: prefill {r['prefill_s']:.2f} s, decode "
+                                f"{r['decode_tok_s']:.2f} tok/s" for r in rounds[name][-1]["results"])
+            print(f"{name}: {rounds[name][-1]['seconds']:.0f} s ({rounds[name][-1]['plugin']}); {figures}"
+                  + (f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""), file=sys.stderr, flush=True)
+    measured = {name: median_of_rounds(runs) for name, runs in rounds.items()}
     if args.json:
         print(json.dumps({"rows": measured, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
         return 0
