@@ -213,10 +213,8 @@ if [ "$build_ok" = 1 ] && part first-day; then
       "$OUT/vllm_cuda.log" "$PYTHON" -m pytest "$VLLM_ENGINE_TEST" -m cuda -q -p no:cacheprovider -rfEs
     # Per-request YaRN rotated at write: vLLM's own FlashAttention (no --attention-backend), CUDA graphs and
     # compiled mode, against the native model served by the same engine (8 x 4k and 1 x 16k, issue 43's rows).
-    # --rounds 2: the rows in turns (native first, then per request first), medians: a drifting machine favours
-    # the row run first.
     run "vLLM on CUDA: per-request YaRN through vLLM's own backend, against native" 240 "$OUT/vllm_per_request.log" \
-      "$PYTHON" benchmarks/bench_vllm.py --rows native per_request --prompt-tokens 4096 --batch 8 --compiled --rounds 2
+      "$PYTHON" benchmarks/bench_vllm.py --rows native per_request --prompt-tokens 4096 --batch 8 --compiled
   else
     # No network on the lent machines, and vLLM's CUDA wheel is far larger than what travels with a call.
     echo "vLLM is not installed on this machine: the CUSTOM-backend engine test did not run" >"$OUT/vllm_cuda.log"
