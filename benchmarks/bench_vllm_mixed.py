@@ -648,19 +648,19 @@ def main(argv=None) -> int:
 
     runs, outputs, servers_info = {}, {}, {}
     walls: dict[str, list[float]] = {name: [] for name in args.servers}
-    loads: dict[str, list[float]] = {name: [] for name in args.servers}
+    loads: dict[str, tuple[float, float]] = {}  # the 1-min load average before its first run, after its last
 
     def loaded_run(name, server, repeat):
         load = os.getloadavg()[0]
         out, wall = asyncio.run(run_loaded(server, requests, args.prompt_logprobs))
         outputs.setdefault(name, out)  # the first repeat's outputs are the ones checked
         walls[name].append(wall)
-        loads[name] += [load, os.getloadavg()[0]]
+        loads[name] = (loads.get(name, (load,))[0], os.getloadavg()[0])
         log(f"{name}: {wall:.1f} s under load" + (f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""))
 
     def finish(name, server):
         runs[name] = {"wall_s": statistics.median(walls[name]), "walls_s": walls[name], "load_before": loads[name][0],
-                      "load_after": loads[name][-1]}
+                      "load_after": loads[name][1]}
         if name in args.solo:
             load = os.getloadavg()[0]
             outputs[f"{name}/solo"], wall = asyncio.run(run_solo(server, requests, args.prompt_logprobs))
@@ -675,28 +675,18 @@ def main(argv=None) -> int:
             f"{len(requests)} requests at once")
         return server
 
-    def info(name, server):
-        servers_info[name] = {"checkpoint": str(path_of[name]), "up_s": server.up_s, "plugin": server.plugin_line(),
-                              "log": str(server.log_path), "exit": server.returncode}
-
-    if args.interleave:  # every server up, then the loaded runs in turns (A B, B A, ...)
+    # --interleave: every server up at once, the loaded runs in turns (A B, B A, ...); else one server after the other
+    for group in ([args.servers] if args.interleave else [[name] for name in args.servers]):
         with contextlib.ExitStack() as stack:
-            servers = {name: start_server(stack, name) for name in args.servers}
+            servers = {name: start_server(stack, name) for name in group}
             for repeat in range(args.repeats):
-                for name in (args.servers if repeat % 2 == 0 else args.servers[::-1]):
+                for name in (group if repeat % 2 == 0 else group[::-1]):
                     loaded_run(name, servers[name], repeat)
             for name, server in servers.items():
                 finish(name, server)
         for name, server in servers.items():
-            info(name, server)
-    else:
-        for name in args.servers:
-            with contextlib.ExitStack() as stack:
-                server = start_server(stack, name)
-                for repeat in range(args.repeats):
-                    loaded_run(name, server, repeat)
-                finish(name, server)
-            info(name, server)
+            servers_info[name] = {"checkpoint": str(path_of[name]), "up_s": server.up_s, "plugin": server.plugin_line(),
+                                  "log": str(server.log_path), "exit": server.returncode}
 
     checks = []
     # Stock vLLM's own load/solo variance first: float32 batched on a CPU moves logprobs (the linear layers add

