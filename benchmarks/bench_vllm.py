@@ -49,9 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DCA_CHUNK, DCA_LOCAL, TRAINED, WINDOW, self_extend_group_for  # noqa: E402
+from common import (DCA_CHUNK, DCA_LOCAL, STRING_LOCAL, TRAINED, WINDOW, self_extend_group_for,  # noqa: E402
+                    string_offset_for)
 
 GROUP = self_extend_group_for(2 * TRAINED)  # Self-Extend's G for the methods' length, 16k: 3
+SHIFTED = string_offset_for(2 * TRAINED)  # STRING's S for the methods' length, 16k: 5406
 
 
 def _methods():
@@ -68,6 +70,7 @@ def _methods():
         # benchmarks/real_model.py's settings at 16k (common.py): W, the smallest G reaching 16k; ChunkLlama's defaults
         "self_extend": (None, {"attention": "self_extend", "window": WINDOW, "group": GROUP}),
         "dual_chunk": (None, {"attention": "dual_chunk", "chunk_size": DCA_CHUNK, "local_size": DCA_LOCAL}),
+        "string": (None, {"attention": "string", "shifted_offset": SHIFTED, "local_value": STRING_LOCAL}),
     }
 
 
@@ -100,6 +103,8 @@ ROWS = {
     "dual_chunk": Row("dual_chunk", "native", {},
                       f"Dual Chunk Attention, chunk_size {DCA_CHUNK}, local_size {DCA_LOCAL}, no "
                       "temperature: ropescale's paged kernel"),
+    "string": Row("string", "native", {},
+                  f"STRING S={SHIFTED}, W={STRING_LOCAL} (its authors' 0.33 x 16k, 128): ropescale's paged kernel"),
 }
 DEFAULT_ROWS = ("yarn/vllm", "yarn/ropescale", "resonance_yarn")
 

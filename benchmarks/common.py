@@ -15,6 +15,12 @@ import torch
 TRAINED = 8192  # SmolLM2-135M's training length (max_position_embeddings)
 WINDOW = TRAINED // 4  # the ReRoPE window (and Self-Extend's neighbour window)
 DCA_CHUNK, DCA_LOCAL = 3 * TRAINED // 4, TRAINED // 16  # ChunkLlama's defaults for a model trained to L
+STRING_RATIO, STRING_LOCAL = 0.33, 128  # STRING's authors' settings: S = 0.33 x the evaluated length, W = 128
+
+
+def string_offset_for(length: int) -> int:
+    """STRING's shifted offset S at ``length`` (its authors' RULER script: ``int(0.33 * test_max_length)``)."""
+    return int(STRING_RATIO * length)
 
 
 def leaky_k_for(length: int, window: int = WINDOW) -> float:

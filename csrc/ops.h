@@ -121,19 +121,19 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                         int64_t window, double leaky_k, double scale,
                                                         int64_t logn_length, bool causal, bool interleaved,
-                                                        int64_t group, int64_t chunk_size);
+                                                        int64_t group, int64_t chunk_size, int64_t far_start);
 // ---- rerope_attention_paged, rerope_cache_write_: cpu/rerope_attention.cpp (checks: rerope_paged.cpp) ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cpu(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start);
 // The overload rerope_attention_paged.workspace (the caller's scratch, `Tensor(a!) workspace`).
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cpu(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace);
 // The bytes of rerope_attention_paged's `workspace` for up to `tokens` query rows (rerope_paged.cpp).
 int64_t rerope_paged_workspace_bytes(int64_t tokens, int64_t kv_heads, int64_t head_dim, at::ScalarType dtype,
                                      int64_t max_keys);
@@ -145,18 +145,18 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
                                                          int64_t logn_length, bool causal, bool interleaved,
-                                                         int64_t group, int64_t chunk_size);
+                                                         int64_t group, int64_t chunk_size, int64_t far_start);
 // ---- rerope_attention_paged, rerope_cache_write_ on CUDA: cuda/rerope_paged.cu (checks: rerope_paged.cpp) ----
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start);
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace);
 void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
 #endif

@@ -95,24 +95,25 @@ TORCH_LIBRARY(ropescale, m) {
   m.def("apply_rotary_per_request_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor request_index, "
         "Tensor inv_freq, Tensor attention_factors, bool interleaved=False, Tensor? native_angles=None) -> ()");
   // ReRoPE / Leaky ReRoPE attention over un-rotated q, k (pre-RoPE cache): (out, natural-log lse); with
-  // group > 0 Self-Extend, with chunk_size > 0 Dual Chunk Attention (window = its local_size).
+  // group > 0 Self-Extend, with chunk_size > 0 Dual Chunk Attention (window = its local_size); far_start >= 0
+  // moves the far side's first relative position from window to far_start (STRING: leaky_k=1, far_start=W).
   m.def(
       "rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor inv_freq, "
       "int window, float leaky_k=0, float scale=-1, int logn_length=0, bool causal=True, bool interleaved=False, "
-      "*, int group=0, int chunk_size=0) -> (Tensor out, Tensor lse)");
+      "*, int group=0, int chunk_size=0, int far_start=-1) -> (Tensor out, Tensor lse)");
   // The engine form: requests packed along T, raw keys/values read through vLLM's paged cache, positions
   // implicit (key slot j at j, the q_len queries last), a rotation table and scale factor per request.
   m.def(
       "rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0) "
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0, int far_start=-1) "
       "-> (Tensor out, Tensor lse)");
   // The same over the caller's CUDA scratch (uint8, rerope_paged_workspace_bytes), reserved once by an engine
   // (an overload: a mutated argument; the default overload stays functional, with its autograd refusal).
   m.def(
       "rerope_attention_paged.workspace(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
-      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0, "
+      "Tensor? scale_factors=None, int logn_length=0, bool interleaved=False, *, int group=0, int chunk_size=0, int far_start=-1, "
       "Tensor(a!) workspace) "
       "-> (Tensor out, Tensor lse)");
   // Bytes of rerope_attention_paged's workspace for up to `tokens` query rows per call (0 where CUDA needs
@@ -134,11 +135,11 @@ TORCH_LIBRARY(ropescale, m) {
   // allow_float64: rerope_attention_composite also takes float64 (gradcheck, references).
   m.def("_check_rerope_attention(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, "
         "Tensor inv_freq, int window, float leaky_k=0, float scale=-1, int logn_length=0, "
-        "bool allow_float64=False, *, int group=0, int chunk_size=0, bool causal=True) -> ()");
+        "bool allow_float64=False, *, int group=0, int chunk_size=0, int far_start=-1, bool causal=True) -> ()");
   m.def("_check_rerope_attention_paged(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor inv_freq, int window, float leaky_k=0, float scale=-1, "
         "Tensor? scale_factors=None, int logn_length=0, bool allow_float64=False, Tensor? workspace=None, *, "
-        "int group=0, int chunk_size=0) -> ()");
+        "int group=0, int chunk_size=0, int far_start=-1) -> ()");
   m.def("_check_rerope_cache_write(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, "
         "Tensor slot_mapping) -> ()");
 }

@@ -31,7 +31,7 @@ void check_positions_meta(const at::Tensor& positions, const char* name, const c
 
 }  // namespace
 
-void check_region_arguments(const char* op, int64_t window, double leaky_k, int64_t group, int64_t chunk_size,
+void check_region_arguments(const char* op, int64_t window, double leaky_k, int64_t group, int64_t chunk_size, int64_t far_start,
                             bool causal) {
   TORCH_CHECK(group >= 0, op, ": group must be >= 0 (0: not Self-Extend), got ", group);
   TORCH_CHECK(chunk_size >= 0, op, ": chunk_size must be >= 0 (0: not Dual Chunk Attention), got ", chunk_size);
@@ -39,6 +39,9 @@ void check_region_arguments(const char* op, int64_t window, double leaky_k, int6
               "exclude each other, got group=", group, ", chunk_size=", chunk_size);
   TORCH_CHECK(std::isfinite(leaky_k) && (leaky_k == 0.0 || leaky_k >= 1.0), op,
               ": leaky_k must be 0 (ReRoPE) or >= 1 (Leaky ReRoPE, slope 1/leaky_k), got ", leaky_k);
+  TORCH_CHECK(far_start == -1 || (group == 0 && chunk_size == 0), op,
+              ": far_start applies to (Leaky) ReRoPE and STRING only; Self-Extend (group) and Dual Chunk Attention ",
+              "(chunk_size) need far_start=-1, got ", far_start);
   TORCH_CHECK(leaky_k == 0.0 || (group == 0 && chunk_size == 0), op,
               ": leaky_k applies to Leaky ReRoPE only; Self-Extend (group) and Dual Chunk Attention (chunk_size) ",
               "need leaky_k=0, got ", leaky_k);
@@ -52,13 +55,15 @@ void check_region_arguments(const char* op, int64_t window, double leaky_k, int6
   }
   TORCH_CHECK(window > 0 && window <= kMaxPosition, op, ": window must be > 0 and <= ", kMaxPosition, ", got ",
               window);
+  TORCH_CHECK(far_start == -1 || (far_start >= 0 && far_start <= window), op,
+              ": far_start must be -1 (the window) or in [0, window = ", window, "], got ", far_start);
   TORCH_CHECK(group <= kMaxPosition, op, ": group must be <= ", kMaxPosition, ", got ", group);
 }
 
 void check_rerope_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& q_positions, const at::Tensor& k_positions,
                                  const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
-                                 int64_t logn_length, bool allow_float64, int64_t group, int64_t chunk_size,
+                                 int64_t logn_length, bool allow_float64, int64_t group, int64_t chunk_size, int64_t far_start,
                                  bool causal) {
   TORCH_CHECK(q.dim() == 4, "rerope_attention: q must be 4-D [B, Hq, Lq, D], got shape ", q.sym_sizes());
   TORCH_CHECK(k.dim() == 4, "rerope_attention: k must be 4-D [B, Hkv, Lk, D], got shape ", k.sym_sizes());
@@ -96,7 +101,7 @@ void check_rerope_attention_meta(const at::Tensor& q, const at::Tensor& k, const
               "rerope_attention: inv_freq must have between 1 and D/2 = ", head_dim / 2,
               " entries (rotary_dim / 2), got ", inv_freq.sym_numel());
 
-  check_region_arguments("rerope_attention", window, leaky_k, group, chunk_size, causal);
+  check_region_arguments("rerope_attention", window, leaky_k, group, chunk_size, far_start, causal);
   TORCH_CHECK(logn_length == 0 || logn_length >= 2,
               "rerope_attention: logn_length must be 0 (off) or >= 2 (the training length), got ", logn_length);
   // -1 (the schema's default; None in Python) means 1/sqrt(D). Anything else must be a softmax
@@ -120,9 +125,9 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& q_positions, const at::Tensor& k_positions,
                                        const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                        int64_t logn_length, bool causal, bool interleaved, int64_t group,
-                                       int64_t chunk_size) {
+                                       int64_t chunk_size, int64_t far_start) {
   check_rerope_attention_meta(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                              /*allow_float64=*/false, group, chunk_size, causal);
+                              /*allow_float64=*/false, group, chunk_size, far_start, causal);
 
   ReropeArgs args;
   args.batch = q.size(0);
@@ -143,7 +148,7 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
   args.k = k.stride(3) == 1 ? k : k.contiguous();
   args.v = v.stride(3) == 1 ? v : v.contiguous();
 
-  args.rule = make_region_rule(window, leaky_k, group, chunk_size);
+  args.rule = make_region_rule(window, leaky_k, group, chunk_size, far_start);
   args.logn_length = logn_length;
   args.inv_log_train = logn_length > 0 ? 1.0 / std::log(static_cast<double>(logn_length)) : 0.0;
   args.scale = static_cast<float>(scale == -1.0 ? 1.0 / std::sqrt(static_cast<double>(args.head_dim)) : scale);
@@ -157,9 +162,9 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_meta(const at::Tensor& q, co
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
                                                          int64_t logn_length, bool causal, bool interleaved,
-                                                         int64_t group, int64_t chunk_size) {
+                                                         int64_t group, int64_t chunk_size, int64_t far_start) {
   check_rerope_attention_meta(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                              /*allow_float64=*/false, group, chunk_size, causal);
+                              /*allow_float64=*/false, group, chunk_size, far_start, causal);
   at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   at::Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, q.options().dtype(at::kFloat));
   return {out, lse};
@@ -168,9 +173,9 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_meta(const at::Tensor& q, co
 void check_rerope_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& q_positions, const at::Tensor& k_positions, const at::Tensor& inv_freq,
                             int64_t window, double leaky_k, double scale, int64_t logn_length, bool allow_float64,
-                            int64_t group, int64_t chunk_size, bool causal) {
+                            int64_t group, int64_t chunk_size, int64_t far_start, bool causal) {
   check_rerope_attention_meta(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                              allow_float64, group, chunk_size, causal);
+                              allow_float64, group, chunk_size, far_start, causal);
   check_rerope_positions(q_positions, "q_positions");
   check_rerope_positions(k_positions, "k_positions");
 }

@@ -30,7 +30,7 @@ inline constexpr int64_t kReropeMaxHeadDim = 256;
 // checked in one place for the dense and paged ops, their Meta kernels and the composites' checks:
 // group > 0 is Self-Extend (window >= 1, leaky_k 0), chunk_size > 0 Dual Chunk with window its
 // local_size (0 <= window < chunk_size, leaky_k 0, causal), neither (Leaky) ReRoPE (window >= 1).
-void check_region_arguments(const char* op, int64_t window, double leaky_k, int64_t group, int64_t chunk_size,
+void check_region_arguments(const char* op, int64_t window, double leaky_k, int64_t group, int64_t chunk_size, int64_t far_start,
                             bool causal);
 
 // The op's checks on metadata (devices, dtypes, shapes, head counts, D, the scalars), the ONE check
@@ -39,7 +39,7 @@ void check_region_arguments(const char* op, int64_t window, double leaky_k, int6
 void check_rerope_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& q_positions, const at::Tensor& k_positions,
                                  const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
-                                 int64_t logn_length, bool allow_float64, int64_t group, int64_t chunk_size,
+                                 int64_t logn_length, bool allow_float64, int64_t group, int64_t chunk_size, int64_t far_start,
                                  bool causal);
 
 // The data check: positions <= kMaxPosition (position_limits.h). CPU tensors only; on CUDA it
@@ -52,7 +52,7 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& q_positions, const at::Tensor& k_positions,
                                        const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                        int64_t logn_length, bool causal, bool interleaved, int64_t group,
-                                       int64_t chunk_size);
+                                       int64_t chunk_size, int64_t far_start);
 
 // The op ropescale::_check_rerope_attention: both checks above, for the plain-PyTorch paths that
 // compute this op (rerope_attention_composite, which also takes float64: allow_float64; the
@@ -60,7 +60,7 @@ ReropeArgs check_rerope_attention_args(const at::Tensor& q, const at::Tensor& k,
 void check_rerope_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& q_positions, const at::Tensor& k_positions, const at::Tensor& inv_freq,
                             int64_t window, double leaky_k, double scale, int64_t logn_length, bool allow_float64,
-                            int64_t group, int64_t chunk_size, bool causal);
+                            int64_t group, int64_t chunk_size, int64_t far_start, bool causal);
 
 // The Meta kernel: the shared check, then empty outputs of the right shapes.
 std::tuple<at::Tensor, at::Tensor> rerope_attention_meta(const at::Tensor& q, const at::Tensor& k,
@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_meta(const at::Tensor& q, co
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
                                                          int64_t logn_length, bool causal, bool interleaved,
-                                                         int64_t group, int64_t chunk_size);
+                                                         int64_t group, int64_t chunk_size, int64_t far_start);
 
 // The op's outputs, out [B, Hq, Lq, D] in q's dtype and lse [B, Hq, Lq] float32; returns true when
 // they are already final (no query, or no key: zeros and -inf) and no kernel needs to run.

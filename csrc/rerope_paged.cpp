@@ -93,7 +93,7 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
                              const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                              double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
                              int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace,
-                             int64_t group, int64_t chunk_size) {
+                             int64_t group, int64_t chunk_size, int64_t far_start) {
   TORCH_CHECK(q.dim() == 3, kOp, ": q must be 3-D [T, Hq, D], got shape ", q.sym_sizes());
   // Devices first: a tensor on another device (meta among CPU tensors) must never reach a kernel.
   check_cache_meta(kOp, key_cache, value_cache, q, "q");
@@ -148,7 +148,7 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
                 scale_factors->sym_sizes(), " of ", scale_factors->scalar_type());
   }
 
-  check_region_arguments(kOp, window, leaky_k, group, chunk_size, /*causal=*/true);
+  check_region_arguments(kOp, window, leaky_k, group, chunk_size, far_start, /*causal=*/true);
   TORCH_CHECK(logn_length == 0 || logn_length >= 2, kOp,
               ": logn_length must be 0 (off) or >= 2 (the training length), got ", logn_length);
   TORCH_CHECK(scale == -1.0 || (std::isfinite(scale) && scale > 0.0 && scale <= std::numeric_limits<float>::max()),
@@ -221,10 +221,10 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                         const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
                                         bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group,
-                                        int64_t chunk_size) {
+                                        int64_t chunk_size, int64_t far_start) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                           leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace,
-                          group, chunk_size);
+                          group, chunk_size, far_start);
   ReropePagedArgs a;
   a.tokens = q.size(0);
   a.q_heads = q.size(1);
@@ -246,7 +246,7 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
   a.inv_freq = (inv_freq.dim() == 1 ? inv_freq.unsqueeze(0) : inv_freq).to(at::kFloat).contiguous();
   if (scale_factors) a.scale_factors = scale_factors->to(at::kFloat).contiguous();
   a.workspace = workspace;
-  a.rule = make_region_rule(window, leaky_k, group, chunk_size);
+  a.rule = make_region_rule(window, leaky_k, group, chunk_size, far_start);
   a.logn_length = logn_length;
   a.inv_log_train = logn_length > 0 ? 1.0 / std::log(static_cast<double>(logn_length)) : 0.0;
   a.scale = static_cast<float>(scale == -1.0 ? 1.0 / std::sqrt(static_cast<double>(a.head_dim)) : scale);
@@ -290,10 +290,10 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                           leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, std::nullopt,
-                          group, chunk_size);
+                          group, chunk_size, far_start);
   at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   at::Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1)}, q.options().dtype(at::kFloat));
   return {out, lse};
@@ -303,10 +303,10 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                           leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace,
-                          group, chunk_size);
+                          group, chunk_size, far_start);
   at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   at::Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1)}, q.options().dtype(at::kFloat));
   return {out, lse};
@@ -322,10 +322,10 @@ void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_
                                      const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                                      double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
                                      int64_t logn_length, bool allow_float64,
-                                     const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size) {
+                                     const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size, int64_t far_start) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                           leaky_k, scale, scale_factors, logn_length, allow_float64, workspace, group,
-                          chunk_size);
+                          chunk_size, far_start);
   if (!q.device().is_cpu()) return;
   // The value checks read the normalised metadata; the float64 oracle's q passes as float32 here.
   ReropePagedArgs a;

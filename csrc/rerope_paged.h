@@ -40,7 +40,7 @@ void check_rerope_paged_meta(const at::Tensor& q, const at::Tensor& key_cache, c
                              const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                              double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
                              int64_t logn_length, bool allow_float64, const std::optional<at::Tensor>& workspace,
-                             int64_t group, int64_t chunk_size);
+                             int64_t group, int64_t chunk_size, int64_t far_start);
 
 // The data checks (CPU tensors only; on CUDA they would cost a host sync per call, so there they are
 // the caller's contract and the kernel guards its reads): query_start_loc[0] == 0, non-decreasing,
@@ -56,7 +56,7 @@ ReropePagedArgs check_rerope_paged_args(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& inv_freq, int64_t window, double leaky_k, double scale,
                                         const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
                                         bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group,
-                                        int64_t chunk_size);
+                                        int64_t chunk_size, int64_t far_start);
 
 // rerope_cache_write_'s checks (metadata; slot range on CPU): key/value [T, Hkv, D] matching the
 // cache's heads and D, slot_mapping integer [T], slots < num_blocks * block_size.
@@ -69,12 +69,12 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start);
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_meta(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace);
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace);
 void rerope_cache_write_meta_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& slot_mapping);
 
@@ -86,6 +86,6 @@ void check_rerope_attention_paged_op(const at::Tensor& q, const at::Tensor& key_
                                      const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
                                      double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors,
                                      int64_t logn_length, bool allow_float64,
-                                     const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size);
+                                     const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size, int64_t far_start);
 
 }  // namespace ropescale

@@ -71,9 +71,9 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cpu(const at::Tensor& q, con
                                                         const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                         int64_t window, double leaky_k, double scale,
                                                         int64_t logn_length, bool causal, bool interleaved,
-                                                        int64_t group, int64_t chunk_size) {
+                                                        int64_t group, int64_t chunk_size, int64_t far_start) {
   const ReropeArgs args = check_rerope_attention_args(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
-                                                      scale, logn_length, causal, interleaved, group, chunk_size);
+                                                      scale, logn_length, causal, interleaved, group, chunk_size, far_start);
   TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention: the CPU kernel got tensors on ", args.q.device());
   at::Tensor out, lse;
   if (empty_rerope_outputs(args, out, lse)) return {out, lse};
@@ -85,11 +85,11 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cpu(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start) {
   const ReropePagedArgs args = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
                                                        query_start_loc, inv_freq, window, leaky_k, scale,
                                                        scale_factors, logn_length, interleaved, std::nullopt,
-                                                       group, chunk_size);
+                                                       group, chunk_size, far_start);
   TORCH_CHECK(args.q.device().is_cpu(), "rerope_attention_paged: the CPU kernel got tensors on ", args.q.device());
   at::Tensor out = at::empty({args.tokens, args.q_heads, args.head_dim}, args.q.options());
   at::Tensor lse = at::empty({args.tokens, args.q_heads}, args.q.options().dtype(at::kFloat));
@@ -103,13 +103,13 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cpu(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace) {
   check_rerope_paged_meta(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                           leaky_k, scale, scale_factors, logn_length, /*allow_float64=*/false, workspace,
-                          group, chunk_size);
+                          group, chunk_size, far_start);
   return rerope_attention_paged_cpu(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
                                     window, leaky_k, scale, scale_factors, logn_length, interleaved, group,
-                                    chunk_size);
+                                    chunk_size, far_start);
 }
 
 void rerope_cache_write_cpu_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,

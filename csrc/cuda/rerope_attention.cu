@@ -138,9 +138,9 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_cuda(const at::Tensor& q, co
                                                          const at::Tensor& k_positions, const at::Tensor& inv_freq,
                                                          int64_t window, double leaky_k, double scale,
                                                          int64_t logn_length, bool causal, bool interleaved,
-                                                         int64_t group, int64_t chunk_size) {
+                                                         int64_t group, int64_t chunk_size, int64_t far_start) {
   const ReropeArgs a = check_rerope_attention_args(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k,
-                                                   scale, logn_length, causal, interleaved, group, chunk_size);
+                                                   scale, logn_length, causal, interleaved, group, chunk_size, far_start);
   TORCH_CHECK(a.q.is_cuda(), "rerope_attention: the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out, lse;

@@ -173,10 +173,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size) {
+    bool interleaved, const std::optional<at::Tensor>& workspace, int64_t group, int64_t chunk_size, int64_t far_start) {
   const ReropePagedArgs a = check_rerope_paged_args(q, key_cache, value_cache, block_table, seq_lens,
                                                     query_start_loc, inv_freq, window, leaky_k, scale, scale_factors,
-                                                    logn_length, interleaved, workspace, group, chunk_size);
+                                                    logn_length, interleaved, workspace, group, chunk_size, far_start);
   TORCH_CHECK(a.q.is_cuda(), kPagedOp, ": the CUDA kernel got tensors on ", a.q.device());
   const c10::cuda::CUDAGuard guard(a.q.device());
   at::Tensor out = at::empty({a.tokens, a.q_heads, a.head_dim}, a.q.options());
@@ -229,18 +229,18 @@ std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start) {
   return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
-                         scale, scale_factors, logn_length, interleaved, std::nullopt, group, chunk_size);
+                         scale, scale_factors, logn_length, interleaved, std::nullopt, group, chunk_size, far_start);
 }
 
 std::tuple<at::Tensor, at::Tensor> rerope_attention_paged_workspace_cuda(
     const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& inv_freq, int64_t window,
     double leaky_k, double scale, const std::optional<at::Tensor>& scale_factors, int64_t logn_length,
-    bool interleaved, int64_t group, int64_t chunk_size, const at::Tensor& workspace) {
+    bool interleaved, int64_t group, int64_t chunk_size, int64_t far_start, const at::Tensor& workspace) {
   return paged_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k,
-                         scale, scale_factors, logn_length, interleaved, workspace, group, chunk_size);
+                         scale, scale_factors, logn_length, interleaved, workspace, group, chunk_size, far_start);
 }
 
 void rerope_cache_write_cuda_(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,

@@ -116,8 +116,9 @@ class RegionRule:
     """Which pairs are near and where the far side rotates its operands, from the op's ``window``,
     ``leaky_k``, ``group`` and ``chunk_size`` (validated by the op's checks, not here):
 
-    * ReRoPE / Leaky ReRoPE (``group = chunk_size = 0``): near iff ``j >= i - window + 1``; far q at
-      ``window`` (Leaky: ``window + (i - window) / leaky_k``), far k unrotated (Leaky: at ``j / leaky_k``);
+    * ReRoPE / Leaky ReRoPE / STRING (``group = chunk_size = 0``): near iff ``j >= i - window + 1``; far q at
+      ``s`` (Leaky, STRING: ``s + (i - window) / leaky_k``), far k unrotated (Leaky, STRING: at ``j / leaky_k``),
+      ``s = far_start`` (``-1``: ``window``; STRING: its ``local_value``, with ``leaky_k = 1``);
     * Self-Extend (``group = G >= 1``, ``window = W``): near as ReRoPE; far q at ``floor(i/G) + W - floor(W/G)``,
       far k at ``floor(j/G)``;
     * Dual Chunk Attention (``chunk_size = C >= 1``, ``window`` = Qwen's ``local_size`` ``S``, ``n = C - S``):
@@ -129,6 +130,12 @@ class RegionRule:
     leaky_k: float = 0.0
     group: int = 0
     chunk_size: int = 0
+    far_start: int = -1
+
+    @property
+    def far_value(self) -> int:
+        """Where the far side starts: the relative position at distance ``window`` (ReRoPE's ``window``)."""
+        return self.window if self.far_start < 0 else self.far_start
 
     @property
     def chunk(self) -> int:
@@ -155,8 +162,8 @@ class RegionRule:
             return torch.div(q_positions, self.group, rounding_mode="floor") + (
                 self.window - self.window // self.group)
         if self.leaky_k:
-            return self.window + (q_positions - self.window).to(torch.float64) / self.leaky_k
-        return torch.full_like(q_positions, self.window)
+            return self.far_value + (q_positions - self.window).to(torch.float64) / self.leaky_k
+        return torch.full_like(q_positions, self.far_value)
 
     def far_key_positions(self, k_positions: torch.Tensor) -> torch.Tensor | None:
         """Where the far side rotates each key: int64, float64 for Leaky ReRoPE, None for plain ReRoPE (the
@@ -171,21 +178,21 @@ class RegionRule:
 
 
 def check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                           group=0, chunk_size=0, causal=True):
+                           group=0, chunk_size=0, far_start=-1, causal=True):
     """The op's own check (``ropescale::_check_rerope_attention``, float64 allowed): every plain-PyTorch path
     refuses what the op refuses, with its message."""
     torch.ops.ropescale._check_rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k), schema_scale(scale), logn_length,
-        allow_float64=True, group=group, chunk_size=chunk_size, causal=causal)
+        allow_float64=True, group=group, chunk_size=chunk_size, far_start=far_start, causal=causal)
 
 
 def _prepare(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
-             group, chunk_size):
+             group, chunk_size, far_start=-1):
     """Everything both plain-PyTorch paths share: the op's own check, then the scaled and rotated
     operands of each side and the visibility / near masks ``[B, Lq, Lk]``."""
     check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                           group, chunk_size, causal)
-    rule = RegionRule(int(window), float(leaky_k), int(group), int(chunk_size))
+                           group, chunk_size, far_start, causal)
+    rule = RegionRule(int(window), float(leaky_k), int(group), int(chunk_size), int(far_start))
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale)
     qp = q_positions.to(torch.int64)
@@ -256,14 +263,14 @@ def _scores(q, k, scale):
 
 def rerope_attention_naive(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False, *, group=0, chunk_size=0,
+    interleaved=False, *, group=0, chunk_size=0, far_start=-1,
 ):
     """Su's formulation: both score matrices in full, selected per pair by the region rule
     (:class:`RegionRule`: ReRoPE's ``p_q - p_k < window``, Self-Extend's, Dual Chunk Attention's), masked,
     softmax. Runs in the inputs' dtype (float32 math for half types), O(Lq x Lk) memory."""
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
         q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
-        group, chunk_size
+        group, chunk_size, far_start
     )
     compute = compute_dtype(q.dtype)
     s_near = _scores(q_near.to(compute), k_near.to(compute), scale)
@@ -347,7 +354,7 @@ RowBound = Callable[..., torch.Tensor | None]
 
 def rerope_attention_composite(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False, *, group=0, chunk_size=0, row_bound: RowBound | None = None,
+    interleaved=False, *, group=0, chunk_size=0, far_start=-1, row_bound: RowBound | None = None,
 ):
     """ReRoPE / Leaky ReRoPE / Self-Extend / Dual Chunk attention from two PyTorch SDPA calls, differentiable
     end to end.
@@ -366,7 +373,7 @@ def rerope_attention_composite(
     op_scale = scale
     scale, (q_near, k_near), (q_far, k_far), visible, near = _prepare(
         q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
-        group, chunk_size
+        group, chunk_size, far_start
     )
     mask_near, mask_far = visible & near, visible & ~near
     with torch.no_grad():
@@ -374,7 +381,7 @@ def rerope_attention_composite(
         # NaN where a visible score is NaN / +inf (the rule reads that below).
         row_stat = None if row_bound is None else row_bound(
             q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, op_scale, logn_length, causal, interleaved,
-            group=group, chunk_size=chunk_size)
+            group=group, chunk_size=chunk_size, far_start=far_start)
         if row_stat is None:
             row_stat = torch.maximum(_row_max(q_near, k_near, mask_near, scale),
                                      _row_max(q_far, k_far, mask_far, scale))
@@ -407,7 +414,7 @@ def _int64_list(t: torch.Tensor) -> list[int]:
 
 def rerope_attention_paged_composite(
     q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
-    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0,
+    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0, far_start=-1,
     row_bound: RowBound | None = None,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
@@ -417,7 +424,7 @@ def rerope_attention_paged_composite(
     torch.ops.ropescale._check_rerope_attention_paged(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
         schema_scale(scale), scale_factors, logn_length, allow_float64=True, workspace=workspace, group=group,
-        chunk_size=chunk_size)
+        chunk_size=chunk_size, far_start=far_start)
     total, q_heads, head_dim = q.shape
     block_size = key_cache.shape[2]
     starts, lengths = _int64_list(query_start_loc), _int64_list(seq_lens)
@@ -439,7 +446,7 @@ def rerope_attention_paged_composite(
         o, l = rerope_attention_composite(
             q[begin:end].transpose(0, 1)[None], k[None], v[None], q_positions, k_positions, table, window,
             leaky_k=leaky_k, scale=default_scale * factor, logn_length=logn_length, interleaved=interleaved,
-            group=group, chunk_size=chunk_size, row_bound=row_bound)
+            group=group, chunk_size=chunk_size, far_start=far_start, row_bound=row_bound)
         out[begin:end] = o[0].transpose(0, 1)
         lse[begin:end] = l[0].transpose(0, 1)
     return out, lse

@@ -70,16 +70,22 @@ __all__ = [
 CONFIG_KEY = "ropescale"
 #: The attentions a config (and ``hf.patch``) may ask for: plain attention, and the raw-key methods (ReRoPE,
 #: Self-Extend, Dual Chunk Attention), each marked on the rope type (``scaling.RopeType.MARKERS``).
-ATTENTIONS = ("sdpa", "rerope", "self_extend", "dual_chunk")
+ATTENTIONS = ("sdpa", "rerope", "self_extend", "dual_chunk", "string")
 #: The entry's keys of each attention besides ``attention`` (and ``method``): ReRoPE's window and the rest,
 #: Self-Extend's neighbour window W and group size G, Dual Chunk Attention's chunk size C and local size S (as Qwen
 #: names them).
 ATTENTION_PARAMETERS = {"sdpa": (), "rerope": ("window", "leaky_k", "logn_length"), "self_extend": ("window", "group"),
-                        "dual_chunk": ("chunk_size", "local_size", "temperature")}
-ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size", "temperature")
+                        "dual_chunk": ("chunk_size", "local_size", "temperature"),
+                        "string": ("shifted_offset", "local_value")}
+ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size", "temperature",
+                  "shifted_offset", "local_value")
 #: Each raw-key attention as messages name it.
 ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend attention",
-                   "dual_chunk": "Dual Chunk Attention"}
+                   "dual_chunk": "Dual Chunk Attention", "string": "STRING attention"}
+#: STRING's attention factor on cos and sin (its code, ``string_for_llama.py``: ``0.1 ln 2 + 1``, "to recover" the
+#: attention map it smooths), so every score is times its square; and its authors' recommended local value.
+STRING_ATTENTION_FACTOR = 0.1 * math.log(2) + 1
+STRING_LOCAL_VALUE = 128
 #: Qwen's config key for Dual Chunk Attention (Qwen2.5-1M, Qwen3-2507), read as Qwen's engine (vLLM) reads it:
 #: ``chunk_size`` and ``local_size`` (vLLM's defaults when absent), ``original_max_position_embeddings`` (the
 #: attention temperature's length L0, 0: none) and vLLM's sparse approximation (``sparse_attention_*``).
@@ -121,6 +127,7 @@ class RopeConfig:
     local_size: int | None = None  # Dual Chunk Attention's S
     temperature_length: int = 0  # Dual Chunk Attention's L0 (Qwen's original_max_position_embeddings; 0: none)
     temperature: str = "qwen"  # Dual Chunk Attention's temperature rule (DUAL_CHUNK_TEMPERATURES)
+    local_value: int | None = None  # STRING's W (its shifted_offset S is ``window``)
 
     @property
     def raw_keys(self) -> bool:
@@ -226,7 +233,8 @@ def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) 
 def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,
           attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
           partial_rotary_factor: float | None = None, group: int | None = None, chunk_size: int | None = None,
-          local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None) -> Written:
+          local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None,
+          local_value: int | None = None) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
     (original) ``max_position_embeddings``, with the attention side given. ``partial_rotary_factor``: the
     model's, kept in the written parameters (refused where the method carries its own and it differs).
@@ -243,7 +251,7 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
     entry = attention_entry(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
-                            local_size=local_size, temperature=temperature)
+                            local_size=local_size, temperature=temperature, local_value=local_value)
     if entry_method is not None:
         entry = {**(entry or {}), METHOD_KEY: entry_method}
     return Written(params, length, entry, dual_chunk_entry(attention, chunk_size, local_size, temperature_length))
@@ -297,9 +305,10 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
 
 def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int, *, group: int | None = None,
                     chunk_size: int | None = None, local_size: int | None = None,
-                    temperature: str | None = None) -> dict[str, Any] | None:
+                    temperature: str | None = None, local_value: int | None = None) -> dict[str, Any] | None:
     """The ``ropescale`` entry's attention side (None for plain attention). DCA's ``temperature`` is written only
-    when it is not Qwen's, which its ``dual_chunk_attention_config`` implies."""
+    when it is not Qwen's, which its ``dual_chunk_attention_config`` implies; STRING's ``window`` is its
+    ``shifted_offset``."""
     if attention == "rerope":
         return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k),
                 "logn_length": int(logn_length)}
@@ -310,6 +319,8 @@ def attention_entry(attention: str, window: int | None, leaky_k: float, logn_len
         if temperature not in (None, "qwen"):
             entry["temperature"] = temperature
         return entry
+    if attention == "string":
+        return {"attention": "string", "shifted_offset": int(window), "local_value": int(local_value)}
     return None
 
 
@@ -326,7 +337,8 @@ def _given(name: str, value: Any) -> bool:
 
 def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn_length: Any = 0, *,
                     group: Any = None, chunk_size: Any = None, local_size: Any = None,
-                    temperature_length: Any = None, temperature: Any = None) -> None:
+                    temperature_length: Any = None, temperature: Any = None, shifted_offset: Any = None,
+                    local_value: Any = None) -> None:
     """The attention side, checked in one place for every path that takes it: ``hf.patch``'s arguments, and a
     checkpoint's entry (and Qwen's ``dual_chunk_attention_config``) as ``hf.patch``, transformers' model build and
     the vLLM plugin (at engine start) read it. The values the ops accept:
@@ -336,14 +348,16 @@ def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn
     - ``dual_chunk``: integers (not bools) ``chunk_size`` C >= 1 and ``local_size`` S with ``0 <= S < C``, the
       temperature's length ``temperature_length`` (Qwen's ``original_max_position_embeddings``) 0 (none) or >= 1,
       and its rule ``temperature`` (None: Qwen's; a name of ``DUAL_CHUNK_TEMPERATURES``; other than Qwen's, it needs
-      a length > 0 where one is given).
+      a length > 0 where one is given);
+    - ``string``: integers (not bools) ``shifted_offset`` S >= 1 and ``local_value`` W with ``0 <= W <= S``.
 
     A parameter of another attention is refused. Raises ValueError; each caller prefixes its own name."""
     if not isinstance(attention, str) or attention not in ATTENTIONS:
-        raise ValueError(f"attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got {attention!r}")
+        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}")
     arguments = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
                  "chunk_size": chunk_size, "local_size": local_size,
-                 "original_max_position_embeddings": temperature_length, "temperature": temperature}
+                 "original_max_position_embeddings": temperature_length, "temperature": temperature,
+                 "shifted_offset": shifted_offset, "local_value": local_value}
     takes = ATTENTION_PARAMETERS[attention]
     if attention == "dual_chunk":
         takes += ("original_max_position_embeddings",)
@@ -390,6 +404,13 @@ def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn
         if temperature not in (None, "qwen") and temperature_length == 0:
             raise ValueError(f"temperature={temperature!r} needs its length L0 (original_max_position_embeddings > 0): "
                              "with 0 there is no temperature to apply")
+    elif attention == "string":
+        if not _integer(shifted_offset, 1):
+            raise ValueError(f"attention='string' needs shifted_offset (S: distances from S on are shifted), an integer "
+                             f"> 0, got {shifted_offset!r}")
+        if not _integer(local_value, 0) or local_value > shifted_offset:
+            raise ValueError(f"attention='string' needs local_value (W: where the shifted distances start), an integer "
+                             f"with 0 <= local_value <= shifted_offset ({shifted_offset}), got {local_value!r}")
 
 
 # Messages warned once per process (the sparse DCA note).
@@ -492,9 +513,10 @@ def checked_entry(entry: Any, rope_type: str, marker: str | bool | None,
             temperature_length = qwen.get("original_max_position_embeddings", 0)
         check_attention(attention, values["window"], values["leaky_k"], values["logn_length"], group=values["group"],
                         chunk_size=values["chunk_size"], local_size=values["local_size"],
-                        temperature_length=temperature_length, temperature=values["temperature"])
+                        temperature_length=temperature_length, temperature=values["temperature"],
+                        shifted_offset=values["shifted_offset"], local_value=values["local_value"])
         extra = sorted(set(entry) - {"attention", METHOD_KEY, *ATTENTION_PARAMETERS[attention]})
-        if attention in ("self_extend", "dual_chunk") and extra:
+        if attention in ("self_extend", "dual_chunk", "string") and extra:
             raise ValueError(f"config.{CONFIG_KEY}: attention {attention!r} takes "
                              f"{', '.join(ATTENTION_PARAMETERS[attention])}, not {', '.join(extra)}")
     return dict(entry)
@@ -560,6 +582,9 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
     if kind == "self_extend":
         return RopeConfig(method, base, "self_extend", int(attention["window"]), recorded=recorded,
                           group=int(attention["group"]))
+    if kind == "string":
+        return RopeConfig(method, base, "string", int(attention["shifted_offset"]), recorded=recorded,
+                          local_value=int(attention["local_value"]))
     if kind == "dual_chunk":
         _check_dual_chunk_table(method, rope_type)
         chunk_size, local_size, length = attention.get("chunk_size"), attention.get("local_size"), 0

@@ -563,6 +563,7 @@ def rerope_attention(
     *,
     group: int = 0,
     chunk_size: int = 0,
+    far_start: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReRoPE attention over un-rotated ``q`` ``[B, Hq, Lq, D]`` and ``k``/``v`` ``[B, Hkv, Lk, D]``.
 
@@ -594,12 +595,17 @@ def rerope_attention(
       (``leaky_k = 0``, causal only), chunks of ``n = C - S``: near when the key is in the query's chunk, or in
       the previous one while ``i mod n <= S``; far q at ``min(2n - 1, C)``, far k at ``j mod n``.
 
+    ``far_start = s >= 0`` (at most ``window``; ``-1``: ``window``) moves where the far side of (Leaky) ReRoPE
+    starts: ``r(d) = s + (d - window) / leaky_k``. STRING (An et al., 2025) is ``window = S`` (its
+    ``shifted_offset``), ``leaky_k = 1`` and ``far_start = W`` (its ``local_value``): ``r(d) = d - S + W`` past S
+    (its attention factor is the caller's ``scale``; see :mod:`ropescale.attention_rules`).
+
     The fused kernels have no backward pass: train through :func:`rerope_attention_train` (same
     arguments, same result, differentiable, at the memory of PyTorch's fused attention kernels).
     """
     return _ops.rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
-        -1.0 if scale is None else float(scale), logn_length, causal, interleaved, group=group, chunk_size=chunk_size,
+        -1.0 if scale is None else float(scale), logn_length, causal, interleaved, group=group, chunk_size=chunk_size, far_start=far_start,
     )
 
 
@@ -640,6 +646,7 @@ def rerope_attention_paged(
     *,
     group: int = 0,
     chunk_size: int = 0,
+    far_start: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReRoPE attention of packed requests over a paged cache of raw keys (vLLM's layout and metadata).
 
@@ -665,8 +672,8 @@ def rerope_attention_paged(
     args = (q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, float(leaky_k),
             -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved)
     if workspace is None:
-        return _ops.rerope_attention_paged(*args, group=group, chunk_size=chunk_size)
-    return _ops.rerope_attention_paged.workspace(*args, group=group, chunk_size=chunk_size, workspace=workspace)
+        return _ops.rerope_attention_paged(*args, group=group, chunk_size=chunk_size, far_start=far_start)
+    return _ops.rerope_attention_paged.workspace(*args, group=group, chunk_size=chunk_size, far_start=far_start, workspace=workspace)
 
 
 def rerope_paged_workspace_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

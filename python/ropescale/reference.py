@@ -213,9 +213,9 @@ def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False
 
 
 def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0,
-                     causal=True, interleaved=False, *, group=0, chunk_size=0):
+                     causal=True, interleaved=False, *, group=0, chunk_size=0, far_start=-1):
     _R._check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                               allow_float64=False, group=group, chunk_size=chunk_size, causal=causal)
+                               allow_float64=False, group=group, chunk_size=chunk_size, far_start=far_start, causal=causal)
     batch, q_heads, q_len, head_dim = q.shape
     if q.numel() == 0 or k.shape[2] == 0:  # as the native op: no key gives zeros and lse = -inf
         return (q.new_zeros(batch, q_heads, q_len, head_dim),
@@ -225,29 +225,29 @@ def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_
     # the native op reads it; out in q's dtype, contiguous; lse float32.
     out, lse = rerope_attention_composite(q.float(), k.float(), v.float(), q_positions, k_positions,
                                           inv_freq.float(), window, leaky_k, scale, logn_length, causal, interleaved,
-                                          group=group, chunk_size=chunk_size)
+                                          group=group, chunk_size=chunk_size, far_start=far_start)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def rerope_attention_paged_workspace(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
                                      window, leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0,
-                                     interleaved=False, *, group=0, chunk_size=0, workspace):
+                                     interleaved=False, *, group=0, chunk_size=0, far_start=-1, workspace):
     return rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                                   leaky_k, scale, scale_factors, logn_length, interleaved, workspace=workspace,
-                                  group=group, chunk_size=chunk_size)
+                                  group=group, chunk_size=chunk_size, far_start=far_start)
 
 
 def rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window,
                            leaky_k=0.0, scale=-1.0, scale_factors=None, logn_length=0, interleaved=False,
-                           workspace=None, *, group=0, chunk_size=0):
+                           workspace=None, *, group=0, chunk_size=0, far_start=-1):
     _R._check_rerope_attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq,
                                      window, leaky_k, scale, scale_factors, logn_length, allow_float64=False,
-                                     workspace=workspace, group=group, chunk_size=chunk_size)
+                                     workspace=workspace, group=group, chunk_size=chunk_size, far_start=far_start)
     # float32 math for half types, as the native kernels accumulate (see rerope_attention above).
     out, lse = rerope_attention_paged_composite(
         q.float(), key_cache.float(), value_cache.float(), block_table, seq_lens, query_start_loc, inv_freq.float(),
         window, leaky_k, scale, None if scale_factors is None else scale_factors.float(), logn_length, interleaved,
-        group=group, chunk_size=chunk_size)
+        group=group, chunk_size=chunk_size, far_start=far_start)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 

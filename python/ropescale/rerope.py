@@ -36,7 +36,7 @@ __all__ = ["rerope_attention_composite", "rerope_attention_naive", "rerope_atten
 
 
 def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
-               interleaved, *, group=0, chunk_size=0):
+               interleaved, *, group=0, chunk_size=0, far_start=-1):
     """The fused op's lse (no gradient), or None where the op does not take these inputs (float64,
     mixed dtypes, head dims it does not compile, a device this build has no kernel for) or runs the
     composite itself (``ROPESCALE_KERNELS=reference``). The lse is >= every visible score of its row, so
@@ -51,13 +51,13 @@ def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, sca
         return None
     _, lse = torch.ops.ropescale.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window,
                                                   float(leaky_k), _composite.schema_scale(scale), logn_length,
-                                                  causal, interleaved, group=group, chunk_size=chunk_size)
+                                                  causal, interleaved, group=group, chunk_size=chunk_size, far_start=far_start)
     return lse
 
 
 def rerope_attention_composite(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False, *, group=0, chunk_size=0,
+    interleaved=False, *, group=0, chunk_size=0, far_start=-1,
 ):
     """ReRoPE / Leaky ReRoPE / Self-Extend / Dual Chunk attention from two PyTorch SDPA calls, differentiable
     end to end.
@@ -74,12 +74,12 @@ def rerope_attention_composite(
     """
     return _composite.rerope_attention_composite(
         q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal, interleaved,
-        group=group, chunk_size=chunk_size, row_bound=_fused_lse)
+        group=group, chunk_size=chunk_size, far_start=far_start, row_bound=_fused_lse)
 
 
 def rerope_attention_paged_composite(
     q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k=0.0, scale=-1.0,
-    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0,
+    scale_factors=None, logn_length=0, interleaved=False, workspace=None, *, group=0, chunk_size=0, far_start=-1,
 ):
     """:func:`ropescale.ops.rerope_attention_paged` in plain PyTorch (also float64). Returns ``(out [T, Hq, D],
     lse float32 [T, Hq])``; one :func:`rerope_attention_composite` call per request over its gathered pages.
@@ -87,4 +87,4 @@ def rerope_attention_paged_composite(
     refuses and never indexes outside the cache."""
     return _composite.rerope_attention_paged_composite(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k, scale,
-        scale_factors, logn_length, interleaved, workspace, group=group, chunk_size=chunk_size, row_bound=_fused_lse)
+        scale_factors, logn_length, interleaved, workspace, group=group, chunk_size=chunk_size, far_start=far_start, row_bound=_fused_lse)

@@ -7,7 +7,8 @@ matrix; every other input goes to the composite (see :func:`training_layout`).
 
 How (causal attention, key ``j`` at index distance ``d = i - j`` from query ``i``):
 
-* far part (``d >= window``): queries rotated at ``window`` (Leaky: at ``w + (p - w)/k``; Self-Extend: at
+* far part (``d >= window``): queries rotated at ``window`` (Leaky: at ``w + (p - w)/k``; STRING: at ``p - w + s``,
+  its ``local_value`` ``s``, through Leaky's path with ``k = 1``; Self-Extend: at
   ``floor(p/G) + w - floor(w/G)``) against raw keys (Leaky: rotated at ``p/k``; Self-Extend: at ``floor(p/G)``):
   query rows ``window..L-1`` against key rows ``0..L-1-window``, one ``is_causal`` call on a square problem;
 * near band (``d < window``): the sequence in chunks of ``window`` (the last one zero-padded), folded
@@ -230,11 +231,12 @@ class _Plan:
     kernel: _Kernel
     dtype: torch.dtype
     finite: bool = False  # q, k, v hold no NaN / inf: no finite stand-ins, no non-finite rule
-    extend_group: int = 0  # Self-Extend's group G (0: ReRoPE / Leaky ReRoPE)
+    extend_group: int = 0  # Self-Extend's group G (0: ReRoPE / Leaky ReRoPE / STRING)
+    far_start: int = -1  # the far side's first relative position (-1: the window; STRING's local_value)
 
     def __post_init__(self):
         # The far side's positions (the near side is d < window for every method this path takes)
-        self.rule = RegionRule(self.window, self.leaky_k, self.extend_group)
+        self.rule = RegionRule(self.window, self.leaky_k, self.extend_group, 0, self.far_start)
         self.shift = self.length - self.q_len
         self.far = self.window < self.length
         self.chunk = self.window if self.far else self.length
@@ -605,7 +607,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 def rerope_attention_train(
     q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0, causal=True,
-    interleaved=False, *, group=0, chunk_size=0,
+    interleaved=False, *, group=0, chunk_size=0, far_start=-1,
 ):
     """ReRoPE / Leaky ReRoPE / Self-Extend attention for training, at the memory of PyTorch's fused attention.
 
@@ -623,7 +625,7 @@ def rerope_attention_train(
     Attention (``chunk_size``) is refused: it is a training-free inference method with no training path here.
     """
     check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                           group, chunk_size, causal)
+                           group, chunk_size, far_start, causal)
     if chunk_size:
         raise NotImplementedError(
             "rerope_attention_train: Dual Chunk Attention (chunk_size > 0) has no training path: it is a "
@@ -631,7 +633,7 @@ def rerope_attention_train(
             "gradient is really wanted, ropescale.ops.rerope_attention_composite (differentiable, Lq x Lk masks)")
     composite_args = (q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length, causal,
                       interleaved)
-    method = dict(group=group)
+    method = dict(group=group, far_start=far_start)
     dtensor = sys.modules.get("torch.distributed.tensor")  # never imported here: it is heavy
     if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in (q, k, v)):
         _warn_once("DTensor activations (this path has no sharding rule)")
@@ -651,5 +653,5 @@ def rerope_attention_train(
         head_dim=head_dim, window=int(window), leaky_k=float(leaky_k),
         scale=1.0 / math.sqrt(head_dim) if scale is None or scale == -1 else float(scale),
         logn_length=int(logn_length), interleaved=bool(interleaved), padded=padded, kernel=kernel, dtype=q.dtype,
-        finite=finite, extend_group=int(group))
+        finite=finite, extend_group=int(group), far_start=int(far_start))
     return _ReropeTrain.apply(q, k, v, q_positions, k_positions, inv_freq, plan)

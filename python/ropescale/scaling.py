@@ -235,7 +235,7 @@ class RopeType:
     REROPE_MARKER: ClassVar[str] = "rerope"
     REROPE_PREFIX: ClassVar[str] = "rerope_"
     #: The attention markers, each the ``attention`` it marks (``config.ATTENTIONS`` less ``sdpa``).
-    MARKERS: ClassVar[tuple[str, ...]] = ("rerope", "self_extend", "dual_chunk")
+    MARKERS: ClassVar[tuple[str, ...]] = ("rerope", "self_extend", "dual_chunk", "string")
 
     @classmethod
     def parse(cls, name: Any) -> "RopeType":

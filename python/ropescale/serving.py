@@ -54,26 +54,46 @@ class PreRopePlan:
     chunk_size: int = 0  # Dual Chunk Attention's C (0: not DCA)
     temperature_length: int = 0  # DCA's attention temperature length L0 (0: none)
     temperature: str = "qwen"  # DCA's temperature rule (config.DUAL_CHUNK_TEMPERATURES)
+    far_start: int = -1  # STRING's local value W (its shifted offset S is ``window``; -1: not STRING)
 
     @classmethod
     def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
         rerope = parsed.attention == "rerope"
-        window = {"rerope": parsed.window, "self_extend": parsed.window, "dual_chunk": parsed.local_size}.get(
-            parsed.attention)
+        window = {"rerope": parsed.window, "self_extend": parsed.window, "dual_chunk": parsed.local_size,
+                  "string": parsed.window}.get(parsed.attention)
         return cls(parsed.method, float(parsed.base), int(rotary_dim), NO_WINDOW if window is None else int(window),
                    float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
                    not is_neox_style, int(parsed.group or 0), int(parsed.chunk_size or 0),
-                   int(parsed.temperature_length), parsed.temperature)
+                   int(parsed.temperature_length), parsed.temperature,
+                   int(parsed.local_value) if parsed.attention == "string" else -1)
+
+    @classmethod
+    def string(cls, method: scaling.RopeScaling, base: float, rotary_dim: int, shifted_offset: int, local_value: int,
+               interleaved: bool = False) -> "PreRopePlan":
+        """STRING's plan: ReRoPE's rule with the far side starting at ``local_value`` and slope 1 (the ops'
+        ``window = S``, ``leaky_k = 1``, ``far_start = W``)."""
+        return cls(method, float(base), int(rotary_dim), int(shifted_offset), 1.0, interleaved=interleaved,
+                   far_start=int(local_value))
 
     @property
     def attention(self) -> str:
         """The raw-key attention the ops run: ``rerope`` (also the dynamic methods' plain rotation, a window past
-        every distance), ``self_extend`` or ``dual_chunk``."""
+        every distance), ``self_extend``, ``dual_chunk`` or ``string``."""
+        if self.far_start >= 0:
+            return "string"
         return "self_extend" if self.group else "dual_chunk" if self.chunk_size else "rerope"
 
     def method_arguments(self) -> dict[str, int]:
         """The attention ops' keyword-only arguments of this plan's method (none for ReRoPE)."""
+        if self.far_start >= 0:
+            return {"far_start": self.far_start}
         return {"group": self.group} if self.group else {"chunk_size": self.chunk_size} if self.chunk_size else {}
+
+    @property
+    def score_factor(self) -> float:
+        """The method's own factor on every score's rotated part: STRING's attention factor squared (its code puts
+        ``0.1 ln 2 + 1`` on cos and sin, so on q and k), 1 for the others."""
+        return config_lib.STRING_ATTENTION_FACTOR ** 2 if self.far_start >= 0 else 1.0
 
     def served_within(self, max_length: int | None) -> "PreRopePlan":
         """This plan for an engine that serves at most ``max_length`` tokens a request (None: unknown): DCA's
@@ -186,7 +206,9 @@ class PreRopePlan:
         segment's. Whether to copy depends on the plan, the shapes and a static ``factor``, never on the
         values of ``scale_factors`` (no host sync; a CUDA graph captured on one step's factors replays
         correctly on another's). The product is formed in float32 (float64 for float64) and rounded once to
-        the query's dtype; differentiable in ``query``."""
+        the query's dtype; differentiable in ``query``. The method's own :attr:`score_factor` (STRING's) joins
+        ``factor``: its code too puts it on cos and sin."""
+        factor = factor * self.score_factor
         per_row = scale_factors is not None and self.attention_factor_varies
         if self.rotary_dim >= head_dim or (factor == 1.0 and not per_row):
             return query, scale * factor, scale_factors

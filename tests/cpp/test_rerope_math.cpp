@@ -44,6 +44,37 @@ TEST_CASE("far-side operand positions reproduce the rule: rot(q, a) . rot(k, b) 
   CHECK(rerope.far_query_position(99) == 8.0);
 }
 
+// STRING (DESIGN.md): ReRoPE's far side with slope 1 starting at W: d >= S sees d - S + W, near d < S sees d;
+// the far key is rotated at its own position, the far query at i - S + W (an integer: no rounding anywhere).
+TEST_CASE("STRING: distances from S on are shifted down to d - S + W", "[rerope][string]") {
+  CHECK(rerope_relative_position(10, 8, 1.0, 3) == 5.0);
+  CHECK(rerope_relative_position(8, 8, 1.0, 3) == 3.0);
+  CHECK(rerope_relative_position(7, 8, 1.0, 3) == 7.0);
+  CHECK(rerope_relative_position(20, 8, 0.0, 3) == 3.0);  // far_start with plain ReRoPE: clipped at W
+  CHECK(rerope_relative_position(20, 8, 0.0) == 8.0);     // -1: the window, as before
+  for (int64_t shifted : {1, 7, 300}) {
+    for (int64_t local : {int64_t{0}, shifted / 2, shifted}) {
+      const RegionRule rule = make_region_rule(shifted, 1.0, 0, 0, local);
+      CHECK(rule.far_query_varies());
+      CHECK(rule.far_key_rotated());
+      CHECK(rule.far_key_multiplier() == 1.0);
+      for (int64_t pk = 0; pk < 500; pk += 23) {
+        for (int64_t pq = pk; pq < pk + 700; pq += 11) {
+          const int64_t d = pq - pk;
+          REQUIRE(rule.is_near(pq, pk) == (d < shifted));
+          if (d < shifted) continue;
+          const double seen = rule.far_query_position(pq) - rule.far_key_position(pk);
+          REQUIRE(seen == static_cast<double>(d - shifted + local));  // exact
+          REQUIRE(rule.far_query_position(pq) == static_cast<double>(pq - shifted + local));
+        }
+      }
+    }
+  }
+  // the largest positions: the far query stays an exact integer
+  const RegionRule far = make_region_rule(43253, 1.0, 0, 0, 128);
+  CHECK(far.far_query_position(2147483647) == 2147483647.0 - 43253 + 128);
+}
+
 TEST_CASE("near side: inside the window, including negative distances", "[rerope]") {
   CHECK(make_region_rule(1, 0.0, 0, 0).is_near(10, 10));
   CHECK_FALSE(make_region_rule(1, 0.0, 0, 0).is_near(11, 10));

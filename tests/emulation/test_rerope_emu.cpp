@@ -43,13 +43,17 @@ struct Case {
   bool causal, interleaved;
   int pad;  // batch row b is left-padded by pad * b keys (position -1)
   int64_t group = 0, chunk_size = 0;  // Self-Extend's G / Dual Chunk's C (window: its local_size): with_region
-  ropescale::RegionRule rule() const { return ropescale::make_region_rule(window, leaky_k, group, chunk_size); }
+  int64_t far_start = -1;  // STRING's W (leaky_k 1, window its S): with_string
+  ropescale::RegionRule rule() const {
+    return ropescale::make_region_rule(window, leaky_k, group, chunk_size, far_start);
+  }
   std::string name() const {
     return "B" + std::to_string(batch) + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " Lq" +
            std::to_string(q_len) + " Lk" + std::to_string(k_len) + " D" + std::to_string(dim) + " R" +
            std::to_string(rotary_dim) + " w" + std::to_string(window) + " k" + std::to_string(leaky_k) + " logn" +
            std::to_string(logn_length) + (causal ? " causal" : " full") + (interleaved ? " interleaved" : "") +
-           " pad" + std::to_string(pad) + " G" + std::to_string(group) + " C" + std::to_string(chunk_size);
+           " pad" + std::to_string(pad) + " G" + std::to_string(group) + " C" + std::to_string(chunk_size) +
+           " far" + std::to_string(far_start);
   }
 };
 
@@ -61,8 +65,16 @@ C with_region(C c, int64_t group, int64_t chunk_size) {
   return c;
 }
 
+// The case as STRING with shifted offset S = its window and local value W: ReRoPE's far side, slope 1, from W.
+template <class C>
+C with_string(C c, int64_t local_value) {
+  c.leaky_k = 1.0;
+  c.far_start = local_value;
+  return c;
+}
+
 // The relative position of a visible pair, from each method's definition (not from RegionRule's two
-// sides): ReRoPE / Leaky ReRoPE, Self-Extend's floored groups, Dual Chunk's three regions.
+// sides): ReRoPE / Leaky ReRoPE, Self-Extend's floored groups, Dual Chunk's three regions, STRING's shift.
 template <class C>
 double reference_relative_position(const C& c, int64_t pi, int64_t pj) {
   const int64_t dist = pi - pj, w = c.window;
@@ -74,6 +86,7 @@ double reference_relative_position(const C& c, int64_t pi, int64_t pj) {
   }
   if (dist < w) return static_cast<double>(dist);
   if (c.group > 0) return static_cast<double>(pi / c.group - pj / c.group + w - w / c.group);
+  if (c.far_start >= 0) return static_cast<double>(dist - w + c.far_start);  // STRING: d - S + W
   return c.leaky_k == 0 ? static_cast<double>(w) : w + (dist - w) / c.leaky_k;
 }
 
@@ -738,7 +751,10 @@ struct PagedCase {
   bool interleaved, per_request_tables;  // inv_freq row and scale factor per request
   int table_pages = 0;                   // block-table width at least (max_model_len / block_size)
   int64_t group = 0, chunk_size = 0;     // Self-Extend / Dual Chunk: with_region
-  ropescale::RegionRule rule() const { return ropescale::make_region_rule(window, leaky_k, group, chunk_size); }
+  int64_t far_start = -1;  // STRING's W (leaky_k 1, window its S): with_string
+  ropescale::RegionRule rule() const {
+    return ropescale::make_region_rule(window, leaky_k, group, chunk_size, far_start);
+  }
   std::string name() const {
     std::string s = "requests";
     for (auto [q_len, seq_len] : requests) s += " " + std::to_string(q_len) + "/" + std::to_string(seq_len);
@@ -746,7 +762,7 @@ struct PagedCase {
            " R" + std::to_string(rotary_dim) + " bs" + std::to_string(block_size) + " w" + std::to_string(window) +
            " k" + std::to_string(leaky_k) + " logn" + std::to_string(logn_length) +
            (interleaved ? " interleaved" : "") + (per_request_tables ? " per-request tables" : "") + " G" +
-           std::to_string(group) + " C" + std::to_string(chunk_size);
+           std::to_string(group) + " C" + std::to_string(chunk_size) + " far" + std::to_string(far_start);
   }
 };
 
@@ -800,7 +816,7 @@ PagedRun<T> make_paged(const PagedCase& c, unsigned seed, std::vector<float>& ke
     // the table of its own length) and its attention factor squared as the scale factor.
     const double factor = c.per_request_tables ? 1.0 + 0.75 * r : 1.0;
     Case dc{1, c.q_heads, c.kv_heads, q_len, seq_len, c.dim, c.rotary_dim, c.window, c.leaky_k, c.logn_length,
-            true, c.interleaved, 0, c.group, c.chunk_size};
+            true, c.interleaved, 0, c.group, c.chunk_size, c.far_start};
     Problem pr{dc, {}, {}, {}, {}, {}, {}};
     pr.scale_factor = c.per_request_tables ? 1.0 + 0.1 * r : 1.0;
     for (int i = 0; i < pairs; ++i)
@@ -1281,6 +1297,28 @@ TEST_CASE("Self-Extend and Dual Chunk: half and bfloat16, SIMT and tensor cores,
       make_problem(with_region(Case{1, 4, 1, 80, 200, 128, 128, 20, 0.0, 0, true, true, 0}, 0, 50), 1103));
   run_tensor_core<__half>(
       make_problem(with_region(Case{1, 2, 1, 130, 130, 64, 64, 5, 0.0, 60, true, false, 0}, 0, 12), 1104));
+}
+
+// ---- STRING (issue 44): ReRoPE's far rule with slope 1 from W; the kernels have no code of their own for it.
+const std::vector<Case> kStringCases = {
+    with_string(Case{2, 4, 2, 37, 37, 10, 10, 7, 0.0, 0, true, false, 5}, 2),      // S 7, W 2, padding
+    with_string(Case{1, 8, 1, 9, 70, 16, 16, 4, 0.0, 0, false, true, 0}, 0),       // W 0, non-causal, interleaved
+    with_string(Case{1, 4, 1, 3, 101, 64, 64, 30, 0.0, 50, true, false, 0}, 8),    // decode-like, log-n
+    with_string(Case{2, 2, 1, 1, 300, 130, 130, 200, 0.0, 0, true, false, 30}, 128),  // D 130, far tiles
+};
+
+TEST_CASE("STRING: prefill, decode, tensor-core and paged kernels match the double reference", "[rerope][string]") {
+  unsigned seed = 1300;
+  for (const Case& c : kStringCases) {
+    run_kernels<float>(make_problem(c, seed++), Plan::kPrefill, 1, 2e-5);
+    run_kernels<float>(make_problem(c, seed++), Plan::kDecode, c.q_len <= 3 ? 3 : 1, 2e-5);
+  }
+  run_kernels<__half>(make_problem(kStringCases[0], 1320), Plan::kPrefill, 1, 0.0);
+  run_tensor_core<__nv_bfloat16>(
+      make_problem(with_string(Case{2, 4, 2, 100, 100, 64, 64, 40, 0.0, 0, true, false, 5}, 8), 1321));
+  run_paged<float>(with_string(PagedCase{kMixedRequests, 4, 2, 16, 16, 16, 40, 0.0, 0, false, false}, 8), 1322, 3);
+  run_paged<__half>(with_string(PagedCase{kTensorCoreRequests, 4, 2, 64, 64, 16, 20, 0.0, 0, false, true}, 4),
+                    1323, 2, Poison::kNone, -1, kDefaultBudget, {0, 1, 0, 1, 0, 1});
 }
 
 TEST_CASE("Self-Extend and Dual Chunk: paged decode, chunked-prefill and prefill rows in one launch",

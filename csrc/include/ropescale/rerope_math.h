@@ -3,9 +3,10 @@
 // rotates its operands, log-n scaling, visibility, and the near/far/band classification of a tile.
 //
 // ReRoPE (Su): with window w and distance d = p_q - p_k, the relative position is r(d) = d when
-// d < w, else w (ReRoPE) or w + (d - w)/k (Leaky ReRoPE, slope 1/k). Since rotations compose,
+// d < w, else s + (d - w)/k: ReRoPE (s = w, 1/k = 0), Leaky ReRoPE (s = w, slope 1/k), STRING (An et al.:
+// shifted_offset w, local_value s, k = 1: r = d - w + s). Since rotations compose,
 //   near (d < w):  <rot(q, r(d)), k> = <rot(q, p_q), rot(k, p_k)>
-//   far  (d >= w): <rot(q, r(d)), k> = <rot(q, w + (p_q - w)/k), rot(k, p_k/k)>   (1/k = 0: ReRoPE)
+//   far  (d >= w): <rot(q, r(d)), k> = <rot(q, s + (p_q - w)/k), rot(k, p_k/k)>   (1/k = 0: ReRoPE)
 // so each side is ordinary attention over operands rotated at their own (per-token) positions.
 #pragma once
 
@@ -17,10 +18,12 @@
 
 namespace ropescale {
 
-// The three methods of the family differ only in which pairs are near and where the far side
-// rotates its operands (DESIGN.md, "Self-Extend and Dual Chunk Attention"); everything else (tiles,
-// GQA, masking, log-n, the merge) is shared. With window w:
-//   ReRoPE / Leaky ReRoPE (slope 1/k):  near d < w;  far q at w + (i - w)/k, k at j/k (ReRoPE: w, 0)
+// The methods of the family differ only in which pairs are near and where the far side rotates its
+// operands (DESIGN.md, "The far-field rules"); everything else (tiles, GQA, masking, log-n, the merge) is
+// shared, so a new rule is a kind here (or parameters of one) and its make_region_rule arguments. With window w:
+//   ReRoPE / Leaky ReRoPE (slope 1/k), STRING (k = 1, far start s):
+//                                       near d < w;  far q at s + (i - w)/k, k at j/k (ReRoPE: s, 0; s = w but
+//                                       for STRING)
 //   Self-Extend (group G):              near d < w;  far q at floor(i/G) + w - floor(w/G), k at floor(j/G)
 //   Dual Chunk (chunk_size C, w = local_size S, chunk length n = C - S): near when the key is in the
 //     query's chunk, or in the previous one while the query's offset i mod n <= S (then the true
@@ -50,6 +53,7 @@ struct RegionRule {
   int64_t group = 1;       // Self-Extend: G >= 1
   int64_t chunk = 1;       // Dual Chunk: n = C - S >= 1
   int64_t far_query = 0;   // Self-Extend: the shift w - floor(w/G); Dual Chunk: min(2n - 1, C)
+  int64_t far_start = 1;   // ReRoPE family: the far side's relative position at distance w (w but for STRING)
 
   // Keys at positions >= near_start(q) are on the near side of a query at q (and after it: causal=False).
   ROPESCALE_HOST_DEVICE ROPESCALE_INLINE int64_t near_start(int64_t q) const {
@@ -62,7 +66,7 @@ struct RegionRule {
   ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double far_query_position(int64_t q) const {
     if (kind == RegionKind::kSelfExtend) return static_cast<double>(region_detail::floor_div(q, group) + far_query);
     if (kind == RegionKind::kDualChunk) return static_cast<double>(far_query);
-    return static_cast<double>(window) + static_cast<double>(q - window) * leaky_inv;
+    return static_cast<double>(far_start) + static_cast<double>(q - window) * leaky_inv;
   }
   // Whether the far query position depends on the query (else one rotation serves every row).
   ROPESCALE_HOST_DEVICE ROPESCALE_INLINE bool far_query_varies() const {
@@ -88,11 +92,13 @@ struct RegionRule {
 };
 
 // The rule of the ops' arguments (validated by the caller: check_region_arguments): group > 0 is
-// Self-Extend, chunk_size > 0 Dual Chunk with window = local_size, else (Leaky) ReRoPE.
+// Self-Extend, chunk_size > 0 Dual Chunk with window = local_size, else (Leaky) ReRoPE or STRING, whose
+// far side starts at far_start (-1: the window).
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE RegionRule make_region_rule(int64_t window, double leaky_k, int64_t group,
-                                                                   int64_t chunk_size) {
+                                                                   int64_t chunk_size, int64_t far_start = -1) {
   RegionRule rule;
   rule.window = window;
+  rule.far_start = far_start < 0 ? window : far_start;
   if (group > 0) {
     rule.kind = RegionKind::kSelfExtend;
     rule.group = group;
@@ -108,11 +114,12 @@ ROPESCALE_HOST_DEVICE ROPESCALE_INLINE RegionRule make_region_rule(int64_t windo
 }
 
 // Relative position of ReRoPE seen by a query at distance `dist` from a key (the reference formula of
-// the Catch2 tests; the kernels never evaluate it per pair). `leaky_inv` is 1/k, 0 for plain ReRoPE.
+// the Catch2 tests; the kernels never evaluate it per pair). `leaky_inv` is 1/k, 0 for plain ReRoPE;
+// `far_start` the far side's first position (-1: the window; STRING's local_value).
 ROPESCALE_HOST_DEVICE ROPESCALE_INLINE double rerope_relative_position(int64_t dist, int64_t window,
-                                                                       double leaky_inv) {
+                                                                       double leaky_inv, int64_t far_start = -1) {
   if (dist < window) return static_cast<double>(dist);
-  return static_cast<double>(window) + static_cast<double>(dist - window) * leaky_inv;
+  return static_cast<double>(far_start < 0 ? window : far_start) + static_cast<double>(dist - window) * leaky_inv;
 }
 
 // Log-n query scaling max(1, ln(p+1)/ln(L_train)); `inv_log_train` = 1/ln(L_train), 0 disables it.

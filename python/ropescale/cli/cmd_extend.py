@@ -25,7 +25,7 @@ _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
            "--truncate", "--mscale", "--mscale-all-dim", "--attention-factor", "--resonance", "--longrope-factors",
            "--attention", "--window", "--leaky-k", "--logn", "--group", "--chunk-size", "--local-size",
-           "--temperature-length", "--dca-temperature"),
+           "--temperature-length", "--dca-temperature", "--shifted-offset", "--local-value"),
     # Not given, a variant flag is SRC's (None tells it from its default; _inherit fills it).
     defaults={"--method": "none: with --attention, the attention over SRC's own table",
               "--original-max-position": "SRC's original_max_position_embeddings, else its max_position_embeddings",
@@ -49,7 +49,7 @@ _DESCRIPTION = (
     "as rope_parameters, with max_position_embeddings set as transformers and vLLM expect: ready "
     "for fine-tuning (ropescale.hf.patch(model) re-applies it) or for an engine that reads "
     "rope_parameters. Types transformers lacks (dynamic_ntk, dynamic_yarn, resonance_*, rerope*, "
-    "self_extend*, dual_chunk*) load after `import ropescale.hf`.",
+    "self_extend*, dual_chunk*, string*) load after `import ropescale.hf`.",
     "Only what is asked for changes. Where --method is of SRC's own method (yarn over a YaRN, "
     "dynamic_yarn over a YaRN or the reverse, llama3 over a Llama 3, ...), every setting no flag gives "
     "is SRC's: DeepSeek's mscale and mscale_all_dim, gpt-oss's truncate false, Llama 3's frequency "
@@ -58,8 +58,8 @@ _DESCRIPTION = (
     "temperature for SRC's factor): give --attention-factor A, or auto for the method's own rule. "
     "Another method keeps nothing of SRC's.",
     "Attention: --attention rerope (ReRoPE, --window W), self_extend (Self-Extend, --window W "
-    "--group G) or dual_chunk (Dual Chunk Attention, --chunk-size C --local-size S, with Qwen's "
-    "temperature --temperature-length L0) runs over --method's table, or over SRC's own without "
+    "--group G), dual_chunk (Dual Chunk Attention, --chunk-size C --local-size S, with Qwen's "
+    "temperature --temperature-length L0) or string (STRING, --shifted-offset S --local-value W) runs over --method's table, or over SRC's own without "
     "--method (DCA only over an unscaled one). Each reloads as hf.patch(model, attention=...) on the "
     "same weights.",
     "Two lengths, not to be confused. A static table (linear, ntk, yarn, llama3, longrope) is set for "
@@ -95,6 +95,8 @@ def add_parser(sub) -> None:
                      "--window 1024 --group 4",
                      "ropescale extend ./qwen ./qwen-dca --attention dual_chunk --chunk-size 32768 --local-size 4096 "
                      "--temperature-length 32768 --max-length 131072",
+                     "ropescale extend ./llama ./llama-string --attention string --shifted-offset 2730 "
+                     "--max-length 32768   # S = L/3 of an 8k model, W = 128",
                      "ropescale extend ./phi ./phi-lr --method longrope --longrope-factors factors.json --factor 32",
                      "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config"])
     ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json)")
@@ -333,9 +335,10 @@ def _cmd_extend(args) -> int:
         patch_arguments["original_max_position_embeddings"] = config_lib.temperature_length_for(
             patch_arguments["temperature"], patch_arguments["original_max_position_embeddings"],
             config.max_position_embeddings)
-    # checkpoint.record names DCA's temperature length temperature_length (hf.patch: Qwen's key)
-    recorded = {("temperature_length" if key == "original_max_position_embeddings" else key): value
-                for key, value in patch_arguments.items()}
+    # checkpoint.record names DCA's temperature length temperature_length (hf.patch: Qwen's key), STRING's shifted
+    # offset window (the ops' name)
+    renamed = {"original_max_position_embeddings": "temperature_length", "shifted_offset": "window"}
+    recorded = {renamed.get(key, key): value for key, value in patch_arguments.items()}
     try:
         checkpoint.record(config, method, **recorded, target=args.target, max_length=args.max_length)
     except ValueError as err:  # a table DCA does not take, one --target vllm cannot write, ...

@@ -203,7 +203,8 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            read_by=_read_by("--longrope-factors"), metavar="FILE.json"),
     Option("--attention", "the attention over the table, on raw keys: rerope (ReRoPE: distances past a window "
            "clipped), self_extend (Self-Extend: distances past a neighbour window grouped), dual_chunk (Dual Chunk "
-           "Attention: positions inside chunks, as Qwen2.5-1M); default: rerope when --window is given",
+           "Attention: positions inside chunks, as Qwen2.5-1M), string (STRING: distances past an offset shifted "
+           "down onto well-trained ones); default: rerope when --window is given",
            type=attention_choice, metavar="{" + ",".join(ATTENTIONS) + "}", attention=ATTENTIONS),
     Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W",
            attention=("rerope", "self_extend")),
@@ -227,6 +228,12 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            "vLLM serves them) or chunkllama (c = 0.05, ChunkLlama's own Llama patch, L0 by default the model's "
            "max_position_embeddings); default qwen", type=dca_temperature_choice,
            metavar="{" + ",".join(DUAL_CHUNK_TEMPERATURES) + "}", attention=("dual_chunk",)),
+    Option("--shifted-offset", "STRING: the shifted offset S: distances d >= S count as d - S + W, so the model "
+           "reads the last S positions it was trained on no more (its authors: S = 0.25 to 0.4 of the trained length)",
+           type=positive_int, metavar="S", attention=("string",)),
+    Option("--local-value", f"STRING: the local value W <= S, where the shifted distances start (default "
+           f"{config_lib.STRING_LOCAL_VALUE}, its authors'; they suggest 128 to 512)", type=non_negative_int,
+           metavar="W", attention=("string",)),
 )}
 
 # What a table method reads and an attention over the model's own table refuses: every option that fills a field but
@@ -235,7 +242,7 @@ _TABLE_ONLY = tuple(flag for flag, option in OPTIONS.items()
                     if (option.field or flag == "--longrope-factors") and flag != "--original-max-position")
 # The options each attention needs (``attention_arguments``): the others of its own are optional.
 _ATTENTION_NEEDS = {"rerope": ("--window",), "self_extend": ("--window", "--group"),
-                    "dual_chunk": ("--chunk-size", "--local-size")}
+                    "dual_chunk": ("--chunk-size", "--local-size"), "string": ("--shifted-offset",)}
 
 
 @dataclass(frozen=True)
@@ -413,6 +420,9 @@ def check_attention_options(args) -> None:
     if attention == "dual_chunk" and args.local_size >= args.chunk_size:
         raise UsageError(f"--local-size S must be below --chunk-size C (chunks are C - S positions long), got S = "
                          f"{args.local_size} and C = {args.chunk_size}")
+    if attention == "string" and args.local_value is not None and args.local_value > args.shifted_offset:
+        raise UsageError(f"--local-value W must be at most --shifted-offset S (shifted distances start at W, below "
+                         f"the ones they replace), got W = {args.local_value} and S = {args.shifted_offset}")
     if args.method is None:
         _refuse_table_options(args, f"--attention {attention} without --method keeps {taken.own_table}",
                               f"{config_lib.ATTENTION_NAMES[attention]} over one: --method M --attention {attention}")
@@ -432,6 +442,9 @@ def attention_arguments(args) -> dict[str, Any]:
         return {"attention": "dual_chunk", "chunk_size": args.chunk_size, "local_size": args.local_size,
                 "original_max_position_embeddings": args.temperature_length,
                 "temperature": getattr(args, "dca_temperature", None)}
+    if attention == "string":
+        local_value = config_lib.STRING_LOCAL_VALUE if args.local_value is None else args.local_value
+        return {"attention": "string", "shifted_offset": args.shifted_offset, "local_value": local_value}
     return {}
 
 

@@ -62,13 +62,16 @@ def saved_attention(config, layer_type: str | None = None) -> dict[str, Any] | N
     if parsed.attention == "dual_chunk":  # a Qwen checkpoint's dual_chunk_attention_config included
         return {"attention": "dual_chunk", "chunk_size": parsed.chunk_size, "local_size": parsed.local_size,
                 "original_max_position_embeddings": parsed.temperature_length, "temperature": parsed.temperature}
+    if parsed.attention == "string":
+        return {"attention": "string", "shifted_offset": parsed.window, "local_value": parsed.local_value}
     return None
 
 
 def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", window: int | None = None,
            leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None,
            layer_types: tuple[str, ...] | None = None, group: int | None = None, chunk_size: int | None = None,
-           local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None) -> None:
+           local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None,
+           local_value: int | None = None) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
     marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
     vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
@@ -86,11 +89,13 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
     Self-Extend (``group``) and Dual Chunk Attention (``chunk_size``, ``local_size``, ``temperature_length``: Qwen's
     ``original_max_position_embeddings``; ``temperature``: its rule, written to the entry where it is not Qwen's) are
     recorded in the entry under their marked rope type; DCA also as Qwen's ``dual_chunk_attention_config``, which any
-    other attention removes (the config would read as DCA)."""
+    other attention removes (the config would read as DCA). STRING: ``window`` its shifted offset S, ``local_value``
+    its W."""
     layer_type = layer_types[0] if layer_types else None
     old = dict(config_lib.layer_type_parameters(config, layer_type))
     marker = None if attention == "sdpa" else attention
-    extra = dict(group=group, chunk_size=chunk_size, local_size=local_size, temperature=temperature)
+    extra = dict(group=group, chunk_size=chunk_size, local_size=local_size, temperature=temperature,
+                 local_value=local_value)
     length, original = config.max_position_embeddings, None
     if attention == "dual_chunk":
         config_lib._check_dual_chunk_table(

@@ -274,6 +274,8 @@ def patch(
     local_size: int | None = None,
     original_max_position_embeddings: int | None = None,
     temperature: str | None = None,
+    shifted_offset: int | None = None,
+    local_value: int | None = None,
 ) -> nn.Module:
     """Swap ropescale's frequencies and kernels into a transformers model of a family ropescale knows
     (``ropescale.hf.architectures``), and record the method in ``model.config`` (``save_pretrained`` then
@@ -290,6 +292,9 @@ def patch(
     vLLM serves them) or ``"chunkllama"`` (ChunkLlama's own Llama patch: ``max(1, 0.05 ln(len/L0) + 1)``, L0 by
     default the model's ``max_position_embeddings``).
     DCA runs over default RoPE only and has no training path (refused when gradients are wanted).
+    ``attention="string"`` (STRING, An et al. 2025) needs ``shifted_offset`` S (distances from S on are shifted
+    down by ``S - local_value``; its authors take 0.25 to 0.4 of the trained length) and takes ``local_value`` W
+    (``0 <= W <= S``; default 128, theirs), with its code's attention factor ``0.1 ln 2 + 1`` on cos and sin.
     ``attention=None`` (the default) takes the attention side the config records (a reloaded ReRoPE,
     Self-Extend or DCA checkpoint; a Qwen config's ``dual_chunk_attention_config``), else "sdpa";
     so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. ``layer_types``: for a config
@@ -317,15 +322,22 @@ def patch(
             if original_max_position_embeddings is None:
                 original_max_position_embeddings = saved["original_max_position_embeddings"]
             temperature = saved["temperature"] if temperature is None else temperature
+        elif attention == "string":
+            shifted_offset = saved["shifted_offset"] if shifted_offset is None else shifted_offset
+            local_value = saved["local_value"] if local_value is None else local_value
+    if attention == "string" and local_value is None:
+        local_value = config_lib.STRING_LOCAL_VALUE
     if attention == "dual_chunk":
         original_max_position_embeddings = config_lib.temperature_length_for(
             temperature, original_max_position_embeddings, config.max_position_embeddings)
     _check_attention_arguments(attention, window, leaky_k, logn_length, group, chunk_size, local_size,
-                               original_max_position_embeddings, temperature)
+                               original_max_position_embeddings, temperature, shifted_offset, local_value)
     if attention != "sdpa":
         _check_rerope_implementation(config, attention)
     if attention == "dual_chunk":
         window = local_size  # the op's window is Qwen's local size S
+    if attention == "string":
+        window = shifted_offset  # the op's window is STRING's shifted offset S
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
@@ -335,7 +347,10 @@ def patch(
         method.rotary_dim_for(config_lib.head_dim_of(config, layer_type), params.get("partial_rotary_factor", 1.0)),
         window if raw_keys else serving.NO_WINDOW, float(leaky_k or 0.0), int(logn_length or 0),
         group=int(group or 0), chunk_size=int(chunk_size or 0),
-        temperature_length=int(original_max_position_embeddings or 0), temperature=temperature or "qwen")
+        temperature_length=int(original_max_position_embeddings or 0), temperature=temperature or "qwen",
+        far_start=int(local_value) if attention == "string" else -1)
+    if attention == "string":
+        plan = dataclasses.replace(plan, leaky_k=1.0)  # STRING: ReRoPE's far rule with slope 1
     state = _PatchState(
         plan=plan,
         raw_keys=raw_keys,
@@ -353,7 +368,8 @@ def patch(
         checkpoint.record(config, None if scaling is None else state.method, attention,
                           None if attention == "dual_chunk" else window, plan.leaky_k, plan.logn_length,
                           layer_types=layer_types, group=group, chunk_size=chunk_size, local_size=local_size,
-                          temperature_length=plan.temperature_length, temperature=temperature)
+                          temperature_length=plan.temperature_length, temperature=temperature,
+                          local_value=local_value)
     except ValueError as err:
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
@@ -463,13 +479,15 @@ def _sliding_window(module):
 
 
 def _check_attention_arguments(attention, window, leaky_k, logn_length, group=None, chunk_size=None,
-                               local_size=None, temperature_length=None, temperature=None) -> None:
+                               local_size=None, temperature_length=None, temperature=None, shifted_offset=None,
+                               local_value=None) -> None:
     """The attention side of a patch, checked before the model is touched (``config.check_attention``: the
     same check, and message, as a checkpoint's entry gets at load and at vLLM engine start)."""
     try:
         config_lib.check_attention(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
                                    local_size=local_size, temperature_length=temperature_length,
-                                   temperature=temperature)
+                                   temperature=temperature, shifted_offset=shifted_offset,
+                                   local_value=local_value)
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
 

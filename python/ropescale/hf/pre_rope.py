@@ -283,8 +283,8 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if wants_grad and state.attention == "dual_chunk":
         raise ValueError("ropescale: Dual Chunk Attention has no training path (ops.rerope_attention_train takes "
-                         "ReRoPE and Self-Extend): run the model under torch.no_grad() (generate does), or fine-tune "
-                         "with attention='self_extend' or 'rerope'")
+                         "ReRoPE, Self-Extend and STRING): run the model under torch.no_grad() (generate does), or "
+                         "fine-tune with attention='self_extend', 'string' or 'rerope'")
     # The fused op takes float32/fp16/bf16; a float64 model (numerics checks) runs the float64 composite, which
     # computes the same attention in plain PyTorch (differentiable; Lq x Lk masks, fine at a check's sizes).
     if query.dtype == torch.float64:

@@ -221,6 +221,9 @@ def describe_plan(plan: PreRopePlan, unset_max_tokens: int | None = None) -> str
         parts = [f"Dual Chunk Attention chunk_size {plan.chunk_size}, local_size {plan.window}, temperature "
                  + (f"{plan.temperature}'s at length {plan.temperature_length}" if plan.temperature_length
                     else "none")]
+    elif plan.attention == "string":
+        parts = [f"STRING shifted_offset {plan.window}, local_value {plan.far_start}, attention factor "
+                 f"{config_lib.STRING_ATTENTION_FACTOR:.4f} on q and k"]
     elif plan.window != NO_WINDOW:
         parts = [("Leaky ReRoPE" if plan.leaky_k else "ReRoPE") + f" window {plan.window}"
                  + (f", leaky_k {plan.leaky_k:g}" if plan.leaky_k else "")

@@ -116,7 +116,9 @@ ADDED_AT_DEFAULT = (", per='step'",
                     # Self-Extend's and Dual Chunk Attention's fields (issue 31)
                     ", group=None, chunk_size=None, local_size=None, temperature_length=0",
                     # Dual Chunk Attention's temperature rule (issue 42: ChunkLlama's beside Qwen's)
-                    ", temperature='qwen'")
+                    ", temperature='qwen'",
+                    # STRING's local value (issue 44)
+                    ", local_value=None")
 
 
 def as_read_then(parsed) -> str:

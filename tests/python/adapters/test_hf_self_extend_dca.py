@@ -1,5 +1,6 @@
-"""Self-Extend and Dual Chunk Attention in transformers (issue 31; docs/DESIGN.md, "Self-Extend and Dual Chunk
-Attention"): ``hf.patch(model, attention="self_extend" | "dual_chunk", ...)`` and a Qwen config's
+"""Self-Extend and Dual Chunk Attention (issue 31) and STRING (issue 44) in transformers (docs/DESIGN.md,
+"Self-Extend and Dual Chunk Attention", "STRING"): ``hf.patch(model, attention="self_extend" | "dual_chunk" |
+"string", ...)`` and a Qwen config's
 ``dual_chunk_attention_config`` read by ``hf.patch(model)``. Each layer's attention output of a patched tiny model
 equals the float64 reference (``support.attention``) over the keys it has seen, in prefill and at every decoding step
 of ``generate`` (batched, left padding), DCA's temperature included; decoding equals a prefill of the whole sequence;
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 
-from support.attention import reference, reference_dual_chunk, reference_self_extend  # noqa: E402
+from support.attention import reference, reference_dual_chunk, reference_self_extend, reference_string  # noqa: E402
 from support.families import VOCAB, build  # noqa: E402
 from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
@@ -33,6 +34,7 @@ INV_FREQ = 1.0 / 10000.0 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEA
 SE = dict(attention="self_extend", window=4, group=3)  # G does not divide W: the boundary shows
 DCA = dict(attention="dual_chunk", chunk_size=12, local_size=4)  # chunks of n = 8: every region by length 17
 QWEN_DCA = {"chunk_size": 12, "local_size": 4, "original_max_position_embeddings": 8}
+STRING = dict(attention="string", shifted_offset=7, local_value=3)  # far pairs from length 8
 
 def ids(batch=2, length=24, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
@@ -115,6 +117,9 @@ class LayerChecker:
             ref, _ = reference_self_extend(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
         elif self.attention == "rerope":
             ref, _ = reference(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
+        elif self.attention == "string":  # the authors' two passes, their attention factor on cos and sin
+            ref, _ = reference_string(q, k, v, qp, kp, self.inv_freq, scale=module.scaling,
+                                      attention_factor=config_lib.STRING_ATTENTION_FACTOR, **self.parameters)
         else:
             ref, _ = reference_dual_chunk(q, k, v, qp, kp, self.inv_freq, scale=module.scaling, **self.parameters)
         o_proj = module.o_proj
@@ -145,6 +150,9 @@ CASES = {  # name: (family, patch arguments, reference parameters, L0)
                                dict(chunk_size=12, local_size=4), 8),
     "dual_chunk_chunkllama": ("Llama", dict(DCA, temperature="chunkllama", original_max_position_embeddings=8),
                               dict(chunk_size=12, local_size=4), 8),
+    "string": ("Llama", STRING, dict(shifted_offset=7, local_value=3), 0),
+    "string_qwen2": ("Qwen2", dict(attention="string", shifted_offset=10, local_value=0),
+                     dict(shifted_offset=10, local_value=0), 0),
 }
 
 
@@ -191,7 +199,7 @@ def test_a_float64_model_is_served_and_equals_the_float64_reference(case):
     assert max(checker.errors) <= 1e-12, checker.errors
 
 
-@pytest.mark.parametrize("case", ["self_extend", "dual_chunk"])
+@pytest.mark.parametrize("case", ["self_extend", "dual_chunk", "string"])
 def test_decoding_with_the_cache_equals_a_prefill_of_the_whole_sequence(case):
     """Without a temperature every token's logits depend on positions alone: generate's step logits (raw keys in
     the PreRopeCache, one query a step) equal one forward over the whole sequence, rows padded on the left too."""
@@ -333,8 +341,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("self_extend_dca")
     out = {}
     for name, model in (("self_extend", build("Llama")), ("dual_chunk", build("Llama")), ("qwen", qwen_dca()),
-                        ("chunkllama", build("Llama"))):
-        arguments = {"self_extend": SE, "dual_chunk": dict(DCA, original_max_position_embeddings=8),
+                        ("chunkllama", build("Llama")), ("string", build("Llama"))):
+        arguments = {"self_extend": SE, "dual_chunk": dict(DCA, original_max_position_embeddings=8), "string": STRING,
                      "chunkllama": dict(DCA, temperature="chunkllama", original_max_position_embeddings=8)
                      }.get(name, {})
         hf.patch(model, **arguments)
@@ -352,6 +360,8 @@ WRITTEN = {
              {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4}, QWEN_DCA),
     "chunkllama": ({"rope_type": "dual_chunk", "rope_theta": 10000.0},
                    {"attention": "dual_chunk", "chunk_size": 12, "local_size": 4, "temperature": "chunkllama"}, QWEN_DCA),
+    "string": ({"rope_type": "string", "rope_theta": 10000.0},
+               {"attention": "string", "shifted_offset": 7, "local_value": 3}, None),
 }
 
 
@@ -407,8 +417,8 @@ def test_plain_transformers_refuses_the_checkpoints(saved, tmp_path):
         assert report[str(path)] == {"error": "KeyError", "message": repr(rope_type)}, name
 
 
-@pytest.mark.parametrize("arguments", [SE, dict(DCA, original_max_position_embeddings=8)],
-                         ids=["self_extend", "dual_chunk"])
+@pytest.mark.parametrize("arguments", [SE, dict(DCA, original_max_position_embeddings=8), STRING],
+                         ids=["self_extend", "dual_chunk", "string"])
 def test_unpatch_restores_the_config_exactly(arguments):
     model = build("Llama")
     before = model.config.to_json_string()
@@ -424,6 +434,7 @@ def test_unpatch_restores_the_config_exactly(arguments):
 
 # (rope_parameters, ropescale entry, dual_chunk_attention_config, message)
 DEFAULT, SE_TYPE, DCA_TYPE = {"rope_type": "default"}, {"rope_type": "self_extend"}, {"rope_type": "dual_chunk"}
+STRING_TYPE = {"rope_type": "string"}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 HOSTILE = {
     "se_window_float": (SE_TYPE, {"attention": "self_extend", "window": 4.0, "group": 2},
@@ -492,6 +503,18 @@ HOSTILE = {
                                       "temperature='chunkllama' needs its length L0"),
     "se_temperature": (SE_TYPE, {"attention": "self_extend", "window": 4, "group": 2, "temperature": "chunkllama"},
                        None, "temperature applies to attention='dual_chunk' only"),
+    "string_local_past_offset": (STRING_TYPE, {"attention": "string", "shifted_offset": 8, "local_value": 9}, None,
+                                 "0 <= local_value <= shifted_offset (8), got 9"),
+    "string_offset_float": (STRING_TYPE, {"attention": "string", "shifted_offset": 8.5, "local_value": 2}, None,
+                            "needs shifted_offset (S: distances from S on are shifted), an integer > 0, got 8.5"),
+    "string_misspelled": (STRING_TYPE, {"attention": "string", "shifted_offset": 8, "local_values": 2}, None,
+                          "no key 'local_values' (did you mean 'local_value'?)"),
+    "string_window": (STRING_TYPE, {"attention": "string", "shifted_offset": 8, "local_value": 2, "window": 8}, None,
+                      "window applies to attention='rerope' or 'self_extend' only; attention='string' takes "
+                      "shifted_offset, local_value"),
+    "string_unmarked": (DEFAULT, {"attention": "string", "shifted_offset": 8, "local_value": 2}, None,
+                        "asks for STRING attention but rope_type 'default' has no 'string' marker"),
+    "string_marker_without_entry": (STRING_TYPE, None, None, "marks STRING attention but the config has no 'ropescale'"),
 }
 
 
@@ -532,7 +555,14 @@ BAD_ARGUMENTS = [
     (dict(attention="dual_chunk", chunk_size=8, local_size=2,
           scaling=scaling.YaRN(factor=4.0, original_max_position=16)),
      "Dual Chunk Attention over a scaled table (YaRN)"),
-    (dict(attention="chunked"), "attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk', got 'chunked'"),
+    (dict(attention="chunked"), "attention must be one of 'sdpa', 'rerope', 'self_extend', 'dual_chunk', 'string', "
+                                "got 'chunked'"),
+    (dict(attention="string"), "needs shifted_offset (S: distances from S on are shifted), an integer > 0, got None"),
+    (dict(attention="string", shifted_offset=8, local_value=9), "0 <= local_value <= shifted_offset (8), got 9"),
+    (dict(attention="string", shifted_offset=8, local_value=-1), "got -1"),
+    (dict(attention="string", shifted_offset=8.0), "an integer > 0, got 8.0"),
+    (dict(attention="string", shifted_offset=8, window=8), "window applies to attention="),
+    (dict(attention="rerope", window=4, local_value=2), "local_value applies to attention='string' only"),
     (dict(attention="dual_chunk", chunk_size=8, local_size=2, temperature="ChunkLlama"),
      "must be one of 'qwen', 'chunkllama', got 'ChunkLlama'"),
     (dict(attention="dual_chunk", chunk_size=8, local_size=2, temperature="chunkllama",
@@ -552,7 +582,8 @@ def test_bad_patch_arguments_are_refused_before_the_model_is_touched(arguments, 
 
 def test_the_written_config_reads_back():
     for attention, arguments in (("self_extend", dict(window=4, group=3)),
-                                 ("dual_chunk", dict(chunk_size=12, local_size=4, temperature_length=8))):
+                                 ("dual_chunk", dict(chunk_size=12, local_size=4, temperature_length=8)),
+                                 ("string", dict(window=20, local_value=5))):
         written = config_lib.write(scaling.Default(), 1e4, HEAD, 64, attention=attention, **arguments)
         parsed = config_lib.read(written.rope_parameters, written.max_position_embeddings, written.entry, HEAD,
                                  written.dual_chunk)
@@ -598,6 +629,23 @@ def test_self_extend_trains_under_autocast_as_closely_as_transformers_own_model(
     step, native_step = loss_and_grads(model, x), loss_and_grads(native, x)
     assert (step[0] - native_step[0]).abs().max() > 1e-3  # the grouped region is another model
     checker = LayerChecker(model, "self_extend", window=4, group=3)
+    model(x, use_cache=False)  # gradients wanted: the training path
+    checker.remove()
+    assert max(checker.errors) <= 1e-5, checker.errors
+    assert_autocast_as_close_as_native(model, native, x, dtype, step, native_step)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_string_trains_under_autocast_as_closely_as_transformers_own_model(dtype):
+    """STRING fine-tunes through the training path (ReRoPE's far part, slope 1, from W): its float32 forward equals
+    the authors' float64 two passes layer by layer, and its autocast step is as close to its float32 step as
+    transformers' own model's is."""
+    native = build("Llama").train()
+    model = hf.patch(build("Llama"), **STRING).train()
+    x = ids(length=32, seed=9)
+    step, native_step = loss_and_grads(model, x), loss_and_grads(native, x)
+    assert (step[0] - native_step[0]).abs().max() > 1e-3  # the shifted region and the factor: another model
+    checker = LayerChecker(model, "string", shifted_offset=7, local_value=3)
     model(x, use_cache=False)  # gradients wanted: the training path
     checker.remove()
     assert max(checker.errors) <= 1e-5, checker.errors

@@ -1,5 +1,5 @@
-"""Self-Extend and Dual Chunk Attention served by vLLM through ropescale's plugin (issue 31; docs/DESIGN.md,
-"Self-Extend and Dual Chunk Attention" and "Engines"): raw keys in vLLM's paged cache, the method's region rule in
+"""Self-Extend and Dual Chunk Attention (issue 31) and STRING (issue 44) served by vLLM through ropescale's plugin
+(docs/DESIGN.md, "Self-Extend and Dual Chunk Attention", "STRING" and "Engines"): raw keys in vLLM's paged cache, the method's region rule in
 ``rerope_attention_paged`` (``group`` / ``chunk_size``), DCA's attention temperature exact under chunked prefill,
 batching, preemption and the prefix cache.
 
@@ -43,7 +43,7 @@ from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 from ropescale import config as config_lib, hf, ops, serving  # noqa: E402
 from ropescale.vllm import attention, rotary  # noqa: E402
 
-from support.attention import reference_dual_chunk, reference_self_extend  # noqa: E402
+from support.attention import reference_dual_chunk, reference_self_extend, reference_string  # noqa: E402
 
 SERVED = 256  # the length the engines serve (VLLM_ALLOW_LONG_MAX_MODEL_LEN: past the original 64)
 NEW_TOKENS = 8
@@ -51,12 +51,13 @@ SE = dict(attention="self_extend", window=16, group=5)  # G does not divide W: t
 # chunks of n = 36 (every region from 72 tokens); the temperature past the original length
 DCA = dict(attention="dual_chunk", chunk_size=48, local_size=12, original_max_position_embeddings=ORIGINAL)
 QWEN_DCA = {"chunk_size": 40, "local_size": 8, "original_max_position_embeddings": 100}  # Qwen's own keys
+STRING = dict(attention="string", shifted_offset=21, local_value=8)  # S = L/3 of the original 64, as its authors'
 
 
 def patched(name, seed=0):
     if name == "qwen_dca":
         return tiny_qwen2_dca(seed)
-    return hf.patch(served_llama(seed), **{"self_extend": SE, "dual_chunk": DCA}[name])
+    return hf.patch(served_llama(seed), **{"self_extend": SE, "dual_chunk": DCA, "string": STRING}[name])
 
 
 def tiny_qwen2_dca(seed=0):
@@ -93,7 +94,7 @@ def model_get_rope(monkeypatch, config, vllm_config=None, **kwargs):
 # 1. No engine
 
 
-@pytest.mark.parametrize("name", ["self_extend", "dual_chunk", "qwen_dca"])
+@pytest.mark.parametrize("name", ["self_extend", "dual_chunk", "qwen_dca", "string"])
 def test_get_rope_gives_the_pass_through_with_the_methods_plan(monkeypatch, name):
     config = patched(name).config
     attention.register_backends()
@@ -102,11 +103,14 @@ def test_get_rope_gives_the_pass_through_with_the_methods_plan(monkeypatch, name
     assert isinstance(layer, attention.PreRopeRotary)
     want = {"self_extend": dict(window=16, group=5, chunk_size=0, temperature_length=0),
             "dual_chunk": dict(window=12, group=0, chunk_size=48, temperature_length=ORIGINAL),
-            "qwen_dca": dict(window=8, group=0, chunk_size=40, temperature_length=100)}[name]
+            "qwen_dca": dict(window=8, group=0, chunk_size=40, temperature_length=100),
+            "string": dict(window=21, group=0, chunk_size=0, temperature_length=0, leaky_k=1.0, far_start=8)}[name]
     plan = attention.current_plan()
     assert {k: getattr(plan, k) for k in want} == want, plan
-    assert plan.method_arguments() == ({"group": 5} if name == "self_extend" else {"chunk_size": want["chunk_size"]})
-    assert plan.prompt_dependent == (name != "self_extend") and not plan.length_dependent
+    assert plan.method_arguments() == {"self_extend": {"group": 5}, "string": {"far_start": 8}}.get(
+        name, {"chunk_size": want["chunk_size"]})
+    assert plan.prompt_dependent == (name not in ("self_extend", "string")) and not plan.length_dependent
+    assert plan.score_factor == (config_lib.STRING_ATTENTION_FACTOR ** 2 if name == "string" else 1.0)
     if name == "qwen_dca":  # the config alone (a model class that does not pass it) reads the same
         attention._plan.clear()
         model_get_rope(monkeypatch, config)
@@ -240,7 +244,7 @@ def impl_of(backend):
     return backend.get_impl_cls()(Q_HEADS, HEAD, HEAD ** -0.5, KV_HEADS, None, None, "auto", None, "decoder", None)
 
 
-@pytest.mark.parametrize("name", ["self_extend", "dual_chunk"])
+@pytest.mark.parametrize("name", ["self_extend", "dual_chunk", "string"])
 def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatch, backend_config, name):
     model = patched(name)
     plan = serving.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
@@ -278,7 +282,7 @@ def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatc
     paged = ops.rerope_attention_paged
 
     def spy(*args, **kwargs):
-        calls.append({k: kwargs.get(k) for k in ("group", "chunk_size")} | {"window": args[7]})
+        calls.append({k: kwargs.get(k) for k in ("group", "chunk_size", "far_start", "leaky_k")} | {"window": args[7]})
         return paged(*args, **kwargs)
 
     monkeypatch.setattr(attention.ops, "rerope_attention_paged", spy)
@@ -303,8 +307,9 @@ def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatc
             impl.forward(layer, query, None, None, kv_cache, metadata, output)
             assert torch.equal(output[tokens:], torch.zeros(3, Q_HEADS, HEAD))
             out[kind] = output[:tokens]
-    want_call = {"group": 5, "chunk_size": None, "window": 16} if name == "self_extend" else \
-        {"group": None, "chunk_size": 48, "window": 12}
+    want_call = {"self_extend": {"group": 5, "chunk_size": None, "far_start": None, "leaky_k": 0.0, "window": 16},
+                 "dual_chunk": {"group": None, "chunk_size": 48, "far_start": None, "leaky_k": 0.0, "window": 12},
+                 "string": {"group": None, "chunk_size": None, "far_start": 8, "leaky_k": 1.0, "window": 21}}[name]
     assert calls == [want_call, want_call]
     assert torch.equal(out["cuda"], out["cpu"])
     # every row against the float64 reference over its request's keys, the temperature on q and k (DCA)
@@ -317,7 +322,12 @@ def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatc
         for i in range(q):
             position, row = n - q + i, int(starts[r]) + i
             qr = (query[row].double() * factor(r, position))[:, None][None]
-            if name == "self_extend":
+            if name == "string":  # the authors' two passes, their attention factor on cos and sin
+                want, _ = reference_string(qr, k[:, :, : position + 1], v[:, :, : position + 1],
+                                           k_pos[:, position: position + 1], k_pos[:, : position + 1], inv_freq,
+                                           21, 8, scale=HEAD ** -0.5,
+                                           attention_factor=config_lib.STRING_ATTENTION_FACTOR)
+            elif name == "self_extend":
                 want, _ = reference_self_extend(qr, k[:, :, : position + 1], v[:, :, : position + 1],
                                                 k_pos[:, position: position + 1], k_pos[:, : position + 1], inv_freq,
                                                 window=16, group=5, scale=HEAD ** -0.5)
@@ -359,20 +369,21 @@ CACHED_BATCHES = ("shared", "shared_cached", "same_length_cached", "other_cached
 RUNS = [  # (id, checkpoint, engine options, batches); one process, engine after engine
     ("self_extend", "self_extend", LOAD, ("long", "mixed", *CACHED_BATCHES)),
     ("dual_chunk", "dual_chunk", LOAD, ("long", "mixed", *CACHED_BATCHES)),
+    ("string", "string", LOAD, ("long", "mixed", *CACHED_BATCHES)),
     ("qwen_dca", "qwen_dca", LOAD, ("long", "mixed", "shared", "shared_cached")),
     ("dual_chunk/preempted", "dual_chunk", dict(LOAD, num_gpu_blocks_override=10, block_size=32), ("crossing",)),
     # compiled mode (vLLM traces the model; attention and the cache write stay opaque ops, the temperature's
     # lookup of the step's metadata in vLLM's forward context included)
     ("dual_chunk/compiled", "dual_chunk", dict(enforce_eager=False, max_num_seqs=4), ("long",)),
 ]
-STOCK = ("qwen_dca", "self_extend", "dual_chunk")  # refusals, in one process
+STOCK = ("qwen_dca", "self_extend", "dual_chunk", "string")  # refusals, in one process
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("se_dca_checkpoints")
     paths = {}
-    for name in ("self_extend", "dual_chunk", "qwen_dca"):
+    for name in ("self_extend", "dual_chunk", "qwen_dca", "string"):
         paths[name] = root / name
         patched(name).save_pretrained(paths[name])
     return paths
@@ -447,7 +458,7 @@ def test_prefix_cache_reuses_pages_only_where_the_result_is_the_same(plugin_engi
     (every prompt token's query and key take m(P))."""
     results, log = plugin_engines
     cached = {}
-    for run in ("self_extend", "dual_chunk", "qwen_dca"):
+    for run in ("self_extend", "dual_chunk", "qwen_dca", "string"):
         _, _, _, batch_names = next(r for r in RUNS if r[0] == run)
         cached[run] = {b: [r["cached"] for r in batch] for b, batch in zip(batch_names, served(results[run], log))
                        if b.endswith("_cached")}
@@ -455,6 +466,7 @@ def test_prefix_cache_reuses_pages_only_where_the_result_is_the_same(plugin_engi
         "self_extend": {"shared_cached": [128] * 4, "same_length_cached": [128] * 4, "other_cached": [128] * 3},
         "dual_chunk": {"shared_cached": [128] * 4, "same_length_cached": [128] * 4, "other_cached": [0] * 3},
         "qwen_dca": {"shared_cached": [128] * 4},
+        "string": {"shared_cached": [128] * 4, "same_length_cached": [128] * 4, "other_cached": [128] * 3},
     }, cached
 
 

@@ -1,7 +1,7 @@
-"""Self-Extend and Dual Chunk Attention through the ReRoPE ops (issue 31; docs/DESIGN.md, "Self-Extend and Dual
-Chunk Attention"): the dense op, the paged op, the composite, the naive form, the reference kernels and the
+"""Self-Extend and Dual Chunk Attention (issue 31) and STRING (issue 44) through the ReRoPE ops (docs/DESIGN.md,
+"Self-Extend and Dual Chunk Attention", "STRING"): the dense op, the paged op, the composite, the naive form, the reference kernels and the
 training path, each against the float64 per-region references of support/attention.py
-(``reference_self_extend``, ``reference_dual_chunk``). Prefill, chunked prefill, decode (both CPU plans) and
+(``reference_self_extend``, ``reference_dual_chunk``, ``reference_string``: its authors' two passes). Prefill, chunked prefill, decode (both CPU plans) and
 packed paged batches; float32 to 1e-5, fp16/bf16 within 2x PyTorch's own SDPA error; GQA, padding, odd sizes
 across the CPU kernel's 128-key / 128-query tiles, strided operands, interleaved pairs, partial rotary, long
 positions; the methods' parameter corners; opcheck; gradcheck of the Self-Extend training path; and the bad
@@ -26,7 +26,7 @@ from ropescale import reference as reference_kernels
 from ropescale.rerope_train import rerope_attention_train
 from support import TESTS
 from support.attention import (BASE, as_layout, assert_within_sdpa_error, logn_factor, make_inputs, reference,
-                               reference_dual_chunk, reference_self_extend, sdpa_error)
+                               reference_dual_chunk, reference_self_extend, reference_string, sdpa_error)
 from support.paged import make_paged
 
 ROPE = 1 << 30  # a ReRoPE window past every distance here: plain RoPE attention
@@ -40,14 +40,19 @@ class Method:
     window: int
     group: int = 0
     chunk_size: int = 0
+    local_value: int = -1  # STRING's W (``window`` is its shifted offset S); -1: not STRING
 
     def __str__(self):
+        if self.local_value >= 0:
+            return f"string-S{self.window}-W{self.local_value}"
         if self.chunk_size:
             return f"dca-C{self.chunk_size}-S{self.window}"
         return f"se-W{self.window}-G{self.group}"
 
     @property
     def kw(self):
+        if self.local_value >= 0:  # STRING: ReRoPE's far rule with slope 1, starting at W
+            return dict(leaky_k=1.0, far_start=self.local_value)
         return dict(group=self.group, chunk_size=self.chunk_size)
 
     def reference(self, q, k, v, qp, kp, inv_freq, scale=None, logn_length=0, causal=True, interleaved=False):
@@ -55,6 +60,9 @@ class Method:
         the references, which have no log-n, take the scaled query."""
         q = q.double() * logn_factor(qp, logn_length)[:, None, :, None]
         inv_freq = inv_freq.double()
+        if self.local_value >= 0:
+            return reference_string(q, k, v, qp, kp, inv_freq, self.window, self.local_value, scale, causal,
+                                    interleaved)
         if self.chunk_size:
             return reference_dual_chunk(q, k, v, qp, kp, inv_freq, self.chunk_size, self.window, scale, causal,
                                         interleaved)
@@ -64,6 +72,10 @@ class Method:
 SE = Method  # Method(W, group=G)
 
 
+def STRING(shifted_offset, local_value):
+    return Method(shifted_offset, local_value=local_value)
+
+
 def DCA(chunk_size, local_size):
     return Method(local_size, chunk_size=chunk_size)
 
@@ -71,8 +83,10 @@ def DCA(chunk_size, local_size):
 # Parameter corners. Self-Extend: G dividing W and not, W = 1 (the near band is the diagonal), a window wider
 # than a 128-key tile. Dual Chunk: local_size 0, local_size >= n (the successive region all near), the paper's
 # example (chunk_size = c - 1 = 9, local_size = w - 1 = 3), chunks longer than a tile.
+# STRING: W = 0 (the far side starts at distance 0), W = S (plain RoPE), S = 1, an offset wider than a tile.
 METHODS = [SE(4, group=2), SE(5, group=3), SE(1, group=6), SE(40, group=8), SE(150, group=3),
-           DCA(24, 5), DCA(40, 0), DCA(30, 20), DCA(9, 3), DCA(200, 30)]
+           DCA(24, 5), DCA(40, 0), DCA(30, 20), DCA(9, 3), DCA(200, 30),
+           STRING(40, 8), STRING(5, 0), STRING(1, 1), STRING(150, 128), STRING(33, 33)]
 
 # (Lq, Lk): prefill, chunked prefill (the queries a suffix of the keys), a decode step, the decode plan's
 # largest problem (<= 4 rows); odd lengths across the CPU kernel's 128-row / 128-key tiles.
@@ -146,7 +160,7 @@ def test_float64_composite_and_naive_equal_reference(method):
         torch.testing.assert_close(lse[lse.isfinite()], ref_lse[ref_lse.isfinite()], atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("method", [SE(5, group=3), DCA(30, 20)], ids=str)
+@pytest.mark.parametrize("method", [SE(5, group=3), DCA(30, 20), STRING(40, 8)], ids=str)
 def test_positions_at_the_bound(method):
     """Positions up to 2^31 - 1 (the op's accurate range): the floors and chunk offsets of large positions, on
     every path (the grid has positions at 10^6)."""
@@ -296,6 +310,9 @@ LOW_PRECISION_CASES = [
     (DCA(200, 30), 1, 4, 1, 130, 300, 64, 0, "contiguous", False, 0, 0),
     (DCA(24, 5), 2, 4, 2, 67, 140, 32, 9, "blhd", True, 24, 0),
     (DCA(40, 0), 1, 32, 4, 1, 517, 64, 0, "cache", False, 0, 100),
+    (STRING(40, 8), 1, 4, 2, 130, 130, 64, 0, "contiguous", False, 0, 0),
+    (STRING(100, 16), 2, 4, 2, 67, 300, 32, 9, "blhd", True, 24, 0),
+    (STRING(200, 128), 1, 32, 4, 1, 517, 64, 0, "cache", False, 0, 100),
 ]
 
 
@@ -318,7 +335,22 @@ def check_low_precision(case, dtype, device):
     assert out.dtype == dtype and out.is_contiguous() and out.device.type == device
     ref_out, ref_lse = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
     assert_within_sdpa_error(out.cpu(), lse.cpu(), ref_out, ref_lse,
-                             sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved))
+                             method_sdpa_error(method, q, k, v, qp, kp, inv_freq, (ref_out, ref_lse), logn_length=logn,
+                                               interleaved=interleaved))
+
+
+def method_sdpa_error(method, q, k, v, qp, kp, inv_freq, ref, **kw):
+    """The error PyTorch's SDPA makes in q's dtype on these inputs: the larger of plain RoPE attention's (the shared
+    rule, ``sdpa_error``) and that of the method itself computed by PyTorch's SDPA (the composite: two SDPA calls in
+    the dtype, as the methods' authors compute them), each ``(out, lse)`` against its float64 reference. RoPE's alone
+    is a baseline of another attention pattern: a method whose far side sharpens a row (STRING, Self-Extend) can
+    exceed twice it on some inputs while staying within the composite's (measured: STRING 2.5x RoPE's, 1.7x the
+    composite's, on seed 4 of the bf16 partial-rotary case)."""
+    rope = sdpa_error(q, k, v, qp, kp, inv_freq, **kw)
+    out, lse = ops.rerope_attention_composite(q, k, v, qp, kp, inv_freq, method.window, **kw, **method.kw)
+    rows = torch.isfinite(ref[1])
+    own = ((out.double() - ref[0]).abs()[rows].max().item(), (lse.double() - ref[1]).abs()[rows].max().item())
+    return max(rope[0], own[0]), max(rope[1], own[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +358,7 @@ def check_low_precision(case, dtype, device):
 # (support.paged.make_paged), each request's query i at position seq_len - q_len + i.
 
 REQUESTS = [(1, 300), (0, 20), (5, 5), (70, 201), (3, 131), (130, 130), (1, 1)]
-PAGED_METHODS = [SE(5, group=3), SE(40, group=4), DCA(24, 5), DCA(40, 0), DCA(30, 20)]
+PAGED_METHODS = [SE(5, group=3), SE(40, group=4), DCA(24, 5), DCA(40, 0), DCA(30, 20), STRING(40, 8), STRING(5, 0)]
 
 
 def paged_reference(method, q, dense, requests, inv_freq, logn_length=0, interleaved=False):
@@ -402,7 +434,7 @@ def test_decode_plan_every_work_split(method, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("method", [SE(40, group=4), DCA(24, 5)], ids=str)
+@pytest.mark.parametrize("method", [SE(40, group=4), DCA(24, 5), STRING(40, 8)], ids=str)
 def test_paged_low_precision_within_sdpa_error(method, dtype):
     check_paged_low_precision(method, dtype, [(1, 300), (70, 201), (3, 131), (130, 130)], "cpu")
 
@@ -563,6 +595,69 @@ def test_self_extend_training_path_gradcheck():
         return out, torch.where(torch.isfinite(lse), lse, 0)
 
     assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+# batch, q heads, kv heads, q_len, k_len, dim, S, W, left padding, interleaved, rotary_dim (0: dim)
+STRING_TRAIN_CASES = [
+    (2, 4, 2, 37, 37, 16, 7, 2, 3, False, 0),
+    (2, 4, 1, 20, 30, 16, 5, 0, 4, False, 0),  # the last 20 queries of 30 keys; W = 0
+    (1, 2, 2, 70, 70, 12, 16, 16, 0, True, 8),  # W = S: RoPE attention
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", STRING_TRAIN_CASES, ids=range(len(STRING_TRAIN_CASES)))
+def test_string_training_path(case, dtype):
+    """STRING through the training path (ReRoPE's far part with slope 1, starting at W): outputs and gradients
+    against the naive form's autograd in float64, and the authors' two-pass reference."""
+    batch, q_heads, kv_heads, q_len, k_len, dim, shifted, local, pad, interleaved, rotary_dim = case
+    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
+                                  seed=STRING_TRAIN_CASES.index(case))
+    inv_freq = inv_freq_of(rotary_dim or dim).to(dtype)
+    method = STRING(shifted, local)
+    kw = dict(interleaved=interleaved, **method.kw)
+    gen = torch.Generator().manual_seed(7)
+    g_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64)
+    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, shifted, **kw),
+                                 q, k, v, g_out.to(dtype), g_lse.to(dtype))
+    (ref_out, ref_lse), ref_grads = grads_of(
+        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq.double(), shifted, **kw),
+        q.double(), k.double(), v.double(), g_out, g_lse)
+    tol = 1e-11 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=10 * tol, rtol=10 * tol, msg=f"d{name}")
+    want = method.reference(q, k, v, qp, kp, inv_freq, interleaved=interleaved)
+    torch.testing.assert_close(out.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double()[lse.isfinite()], want[1][want[1].isfinite()], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shifted", [1, 6, 64])
+def test_string_local_value_at_the_offset_is_rope_attention(shifted):
+    """W = S shifts nothing: RoPE attention; and W < S differs from it once some distance reaches S."""
+    q, k, v, qp, kp = make_inputs(1, 4, 2, 80, 80, 16, seed=shifted)
+    inv_freq = inv_freq_of(16)
+    rope = reference(q.double(), k.double(), v.double(), qp, kp, inv_freq.double(), ROPE)
+    assert_close_to(*ops.rerope_attention(q, k, v, qp, kp, inv_freq, shifted, **STRING(shifted, shifted).kw), *rope)
+    out, _ = ops.rerope_attention(q, k, v, qp, kp, inv_freq, shifted, **STRING(shifted, shifted - 1).kw)
+    assert (out.double() - rope[0]).abs().max() > 1e-3
+
+
+def test_string_is_leaky_rerope_with_slope_one_shifted():
+    """The far rule, written out: a pair at distance d >= S sees d - S + W, so against a single-pair brute force
+    (one key per query, whose score alone sets the lse) the rotation is at that distance exactly."""
+    q, k, v, qp, kp = make_inputs(1, 1, 1, 1, 200, 8, torch.float64, seed=2)
+    inv_freq = inv_freq_of(8).double()
+    shifted, local = 50, 7
+    for j in (0, 100, 150, 151, 199):  # d = 199, 99, 49 (near), 48 (near), 0
+        out, lse = ops.rerope_attention_composite(q, k[:, :, j:j + 1], v[:, :, j:j + 1], qp, kp[:, j:j + 1], inv_freq,
+                                                  shifted, **STRING(shifted, local).kw)
+        d = 199 - j
+        r = d if d < shifted else d - shifted + local
+        rotated = reference(q, k[:, :, j:j + 1], v[:, :, j:j + 1], torch.tensor([[r]]), torch.tensor([[0]]), inv_freq,
+                            ROPE)
+        torch.testing.assert_close(lse, rotated[1], atol=1e-12, rtol=1e-12)
 
 
 def test_self_extend_training_fallback_keeps_the_group():

@@ -1,6 +1,7 @@
 """The float64 references of ReRoPE attention the op tests share (test_rerope_attention, test_rerope_paged,
 test_rerope_training, test_cuda_kernels): Su's two-matrix form and its IEEE variant for non-finite inputs,
-the per-region forms of Self-Extend and Dual Chunk Attention (test_self_extend_dca_reference),
+the per-region forms of Self-Extend and Dual Chunk Attention (test_self_extend_dca_reference), STRING's from its
+authors' two-pass code,
 random inputs with prefill positions and left padding, operand layouts, and the low-precision bound (the
 error PyTorch's own SDPA makes in that dtype on the same inputs)."""
 
@@ -143,6 +144,48 @@ def reference_dual_chunk(q, k, v, qp, kp, inv_freq, chunk_size, local_size, scal
              - torch.div(kp, n, rounding_mode="floor")[:, None, :])[:, None]
     scores = torch.where(apart == 0, a_intra, torch.where(apart == 1, a_succ, a_inter)) * scale
     return _per_pair_attention(scores, qp, kp, v, causal)
+
+
+def reference_string(q, k, v, qp, kp, inv_freq, shifted_offset, local_value, scale=None, causal=True,
+                     interleaved=False, attention_factor=1.0):
+    """STRING (An et al., ICLR 2025) in float64, (out, lse), built as its authors' code computes it
+    (HKUNLP/STRING ``string_for_llama.py``, ``forward`` and ``string_flash_forward``): keys and the "diag" queries
+    rotated at their own positions, the "shifted" queries at ``p - S + W`` (``position_ids - diag_size +
+    local_window``), cos and sin times ``attention_factor`` (theirs: ``0.1 ln 2 + 1``); two attentions, the diag one
+    over the keys less than S behind the query, the shifted one over the keys S or more behind, merged as their
+    code merges them (``out1 / (1 + exp(lse2 - lse1)) + out2 / (1 + exp(lse1 - lse2))``). The regions partition the
+    pairs as their decode path does (``k_cache_diag``: the last S keys); their prefill's flash window
+    ``[S, 0]`` also lets the key at distance exactly S into the diag side (DESIGN.md, "STRING"). Keys after the
+    query (``causal=False``) are on the diag side. Negative positions are padding."""
+    if not (all(isinstance(x, int) and not isinstance(x, bool) for x in (shifted_offset, local_value))
+            and 0 <= local_value <= shifted_offset and shifted_offset >= 1):
+        raise ValueError(f"need integers 0 <= local_value <= shifted_offset, shifted_offset >= 1, got "
+                         f"{shifted_offset!r}, {local_value!r}")
+    q, k, v, scale = _raw_inputs(q, k, v, scale)
+    qp, kp = qp.long(), kp.long()
+    m = float(attention_factor)
+    keys = rot64(k, kp, inv_freq, interleaved) * m
+    diag_q = rot64(q, qp, inv_freq, interleaved) * m
+    shifted_q = rot64(q, qp - shifted_offset + local_value, inv_freq, interleaved) * m
+    dist = (qp[:, :, None] - kp[:, None, :])[:, None]
+    visible = ((qp[:, :, None] >= 0) & (kp[:, None, :] >= 0))[:, None]
+    if causal:
+        visible = visible & (dist >= 0)
+
+    def attend(queries, keep):
+        scores = (queries @ keys.transpose(-1, -2) * scale).masked_fill(~(visible & keep), -math.inf)
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.exp(scores - torch.where(lse.isfinite(), lse, 0)[..., None])
+        return probs @ v, lse
+
+    out1, lse1 = attend(diag_q, dist < shifted_offset)
+    out2, lse2 = attend(shifted_q, dist >= shifted_offset)
+    # their merge; a side with no key (lse -inf) gets weight 0
+    gap21 = torch.where(lse2.isfinite(), torch.sigmoid(lse1 - lse2), torch.ones_like(lse1))
+    gap12 = torch.where(lse1.isfinite(), torch.sigmoid(lse2 - lse1), torch.ones_like(lse2))
+    gap21 = torch.where(lse1.isfinite(), gap21, torch.zeros_like(gap21))
+    gap12 = torch.where(lse2.isfinite(), gap12, torch.zeros_like(gap12))
+    return out1 * gap21[..., None] + out2 * gap12[..., None], torch.logaddexp(lse1, lse2)
 
 
 def make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype=torch.float32, pad=0, offset=0, seed=0,
