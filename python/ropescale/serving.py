@@ -37,6 +37,8 @@ __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "dual_chunk_temper
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
+#: STRING's far side in the ops' terms: Leaky ReRoPE's ``leaky_k`` of slope 1, starting at ``far_start`` (its W).
+STRING_SLOPE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +63,17 @@ class PreRopePlan:
         rerope = parsed.attention == "rerope"
         window = {"rerope": parsed.window, "self_extend": parsed.window, "dual_chunk": parsed.local_size,
                   "string": parsed.window}.get(parsed.attention)
+        string = parsed.attention == "string"
         return cls(parsed.method, float(parsed.base), int(rotary_dim), NO_WINDOW if window is None else int(window),
-                   float(parsed.leaky_k) if rerope else 0.0, int(parsed.logn_length) if rerope else 0,
-                   not is_neox_style, int(parsed.group or 0), int(parsed.chunk_size or 0),
-                   int(parsed.temperature_length), parsed.temperature,
-                   int(parsed.local_value) if parsed.attention == "string" else -1)
+                   float(parsed.leaky_k) if rerope else STRING_SLOPE if string else 0.0,
+                   int(parsed.logn_length) if rerope else 0, not is_neox_style, int(parsed.group or 0),
+                   int(parsed.chunk_size or 0), int(parsed.temperature_length), parsed.temperature,
+                   int(parsed.local_value) if string else -1)
 
-    @classmethod
-    def string(cls, method: scaling.RopeScaling, base: float, rotary_dim: int, shifted_offset: int, local_value: int,
-               interleaved: bool = False) -> "PreRopePlan":
-        """STRING's plan: ReRoPE's rule with the far side starting at ``local_value`` and slope 1 (the ops'
-        ``window = S``, ``leaky_k = 1``, ``far_start = W``)."""
-        return cls(method, float(base), int(rotary_dim), int(shifted_offset), 1.0, interleaved=interleaved,
-                   far_start=int(local_value))
+    def __post_init__(self):
+        if self.far_start >= 0 and self.leaky_k != STRING_SLOPE:  # a plan that would serve STRING as another rule
+            raise ValueError(f"PreRopePlan: STRING (far_start {self.far_start}) is ReRoPE's far rule with slope 1: "
+                             f"leaky_k must be {STRING_SLOPE}, got {self.leaky_k}")
 
     @property
     def attention(self) -> str:

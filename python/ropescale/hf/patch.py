@@ -345,12 +345,11 @@ def patch(
     plan = serving.PreRopePlan(
         method, config_lib.base_of(config, layer_type),
         method.rotary_dim_for(config_lib.head_dim_of(config, layer_type), params.get("partial_rotary_factor", 1.0)),
-        window if raw_keys else serving.NO_WINDOW, float(leaky_k or 0.0), int(logn_length or 0),
+        window if raw_keys else serving.NO_WINDOW,
+        serving.STRING_SLOPE if attention == "string" else float(leaky_k or 0.0), int(logn_length or 0),
         group=int(group or 0), chunk_size=int(chunk_size or 0),
         temperature_length=int(original_max_position_embeddings or 0), temperature=temperature or "qwen",
         far_start=int(local_value) if attention == "string" else -1)
-    if attention == "string":
-        plan = dataclasses.replace(plan, leaky_k=1.0)  # STRING: ReRoPE's far rule with slope 1
     state = _PatchState(
         plan=plan,
         raw_keys=raw_keys,

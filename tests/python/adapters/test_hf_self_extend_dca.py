@@ -596,6 +596,19 @@ def test_the_written_config_reads_back():
     assert config_lib.read(written.rope_parameters, 16, written.entry, HEAD).method.factor == 4.0
 
 
+def test_a_string_plan_is_never_served_as_another_rule():
+    """STRING is ReRoPE's far rule with slope 1 from W: a plan with its W and another slope (ReRoPE clipped at W)
+    would serve another model silently, so none can be built; every plan read from a STRING config has slope 1."""
+    from ropescale import serving
+
+    with pytest.raises(ValueError, match="slope 1: leaky_k must be 1.0, got 0.0"):
+        serving.PreRopePlan(scaling.Default(), 1e4, HEAD, 7, 0.0, far_start=3)
+    config = patched("Llama", **STRING).config
+    plan = serving.PreRopePlan.of(config_lib.read_config(config), HEAD, True)
+    assert (plan.attention, plan.window, plan.leaky_k, plan.far_start) == ("string", 7, 1.0, 3)
+    assert plan.method_arguments() == {"far_start": 3}
+
+
 def test_rope_type_markers_parse_and_join():
     for marker in scaling.RopeType.MARKERS:
         for table in ("default", "yarn", "resonance_yarn"):
