@@ -11,7 +11,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["DEFAULT_SIZE", "wavelengths", "decay", "feature_gap", "accuracy_by_position"]
+__all__ = ["DEFAULT_SIZE", "wavelengths", "decay", "feature_gap", "accuracy_by_position", "ruler_scores"]
 
 DEFAULT_SIZE = (960, 540)
 _DPI = 100
@@ -144,4 +144,42 @@ def accuracy_by_position(
     ax.set_title(title or "Train short, test long")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return _save(fig, path)
+
+
+def ruler_scores(
+    scores: Mapping[str, Mapping[int, float]],
+    path: str | Path,
+    threshold: float | None = None,
+    effective_length: int | None = None,
+    title: str = "",
+    size: tuple[int, int] = DEFAULT_SIZE,
+) -> Path:
+    """RULER scores (0-100) against the context length (log 2 axis): a line per task, their average in bold,
+    the threshold a length must pass and the effective length marked."""
+    fig = _figure(size)
+    ax = fig.add_subplot()
+    lengths = sorted({n for by_length in scores.values() for n in by_length})
+    styles = ["-", "--", "-.", ":"]
+    for n, (task, by_length) in enumerate(scores.items()):
+        xs = [x for x in lengths if x in by_length]
+        ax.plot(xs, [by_length[x] for x in xs], linestyle=styles[n % len(styles)], marker="o", linewidth=1.0,
+                alpha=0.8, label=task)
+    if scores:
+        average = [sum(by[x] for by in scores.values() if x in by) / sum(x in by for by in scores.values())
+                   for x in lengths]
+        ax.plot(lengths, average, color="black", marker="s", linewidth=2.5, label="average")
+    if threshold is not None:
+        ax.axhline(threshold, color="gray", linestyle="--", label=f"threshold {threshold:g}")
+    if effective_length is not None:
+        ax.axvline(effective_length, color="red", linestyle=":", label=f"effective length {effective_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(x) for x in lengths])
+    ax.set_ylim(-2, 102)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("score (string_match_all, %)")
+    ax.set_title(title or "RULER")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
     return _save(fig, path)

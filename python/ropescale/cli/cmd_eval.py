@@ -1,13 +1,15 @@
-"""``eval passkey`` and ``eval perplexity``: a causal LM evaluated as in the YaRN paper (ropescale.evaluate),
-optionally with a context-extension method put in first."""
+"""``eval passkey``, ``eval perplexity`` and ``eval ruler``: a causal LM evaluated as in the YaRN paper
+(ropescale.evaluate) or on RULER's synthetic tasks (ropescale.ruler), optionally with a context-extension method
+put in first."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 from . import methods
-from .common import (UsageError, add_json, add_quiet, dump, non_negative_int, note, positive_int, progress,
-                     show_progress, subcommand)
+from .common import (UsageError, add_json, add_plot, add_quiet, dump, non_negative_int, note, positive_int,
+                     progress, show_progress, subcommand)
 
 _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
@@ -30,6 +32,12 @@ _EXAMPLES = {
         "ropescale eval perplexity --gguf --text book.txt --max-length 16384 --stride 4096 --method yarn",
         "ropescale eval perplexity --gguf --text book.txt --max-length 16384 --stride 4096 "
         "--method rerope --window 2048 --logn",
+    ],
+    "ruler": [
+        "ropescale eval ruler --gguf --lengths 4096 8192 --samples 5   # SmolLM2-135M, RULER's six synthetic tasks",
+        "ropescale eval ruler --gguf --lengths 16384 --method yarn --cache-dir ruler-prompts   # prompts kept",
+        "ropescale eval ruler ./my-llama --lengths 4096 8192 16384 --tasks niah_single_1 vt --plot ruler.png",
+        "ropescale eval ruler ./my-llama --lengths 8192 --tasks niah_multivalue --haystack essays.txt",
     ],
 }
 
@@ -58,15 +66,26 @@ _EVALUATORS = (
      "--max-length grows past the trained length means the method lets the model use the longer context; "
      "one that explodes means it does not. A window costs one forward of --max-length tokens: on a CPU, "
      "raise --stride for long windows."),
+    ("ruler", "RULER's synthetic tasks: needles, variable tracking, word counts (Hsieh et al.)",
+     "RULER (Hsieh et al., 2024): its six fully synthetic tasks, generated offline as RULER's scripts generate "
+     "them (base template, lengths counted with the model's tokenizer, seed 42): niah_single_1, niah_multikey_2, "
+     "niah_multikey_3 (needles in a haystack), vt (variable tracking), cwe and fwe (common and frequent words). "
+     "Each answer is greedy, scored with RULER's string_match_all (the share of expected strings found). The "
+     "table gives a score per task and length and the average per length; the effective length is the longest "
+     "length whose average, and every shorter length's, exceeds 85.6 (Llama-2-7B at 4k, RULER's bar). "
+     "niah_single_1, niah_multikey_2 and cwe draw words from the wonderwords package (pip install wonderwords). "
+     "With --haystack FILE the essay-haystack needle tasks run too (niah_single_2, niah_single_3, "
+     "niah_multikey_1, niah_multivalue, niah_multiquery). Prompts are generated once per task, length, seed, "
+     "sample count and tokenizer: --cache-dir keeps them for later runs (another method reads them back)."),
 )
 
 
 def add_parser(sub) -> None:
     """Adds ``eval`` and its evaluators to the ``ropescale`` command's subparsers."""
-    ev = subcommand(sub, "eval", "passkey retrieval or sliding-window perplexity of a causal LM",
+    ev = subcommand(sub, "eval", "passkey retrieval, sliding-window perplexity or RULER of a causal LM",
                     "Evaluate a transformers causal LM (a local directory, a hub name, or a GGUF file) as in the YaRN\n"
-                    "paper, optionally with a context-extension method put in first.\n\n" + _METHOD_HELP,
-                    [e for name in ("passkey", "perplexity") for e in _EXAMPLES[name][:2]])
+                    "paper or on RULER's synthetic tasks, optionally with a context-extension method put in first.\n\n"
+                    + _METHOD_HELP, [e for name in ("passkey", "perplexity", "ruler") for e in _EXAMPLES[name][:2]])
     ev_sub = ev.add_subparsers(dest="evaluator", required=True, metavar="EVALUATOR")
     for name, help_text, description in _EVALUATORS:
         e = subcommand(ev_sub, name, help_text, textwrap.fill(description, 108) + "\n\n" + _METHOD_HELP,
@@ -87,6 +106,23 @@ def add_parser(sub) -> None:
             e.add_argument("--trials", type=positive_int, default=10, help="prompts per length (default 10)")
             e.add_argument("--seed", type=non_negative_int, default=0)
             e.set_defaults(func=_cmd_passkey)
+        elif name == "ruler":
+            from .. import ruler
+
+            e.add_argument("--lengths", type=positive_int, nargs="+", required=True, metavar="N",
+                           help="context length(s) in tokens: prompt + answer")
+            e.add_argument("--tasks", nargs="+", default=list(ruler.DEFAULT_TASKS), metavar="TASK",
+                           help=f"tasks (default: the six synthetic ones, {' '.join(ruler.DEFAULT_TASKS)}; with "
+                                f"--haystack also {' '.join(ruler.ESSAY_TASKS)})")
+            e.add_argument("--samples", type=positive_int, default=5, help="prompts per task and length (default 5)")
+            e.add_argument("--seed", type=non_negative_int, default=42, help="RULER's seed (default 42)")
+            e.add_argument("--haystack", metavar="FILE",
+                           help="a UTF-8 text for the essay-haystack needle tasks (RULER: Paul Graham's essays)")
+            e.add_argument("--cache-dir", metavar="DIR",
+                           help="keep the generated prompts here (JSONL); a later run with the same tokenizer, "
+                                "tasks, lengths, samples and seed reads them instead of generating them")
+            add_plot(e, "the score per length (a line per task, and the average)")
+            e.set_defaults(func=_cmd_ruler)
         else:
             e.add_argument("--text", required=True, help="a UTF-8 text file")
             e.add_argument("--max-length", type=positive_int, default=None,
@@ -206,3 +242,95 @@ def _cmd_perplexity(args) -> int:
         print(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "
               f"{result.windows} windows of {max_length}, stride {args.stride})")
     return 0
+
+
+def _ruler_tasks(args) -> tuple[list[str], dict[str, str]]:
+    """The tasks to run and the ones skipped (wonderwords missing), from --tasks and --haystack."""
+    import importlib.util
+
+    from .. import ruler
+
+    unknown = [t for t in args.tasks if t not in ruler.TASKS]
+    if unknown:
+        raise UsageError(f"--tasks: unknown task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the tasks "
+                         f"are: {', '.join(ruler.TASKS)}")
+    essays = [t for t in args.tasks if ruler.TASKS[t].needs_haystack]
+    if essays and args.haystack is None:
+        raise UsageError(f"--tasks {' '.join(essays)}: these hide their needles in essays: give --haystack FILE (a "
+                         "long text; RULER uses Paul Graham's essays)")
+    tasks = list(dict.fromkeys(args.tasks))
+    skipped = {}
+    if importlib.util.find_spec("wonderwords") is None:
+        skipped = {t: f"needs the wonderwords package: {ruler.WONDERWORDS_INSTALL}"
+                   for t in tasks if ruler.TASKS[t].needs_wonderwords}
+        if skipped:
+            tasks = [t for t in tasks if t not in skipped]
+            print(f"ropescale eval ruler: skipping {', '.join(skipped)}: they draw words from the wonderwords "
+                  f"package, which is not installed ({ruler.WONDERWORDS_INSTALL})", file=sys.stderr)
+        if not tasks:
+            raise UsageError(f"--tasks {' '.join(skipped)}: these need the wonderwords package: "
+                             f"{ruler.WONDERWORDS_INSTALL}")
+    return tasks, skipped
+
+
+def _cmd_ruler(args) -> int:
+    from .. import ruler
+
+    _check_options(args)
+    tasks, skipped = _ruler_tasks(args)
+    haystack = None
+    if args.haystack is not None:
+        try:
+            with open(args.haystack, encoding="utf-8") as f:
+                haystack = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise UsageError(f"--haystack: cannot read {args.haystack}: {reason}") from None
+        if not haystack.strip():
+            raise UsageError(f"--haystack: {args.haystack} is empty")
+    answer = max(ruler.TASKS[t].tokens_to_generate for t in tasks)
+    if min(args.lengths) <= answer:
+        raise UsageError(f"--lengths: {min(args.lengths)} leaves no room for a prompt: the answer alone may take "
+                         f"{answer} tokens")
+    model, tokenizer = _load_model(args)
+    described = _patch(args, model, max(args.lengths))
+    result = ruler.run(model, tokenizer, tasks, args.lengths, samples=args.samples, seed=args.seed,
+                       haystack=haystack, cache_dir=args.cache_dir, progress=show_progress(args))
+    if args.plot:
+        from .. import plots
+
+        method = described["method"] or "no method"
+        plots.ruler_scores(result.scores, args.plot, threshold=result.threshold,
+                           effective_length=result.effective_length,
+                           title=f"RULER: {_model_name(args)}, {method}")
+    if args.json:
+        dump({"model": _model_name(args), **described, **result.to_dict(), "skipped": skipped})
+        return 0
+    print(_ruler_table(result, _model_name(args), described))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _ruler_table(result, model_name: str, described: dict) -> str:
+    """The scores as a table: a row per task, a column per length, the average row, the effective length."""
+    method = described["method"] or "none"
+    plural = "" if result.samples == 1 else "s"
+    lines = [f"RULER on {model_name}, method: {method}; {len(result.tasks)} tasks x {result.samples} sample{plural}, "
+             f"seed {result.seed}, base template; score = string_match_all (%)"]
+    width = max(len("average"), *(len(t) for t in result.tasks))
+    header = f"{'task':<{width}}" + "".join(f"{n:>10}" for n in result.lengths)
+    lines += [header, "-" * len(header)]
+    for task, by_length in result.scores.items():
+        lines.append(f"{task:<{width}}" + "".join(f"{by_length[n]:>10.2f}" for n in result.lengths))
+    lines.append("-" * len(header))
+    lines.append(f"{'average':<{width}}" + "".join(f"{result.averages[n]:>10.2f}" for n in result.lengths))
+    effective = result.effective_length
+    rule = f"the longest length whose average, and every shorter length's, exceeds {result.threshold:g}"
+    if effective is None:
+        shortest = min(result.lengths)
+        lines.append(f"effective length: none ({rule}; the average at {shortest} is "
+                     f"{result.averages[shortest]:.2f})")
+    else:
+        lines.append(f"effective length: {effective} ({rule})")
+    return "\n".join(lines)
