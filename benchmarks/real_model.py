@@ -29,6 +29,9 @@ the length N it is measured at, so below 8k it IS the native model and is not ru
                   group whose extended length (L - W) G + W covers N (G = 3 at 16k, 5 at 32k; G = 1,
                   i.e. native, up to 8k). LongLM's README: neighbour windows of 512 to 1536 for Llama-2's
                   4k (L/8 to 3L/8), "try the smallest group size first"
+  STRING          distances d >= S shifted down to d - S + W (An et al.), its authors' RULER settings at every
+                  length N: S = 0.33 N, W = 128, and its code's attention factor 0.1 ln 2 + 1 on cos and sin;
+                  past L it still shows positions up to N - S + W > L (its paper applies it within L)
   DCA             Dual Chunk Attention with ChunkLlama's defaults for L, chunk_size = 3L/4 = 6144 and
                   local_size = L/16 = 512 (An et al.; chunks of 5632 tokens), no temperature (the paper
                   has none; Qwen's original_max_position_embeddings adds one). The same configuration at
@@ -75,8 +78,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (DCA_CHUNK, DCA_LOCAL, TRAINED, WINDOW, device_name, leaky_k_for,  # noqa: E402
-                    self_extend_group_for)
+from common import (DCA_CHUNK, DCA_LOCAL, STRING_LOCAL, TRAINED, WINDOW, device_name, leaky_k_for,  # noqa: E402
+                    self_extend_group_for, string_offset_for)
 
 from ropescale import evaluate, hf, realmodel, scaling  # noqa: E402
 
@@ -192,6 +195,8 @@ class Method:
                 kwargs = {"attention": "self_extend", "window": WINDOW, "group": group}
         if self.attention == "dual_chunk":
             kwargs = {"attention": "dual_chunk", "chunk_size": DCA_CHUNK, "local_size": DCA_LOCAL}
+        if self.attention == "string":  # its authors' S = 0.33 N, W = 128, at every length (and its factor)
+            kwargs = {"attention": "string", "shifted_offset": string_offset_for(length), "local_value": STRING_LOCAL}
         if method is None and not kwargs:
             return None
         return method, kwargs
@@ -217,6 +222,7 @@ METHODS = {
     "rerope_logn": Method("ReRoPE + log-n", attention="rerope", logn=True),
     "self_extend": Method("Self-Extend", attention="self_extend"),
     "dca": Method("DCA", attention="dual_chunk"),
+    "string": Method("STRING", attention="string"),
 }
 
 

@@ -8,7 +8,10 @@
 #   first-day  what a GPU user does first (issue 26): one autocast bf16/fp16 fine-tuning step of every
 #              patch kind, a ReRoPE training step at 4k-16k with its peak memory against plain SDPA, vLLM
 #              serving ReRoPE and Dynamic-YaRN checkpoints with --attention-backend CUSTOM and CUDA graphs
-#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context.
+#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context;
+#   ruler      (opt-in: GPU_CHECK_PARTS=ruler) the RULER table on SmolLM2-135M (benchmarks/ruler_table.py,
+#              issue 44): every method, 4k to 32k, 50 samples a cell, resumed from and appended to
+#              benchmarks/results/ruler_smollm2.jsonl, so each call adds what its budget allows (bring the file back).
 # Each call ends within 8 minutes: each step's time limit is cut to what is left of GPU_CHECK_SECONDS
 # (default 470; 0: no budget and no step limit, for a test on a loaded machine), and a step with no time
 # left is recorded as not run. Both parts do not fit one call
@@ -41,7 +44,7 @@ JOBS=${JOBS:-$(nproc)}
 BUDGET=${GPU_CHECK_SECONDS:-470}
 PARTS=" ${GPU_CHECK_PARTS:-core first-day} "
 for part in $PARTS; do
-  case $part in core | first-day) ;; *) echo "gpu_check: unknown part '$part' (core, first-day)" >&2; exit 2 ;; esac
+  case $part in core | first-day | ruler) ;; *) echo "gpu_check: unknown part '$part' (core, first-day, ruler)" >&2; exit 2 ;; esac
 done
 part() { [[ $PARTS == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/$BUILD/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -224,12 +227,21 @@ if [ "$build_ok" = 1 ] && part first-day; then
     "$PYTHON" benchmarks/bench_chunked_prefill.py --device cuda
 fi
 
+if [ "$build_ok" = 1 ] && part ruler; then
+  # Answers are appended as they end; the step's time limit stops it, and the next call resumes.
+  run "RULER table (GPU): SmolLM2-135M, every method, 4k-32k, 50 samples" 460 "$OUT/ruler_table.log" \
+    "$PYTHON" benchmarks/ruler_table.py --device cuda --lengths 4096 8192 16384 32768 --samples 50 --quiet \
+    --max-seconds 380
+  cp benchmarks/results/ruler_smollm2.jsonl "$OUT/" 2>/dev/null || true
+fi
+
 section "Tests"
 for t in pytest_cuda pytest_cpu_host training vllm_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"
-for b in bench_rotary bench_rotary_per_request bench_rerope bench_rerope_train bench_chunked_prefill vllm_per_request; do
+for b in bench_rotary bench_rotary_per_request bench_rerope bench_rerope_train bench_chunked_prefill vllm_per_request \
+  ruler_table; do
   [ -f "$OUT/$b.log" ] && { echo "### $b"; echo; fenced "$OUT/$b.log"; echo; } >>"$REPORT"
 done
 section "Steps"

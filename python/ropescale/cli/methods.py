@@ -232,7 +232,7 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            "reads the last S positions it was trained on no more (its authors: S = 0.25 to 0.4 of the trained length)",
            type=positive_int, metavar="S", attention=("string",)),
     Option("--local-value", f"STRING: the local value W <= S, where the shifted distances start (default "
-           f"{config_lib.STRING_LOCAL_VALUE}, its authors'; they suggest 128 to 512)", type=non_negative_int,
+           f"{config_lib.STRING_LOCAL_VALUE}, its authors', or S if smaller; they suggest 128 to 512)", type=non_negative_int,
            metavar="W", attention=("string",)),
 )}
 
@@ -443,8 +443,8 @@ def attention_arguments(args) -> dict[str, Any]:
                 "original_max_position_embeddings": args.temperature_length,
                 "temperature": getattr(args, "dca_temperature", None)}
     if attention == "string":
-        local_value = config_lib.STRING_LOCAL_VALUE if args.local_value is None else args.local_value
-        return {"attention": "string", "shifted_offset": args.shifted_offset, "local_value": local_value}
+        return {"attention": "string", "shifted_offset": args.shifted_offset,
+                "local_value": config_lib.string_local_value(args.shifted_offset, args.local_value)}
     return {}
 
 

@@ -277,15 +277,21 @@ def _perplexity_direct(model, text, tokenizer, *patch_args, **patch_kwargs):
 
 @pytest.mark.parametrize("options,patch_args,patch_kwargs,described", [
     (["--method", "rerope", "--window", "16"], (None,), dict(attention="rerope", window=16),
-     {"method": "default", "window": 16, "leaky_k": None, "logn": False}),
+     {"method": "default", "attention": "rerope", "window": 16, "leaky_k": 0.0, "logn_length": 0, "logn": False}),
     (["--method", "rerope", "--window", "16", "--leaky-k", "8", "--logn"], (None,),
      dict(attention="rerope", window=16, leaky_k=8.0, logn_length=50),
-     {"method": "default", "window": 16, "leaky_k": 8.0, "logn": True}),
+     {"method": "default", "window": 16, "leaky_k": 8.0, "logn_length": 50, "logn": True}),
     # --factor defaults to the evaluated length over the trained length: 150 / 50
     (["--method", "yarn"], (scaling.YaRN(factor=3.0, original_max_position=50),), {},
      {"method": "yarn", "factor": 3.0}),
     (["--method", "yarn", "--window", "16"], (scaling.YaRN(factor=3.0, original_max_position=50),),
      dict(attention="rerope", window=16), {"method": "yarn", "factor": 3.0, "window": 16}),
+    # the other raw-key attentions (issue 44: eval takes every attention)
+    (["--attention", "string", "--shifted-offset", "40", "--local-value", "8"], (None,),
+     dict(attention="string", shifted_offset=40, local_value=8),
+     {"attention": "string", "shifted_offset": 40, "local_value": 8}),
+    (["--attention", "self_extend", "--window", "16", "--group", "3"], (None,),
+     dict(attention="self_extend", window=16, group=3), {"attention": "self_extend", "window": 16, "group": 3}),
 ])
 def test_eval_perplexity_method_and_window(capsys, tmp_path, saved_model, options, patch_args, patch_kwargs,
                                             described):

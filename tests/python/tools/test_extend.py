@@ -271,10 +271,13 @@ ATTENTIONS = {
     "string": (["--attention", "string", "--shifted-offset", 5, "--local-value", 2], None,
                dict(attention="string", shifted_offset=5, local_value=2),
                "STRING attention: shifted_offset 5, local_value 2"),
-    # its authors' local value 128 by default (here past S: refused by hf.patch's check, so S = 200)
+    # its authors' local value 128 by default, S where S is smaller
     "string_default_local_value": (["--attention", "string", "--shifted-offset", 200], None,
                                    dict(attention="string", shifted_offset=200),
                                    "STRING attention: shifted_offset 200, local_value 128"),
+    "string_default_local_value_below": (["--attention", "string", "--shifted-offset", 6], None,
+                                         dict(attention="string", shifted_offset=6),
+                                         "STRING attention: shifted_offset 6, local_value 6"),
     "self_extend_over_yarn": (["--method", "yarn", "--factor", 4, "--original-max-position", ORIGINAL, "--attention",
                                "self_extend", "--window", 4, "--group", 3],
                               scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), SE,
