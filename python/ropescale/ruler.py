@@ -303,6 +303,23 @@ def _draw_fitting(draw: Callable[[int], Any], fits: Callable[[Any], bool], size:
                 raise ValueError(f"{what}: {too_short}")
 
 
+def _fitted_samples(task: Task, make: Callable[[int], tuple[str, list[str]]], count: Callable[[str], int],
+                    length: int, samples: int, step: int, upper: int) -> list[Sample]:
+    """RULER's loop for the tasks whose prompt grows with one size: the largest size in ``[step, upper]`` whose
+    prompt plus ``tokens_to_generate`` fits ``length`` (``make(size)``: (prompt, answers), a new draw each call),
+    then ``samples`` draws at it (smaller where a draw does not fit)."""
+    def fits(text: str) -> bool:
+        return count(text) + task.tokens_to_generate <= length
+
+    size = _search(lambda n: fits(make(n)[0]), step, upper) or step
+    out = []
+    for index in range(samples):
+        text, answers = _draw_fitting(make, lambda made: fits(made[0]), size, step, task.name)
+        body, prefix = _split_prefix(text, task.answer_prefix)
+        out.append(Sample(task.name, length, index, body, prefix, tuple(answers), count(text)))
+    return out
+
+
 def _split_prefix(text: str, raw_prefix: str) -> tuple[str, str]:
     """RULER's split of a prompt into ``input`` and ``answer_prefix``: at the last occurrence of the answer
     prefix's first 10 characters (of the template's, before formatting)."""
@@ -425,7 +442,6 @@ def _niah(task: Task, count, length: int, samples: int, seed: int, haystack: str
     kind = a["type_haystack"]
     num_q, num_v = a["num_needle_q"], a["num_needle_v"]
     num_k = max(a["num_needle_k"], num_q)
-    ttg = task.tokens_to_generate
     rng = _Draws(seed)
     words = _needle_words() if "words" in (a["type_needle_k"], a["type_needle_v"]) else None
     if kind == "essay":
@@ -488,19 +504,9 @@ def _niah(task: Task, count, length: int, samples: int, seed: int, haystack: str
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
         return template.format(type_needle_v=type_v, context=context, query=query), answers
 
-    def fits(text: str) -> bool:
-        return count(text) + ttg <= length
-
     step = 500 if kind == "essay" else (5 if length < 4096 else 25)
     per_unit = count(make(step)[0]) / step
-    upper = max(int((length / per_unit) * 3), step * 2)
-    size = _search(lambda n: fits(make(n)[0]), step, upper) or step
-    out = []
-    for index in range(samples):
-        text, answers = _draw_fitting(make, lambda made: fits(made[0]), size, step, task.name)
-        body, prefix = _split_prefix(text, task.answer_prefix)
-        out.append(Sample(task.name, length, index, body, prefix, tuple(answers), count(text)))
-    return out
+    return _fitted_samples(task, make, count, length, samples, step, max(int((length / per_unit) * 3), step * 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +593,7 @@ def _vt(task: Task, count, length: int, samples: int, seed: int, haystack: str |
 
 def _cwe(task: Task, count, length: int, samples: int, seed: int, haystack: str | None) -> list[Sample]:
     a = task.args
-    ttg, num_cw = task.tokens_to_generate, a["num_cw"]
+    num_cw = a["num_cw"]
     template = task.template + task.answer_prefix
     rng = _Draws(seed)
     words = rng.shuffled(_common_words())
@@ -613,19 +619,9 @@ def _cwe(task: Task, count, length: int, samples: int, seed: int, haystack: str 
                      + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot[1])))
         return shot_text + "\n" + template.format(num_cw=num_cw, context=context, query=""), answer
 
-    def fits(text: str) -> bool:
-        return count(text) + ttg <= length
-
     step = 10
     per_word = count(make(4096)[0]) / 4096
-    upper = max(int(length // per_word) * 2, step * 2)
-    size = _search(lambda n: fits(make(n)[0]), step, upper) or step
-    out = []
-    for index in range(samples):
-        text, answer = _draw_fitting(make, lambda made: fits(made[0]), size, step, task.name)
-        body, prefix = _split_prefix(text, task.answer_prefix)
-        out.append(Sample(task.name, length, index, body, prefix, tuple(answer), count(text)))
-    return out
+    return _fitted_samples(task, make, count, length, samples, step, max(int(length // per_word) * 2, step * 2))
 
 
 # ---------------------------------------------------------------------------------------------
