@@ -605,7 +605,8 @@ def rerope_attention(
     """
     return _ops.rerope_attention(
         q, k, v, q_positions, k_positions, inv_freq, window, float(leaky_k),
-        -1.0 if scale is None else float(scale), logn_length, causal, interleaved, group=group, chunk_size=chunk_size, far_start=far_start,
+        -1.0 if scale is None else float(scale), logn_length, causal, interleaved, group=group, chunk_size=chunk_size,
+        far_start=far_start,
     )
 
 
@@ -673,7 +674,8 @@ def rerope_attention_paged(
             -1.0 if scale is None else float(scale), scale_factors, logn_length, interleaved)
     if workspace is None:
         return _ops.rerope_attention_paged(*args, group=group, chunk_size=chunk_size, far_start=far_start)
-    return _ops.rerope_attention_paged.workspace(*args, group=group, chunk_size=chunk_size, far_start=far_start, workspace=workspace)
+    return _ops.rerope_attention_paged.workspace(*args, group=group, chunk_size=chunk_size, far_start=far_start,
+                                                 workspace=workspace)
 
 
 def rerope_paged_workspace_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -215,7 +215,8 @@ def apply_rotary_pos_qk_(q, k, positions, inv_freq, scale=1.0, interleaved=False
 def rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k=0.0, scale=-1.0, logn_length=0,
                      causal=True, interleaved=False, *, group=0, chunk_size=0, far_start=-1):
     _R._check_rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, scale, logn_length,
-                               allow_float64=False, group=group, chunk_size=chunk_size, far_start=far_start, causal=causal)
+                               allow_float64=False, group=group, chunk_size=chunk_size, far_start=far_start,
+                               causal=causal)
     batch, q_heads, q_len, head_dim = q.shape
     if q.numel() == 0 or k.shape[2] == 0:  # as the native op: no key gives zeros and lse = -inf
         return (q.new_zeros(batch, q_heads, q_len, head_dim),

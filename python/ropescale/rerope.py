@@ -51,7 +51,8 @@ def _fused_lse(q, k, v, q_positions, k_positions, inv_freq, window, leaky_k, sca
         return None
     _, lse = torch.ops.ropescale.rerope_attention(q, k, v, q_positions, k_positions, inv_freq, window,
                                                   float(leaky_k), _composite.schema_scale(scale), logn_length,
-                                                  causal, interleaved, group=group, chunk_size=chunk_size, far_start=far_start)
+                                                  causal, interleaved, group=group, chunk_size=chunk_size,
+                                                  far_start=far_start)
     return lse
 
 
@@ -87,4 +88,5 @@ def rerope_attention_paged_composite(
     refuses and never indexes outside the cache."""
     return _composite.rerope_attention_paged_composite(
         q, key_cache, value_cache, block_table, seq_lens, query_start_loc, inv_freq, window, leaky_k, scale,
-        scale_factors, logn_length, interleaved, workspace, group=group, chunk_size=chunk_size, far_start=far_start, row_bound=_fused_lse)
+        scale_factors, logn_length, interleaved, workspace, group=group, chunk_size=chunk_size, far_start=far_start,
+        row_bound=_fused_lse)

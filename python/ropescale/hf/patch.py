@@ -294,7 +294,8 @@ def patch(
     DCA runs over default RoPE only and has no training path (refused when gradients are wanted).
     ``attention="string"`` (STRING, An et al. 2025) needs ``shifted_offset`` S (distances from S on are shifted
     down by ``S - local_value``; its authors take 0.25 to 0.4 of the trained length) and takes ``local_value`` W
-    (``0 <= W <= S``; default 128, theirs, or S where S is smaller), with its code's attention factor ``0.1 ln 2 + 1`` on cos and sin.
+    (``0 <= W <= S``; default 128, theirs, or S where S is smaller), with its code's attention factor
+    ``0.1 ln 2 + 1`` on cos and sin.
     ``attention=None`` (the default) takes the attention side the config records (a reloaded ReRoPE,
     Self-Extend or DCA checkpoint; a Qwen config's ``dual_chunk_attention_config``), else "sdpa";
     so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. ``layer_types``: for a config
