@@ -19,7 +19,7 @@
 namespace ropescale {
 
 // The methods of the family differ only in which pairs are near and where the far side rotates its
-// operands (DESIGN.md, "The far-field rules"); everything else (tiles, GQA, masking, log-n, the merge) is
+// operands (DESIGN.md, "Self-Extend and Dual Chunk Attention", "STRING"); everything else (tiles, GQA, masking, log-n, the merge) is
 // shared, so a new rule is a kind here (or parameters of one) and its make_region_rule arguments. With window w:
 //   ReRoPE / Leaky ReRoPE (slope 1/k), STRING (k = 1, far start s):
 //                                       near d < w;  far q at s + (i - w)/k, k at j/k (ReRoPE: s, 0; s = w but

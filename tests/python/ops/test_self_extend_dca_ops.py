@@ -732,7 +732,7 @@ BQ, BK, BV = (torch.randn(2, h, 5, 8, generator=_g) for h in (4, 2, 2))
 BPOS = torch.arange(5).expand(2, 5).contiguous()
 BF = inv_freq_of(8)
 
-# id, (window, leaky_k, group, chunk_size, causal), what the message must name
+# id, (window, leaky_k, group, chunk_size, causal[, far_start]), what the message must name
 BAD = [
     ("group -1", (3, 0.0, -1, 0, True), "group"),
     ("chunk_size -2", (3, 0.0, 0, -2, True), "chunk_size"),
@@ -745,12 +745,18 @@ BAD = [
     ("dual chunk not causal", (2, 0.0, 0, 8, False), "causal"),
     ("self-extend window 0", (0, 0.0, 2, 0, True), "window"),
     ("self-extend window -4", (-4, 0.0, 2, 0, True), "window"),
+    # STRING's far_start (the far side's first relative position): in [0, window], ReRoPE's rule only
+    ("far_start past the window", (3, 1.0, 0, 0, True, 4), "far_start"),
+    ("far_start -2", (3, 1.0, 0, 0, True, -2), "far_start"),
+    ("far_start with self-extend", (3, 0.0, 2, 0, True, 1), "far_start"),
+    ("far_start with dual chunk", (3, 0.0, 0, 8, True, 1), "far_start"),
 ]
 
 
 def _dense_call(fn, params, tensors=(BQ, BK, BV, BPOS, BPOS, BF)):
-    window, leaky_k, group, chunk_size, causal = params
-    return lambda: fn(*tensors, window, leaky_k, -1.0, 0, causal, False, group=group, chunk_size=chunk_size)
+    window, leaky_k, group, chunk_size, causal, far_start = (*params, -1)[:6]
+    return lambda: fn(*tensors, window, leaky_k, -1.0, 0, causal, False, group=group, chunk_size=chunk_size,
+                      far_start=far_start)
 
 
 def _message(call):
@@ -779,8 +785,9 @@ PMETA = (torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32), torch.tensor([
 
 
 def _paged_call(fn, params, tensors=(PQ, PK, PV, *PMETA, BF), **extra):
-    window, leaky_k, group, chunk_size, _ = params
-    return lambda: fn(*tensors, window, leaky_k, -1.0, None, 0, False, group=group, chunk_size=chunk_size, **extra)
+    window, leaky_k, group, chunk_size, _, far_start = (*params, -1)[:6]
+    return lambda: fn(*tensors, window, leaky_k, -1.0, None, 0, False, group=group, chunk_size=chunk_size,
+                      far_start=far_start, **extra)
 
 
 @pytest.mark.parametrize("params,names", [b[1:] for b in BAD if b[1][4]], ids=[b[0] for b in BAD if b[1][4]])
@@ -798,7 +805,7 @@ def test_bad_parameters_paged(params, names):
         assert _message(_paged_call(fn, params)) == (kind, message), fn.__name__
 
 
-@pytest.mark.parametrize("method", [SE(4, group=2), DCA(8, 0), DCA(8, 7)], ids=str)
+@pytest.mark.parametrize("method", [SE(4, group=2), DCA(8, 0), DCA(8, 7), STRING(3, 0), STRING(3, 3)], ids=str)
 def test_good_parameters_are_taken_by_every_check(method):
     """The corners of the accepted range pass the op's checks (and the fake kernel's)."""
     for fn in (ops.rerope_attention_composite, rerope.rerope_attention_naive):
