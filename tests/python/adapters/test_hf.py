@@ -523,7 +523,7 @@ def test_bad_patch_arguments():
         hf.patch(tiny("llama"), attention="rerope", window=0)
     with pytest.raises(ValueError, match="leaky_k must be 0 .* or a finite number >= 1, got 0.5"):
         hf.patch(tiny("llama"), attention="rerope", window=4, leaky_k=0.5)
-    with pytest.raises(ValueError, match="attention must be 'sdpa', 'rerope', 'self_extend' or 'dual_chunk'"):
+    with pytest.raises(ValueError, match="attention must be one of 'sdpa', 'rerope', 'self_extend', 'dual_chunk', 'string', got 'flash'"):
         hf.patch(tiny("llama"), attention="flash")
     with pytest.raises(ValueError, match="apply to attention='rerope' only"):
         hf.patch(tiny("llama"), window=4)
