@@ -558,21 +558,19 @@ TRAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("case", TRAIN_CASES, ids=range(len(TRAIN_CASES)))
-def test_self_extend_training_path(case, dtype):
-    batch, q_heads, kv_heads, q_len, k_len, dim, window, group, logn, pad, interleaved, rotary_dim = case
-    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
-                                  seed=TRAIN_CASES.index(case))
-    inv_freq = inv_freq_of(rotary_dim or dim).to(dtype)
-    kw = dict(logn_length=logn, interleaved=interleaved, group=group)
+def check_training_path(method, inputs, inv_freq, dtype, logn=0, interleaved=False):
+    """The training path against the naive form's autograd in float64 (out, lse and the gradients of q, k, v) and
+    against the method's float64 reference (out, lse)."""
+    q, k, v, qp, kp = inputs
+    kw = dict(logn_length=logn, interleaved=interleaved, **method.kw)
     gen = torch.Generator().manual_seed(7)
     g_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     g_lse = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64)
-    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
-                                 q, k, v, g_out.to(dtype), g_lse.to(dtype))
+    (out, lse), grads = grads_of(
+        lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, method.window, **kw),
+        q, k, v, g_out.to(dtype), g_lse.to(dtype))
     (ref_out, ref_lse), ref_grads = grads_of(
-        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq.double(), window, **kw),
+        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq.double(), method.window, **kw),
         q.double(), k.double(), v.double(), g_out, g_lse)
     tol = 1e-11 if dtype == torch.float64 else 2e-5
     assert torch.equal(lse.isneginf(), ref_lse.isneginf())
@@ -580,8 +578,18 @@ def test_self_extend_training_path(case, dtype):
     torch.testing.assert_close(lse.double()[lse.isfinite()], ref_lse[ref_lse.isfinite()], atol=tol, rtol=tol)
     for name, g, r in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(g.double(), r, atol=10 * tol, rtol=10 * tol, msg=f"d{name}")
-    want = SE(window, group=group).reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
+    want = method.reference(q, k, v, qp, kp, inv_freq, logn_length=logn, interleaved=interleaved)
     torch.testing.assert_close(out.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double()[lse.isfinite()], want[1][want[1].isfinite()], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=range(len(TRAIN_CASES)))
+def test_self_extend_training_path(case, dtype):
+    batch, q_heads, kv_heads, q_len, k_len, dim, window, group, logn, pad, interleaved, rotary_dim = case
+    inputs = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad, seed=TRAIN_CASES.index(case))
+    check_training_path(SE(window, group=group), inputs,
+                        inv_freq_of(rotary_dim or dim).to(dtype), dtype, logn, interleaved)
 
 
 def test_self_extend_training_path_gradcheck():
@@ -608,29 +616,26 @@ STRING_TRAIN_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("case", STRING_TRAIN_CASES, ids=range(len(STRING_TRAIN_CASES)))
 def test_string_training_path(case, dtype):
-    """STRING through the training path (ReRoPE's far part with slope 1, starting at W): outputs and gradients
-    against the naive form's autograd in float64, and the authors' two-pass reference."""
+    """STRING through the training path (ReRoPE's far part with slope 1, starting at W), against the naive form's
+    autograd and the authors' two-pass reference."""
     batch, q_heads, kv_heads, q_len, k_len, dim, shifted, local, pad, interleaved, rotary_dim = case
-    q, k, v, qp, kp = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
-                                  seed=STRING_TRAIN_CASES.index(case))
-    inv_freq = inv_freq_of(rotary_dim or dim).to(dtype)
-    method = STRING(shifted, local)
-    kw = dict(interleaved=interleaved, **method.kw)
-    gen = torch.Generator().manual_seed(7)
-    g_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    g_lse = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64)
-    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, shifted, **kw),
-                                 q, k, v, g_out.to(dtype), g_lse.to(dtype))
-    (ref_out, ref_lse), ref_grads = grads_of(
-        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq.double(), shifted, **kw),
-        q.double(), k.double(), v.double(), g_out, g_lse)
-    tol = 1e-11 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
-    for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g.double(), r, atol=10 * tol, rtol=10 * tol, msg=f"d{name}")
-    want = method.reference(q, k, v, qp, kp, inv_freq, interleaved=interleaved)
-    torch.testing.assert_close(out.double(), want[0], atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.double()[lse.isfinite()], want[1][want[1].isfinite()], atol=tol, rtol=tol)
+    inputs = make_inputs(batch, q_heads, kv_heads, q_len, k_len, dim, dtype, pad=pad,
+                         seed=STRING_TRAIN_CASES.index(case))
+    check_training_path(STRING(shifted, local), inputs,
+                        inv_freq_of(rotary_dim or dim).to(dtype), dtype, interleaved=interleaved)
+
+
+def test_string_training_path_gradcheck():
+    """Both outputs, through both sides, a padded batch row, W < S."""
+    q, k, v, qp, kp = make_inputs(2, 2, 1, 7, 9, 6, torch.float64, pad=2, seed=3)
+    inv_freq = inv_freq_of(6).double()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        out, lse = rerope_attention_train(q, k, v, qp, kp, inv_freq, 3, **STRING(3, 1).kw)
+        return out, torch.where(torch.isfinite(lse), lse, 0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
 
 
 @pytest.mark.parametrize("shifted", [1, 6, 64])
