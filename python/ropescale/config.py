@@ -52,57 +52,38 @@ import difflib
 import math
 import numbers
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from . import scaling
+from . import attentions, scaling
 
 __all__ = [
     "CONFIG_KEY", "ATTENTIONS", "ATTENTION_KEYS", "ATTENTION_NAMES", "ATTENTION_PARAMETERS", "DUAL_CHUNK_KEY",
     "METHOD_KEY", "SERVED_LENGTH_KEY", "RopeConfig", "Written", "read", "read_config",
     "write", "base_of", "table_parameters", "vllm_max_model_len", "max_model_len_of", "served_length_value",
-    "rotary_dim", "temperature_length_for",
+    "rotary_dim",
 ]
 
 #: The config entry holding what ``rope_parameters`` cannot say.
 CONFIG_KEY = "ropescale"
-#: The attentions a config (and ``hf.patch``) may ask for: plain attention, and the raw-key methods (ReRoPE,
-#: Self-Extend, Dual Chunk Attention), each marked on the rope type (``scaling.RopeType.MARKERS``).
-ATTENTIONS = ("sdpa", "rerope", "self_extend", "dual_chunk", "string")
-#: The entry's keys of each attention besides ``attention`` (and ``method``): ReRoPE's window and the rest,
-#: Self-Extend's neighbour window W and group size G, Dual Chunk Attention's chunk size C and local size S (as Qwen
-#: names them).
-ATTENTION_PARAMETERS = {"sdpa": (), "rerope": ("window", "leaky_k", "logn_length"), "self_extend": ("window", "group"),
-                        "dual_chunk": ("chunk_size", "local_size", "temperature"),
-                        "string": ("shifted_offset", "local_value")}
-ATTENTION_KEYS = ("attention", "window", "leaky_k", "logn_length", "group", "chunk_size", "local_size", "temperature",
-                  "shifted_offset", "local_value")
+#: The attentions a config (and ``hf.patch``) may ask for: plain attention, and the raw-key methods declared in
+#: ``ropescale.attentions`` (ReRoPE, Self-Extend, Dual Chunk Attention, STRING), each marked on the rope type.
+ATTENTIONS = attentions.NAMES
+#: The entry's keys of each attention besides ``attention`` (and ``method``), from its declaration.
+ATTENTION_PARAMETERS = {name: attentions.RAW_KEY[name].entry_keys if name in attentions.RAW_KEY else ()
+                        for name in ATTENTIONS}
+ATTENTION_KEYS = ("attention", *dict.fromkeys(key for keys in ATTENTION_PARAMETERS.values() for key in keys))
 #: Each raw-key attention as messages name it.
-ATTENTION_NAMES = {"rerope": "ReRoPE attention", "self_extend": "Self-Extend attention",
-                   "dual_chunk": "Dual Chunk Attention", "string": "STRING attention"}
-#: STRING's attention factor on cos and sin (its code, ``string_for_llama.py``: ``0.1 ln 2 + 1``, "to recover" the
-#: attention map it smooths), so every score is times its square; and its authors' recommended local value.
-STRING_ATTENTION_FACTOR = 0.1 * math.log(2) + 1
-STRING_LOCAL_VALUE = 128
-
-
-def string_local_value(shifted_offset: Any, local_value: Any = None) -> Any:
-    """STRING's local value W: as given, else its authors' 128 (S where S is smaller: W <= S)."""
-    if local_value is not None:
-        return local_value
-    return min(STRING_LOCAL_VALUE, shifted_offset) if _integer(shifted_offset, 1) else STRING_LOCAL_VALUE
+ATTENTION_NAMES = {name: attention.title for name, attention in attentions.RAW_KEY.items()}
+STRING_ATTENTION_FACTOR = attentions.STRING_ATTENTION_FACTOR
+DUAL_CHUNK_TEMPERATURES = attentions.DUAL_CHUNK_TEMPERATURES
 #: Qwen's config key for Dual Chunk Attention (Qwen2.5-1M, Qwen3-2507), read as Qwen's engine (vLLM) reads it:
 #: ``chunk_size`` and ``local_size`` (vLLM's defaults when absent), ``original_max_position_embeddings`` (the
 #: attention temperature's length L0, 0: none) and vLLM's sparse approximation (``sparse_attention_*``).
 DUAL_CHUNK_KEY = "dual_chunk_attention_config"
 DUAL_CHUNK_DEFAULTS = {"chunk_size": 8192, "local_size": 1024, "original_max_position_embeddings": 0}
-#: Dual Chunk Attention's attention temperatures by source: the coefficient c of ``m(len) = max(1, c ln(len / L0) + 1)``
-#: on query and key. ``qwen``: Qwen's ``dual_chunk_attention_config`` as vLLM's DCA backend computes it (L0: its
-#: ``original_max_position_embeddings``); ``chunkllama``: ChunkLlama's Llama patch (``chunkllama_attn_replace.py``,
-#: ``get_mscale``, L0: the model's ``max_position_embeddings``). The entry names a temperature other than ``qwen``.
-DUAL_CHUNK_TEMPERATURES = {"qwen": 0.1, "chunkllama": 0.05}
 DUAL_CHUNK_KEYS = ("chunk_size", "local_size", "original_max_position_embeddings", "sparse_attention_config",
                    "sparse_attention_enabled", "sparse_attention_threshold", "sparse_attention_last_q")
 #: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
@@ -125,16 +106,9 @@ class RopeConfig:
     method: scaling.RopeScaling
     base: float
     attention: str = "sdpa"
-    window: int | None = None
-    leaky_k: float = 0.0
-    logn_length: int = 0
+    # The attention's parameters, checked and complete (``attentions.Attention.checked``: hf.patch's keywords)
+    parameters: Mapping[str, Any] = field(default_factory=dict, hash=False)
     recorded: bool = False  # the method came from the entry: ropescale wrote this checkpoint
-    group: int | None = None  # Self-Extend's group size G (its neighbour window W is ``window``)
-    chunk_size: int | None = None  # Dual Chunk Attention's C
-    local_size: int | None = None  # Dual Chunk Attention's S
-    temperature_length: int = 0  # Dual Chunk Attention's L0 (Qwen's original_max_position_embeddings; 0: none)
-    temperature: str = "qwen"  # Dual Chunk Attention's temperature rule (DUAL_CHUNK_TEMPERATURES)
-    local_value: int | None = None  # STRING's W (its shifted_offset S is ``window``)
 
     @property
     def raw_keys(self) -> bool:
@@ -238,12 +212,11 @@ def served_length_value(length: int, rope_parameters: Mapping[str, Any] | None) 
 
 
 def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int, *,
-          attention: str = "sdpa", window: int | None = None, leaky_k: float = 0.0, logn_length: int = 0,
-          partial_rotary_factor: float | None = None, group: int | None = None, chunk_size: int | None = None,
-          local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None,
-          local_value: int | None = None) -> Written:
+          attention: str = "sdpa", parameters: Mapping[str, Any] | None = None,
+          partial_rotary_factor: float | None = None) -> Written:
     """The config fields for ``method`` on a model with RoPE base ``base``, rotary dim ``rotary_dim`` and
-    (original) ``max_position_embeddings``, with the attention side given. ``partial_rotary_factor``: the
+    (original) ``max_position_embeddings``, with the attention side given (``parameters``: its checked values,
+    ``check_attention``). ``partial_rotary_factor``: the
     model's, kept in the written parameters (refused where the method carries its own and it differs).
     Dual Chunk Attention also gets Qwen's ``dual_chunk_attention_config`` (``Written.dual_chunk``)."""
     if attention == "dual_chunk":
@@ -257,29 +230,17 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
         params["partial_rotary_factor"] = partial_rotary_factor
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
-    entry = attention_entry(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
-                            local_size=local_size, temperature=temperature, local_value=local_value)
+    entry = attention_entry(attention, parameters or {})
     if entry_method is not None:
         entry = {**(entry or {}), METHOD_KEY: entry_method}
-    return Written(params, length, entry, dual_chunk_entry(attention, chunk_size, local_size, temperature_length))
+    return Written(params, length, entry, dual_chunk_entry(attention, parameters or {}))
 
 
-def temperature_length_for(temperature: str | None, temperature_length: int | None,
-                           max_position_embeddings: int) -> int | None:
-    """Dual Chunk Attention's temperature length L0 as given, else its rule's own default: ChunkLlama's is the
-    model's ``max_position_embeddings`` (its ``get_mscale`` divides by it); Qwen's is none (None, read as 0)."""
-    if temperature_length is None and temperature == "chunkllama":
-        return int(max_position_embeddings)
-    return temperature_length
-
-
-def dual_chunk_entry(attention: str, chunk_size: int | None, local_size: int | None,
-                     temperature_length: int | None) -> dict[str, int] | None:
+def dual_chunk_entry(attention: str, parameters: Mapping[str, Any]) -> dict[str, int] | None:
     """Qwen's ``dual_chunk_attention_config`` for Dual Chunk Attention (None for any other attention)."""
     if attention != "dual_chunk":
         return None
-    return {"chunk_size": int(chunk_size), "local_size": int(local_size),
-            "original_max_position_embeddings": int(temperature_length or 0)}
+    return {key: int(parameters[key]) for key in DUAL_CHUNK_DEFAULTS}
 
 
 def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int) -> Written:
@@ -310,114 +271,45 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
     return Written(params, length, None)
 
 
-def attention_entry(attention: str, window: int | None, leaky_k: float, logn_length: int, *, group: int | None = None,
-                    chunk_size: int | None = None, local_size: int | None = None,
-                    temperature: str | None = None, local_value: int | None = None) -> dict[str, Any] | None:
-    """The ``ropescale`` entry's attention side (None for plain attention). DCA's ``temperature`` is written only
-    when it is not Qwen's, which its ``dual_chunk_attention_config`` implies; STRING's ``window`` is its
-    ``shifted_offset``."""
-    if attention == "rerope":
-        return {"attention": "rerope", "window": int(window), "leaky_k": float(leaky_k),
-                "logn_length": int(logn_length)}
-    if attention == "self_extend":
-        return {"attention": "self_extend", "window": int(window), "group": int(group)}
-    if attention == "dual_chunk":
-        entry = {"attention": "dual_chunk", "chunk_size": int(chunk_size), "local_size": int(local_size)}
-        if temperature not in (None, "qwen"):
-            entry["temperature"] = temperature
-        return entry
-    if attention == "string":
-        return {"attention": "string", "shifted_offset": int(window), "local_value": int(local_value)}
-    return None
+def attention_entry(attention: str, parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``ropescale`` entry's attention side from checked ``parameters`` (None for plain attention): the
+    declaration's entry keys (``attentions.Attention.entry``)."""
+    return attentions.RAW_KEY[attention].entry(parameters) if attention in attentions.RAW_KEY else None
 
 
 def _integer(value: Any, least: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
-def _given(name: str, value: Any) -> bool:
-    """Whether an argument was given: None never is; 0 is not for the ones whose 0 means "off"."""
-    if name in ("leaky_k", "logn_length", "original_max_position_embeddings"):
-        return value is not None and not (isinstance(value, numbers.Real) and value == 0)
-    return value is not None
+def _given(key: str, value: Any) -> bool:
+    """Whether a parameter was given: None never is, nor a value its declaration reads as off (ReRoPE's 0s)."""
+    declared = [p for attention in attentions.RAW_KEY.values() for p in attention.parameters if p.key == key]
+    if not declared:
+        raise ValueError(f"no attention takes a parameter {key!r}")
+    return declared[0].given(value)
 
 
-def check_attention(attention: Any, window: Any = None, leaky_k: Any = 0.0, logn_length: Any = 0, *,
-                    group: Any = None, chunk_size: Any = None, local_size: Any = None,
-                    temperature_length: Any = None, temperature: Any = None, shifted_offset: Any = None,
-                    local_value: Any = None) -> None:
+def check_attention(attention: Any, parameters: Mapping[str, Any] | None = None, *,
+                    max_position_embeddings: int | None = None) -> dict[str, Any]:
     """The attention side, checked in one place for every path that takes it: ``hf.patch``'s arguments, and a
     checkpoint's entry (and Qwen's ``dual_chunk_attention_config``) as ``hf.patch``, transformers' model build and
-    the vLLM plugin (at engine start) read it. The values the ops accept:
-
-    - ``rerope``: an integer window > 0, ``leaky_k`` 0 or >= 1, ``logn_length`` 0 or >= 2;
-    - ``self_extend``: integers (not bools) ``window`` W >= 1 and ``group`` G >= 1;
-    - ``dual_chunk``: integers (not bools) ``chunk_size`` C >= 1 and ``local_size`` S with ``0 <= S < C``, the
-      temperature's length ``temperature_length`` (Qwen's ``original_max_position_embeddings``) 0 (none) or >= 1,
-      and its rule ``temperature`` (None: Qwen's; a name of ``DUAL_CHUNK_TEMPERATURES``; other than Qwen's, it needs
-      a length > 0 where one is given);
-    - ``string``: integers (not bools) ``shifted_offset`` S >= 1 and ``local_value`` W with ``0 <= W <= S``.
-
-    A parameter of another attention is refused. Raises ValueError; each caller prefixes its own name."""
+    the vLLM plugin (at engine start) read it. ``parameters``: by key (None: not given); the values each takes
+    and their defaults are declared in ``ropescale.attentions`` (``max_position_embeddings``: the model's, which a
+    default may read). A parameter of another attention is refused. Returns every parameter's value (none for
+    plain attention); raises ValueError, which each caller prefixes with its own name."""
     if not isinstance(attention, str) or attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}")
-    arguments = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
-                 "chunk_size": chunk_size, "local_size": local_size,
-                 "original_max_position_embeddings": temperature_length, "temperature": temperature,
-                 "shifted_offset": shifted_offset, "local_value": local_value}
-    takes = ATTENTION_PARAMETERS[attention]
-    if attention == "dual_chunk":
-        takes += ("original_max_position_embeddings",)
-    foreign = [name for name, value in arguments.items() if _given(name, value) and name not in takes]
+    parameters = dict(parameters or {})
+    takes = attentions.takes(attention)
+    foreign = [key for key, value in parameters.items() if key not in takes and _given(key, value)]
     if foreign:
-        if attention == "sdpa" and set(foreign) & {"window", "leaky_k", "logn_length"}:
-            raise ValueError("window, leaky_k and logn_length apply to attention='rerope' only (window and group to "
-                             "'self_extend', chunk_size and local_size to 'dual_chunk')")
-        owners = sorted({a for name in foreign for a in ATTENTIONS if name in ATTENTION_PARAMETERS[a]} | (
-            {"dual_chunk"} if "original_max_position_embeddings" in foreign else set()))
+        owners = [name for name in attentions.RAW_KEY if any(key in attentions.takes(name) for key in foreign)]
         raise ValueError(f"{', '.join(foreign)} {'applies' if len(foreign) == 1 else 'apply'} to attention="
                          f"{' or '.join(repr(a) for a in owners)} only; attention={attention!r} takes "
                          f"{', '.join(takes) or 'no parameters'}")
-    if attention == "rerope":
-        if not _integer(window, 1):
-            raise ValueError(f"attention='rerope' needs window, an integer > 0, got {window!r}")
-        leaky_k = 0.0 if leaky_k is None else leaky_k
-        if (not isinstance(leaky_k, numbers.Real) or isinstance(leaky_k, bool) or not math.isfinite(leaky_k)
-                or (leaky_k != 0 and leaky_k < 1)):
-            raise ValueError(f"leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got {leaky_k!r}")
-        logn_length = 0 if logn_length is None else logn_length
-        if (not isinstance(logn_length, numbers.Integral) or isinstance(logn_length, bool)
-                or logn_length < 0 or logn_length == 1):
-            raise ValueError(f"logn_length must be 0 (no log-n scaling) or an integer >= 2 (the trained "
-                             f"length; log-n divides by its log), got {logn_length!r}")
-    elif attention == "self_extend":
-        if not _integer(window, 1):
-            raise ValueError(f"attention='self_extend' needs window (the neighbour window W), an integer > 0, "
-                             f"got {window!r}")
-        if not _integer(group, 1):
-            raise ValueError(f"attention='self_extend' needs group (the group size G), an integer > 0, got {group!r}")
-    elif attention == "dual_chunk":
-        if not _integer(chunk_size, 1):
-            raise ValueError(f"attention='dual_chunk' needs chunk_size, an integer > 0, got {chunk_size!r}")
-        if not _integer(local_size, 0) or local_size >= chunk_size:
-            raise ValueError(f"attention='dual_chunk' needs local_size, an integer with 0 <= local_size < chunk_size "
-                             f"({chunk_size}), got {local_size!r}")
-        if temperature_length is not None and not _integer(temperature_length, 0):
-            raise ValueError(f"original_max_position_embeddings (Dual Chunk Attention's temperature length L0; 0: "
-                             f"none) must be an integer >= 0, got {temperature_length!r}")
-        if temperature is not None and (not isinstance(temperature, str) or temperature not in DUAL_CHUNK_TEMPERATURES):
-            raise ValueError(f"temperature (Dual Chunk Attention's temperature rule) must be one of "
-                             f"{', '.join(map(repr, DUAL_CHUNK_TEMPERATURES))}, got {temperature!r}")
-        if temperature not in (None, "qwen") and temperature_length == 0:
-            raise ValueError(f"temperature={temperature!r} needs its length L0 (original_max_position_embeddings > 0): "
-                             "with 0 there is no temperature to apply")
-    elif attention == "string":
-        if not _integer(shifted_offset, 1):
-            raise ValueError(f"attention='string' needs shifted_offset (S: distances from S on are shifted), an integer "
-                             f"> 0, got {shifted_offset!r}")
-        if not _integer(local_value, 0) or local_value > shifted_offset:
-            raise ValueError(f"attention='string' needs local_value (W: where the shifted distances start), an integer "
-                             f"with 0 <= local_value <= shifted_offset ({shifted_offset}), got {local_value!r}")
+    if attention not in attentions.RAW_KEY:
+        return {}
+    return attentions.RAW_KEY[attention].checked(parameters, max_position_embeddings)
 
 
 # Messages warned once per process (the sparse DCA note).
@@ -442,8 +334,7 @@ def checked_dual_chunk(dual_chunk: Any) -> dict[str, int] | None:
             raise ValueError(f"{DUAL_CHUNK_KEY} has no key {key!r}{hint}; it reads {list(DUAL_CHUNK_KEYS)}")
     values = {key: dual_chunk.get(key, default) for key, default in DUAL_CHUNK_DEFAULTS.items()}
     try:
-        check_attention("dual_chunk", chunk_size=values["chunk_size"], local_size=values["local_size"],
-                        temperature_length=values["original_max_position_embeddings"])
+        check_attention("dual_chunk", values)
         if values["original_max_position_embeddings"] is None:
             raise ValueError("original_max_position_embeddings (Dual Chunk Attention's temperature length L0; 0: "
                              "none) must be an integer >= 0, got None")
@@ -488,6 +379,18 @@ def _marker_error(rope_type: str, marker: str) -> ValueError:
                       f"{CONFIG_KEY!r} entry with its {needs}; pass attention={marker!r} and {needs}")
 
 
+def _entry_parameters(entry: Mapping[str, Any], dual_chunk: Any) -> dict[str, Any]:
+    """The attention's parameters an entry gives (every entry key, so that another attention's is refused), with Dual
+    Chunk Attention's read from Qwen's ``dual_chunk_attention_config`` where the entry has none (its L0 always)."""
+    values = {key: entry.get(key) for key in ATTENTION_KEYS[1:]}
+    if entry.get("attention") == "dual_chunk":
+        qwen = checked_dual_chunk(dual_chunk) or {}
+        for key in ("chunk_size", "local_size"):
+            values[key] = qwen.get(key) if values[key] is None else values[key]
+        values["original_max_position_embeddings"] = qwen.get("original_max_position_embeddings", 0)
+    return values
+
+
 def checked_entry(entry: Any, rope_type: str, marker: str | bool | None,
                   dual_chunk: Any = None) -> dict[str, Any] | None:
     """The ``ropescale`` entry, checked (None when there is none). ``marker``: the rope type's attention marker
@@ -509,21 +412,9 @@ def checked_entry(entry: Any, rope_type: str, marker: str | bool | None,
             + (f": no key {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "") if unknown else ""))
     if "attention" in entry:
         attention = entry["attention"]
-        values = {key: entry.get(key) for key in ATTENTION_KEYS[1:]}
-        values["leaky_k"] = entry.get("leaky_k", 0.0)
-        values["logn_length"] = entry.get("logn_length", 0)
-        temperature_length = None
-        if attention == "dual_chunk":
-            qwen = checked_dual_chunk(dual_chunk) or {}
-            for key in ("chunk_size", "local_size"):
-                values[key] = qwen.get(key) if values[key] is None else values[key]
-            temperature_length = qwen.get("original_max_position_embeddings", 0)
-        check_attention(attention, values["window"], values["leaky_k"], values["logn_length"], group=values["group"],
-                        chunk_size=values["chunk_size"], local_size=values["local_size"],
-                        temperature_length=temperature_length, temperature=values["temperature"],
-                        shifted_offset=values["shifted_offset"], local_value=values["local_value"])
+        check_attention(attention, _entry_parameters(entry, dual_chunk))
         extra = sorted(set(entry) - {"attention", METHOD_KEY, *ATTENTION_PARAMETERS[attention]})
-        if attention in ("self_extend", "dual_chunk", "string") and extra:
+        if extra:
             raise ValueError(f"config.{CONFIG_KEY}: attention {attention!r} takes "
                              f"{', '.join(ATTENTION_PARAMETERS[attention])}, not {', '.join(extra)}")
     return dict(entry)
@@ -583,30 +474,19 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
                              f"{params['rope_type']!r} has no {kind!r} marker")
         raise ValueError(f"rope_type {rope_type!r} marks {ATTENTION_NAMES[marker]} but the config asks for "
                          f"attention {kind!r} (config.{CONFIG_KEY} = {entry!r})")
-    if kind == "rerope":
-        return RopeConfig(method, base, "rerope", attention.get("window"), float(attention.get("leaky_k", 0.0)),
-                          int(attention.get("logn_length", 0)), recorded)
-    if kind == "self_extend":
-        return RopeConfig(method, base, "self_extend", int(attention["window"]), recorded=recorded,
-                          group=int(attention["group"]))
-    if kind == "string":
-        return RopeConfig(method, base, "string", int(attention["shifted_offset"]), recorded=recorded,
-                          local_value=int(attention["local_value"]))
     if kind == "dual_chunk":
         _check_dual_chunk_table(method, rope_type)
-        chunk_size, local_size, length = attention.get("chunk_size"), attention.get("local_size"), 0
         if qwen is not None:
-            for key, value in (("chunk_size", chunk_size), ("local_size", local_size)):
+            for key in ("chunk_size", "local_size"):
+                value = attention.get(key)
                 if value is not None and value != qwen[key]:
                     raise ValueError(f"config.{CONFIG_KEY}.{key} ({value}) differs from {DUAL_CHUNK_KEY}'s "
                                      f"({qwen[key]}{' by default' if key not in dual_chunk else ''}): the config "
                                      "was edited by hand")
-            chunk_size, local_size = qwen["chunk_size"], qwen["local_size"]
-            length = qwen["original_max_position_embeddings"]
-        return RopeConfig(method, base, "dual_chunk", recorded=recorded, chunk_size=int(chunk_size),
-                          local_size=int(local_size), temperature_length=int(length),
-                          temperature=attention.get("temperature", "qwen"))
-    return RopeConfig(method, base, recorded=recorded)
+    if kind == "sdpa":
+        return RopeConfig(method, base, recorded=recorded)
+    return RopeConfig(method, base, kind, check_attention(kind, _entry_parameters({"attention": kind, **attention},
+                                                                                 dual_chunk)), recorded)
 
 
 def layer_type_parameters(config, layer_type: str | None = None) -> Mapping[str, Any]:

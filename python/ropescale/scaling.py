@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from . import ops
+from . import attentions, ops
 
 __all__ = [
     "RopeScaling",
@@ -215,6 +215,13 @@ def _parameter(cls, f: dataclasses.Field) -> Parameter:
                      meta.get("cli"), meta.get("help", ""), default, kind, bool(meta.get("ropescale_key")))
 
 
+class _Markers:
+    """``RopeType.MARKERS``: the declared raw-key attentions' names."""
+
+    def __get__(self, instance, owner) -> tuple[str, ...]:
+        return tuple(attentions.RAW_KEY)
+
+
 @dataclass(frozen=True)
 class RopeType:
     """A rope type name, parsed: the one place that knows the naming scheme.
@@ -234,14 +241,15 @@ class RopeType:
     RESONANCE_PREFIX: ClassVar[str] = "resonance_"
     REROPE_MARKER: ClassVar[str] = "rerope"
     REROPE_PREFIX: ClassVar[str] = "rerope_"
-    #: The attention markers, each the ``attention`` it marks (``config.ATTENTIONS`` less ``sdpa``).
-    MARKERS: ClassVar[tuple[str, ...]] = ("rerope", "self_extend", "dual_chunk", "string")
+    #: The attention markers, each the raw-key ``attention`` it marks (``attentions.RAW_KEY``, read at each use: an
+    #: attention declared after this module's import is one).
+    MARKERS: ClassVar[tuple[str, ...]] = _Markers()
 
     @classmethod
     def parse(cls, name: Any) -> "RopeType":
         """Never raises: an unknown name has ``method`` None (the caller says what it expected)."""
         marker, table = None, name
-        for candidate in cls.MARKERS:
+        for candidate in sorted(cls.MARKERS, key=len, reverse=True):  # the longest first: one may start another
             if name == candidate:
                 marker, table = candidate, "default"
             elif isinstance(name, str) and name.startswith(candidate + "_"):

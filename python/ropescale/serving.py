@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from . import config as config_lib, scaling
+from . import attentions, config as config_lib, scaling
 
 __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "dual_chunk_temperature", "needs_pre_rope",
            "rotated_at_write", "ropescale_rotary", "Segments",
@@ -37,8 +37,11 @@ __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "dual_chunk_temper
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
-#: STRING's far side in the ops' terms: Leaky ReRoPE's ``leaky_k`` of slope 1, starting at ``far_start`` (its W).
-STRING_SLOPE = 1.0
+
+
+# The plan fields an attention's rule may set (``attentions.Attention.plan``), and those the ops take as keywords.
+_RULE_FIELDS = ("leaky_k", "logn_length", "group", "chunk_size", "temperature_length", "temperature", "far_start")
+_OP_KEYWORDS = ("group", "chunk_size", "far_start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,43 +60,52 @@ class PreRopePlan:
     temperature_length: int = 0  # DCA's attention temperature length L0 (0: none)
     temperature: str = "qwen"  # DCA's temperature rule (config.DUAL_CHUNK_TEMPERATURES)
     far_start: int = -1  # STRING's local value W (its shifted offset S is ``window``; -1: not STRING)
+    # the raw-key attention whose rule this is (attentions.RAW_KEY): ReRoPE's is also the dynamic methods' plain
+    # rotation (a window past every distance)
+    attention: str = "rerope"
 
     @classmethod
     def of(cls, parsed: config_lib.RopeConfig, rotary_dim: int, is_neox_style: bool) -> "PreRopePlan":
-        rerope = parsed.attention == "rerope"
-        window = {"rerope": parsed.window, "self_extend": parsed.window, "dual_chunk": parsed.local_size,
-                  "string": parsed.window}.get(parsed.attention)
-        string = parsed.attention == "string"
-        return cls(parsed.method, float(parsed.base), int(rotary_dim), NO_WINDOW if window is None else int(window),
-                   float(parsed.leaky_k) if rerope else STRING_SLOPE if string else 0.0,
-                   int(parsed.logn_length) if rerope else 0, not is_neox_style, int(parsed.group or 0),
-                   int(parsed.chunk_size or 0), int(parsed.temperature_length), parsed.temperature,
-                   int(parsed.local_value) if string else -1)
+        return cls.for_attention(parsed.method, parsed.base, rotary_dim, parsed.attention, parsed.parameters,
+                                 interleaved=not is_neox_style)
+
+    @classmethod
+    def for_attention(cls, method: scaling.RopeScaling, base: float, rotary_dim: int, attention: str,
+                      parameters: Mapping, *, interleaved: bool = False) -> "PreRopePlan":
+        """The plan of ``attention`` (``sdpa``: plain rotation, a window past every distance) with its checked
+        ``parameters``: the ops' arguments its declaration gives (``attentions.Attention.plan``)."""
+        if attention not in attentions.RAW_KEY:
+            return cls(method, float(base), int(rotary_dim), NO_WINDOW, interleaved=interleaved)
+        fields = attentions.RAW_KEY[attention].plan_fields(parameters)
+        return cls(method, float(base), int(rotary_dim), **fields, interleaved=interleaved, attention=attention)
 
     def __post_init__(self):
-        if self.far_start >= 0 and self.leaky_k != STRING_SLOPE:  # a plan that would serve STRING as another rule
-            raise ValueError(f"PreRopePlan: STRING (far_start {self.far_start}) is ReRoPE's far rule with slope 1: "
-                             f"leaky_k must be {STRING_SLOPE}, got {self.leaky_k}")
-
-    @property
-    def attention(self) -> str:
-        """The raw-key attention the ops run: ``rerope`` (also the dynamic methods' plain rotation, a window past
-        every distance), ``self_extend``, ``dual_chunk`` or ``string``."""
-        if self.far_start >= 0:
-            return "string"
-        return "self_extend" if self.group else "dual_chunk" if self.chunk_size else "rerope"
+        """A plan runs its attention's rule and no other: the fields the rule does not set are at their defaults,
+        and its fixed ones at their values (a STRING plan with another slope would serve ReRoPE clipped at W)."""
+        declared = attentions.RAW_KEY.get(self.attention)
+        if declared is None:
+            raise ValueError(f"PreRopePlan: attention must be one of {', '.join(attentions.RAW_KEY)}, got "
+                             f"{self.attention!r}")
+        for spec in dataclasses.fields(self):
+            if spec.name not in _RULE_FIELDS:
+                continue
+            value, source = getattr(self, spec.name), declared.plan.get(spec.name)
+            if source is None and value != spec.default:
+                raise ValueError(f"PreRopePlan: {spec.name} {value!r} is not part of {declared.title}'s rule "
+                                 f"(it sets {', '.join(declared.plan)})")
+            if isinstance(source, attentions.Fixed) and value != source.value:
+                raise ValueError(f"PreRopePlan: {declared.title}'s rule has {spec.name} {source.value!r}, got "
+                                 f"{value!r}")
 
     def method_arguments(self) -> dict[str, int]:
-        """The attention ops' keyword-only arguments of this plan's method (none for ReRoPE)."""
-        if self.far_start >= 0:
-            return {"far_start": self.far_start}
-        return {"group": self.group} if self.group else {"chunk_size": self.chunk_size} if self.chunk_size else {}
+        """The attention ops' keyword-only arguments of this plan's rule (those it sets; none for ReRoPE)."""
+        return {name: getattr(self, name) for name in _OP_KEYWORDS if name in attentions.RAW_KEY[self.attention].plan}
 
     @property
     def score_factor(self) -> float:
-        """The method's own factor on every score's rotated part: STRING's attention factor squared (its code puts
-        ``0.1 ln 2 + 1`` on cos and sin, so on q and k), 1 for the others."""
-        return config_lib.STRING_ATTENTION_FACTOR ** 2 if self.far_start >= 0 else 1.0
+        """The method's own factor on every score's rotated part, as its declaration gives it (STRING's attention
+        factor squared: its code puts ``0.1 ln 2 + 1`` on cos and sin, so on q and k; 1 for the others)."""
+        return attentions.RAW_KEY[self.attention].score_factor
 
     def served_within(self, max_length: int | None) -> "PreRopePlan":
         """This plan for an engine that serves at most ``max_length`` tokens a request (None: unknown): DCA's

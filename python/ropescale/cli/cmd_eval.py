@@ -162,7 +162,7 @@ def _patch(args, model, target_length: int) -> dict:
                          f"{args.original_max_position}: factor s = 1 (the evaluated length / the trained length, at "
                          "least 1), so the frequencies are the model's own; give --factor to scale anyway")
     method = None if frequencies is None else methods.build(args, factor=factor)
-    attention = methods.attention_arguments(args)
+    attention = methods.attention_arguments(args, model.config.max_position_embeddings)
     try:
         hf.patch(model, method, **attention)
     except (TypeError, ValueError) as err:  # a model family ropescale does not patch; a bad combination

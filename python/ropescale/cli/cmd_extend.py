@@ -267,19 +267,12 @@ def _write_planning_budget(src: Path, dst: Path, budget: int) -> None:
     (dst / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
-def _attention_summary(arguments: dict) -> str:
-    """The attention's line of the report: its name and parameters."""
-    from .. import config as config_lib
+def _attention_summary(plan) -> str:
+    """The attention's line of the report: its settings as the vLLM plugin's startup line gives them."""
+    from .. import attentions
 
-    values = {key: value for key, value in arguments.items() if key != "attention"}
-    if arguments["attention"] == "rerope":  # 0 is off for these two
-        values = {key: value for key, value in values.items() if key == "window" or value}
-    if arguments["attention"] == "dual_chunk":
-        length, rule = values.pop("original_max_position_embeddings"), values.pop("temperature") or "qwen"
-        values["temperature"] = f"{rule}'s at length {length}" if length else "none"
-    return (f"  {config_lib.ATTENTION_NAMES[arguments['attention']]}: "
-            + ", ".join(f"{key} {_shown(value)}" for key, value in values.items())
-            + " (import ropescale.hf, then hf.patch(model); vLLM with ropescale's plugin)")
+    return (f"  {attentions.RAW_KEY[plan.attention].describe(plan)} (import ropescale.hf, then hf.patch(model); vLLM "
+            "with ropescale's plugin)")
 
 
 def _cmd_extend(args) -> int:
@@ -330,17 +323,12 @@ def _cmd_extend(args) -> int:
                          f"table follows each request's length or whose attention bounds the distances; --method "
                          f"{args.method} is a static table, set for s x L: --factor s sets the length it is served to")
     replaced = params.get("rope_type", "default")
-    patch_arguments = methods.attention_arguments(args)
-    if attention == "dual_chunk":  # L0 as given, else its rule's default (hf.patch's too)
-        patch_arguments["original_max_position_embeddings"] = config_lib.temperature_length_for(
-            patch_arguments["temperature"], patch_arguments["original_max_position_embeddings"],
-            config.max_position_embeddings)
-    # checkpoint.record names DCA's temperature length temperature_length (hf.patch: Qwen's key), STRING's shifted
-    # offset window (the ops' name)
-    renamed = {"original_max_position_embeddings": "temperature_length", "shifted_offset": "window"}
-    recorded = {renamed.get(key, key): value for key, value in patch_arguments.items()}
+    # the attention's parameters with their defaults (DCA's L0 under chunkllama: the model's length), as hf.patch's
+    patch_arguments = methods.attention_arguments(args, config.max_position_embeddings)
+    parameters = {key: value for key, value in patch_arguments.items() if key != "attention"}
     try:
-        checkpoint.record(config, method, **recorded, target=args.target, max_length=args.max_length)
+        checkpoint.record(config, method, attention or "sdpa", parameters, target=args.target,
+                          max_length=args.max_length)
     except ValueError as err:  # a table DCA does not take, one --target vllm cannot write, ...
         if args.target != "any":
             raise UsageError(f"--target {args.target}: {err}") from None
@@ -395,7 +383,7 @@ def _cmd_extend(args) -> int:
           + (f", model_max_length {served}" if served is not None else "")
           + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")
     if patch_arguments:
-        print(_attention_summary(patch_arguments))
+        print(_attention_summary(plan))
     if written.method.per_request:
         print("  per request: each request runs the static model of the table at its prompt + max new tokens, for its "
               "whole life (the native model when that fits L); a request that does not set them (a chat request "

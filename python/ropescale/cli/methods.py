@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import config as config_lib, scaling
+from .. import attentions, config as config_lib, scaling
 from .common import UsageError, non_negative_int, number, positive_float, positive_int
 
 
@@ -150,7 +150,12 @@ class Option:
     metavar: str | None = None
     switch: bool = False  # store_true
     negatable: bool = False  # --X / --no-X (argparse.BooleanOptionalAction); None when neither is given
-    attention: tuple[str, ...] = ()  # the attentions whose option it is (listed in the attention group)
+    # the attentions whose option it is (listed in the attention group): the parameters' flags declare it
+    attention: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.attention:
+            object.__setattr__(self, "attention", attentions.flag_owners(self.flag))
     # --method name -> a sentence of help, shown where the command offers that name
     method_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -201,48 +206,43 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--longrope-factors", "longrope: a JSON object with short_factor and long_factor (one per rotary pair), "
            "at its top or under rope_parameters / rope_scaling (a LongRoPE model's config.json), optionally factor",
            read_by=_read_by("--longrope-factors"), metavar="FILE.json"),
-    Option("--attention", "the attention over the table, on raw keys: rerope (ReRoPE: distances past a window "
-           "clipped), self_extend (Self-Extend: distances past a neighbour window grouped), dual_chunk (Dual Chunk "
-           "Attention: positions inside chunks, as Qwen2.5-1M), string (STRING: distances past an offset shifted "
-           "down onto well-trained ones); default: rerope when --window is given",
+    Option("--attention", "the attention over the table, on raw keys: "
+           + ", ".join(a.summary for a in attentions.RAW_KEY.values()) + "; default: rerope when --window is given",
            type=attention_choice, metavar="{" + ",".join(ATTENTIONS) + "}", attention=ATTENTIONS),
-    Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W",
-           attention=("rerope", "self_extend")),
-    Option("--leaky-k", "Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)", type=leaky_k, metavar="K",
-           attention=("rerope",)),
-    Option("--logn", "ReRoPE log-n scaling: queries past L times log(n)/log(L)", switch=True, attention=("rerope",)),
+    Option("--window", "ReRoPE: relative distances >= W count as W", type=positive_int, metavar="W"),
+    Option("--leaky-k", "Leaky ReRoPE: distances >= W count as W + (d - W)/K (K > 1)", type=leaky_k, metavar="K"),
+    Option("--logn", "ReRoPE log-n scaling: queries past L times log(n)/log(L)", switch=True),
     Option("--group", "Self-Extend: the group size G: past the neighbour window W, a query at i and a key at j count "
            "as floor(i/G) - floor(j/G) + W - floor(W/G) apart, so a model trained to L reaches about (L - W) x G + W",
-           type=positive_int, metavar="G", attention=("self_extend",)),
+           type=positive_int, metavar="G"),
     Option("--chunk-size", "Dual Chunk Attention: the chunk size C (Qwen's chunk_size), the largest relative position "
-           "it shows the model (Qwen's checkpoints: C = the trained length L)", type=positive_int, metavar="C",
-           attention=("dual_chunk",)),
+           "it shows the model (Qwen's checkpoints: C = the trained length L)", type=positive_int, metavar="C"),
     Option("--local-size", "Dual Chunk Attention: the local size S < C (Qwen's local_size): chunks are C - S "
            "positions long, and a key in the previous chunk keeps its true distance while the query is within S "
-           "positions of its own chunk's start", type=non_negative_int, metavar="S", attention=("dual_chunk",)),
+           "positions of its own chunk's start", type=non_negative_int, metavar="S"),
     Option("--temperature-length", "Dual Chunk Attention: the length L0 of its attention temperature max(1, c "
            "ln(len/L0) + 1) on queries and keys (Qwen's original_max_position_embeddings; default 0: none, or the "
            "model's max_position_embeddings under --dca-temperature chunkllama)",
-           type=non_negative_int, metavar="L0", attention=("dual_chunk",)),
+           type=non_negative_int, metavar="L0"),
     Option("--dca-temperature", "Dual Chunk Attention: whose temperature rule: qwen (c = 0.1, Qwen's checkpoints as "
            "vLLM serves them) or chunkllama (c = 0.05, ChunkLlama's own Llama patch, L0 by default the model's "
            "max_position_embeddings); default qwen", type=dca_temperature_choice,
-           metavar="{" + ",".join(DUAL_CHUNK_TEMPERATURES) + "}", attention=("dual_chunk",)),
+           metavar="{" + ",".join(DUAL_CHUNK_TEMPERATURES) + "}"),
     Option("--shifted-offset", "STRING: the shifted offset S: distances d >= S count as d - S + W, so the model "
            "reads the last S positions it was trained on no more (its authors: S = 0.25 to 0.4 of the trained length)",
-           type=positive_int, metavar="S", attention=("string",)),
+           type=positive_int, metavar="S"),
     Option("--local-value", f"STRING: the local value W <= S, where the shifted distances start (default "
-           f"{config_lib.STRING_LOCAL_VALUE}, its authors', or S if smaller; they suggest 128 to 512)", type=non_negative_int,
-           metavar="W", attention=("string",)),
+           f"{attentions.STRING_LOCAL_VALUE}, its authors', or S if smaller; they suggest 128 to 512)", type=non_negative_int,
+           metavar="W"),
 )}
 
 # What a table method reads and an attention over the model's own table refuses: every option that fills a field but
 # the original length (ReRoPE's --logn reads it too), and LongRoPE's factors.
 _TABLE_ONLY = tuple(flag for flag, option in OPTIONS.items()
                     if (option.field or flag == "--longrope-factors") and flag != "--original-max-position")
-# The options each attention needs (``attention_arguments``): the others of its own are optional.
-_ATTENTION_NEEDS = {"rerope": ("--window",), "self_extend": ("--window", "--group"),
-                    "dual_chunk": ("--chunk-size", "--local-size"), "string": ("--shifted-offset",)}
+# The options each attention needs (its required parameters' flags): the others of its own are optional.
+_ATTENTION_NEEDS = {name: tuple(p.flag for p in attention.parameters if p.required)
+                    for name, attention in attentions.RAW_KEY.items()}
 
 
 @dataclass(frozen=True)
@@ -417,41 +417,26 @@ def check_attention_options(args) -> None:
     missing = [flag for flag in _ATTENTION_NEEDS[attention] if not _given(args, flag)]
     if missing:
         raise UsageError(f"--attention {attention} needs {', '.join(missing)}: {_usage(attention)}")
-    if attention == "dual_chunk" and args.local_size >= args.chunk_size:
-        raise UsageError(f"--local-size S must be below --chunk-size C (chunks are C - S positions long), got S = "
-                         f"{args.local_size} and C = {args.chunk_size}")
-    if attention == "string" and args.local_value is not None and args.local_value > args.shifted_offset:
-        raise UsageError(f"--local-value W must be at most --shifted-offset S (shifted distances start at W, below "
-                         f"the ones they replace), got W = {args.local_value} and S = {args.shifted_offset}")
+    attention_arguments(args)  # the values together (a default that is the model's length: checked with it)
     if args.method is None:
         _refuse_table_options(args, f"--attention {attention} without --method keeps {taken.own_table}",
                               f"{config_lib.ATTENTION_NAMES[attention]} over one: --method M --attention {attention}")
 
 
-def attention_arguments(args) -> dict[str, Any]:
-    """``hf.patch``'s attention arguments from the command line (none for plain attention): ReRoPE's (--window,
-    --leaky-k, --logn over --original-max-position), Self-Extend's, Dual Chunk Attention's (L0 as
-    ``original_max_position_embeddings``, Qwen's key)."""
+def attention_arguments(args, max_position_embeddings: int | None = None) -> dict[str, Any]:
+    """``hf.patch``'s attention arguments from the command line (none for plain attention): each parameter's value from
+    its flag (``attentions.Parameter.flag``; ReRoPE's --logn gives ``logn_length``, --original-max-position), checked
+    (``config.check_attention``) with the defaults filled (those that are the model's ``max_position_embeddings`` only
+    when it is given). A value the attention refuses is a usage error."""
     attention = attention_of(args)
-    if attention == "rerope":
-        return {"attention": "rerope", "window": args.window, "leaky_k": args.leaky_k or 0.0,
-                "logn_length": args.original_max_position if args.logn else 0}
-    if attention == "self_extend":
-        return {"attention": "self_extend", "window": args.window, "group": args.group}
-    if attention == "dual_chunk":  # L0 None: the rule's own default (hf.patch's: chunkllama's is the model's length)
-        return {"attention": "dual_chunk", "chunk_size": args.chunk_size, "local_size": args.local_size,
-                "original_max_position_embeddings": args.temperature_length,
-                "temperature": getattr(args, "dca_temperature", None)}
-    if attention == "string":
-        return {"attention": "string", "shifted_offset": args.shifted_offset,
-                "local_value": config_lib.string_local_value(args.shifted_offset, args.local_value)}
-    return {}
-
-
-def rerope_attention(args) -> dict[str, Any]:
-    """``hf.patch``'s attention arguments of a command whose only attention is ReRoPE (``eval``):
-    :func:`attention_arguments`."""
-    return attention_arguments(args)
+    if attention is None:
+        return {}
+    given = {p.key: p.value_from(args) for p in attentions.RAW_KEY[attention].parameters}
+    try:
+        values = config_lib.check_attention(attention, given, max_position_embeddings=max_position_embeddings)
+    except ValueError as err:
+        raise UsageError(f"--attention {attention}: {err}") from None
+    return {"attention": attention, **values}
 
 
 def build(args, name: str | None = None, *, factor: float | None = None) -> scaling.RopeScaling | None:

@@ -19,7 +19,7 @@ model reads all of it back (``ropescale.config.read_config``).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Mapping
 
 from .. import config as config_lib, scaling
 from ..config import ATTENTION_KEYS, CONFIG_KEY, METHOD_KEY, attention_entry, table_parameters
@@ -54,24 +54,12 @@ def saved_attention(config, layer_type: str | None = None) -> dict[str, Any] | N
                                  getattr(config, config_lib.DUAL_CHUNK_KEY, None))
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
-    if parsed.attention == "rerope":
-        return {"attention": "rerope", "window": parsed.window, "leaky_k": parsed.leaky_k,
-                "logn_length": parsed.logn_length}
-    if parsed.attention == "self_extend":
-        return {"attention": "self_extend", "window": parsed.window, "group": parsed.group}
-    if parsed.attention == "dual_chunk":  # a Qwen checkpoint's dual_chunk_attention_config included
-        return {"attention": "dual_chunk", "chunk_size": parsed.chunk_size, "local_size": parsed.local_size,
-                "original_max_position_embeddings": parsed.temperature_length, "temperature": parsed.temperature}
-    if parsed.attention == "string":
-        return {"attention": "string", "shifted_offset": parsed.window, "local_value": parsed.local_value}
-    return None
+    return None if parsed.attention == "sdpa" else {"attention": parsed.attention, **parsed.parameters}
 
 
-def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", window: int | None = None,
-           leaky_k: float = 0.0, logn_length: int = 0, target: str = "any", max_length: int | None = None,
-           layer_types: tuple[str, ...] | None = None, group: int | None = None, chunk_size: int | None = None,
-           local_size: int | None = None, temperature_length: int = 0, temperature: str | None = None,
-           local_value: int | None = None) -> None:
+def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
+           parameters: Mapping[str, Any] | None = None, target: str = "any", max_length: int | None = None,
+           layer_types: tuple[str, ...] | None = None) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
     marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
     vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
@@ -86,25 +74,22 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
     (they must share their base and rotary dim); the others keep theirs, and so the config says which layers
     the method extends.
 
-    Self-Extend (``group``) and Dual Chunk Attention (``chunk_size``, ``local_size``, ``temperature_length``: Qwen's
-    ``original_max_position_embeddings``; ``temperature``: its rule, written to the entry where it is not Qwen's) are
-    recorded in the entry under their marked rope type; DCA also as Qwen's ``dual_chunk_attention_config``, which any
-    other attention removes (the config would read as DCA). STRING: ``window`` its shifted offset S, ``local_value``
-    its W."""
+    ``parameters``: the attention's, checked (``config.check_attention``), recorded in the entry under the marked
+    rope type; Dual Chunk Attention's also as Qwen's ``dual_chunk_attention_config``, which any other attention
+    removes (the config would read as DCA)."""
     layer_type = layer_types[0] if layer_types else None
     old = dict(config_lib.layer_type_parameters(config, layer_type))
     marker = None if attention == "sdpa" else attention
-    extra = dict(group=group, chunk_size=chunk_size, local_size=local_size, temperature=temperature,
-                 local_value=local_value)
+    parameters = dict(parameters or {})
     length, original = config.max_position_embeddings, None
     if attention == "dual_chunk":
         config_lib._check_dual_chunk_table(
             method if method is not None else config_lib.read(table_parameters(old)[0], length).method)
-    dual_chunk = config_lib.dual_chunk_entry(attention, chunk_size, local_size, temperature_length)
+    dual_chunk = config_lib.dual_chunk_entry(attention, parameters)
     if method is None:
         params, _ = table_parameters(old)
         params["rope_type"] = scaling.RopeType.join(params["rope_type"], marker)
-        entry = attention_entry(attention, window, leaky_k, logn_length, **extra)
+        entry = attention_entry(attention, parameters)
         saved_method = (getattr(config, CONFIG_KEY, None) or {}).get(METHOD_KEY)
         if saved_method is not None:  # the table is the recorded NTK-aware one: keep what names it
             entry = {**(entry or {}), METHOD_KEY: saved_method}
@@ -116,9 +101,8 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa", 
                 written.rope_parameters["partial_rotary_factor"] = old["partial_rotary_factor"]
         else:
             written = config_lib.write(
-                method, base, rotary_dim, config.max_position_embeddings, attention=attention, window=window,
-                leaky_k=leaky_k, logn_length=logn_length, partial_rotary_factor=old.get("partial_rotary_factor"),
-                temperature_length=temperature_length, **extra)
+                method, base, rotary_dim, config.max_position_embeddings, attention=attention, parameters=parameters,
+                partial_rotary_factor=old.get("partial_rotary_factor"))
         params, entry, length = written.rope_parameters, written.entry, written.max_position_embeddings
         params.update({key: old[key] for key in scaling.LAYOUT_KEYS if key in old and key not in params})
         original = getattr(method, "original_max_position", None)

@@ -307,50 +307,29 @@ def patch(
     config, architecture, rotary_modules, attention_modules, base_model = _find_modules(model)
     layer_types = _extended_layer_types(config, layer_types)
     layer_type = layer_types[0] if layer_types else None
-    if attention is None:
+    given = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
+             "chunk_size": chunk_size, "local_size": local_size,
+             "original_max_position_embeddings": original_max_position_embeddings, "temperature": temperature,
+             "shifted_offset": shifted_offset, "local_value": local_value}
+    if attention is None:  # the saved attention, with any parameter given here in place of its saved value
         saved = checkpoint.saved_attention(config, layer_type) or {"attention": "sdpa"}
-        attention = saved["attention"]
-        if attention == "rerope":
-            window = saved.get("window") if window is None else window
-            leaky_k = saved.get("leaky_k", 0.0) if leaky_k is None else leaky_k
-            logn_length = saved.get("logn_length", 0) if logn_length is None else logn_length
-        elif attention == "self_extend":
-            window = saved["window"] if window is None else window
-            group = saved["group"] if group is None else group
-        elif attention == "dual_chunk":
-            chunk_size = saved["chunk_size"] if chunk_size is None else chunk_size
-            local_size = saved["local_size"] if local_size is None else local_size
-            if original_max_position_embeddings is None:
-                original_max_position_embeddings = saved["original_max_position_embeddings"]
-            temperature = saved["temperature"] if temperature is None else temperature
-        elif attention == "string":
-            shifted_offset = saved["shifted_offset"] if shifted_offset is None else shifted_offset
-            local_value = saved["local_value"] if local_value is None else local_value
-    if attention == "string":
-        local_value = config_lib.string_local_value(shifted_offset, local_value)
-    if attention == "dual_chunk":
-        original_max_position_embeddings = config_lib.temperature_length_for(
-            temperature, original_max_position_embeddings, config.max_position_embeddings)
-    _check_attention_arguments(attention, window, leaky_k, logn_length, group, chunk_size, local_size,
-                               original_max_position_embeddings, temperature, shifted_offset, local_value)
+        attention = saved.pop("attention")
+        given = {key: saved.get(key) if value is None else value for key, value in given.items()}
+    try:  # the same check, and message, as a checkpoint's entry gets at load and at vLLM engine start
+        parameters = config_lib.check_attention(attention, given,
+                                                max_position_embeddings=config.max_position_embeddings)
+    except ValueError as err:
+        raise ValueError(f"patch: {err}") from None
     if attention != "sdpa":
         _check_rerope_implementation(config, attention)
-    if attention == "dual_chunk":
-        window = local_size  # the op's window is Qwen's local size S
-    if attention == "string":
-        window = shifted_offset  # the op's window is STRING's shifted offset S
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
     raw_keys = attention != "sdpa"
-    plan = serving.PreRopePlan(
+    plan = serving.PreRopePlan.for_attention(
         method, config_lib.base_of(config, layer_type),
         method.rotary_dim_for(config_lib.head_dim_of(config, layer_type), params.get("partial_rotary_factor", 1.0)),
-        window if raw_keys else serving.NO_WINDOW,
-        serving.STRING_SLOPE if attention == "string" else float(leaky_k or 0.0), int(logn_length or 0),
-        group=int(group or 0), chunk_size=int(chunk_size or 0),
-        temperature_length=int(original_max_position_embeddings or 0), temperature=temperature or "qwen",
-        far_start=int(local_value) if attention == "string" else -1)
+        attention, parameters)
     state = _PatchState(
         plan=plan,
         raw_keys=raw_keys,
@@ -365,11 +344,8 @@ def patch(
     _check_layers(state, scaling)
     state.saved_config = checkpoint.snapshot(config)
     try:
-        checkpoint.record(config, None if scaling is None else state.method, attention,
-                          None if attention == "dual_chunk" else window, plan.leaky_k, plan.logn_length,
-                          layer_types=layer_types, group=group, chunk_size=chunk_size, local_size=local_size,
-                          temperature_length=plan.temperature_length, temperature=temperature,
-                          local_value=local_value)
+        checkpoint.record(config, None if scaling is None else state.method, attention, parameters,
+                          layer_types=layer_types)
     except ValueError as err:
         checkpoint.restore(config, state.saved_config)
         raise ValueError(f"patch: {architecture.name}: {err}") from None
@@ -476,20 +452,6 @@ def _sliding_window(module):
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     return getattr(module.config, "sliding_window", None)
-
-
-def _check_attention_arguments(attention, window, leaky_k, logn_length, group=None, chunk_size=None,
-                               local_size=None, temperature_length=None, temperature=None, shifted_offset=None,
-                               local_value=None) -> None:
-    """The attention side of a patch, checked before the model is touched (``config.check_attention``: the
-    same check, and message, as a checkpoint's entry gets at load and at vLLM engine start)."""
-    try:
-        config_lib.check_attention(attention, window, leaky_k, logn_length, group=group, chunk_size=chunk_size,
-                                   local_size=local_size, temperature_length=temperature_length,
-                                   temperature=temperature, shifted_offset=shifted_offset,
-                                   local_value=local_value)
-    except ValueError as err:
-        raise ValueError(f"patch: {err}") from None
 
 
 def unpatch(model: nn.Module) -> nn.Module:

@@ -62,7 +62,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from .. import config as config_lib, ops
+from .. import attentions, config as config_lib, ops
 from . import engine
 from ..serving import (NO_WINDOW, PreRopePlan, RequestRotaryTables, Segments, StepTables, TableCache,  # noqa: F401
                        cut_segments, needs_pre_rope)
@@ -215,21 +215,7 @@ def describe_plan(plan: PreRopePlan, unset_max_tokens: int | None = None) -> str
     read)."""
     method = type(plan.method).__name__ + (" with Resonance" if plan.method.resonance else "")
     original = getattr(plan.method, "original_max_position", None)
-    if plan.attention == "self_extend":
-        parts = [f"Self-Extend window {plan.window}, group {plan.group}"]
-    elif plan.attention == "dual_chunk":
-        parts = [f"Dual Chunk Attention chunk_size {plan.chunk_size}, local_size {plan.window}, temperature "
-                 + (f"{plan.temperature}'s at length {plan.temperature_length}" if plan.temperature_length
-                    else "none")]
-    elif plan.attention == "string":
-        parts = [f"STRING shifted_offset {plan.window}, local_value {plan.far_start}, attention factor "
-                 f"{config_lib.STRING_ATTENTION_FACTOR:.4f} on q and k"]
-    elif plan.window != NO_WINDOW:
-        parts = [("Leaky ReRoPE" if plan.leaky_k else "ReRoPE") + f" window {plan.window}"
-                 + (f", leaky_k {plan.leaky_k:g}" if plan.leaky_k else "")
-                 + (f", log-n past {plan.logn_length}" if plan.logn_length else "")]
-    else:
-        parts = []
+    parts = [attentions.RAW_KEY[plan.attention].describe(plan)] if plan.window != NO_WINDOW else []
     if plan.per_request:
         parts.append(
             f"{method} per='request': each request runs, for its whole life, the static table of its planned length "

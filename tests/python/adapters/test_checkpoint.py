@@ -303,7 +303,8 @@ BAD_ENTRIES = [
     ({"leaky_k": "2"}, "leaky_k must be 0 (plain ReRoPE) or a finite number >= 1, got '2'"),
     ({"logn_length": 1}, "logn_length must be 0 (no log-n scaling) or an integer >= 2"),
     ({"logn_length": 64.0}, "logn_length must be 0 (no log-n scaling) or an integer >= 2"),
-    ({"attention": "sdpa"}, "window, leaky_k and logn_length apply to attention='rerope' only"),
+    ({"attention": "sdpa"}, "window, leaky_k, logn_length apply to attention='rerope' or 'self_extend' only; "
+                            "attention='sdpa' takes no parameters"),
 ]
 
 

@@ -112,20 +112,20 @@ def check_logits(model, expected: dict, want: torch.Tensor) -> float:
 
 # Fields methods gained after a77b43e, at the default that keeps the old behaviour: an old checkpoint reads as
 # the method it was, plus these (issue 29: the dynamic methods' ``per``, "step" being the only rule they had).
-ADDED_AT_DEFAULT = (", per='step'",
-                    # Self-Extend's and Dual Chunk Attention's fields (issue 31)
-                    ", group=None, chunk_size=None, local_size=None, temperature_length=0",
-                    # Dual Chunk Attention's temperature rule (issue 42: ChunkLlama's beside Qwen's)
-                    ", temperature='qwen'",
-                    # STRING's local value (issue 44)
-                    ", local_value=None")
+ADDED_AT_DEFAULT = (", per='step'",)
 
 
 def as_read_then(parsed) -> str:
-    read = repr(parsed)
+    """``read_config``'s answer as a77b43e's ``RopeConfig`` printed it. Its attention fields were ReRoPE's (window,
+    leaky_k, logn_length); every attention's parameters are one mapping since issue 44 (``attentions``)."""
+    method = repr(parsed.method)
     for added in ADDED_AT_DEFAULT:
-        read = read.replace(added, "")
-    return read
+        method = method.replace(added, "")
+    rerope = dict(parsed.parameters) if parsed.attention == "rerope" else {}
+    assert parsed.attention in ("sdpa", "rerope"), "a77b43e had no other attention"
+    return (f"RopeConfig(method={method}, base={parsed.base!r}, attention={parsed.attention!r}, "
+            f"window={rerope.get('window')!r}, leaky_k={float(rerope.get('leaky_k', 0.0))!r}, "
+            f"logn_length={int(rerope.get('logn_length', 0))!r}, recorded={parsed.recorded!r})")
 
 
 def check_parse(config, expected: dict):

@@ -48,12 +48,14 @@ def test_ntk_is_default_with_the_scaled_base_and_the_same_table():
 
 
 def test_rerope_keeps_both_the_attention_side_and_the_ntk_method():
-    written = config.write(scaling.NTK(factor=2.0), 1e4, DIM, 64, attention="rerope", window=8, leaky_k=2.0)
+    parameters = config.check_attention("rerope", {"window": 8, "leaky_k": 2.0})
+    written = config.write(scaling.NTK(factor=2.0), 1e4, DIM, 64, attention="rerope", parameters=parameters)
     assert written.rope_parameters["rope_type"] == "rerope"
     assert written.entry == {"attention": "rerope", "window": 8, "leaky_k": 2.0, "logn_length": 0,
                              "method": {"rope_type": "ntk", "factor": 2.0, "rope_theta": 1e4}}
     back = config.read(written.rope_parameters, written.max_position_embeddings, written.entry, DIM)
-    assert back == config.RopeConfig(scaling.NTK(factor=2.0), 1e4, "rerope", 8, 2.0, 0, recorded=True)
+    assert back == config.RopeConfig(scaling.NTK(factor=2.0), 1e4, "rerope",
+                                     {"window": 8, "leaky_k": 2.0, "logn_length": 0}, recorded=True)
 
 
 def test_longrope_with_distinct_factors_is_recorded_so_ropescale_serves_it_per_length():

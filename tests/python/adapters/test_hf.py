@@ -525,7 +525,8 @@ def test_bad_patch_arguments():
         hf.patch(tiny("llama"), attention="rerope", window=4, leaky_k=0.5)
     with pytest.raises(ValueError, match="attention must be one of 'sdpa', 'rerope', 'self_extend', 'dual_chunk', 'string', got 'flash'"):
         hf.patch(tiny("llama"), attention="flash")
-    with pytest.raises(ValueError, match="apply to attention='rerope' only"):
+    with pytest.raises(ValueError, match="window applies to attention='rerope' or 'self_extend' only; "
+                                         "attention='sdpa' takes no parameters"):
         hf.patch(tiny("llama"), window=4)
     with pytest.raises(TypeError, match="scaling must be"):
         hf.patch(tiny("llama"), scaling=3)

@@ -307,7 +307,7 @@ def test_qwens_sparse_attention_is_accepted_with_a_warning(monkeypatch):
               "sparse_attention_last_q": 64}
     with pytest.warns(UserWarning, match="ropescale computes dense Dual Chunk Attention, which vLLM's sparse kernel"):
         parsed = config_lib.read({"rope_type": "default"}, 64, None, None, sparse)
-    assert (parsed.attention, parsed.chunk_size, parsed.local_size) == ("dual_chunk", 12, 4)
+    assert (parsed.attention, parsed.parameters["chunk_size"], parsed.parameters["local_size"]) == ("dual_chunk", 12, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         config_lib.read({"rope_type": "default"}, 64, None, None, sparse)
@@ -582,16 +582,17 @@ def test_bad_patch_arguments_are_refused_before_the_model_is_touched(arguments, 
 
 def test_the_written_config_reads_back():
     for attention, arguments in (("self_extend", dict(window=4, group=3)),
-                                 ("dual_chunk", dict(chunk_size=12, local_size=4, temperature_length=8)),
-                                 ("string", dict(window=20, local_value=5))):
-        written = config_lib.write(scaling.Default(), 1e4, HEAD, 64, attention=attention, **arguments)
+                                 ("dual_chunk", dict(chunk_size=12, local_size=4, original_max_position_embeddings=8)),
+                                 ("string", dict(shifted_offset=20, local_value=5))):
+        parameters = config_lib.check_attention(attention, arguments)
+        written = config_lib.write(scaling.Default(), 1e4, HEAD, 64, attention=attention, parameters=parameters)
         parsed = config_lib.read(written.rope_parameters, written.max_position_embeddings, written.entry, HEAD,
                                  written.dual_chunk)
         assert parsed.attention == attention and parsed.length_free
-        assert {k: getattr(parsed, k) for k in arguments} == arguments
+        assert parsed.parameters == parameters and arguments.items() <= parameters.items()
     # Self-Extend over a scaled table is marked on it
     written = config_lib.write(scaling.YaRN(factor=4.0, original_max_position=16), 1e4, HEAD, 16,
-                               attention="self_extend", window=4, group=2)
+                               attention="self_extend", parameters={"window": 4, "group": 2})
     assert written.rope_parameters["rope_type"] == "self_extend_yarn"
     assert config_lib.read(written.rope_parameters, 16, written.entry, HEAD).method.factor == 4.0
 
@@ -601,8 +602,12 @@ def test_a_string_plan_is_never_served_as_another_rule():
     would serve another model silently, so none can be built; every plan read from a STRING config has slope 1."""
     from ropescale import serving
 
-    with pytest.raises(ValueError, match="slope 1: leaky_k must be 1.0, got 0.0"):
-        serving.PreRopePlan(scaling.Default(), 1e4, HEAD, 7, 0.0, far_start=3)
+    with pytest.raises(ValueError, match="STRING attention's rule has leaky_k 1.0, got 0.0"):
+        serving.PreRopePlan(scaling.Default(), 1e4, HEAD, 7, 0.0, far_start=3, attention="string")
+    with pytest.raises(ValueError, match="far_start 3 is not part of ReRoPE attention's rule"):
+        serving.PreRopePlan(scaling.Default(), 1e4, HEAD, 7, 1.0, far_start=3)
+    with pytest.raises(ValueError, match="group 2 is not part of STRING attention's rule"):
+        serving.PreRopePlan(scaling.Default(), 1e4, HEAD, 7, 1.0, far_start=3, group=2, attention="string")
     config = patched("Llama", **STRING).config
     plan = serving.PreRopePlan.of(config_lib.read_config(config), HEAD, True)
     assert (plan.attention, plan.window, plan.leaky_k, plan.far_start) == ("string", 7, 1.0, 3)
@@ -681,3 +686,83 @@ def test_self_extend_gradients_equal_the_float64_reference():
     for got, want in zip(grads, ref_grads):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
     assert math.isfinite(out.sum().item())
+
+
+# A new far-field rule, declared in a fresh process before ropescale.config is imported: STRING with its local value
+# fixed at 0 (every far distance d counts as d - S), a rule the ops' arguments already express. Nothing else is added.
+_NEW_RULE = textwrap.dedent('''
+    import json, sys
+    import torch
+    from ropescale import attentions
+
+    attentions.declare(attentions.Attention(
+        "string_from_zero", "STRING attention from 0",
+        (attentions.Parameter("shifted_offset", lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                              "attention='string_from_zero' needs shifted_offset, an integer > 0, got {got}",
+                              flag="--shifted-offset"),),
+        plan={"window": "shifted_offset", "leaky_k": attentions.Fixed(1.0), "far_start": attentions.Fixed(0)},
+        describe=lambda plan: f"STRING from 0, shifted_offset {plan.window}",
+        score_factor=attentions.STRING_ATTENTION_FACTOR ** 2))
+
+    from transformers import AutoModelForCausalLM
+    from ropescale import cli, config as config_lib, hf, serving
+    sys.path.insert(0, sys.argv[1])
+    from support.families import build
+
+    ids = torch.randint(3, 60, (2, 24), generator=torch.Generator().manual_seed(1))
+    new = hf.patch(build("Llama"), attention="string_from_zero", shifted_offset=7)
+    string = hf.patch(build("Llama"), attention="string", shifted_offset=7, local_value=0)
+    with torch.no_grad():
+        want, got = string(ids).logits, new(ids).logits
+    new.save_pretrained(sys.argv[2])
+    saved = json.load(open(sys.argv[2] + "/config.json"))
+    reloaded = hf.patch(AutoModelForCausalLM.from_pretrained(sys.argv[2]))
+    with torch.no_grad():
+        again = reloaded(ids).logits
+    plan = serving.PreRopePlan.of_config(reloaded.config)
+    try:
+        hf.patch(build("Llama"), attention="string_from_zero", shifted_offset=0)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    out = {"same_as_string": (got - want).abs().max().item(), "reloaded": (again - got).abs().max().item(),
+           "entry": saved["ropescale"], "rope_type": saved["rope_parameters"]["rope_type"],
+           "plan": [plan.attention, plan.window, plan.leaky_k, plan.far_start, plan.method_arguments()],
+           "score_factor": plan.score_factor, "refused": refused,
+           "cli": cli.main(["extend", sys.argv[2], sys.argv[2] + "-cli", "--attention", "string_from_zero",
+                            "--shifted-offset", "5", "--dry-run"])}
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_a_new_far_field_rule_is_one_declaration(tmp_path):
+    """``attentions.declare`` is all a rule the ops' arguments express needs: hf.patch, the checkpoint, its reload,
+    the serving plan, its check and the command line find it (issue 44)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    support = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _NEW_RULE, support, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    assert out.pop("same_as_string") == 0.0 and out.pop("reloaded") == 0.0
+    assert out == {"entry": {"attention": "string_from_zero", "shifted_offset": 7},
+                   "rope_type": "string_from_zero", "plan": ["string_from_zero", 7, 1.0, 0, {"far_start": 0}],
+                   "score_factor": config_lib.STRING_ATTENTION_FACTOR ** 2,
+                   "refused": "patch: attention='string_from_zero' needs shifted_offset, an integer > 0, got 0",
+                   "cli": 0}
+
+
+def test_declare_refuses_a_taken_name_a_plan_without_its_parameter_and_a_late_declaration():
+    import dataclasses
+
+    from ropescale import attentions
+
+    with pytest.raises(ValueError, match="the attention 'string' is taken"):
+        attentions.declare(attentions.STRING)
+    with pytest.raises(ValueError, match=r"plan fields \['far_start'\] name no parameter of it"):
+        attentions.declare(dataclasses.replace(attentions.STRING, name="string2",
+                                               plan={**attentions.STRING.plan, "far_start": "local_values"}))
+    with pytest.raises(RuntimeError, match="before ropescale.config"):  # this process imported it
+        attentions.declare(dataclasses.replace(attentions.STRING, name="string2"))
+    assert "string2" not in attentions.RAW_KEY and "string2" not in config_lib.ATTENTIONS

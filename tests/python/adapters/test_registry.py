@@ -158,7 +158,8 @@ _NEW_METHOD = textwrap.dedent('''
     from ropescale import cli, config as config_lib
     from transformers import modeling_rope_utils as rope_utils
     method = scaling.from_hf({"rope_type": "halved_alias", "factor": 2.0})
-    written = config_lib.write(method, 100.0, 8, 16, attention="rerope", window=4)
+    written = config_lib.write(method, 100.0, 8, 16, attention="rerope",
+                               parameters=config_lib.check_attention("rerope", {"window": 4}))
     read = config_lib.read(written.rope_parameters, 16, written.entry, 8)
     out = {"method": repr(method), "written": written.rope_parameters["rope_type"], "read": repr(read.method),
            "resonance_registered": "resonance_halved" in rope_utils.ROPE_INIT_FUNCTIONS,

@@ -244,44 +244,46 @@ SE = dict(attention="self_extend", window=4, group=3)  # G does not divide W: th
 DCA = dict(attention="dual_chunk", chunk_size=12, local_size=4)  # chunks of 8: every region by 17 tokens
 
 # name: (options, the method hf.patch is given (None: the model's own table), hf.patch's attention arguments, the
-# summary line)
+# summary line: the vLLM plugin's startup line)
 ATTENTIONS = {
     "rerope": (["--method", "rerope", "--window", 8], None, dict(attention="rerope", window=8),
-               "ReRoPE attention: window 8"),
+               "ReRoPE window 8"),
     "leaky_logn_rerope": (["--attention", "rerope", "--window", 8, "--leaky-k", 4, "--logn", "--original-max-position",
                            ORIGINAL], None, dict(attention="rerope", window=8, leaky_k=4.0, logn_length=ORIGINAL),
-                          "ReRoPE attention: window 8, leaky_k 4, logn_length 16"),
+                          "Leaky ReRoPE window 8, leaky_k 4, log-n past 16"),
     "self_extend": (["--attention", "self_extend", "--window", 4, "--group", 3], None, SE,
-                    "Self-Extend attention: window 4, group 3"),
+                    "Self-Extend window 4, group 3"),
     "dual_chunk": (["--attention", "dual_chunk", "--chunk-size", 12, "--local-size", 4], None, DCA,
-                   "Dual Chunk Attention: chunk_size 12, local_size 4, temperature none"),
+                   "Dual Chunk Attention chunk_size 12, local_size 4, temperature none"),
     "dual_chunk_temperature": (["--attention", "dual_chunk", "--chunk-size", 12, "--local-size", 4,
                                 "--temperature-length", 8], None, dict(DCA, original_max_position_embeddings=8),
-                               "Dual Chunk Attention: chunk_size 12, local_size 4, temperature qwen's at length 8"),
+                               "Dual Chunk Attention chunk_size 12, local_size 4, temperature qwen's at length 8"),
     # ChunkLlama's own rule: L0 the model's max_position_embeddings (64) unless given
     "dual_chunk_chunkllama": (["--attention", "dual_chunk", "--chunk-size", 12, "--local-size", 4, "--dca-temperature",
                                "chunkllama"], None, dict(DCA, temperature="chunkllama"),
-                              "Dual Chunk Attention: chunk_size 12, local_size 4, temperature chunkllama's at length "
+                              "Dual Chunk Attention chunk_size 12, local_size 4, temperature chunkllama's at length "
                               "64"),
     "dual_chunk_chunkllama_length": (["--attention", "dual_chunk", "--chunk-size", 12, "--local-size", 4,
                                       "--dca-temperature", "chunkllama", "--temperature-length", 8], None,
                                      dict(DCA, temperature="chunkllama", original_max_position_embeddings=8),
-                                     "Dual Chunk Attention: chunk_size 12, local_size 4, temperature chunkllama's at "
+                                     "Dual Chunk Attention chunk_size 12, local_size 4, temperature chunkllama's at "
                                      "length 8"),
     "string": (["--attention", "string", "--shifted-offset", 5, "--local-value", 2], None,
                dict(attention="string", shifted_offset=5, local_value=2),
-               "STRING attention: shifted_offset 5, local_value 2"),
+               "STRING shifted_offset 5, local_value 2, attention factor 1.0693 on q and k"),
     # its authors' local value 128 by default, S where S is smaller
     "string_default_local_value": (["--attention", "string", "--shifted-offset", 200], None,
                                    dict(attention="string", shifted_offset=200),
-                                   "STRING attention: shifted_offset 200, local_value 128"),
+                                   "STRING shifted_offset 200, local_value 128, attention factor 1.0693 on q "
+                                   "and k"),
     "string_default_local_value_below": (["--attention", "string", "--shifted-offset", 6], None,
                                          dict(attention="string", shifted_offset=6),
-                                         "STRING attention: shifted_offset 6, local_value 6"),
+                                         "STRING shifted_offset 6, local_value 6, attention factor 1.0693 on q "
+                                         "and k"),
     "self_extend_over_yarn": (["--method", "yarn", "--factor", 4, "--original-max-position", ORIGINAL, "--attention",
                                "self_extend", "--window", 4, "--group", 3],
                               scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), SE,
-                              "Self-Extend attention: window 4, group 3"),
+                              "Self-Extend window 4, group 3"),
 }
 WRITTEN_KEYS = ("rope_parameters", "max_position_embeddings", "ropescale", "dual_chunk_attention_config",
                 "model_max_length")
@@ -341,7 +343,8 @@ ATTENTION_REFUSALS = [
     (["--attention", "rerope", "--window", 4, "--temperature-length", 16],
      "--temperature-length belongs to Dual Chunk Attention"),
     (["--attention", "dual_chunk", "--chunk-size", 4, "--local-size", 4],
-     "--local-size S must be below --chunk-size C (chunks are C - S positions long), got S = 4 and C = 4"),
+     "--attention dual_chunk: attention='dual_chunk' needs local_size, an integer with 0 <= local_size < chunk_size "
+     "(4), got 4"),
     (["--method", "rerope", "--attention", "self_extend", "--window", 4, "--group", 2],
      "--method rerope is ReRoPE attention over SRC's own table; for Self-Extend attention over it leave --method out"),
     (["--attention", "self_extend", "--window", 4, "--group", 2, "--factor", 2],
@@ -358,7 +361,8 @@ ATTENTION_REFUSALS = [
                                                 "string, got 'sliding'"),
     (["--attention", "string"], "--attention string needs --shifted-offset: --shifted-offset S [--local-value W]"),
     (["--attention", "string", "--shifted-offset", 4, "--local-value", 5],
-     "--local-value W must be at most --shifted-offset S"),
+     "--attention string: attention='string' needs local_value (W: where the shifted distances start), an integer "
+     "with 0 <= local_value <= shifted_offset"),
     (["--attention", "string", "--shifted-offset", 4, "--window", 4],
      "--window belongs to ReRoPE attention (--attention rerope --window W [--leaky-k K] [--logn]) or Self-Extend"),
     (["--attention", "rerope", "--window", 4, "--local-value", 2], "--local-value belongs to STRING attention"),

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -80,6 +81,41 @@ def test_console_script_runs():
         pytest.fail(f"no `ropescale` command beside {sys.executable}: setup.sh / pip install should write it")
     result = subprocess.run([str(command), "--help"], capture_output=True, text=True, check=True)
     assert "usage: ropescale" in result.stdout and "table" in result.stdout
+
+
+# What a venv holding only ropescale's requirements (pyproject: torch, numpy, tqdm) lacks: every optional
+# dependency and every test package. (scripts/test_torch_compat.sh checks the wheel requires exactly those three.)
+_NOT_REQUIRED = ("transformers", "vllm", "matplotlib", "gguf", "accelerate", "wonderwords", "safetensors",
+                 "huggingface_hub", "tokenizers", "pytest", "scipy", "pandas")
+_WITH_REQUIREMENTS_ONLY = textwrap.dedent('''
+    import importlib.abc, sys
+    BLOCKED = set(sys.argv[1].split(","))
+
+    class Blocked(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r} (not one of ropescale's requirements)")
+            return None
+
+    sys.meta_path.insert(0, Blocked())
+    import torch, ropescale
+    from ropescale import cli
+    assert list(torch.ops.ropescale.yarn_inv_freq(128, 1e4, 4.0, 4096).shape) == [64]
+    try:
+        cli.main(["--help"])
+    except SystemExit as done:
+        assert done.code == 0
+    cli.main(["table", "--method", "yarn", "--factor", "4", "--dim", "8", "--json"])
+''')
+
+
+def test_ropescale_and_its_command_run_with_its_requirements_only():
+    """A user's fresh venv (README's install) holds torch, numpy and tqdm: ropescale, an op and the `ropescale`
+    command run there, every optional dependency and test package blocked."""
+    result = subprocess.run([sys.executable, "-c", _WITH_REQUIREMENTS_ONLY, ",".join(_NOT_REQUIRED)],
+                            capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: ropescale" in result.stdout and '"inv_freq"' in result.stdout
 
 
 # The ops with a CUDA kernel: the rotary ops and the ReRoPE attention ops (DESIGN.md, "Public surface").
