@@ -5,9 +5,10 @@
 come from the registry (each method's parameters declare their flag: ``scaling.parameter(cli=...)``). A
 command names the subset it takes in a ``MethodOptions`` and ``add_options`` adds them; ``build`` turns the
 parsed options into a ``scaling.RopeScaling`` and ``given_fields`` says which of its fields the command line
-gave (``extend`` takes the others from SRC). The attention options (ReRoPE's, Self-Extend's, Dual Chunk
-Attention's) are declared here too: ``check_attention_options`` says which go together and
-``attention_arguments`` turns them into ``hf.patch``'s arguments.
+gave (``extend`` takes the others from SRC). The attention options' texts are here too; which attention each
+belongs to, which are needed and what values they take come from ``ropescale.attentions`` (each parameter's flag):
+``check_attention_options`` says which go together and ``attention_arguments`` turns them into ``hf.patch``'s
+arguments.
 
 The method's dataclass checks the values it is given (``__post_init__``): its ValueError is the usage error
 the user sees (``main``). Checked here: which option goes with which method, and the values whose argparse
