@@ -98,9 +98,12 @@ def add_parser(sub) -> None:
                      "ropescale extend ./llama ./llama-string --attention string --shifted-offset 2730 "
                      "--max-length 32768   # S = L/3 of an 8k model, W = 128",
                      "ropescale extend ./phi ./phi-lr --method longrope --longrope-factors factors.json --factor 32",
-                     "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config"])
-    ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json)")
-    ex.add_argument("dst", metavar="DST", help="the new directory (must not exist, nor be inside SRC)")
+                     "ropescale extend ./llama ./llama-yarn --method yarn --factor 4 --dry-run   # print the config",
+                     "ropescale extend model.gguf model-yarn4.gguf --method yarn --factor 4"
+                     "   # for llama.cpp: llama-server -m model-yarn4.gguf -c 32768"])
+    ex.add_argument("src", metavar="SRC", help="a local transformers model directory (with config.json), or a GGUF "
+                                               "file (then DST is the GGUF llama.cpp serves: static methods only)")
+    ex.add_argument("dst", metavar="DST", help="the new directory (must not exist, nor be inside SRC), or file.gguf")
     group = methods.add_options(ex, _METHOD_OPTIONS)
     group.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                        help="per='request' checkpoints: the tokens a request that does not say how many it may "
@@ -123,12 +126,12 @@ def _dequantise_hint(gguf: Path, dst: Path) -> str:
     out = dst.with_name(dst.name + "-src")
     return (f"{gguf} is a GGUF file (quantised weights, no config.json): extend copies a transformers model "
             f"directory. Dequantise it into one first (needs the gguf package): python -c \"from ropescale import "
-            f"realmodel; realmodel.save_dequantised('{gguf}', '{out}')\", then ropescale extend {out} {dst} ...")
+            f"realmodel; realmodel.save_dequantised('{gguf}', '{out}')\", then ropescale extend {out} {dst} ...; "
+            f"or, for llama.cpp, extend the GGUF itself: ropescale extend {gguf} {dst.with_suffix('.gguf')} "
+            "--method ...")
 
 
 def _check_extend_paths(src, dst) -> None:
-    if src.is_file() and src.suffix.lower() == ".gguf":
-        raise UsageError(_dequantise_hint(src, dst))
     if not (src / "config.json").is_file():
         ggufs = sorted(src.glob("*.gguf")) if src.is_dir() else []
         if ggufs:
@@ -275,10 +278,54 @@ def _attention_summary(plan) -> str:
             "with ropescale's plugin)")
 
 
+def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
+    """SRC a GGUF file: DST the GGUF llama.cpp reads the method from (``ropescale.llamacpp``)."""
+    from .. import llamacpp
+
+    attention = methods.attention_of(args)
+    if attention is not None:
+        from .. import attentions
+
+        raise UsageError(f"--attention {attention}: llama.cpp has no {attentions.RAW_KEY[attention].title} (its attention "
+                         "rotates keys once, when written): serve it with transformers (ropescale.hf) or vLLM with "
+                         "ropescale's plugin, from a transformers directory (extend SRC_DIR DST_DIR --attention ...)")
+    if args.method is None:
+        raise UsageError("a GGUF SRC takes --method M (a static table llama.cpp applies); --attention is not for it")
+    for flag, given in (("--target", args.target != "any"), ("--max-length", args.max_length is not None),
+                        ("--max-new-tokens", args.max_new_tokens is not None)):
+        if given:
+            raise UsageError(f"{flag} is for a transformers directory; a GGUF DST is served at its context_length "
+                             "(llama-server -c N)")
+    if dst.suffix.lower() != ".gguf":
+        raise UsageError(f"{dst}: a GGUF SRC writes a GGUF file: name DST *.gguf")
+    try:
+        _, rope = llamacpp.read_rope(src)
+    except (ValueError, ImportError) as err:
+        raise UsageError(str(err)) from None
+    args.original_max_position = args.original_max_position or rope.context_length
+    method = methods.build(args)
+    if args.dry_run:
+        print(f"would write {dst}: {type(method).__name__} over {rope.architecture} (base {rope.base:g}, n_rot "
+              f"{rope.rotary_dim}, context_length {rope.context_length})")
+        return 0
+    try:
+        written = llamacpp.extend(src, dst, method, progress=sys.stderr.isatty())
+    except FileExistsError as err:
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        raise UsageError(f"--method {args.method}: {err}") from None
+    print(f"wrote {dst}: rope.scaling.type none, {llamacpp.ROPE_FREQS} ({len(written.rope_freqs)} factors), "
+          f"attn_factor {written.attn_factor:.6g}, context_length {written.context_length}; {written.copied_tensors} "
+          f"tensors copied byte for byte. Serve it: llama-server -m {dst} -c {written.context_length}")
+    return 0
+
+
 def _cmd_extend(args) -> int:
     import shutil
 
     src, dst = Path(args.src), Path(args.dst)
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        return _cmd_extend_gguf(args, src, dst)
     methods.check_attention_options(args)
     attention = methods.attention_of(args)
     if args.method is None and attention is None:

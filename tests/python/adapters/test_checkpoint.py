@@ -589,10 +589,15 @@ def test_extend_refuses_dst_inside_src_and_names_the_dequantising_step_of_a_gguf
     assert "is inside" in err and not (src / "sub").exists()
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "m.Q4_0.gguf").write_bytes(b"GGUF")
-    for source in (tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "q"):
-        err = usage_error(capsys, "extend", source, tmp_path / "dst", "--method", "yarn", "--factor", 4)
-        assert "is a GGUF file" in err and "realmodel.save_dequantised(" in err
-        assert f"then ropescale extend {tmp_path / 'dst-src'} {tmp_path / 'dst'}" in err
+    err = usage_error(capsys, "extend", tmp_path / "q", tmp_path / "dst", "--method", "yarn", "--factor", 4)
+    assert "is a GGUF file" in err and "realmodel.save_dequantised(" in err
+    assert f"then ropescale extend {tmp_path / 'dst-src'} {tmp_path / 'dst'}" in err
+    assert f"for llama.cpp, extend the GGUF itself: ropescale extend {tmp_path / 'q' / 'm.Q4_0.gguf'}" in err
+    # a GGUF file itself is llama.cpp's route (test_llamacpp.py): DST a GGUF, the file one the gguf package reads
+    err = usage_error(capsys, "extend", tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "dst", "--method", "yarn")
+    assert "a GGUF SRC writes a GGUF file: name DST *.gguf" in err
+    err = usage_error(capsys, "extend", tmp_path / "q" / "m.Q4_0.gguf", tmp_path / "dst.gguf", "--method", "yarn")
+    assert "is not a GGUF file the gguf package can read" in err
     # The step it names writes a directory extend takes (the GGUF reader is transformers'; faked here).
     from ropescale import realmodel
     from support.tiny_lm import char_tokenizer

@@ -1,0 +1,259 @@
+"""The llama.cpp adapter: a GGUF file that carries a ropescale table exactly, as llama.cpp reads it (issue 45).
+
+llama.cpp (and Ollama, LM Studio on top of it) reads a model's rope from GGUF metadata. Its CPU kernel
+(``ggml/src/ggml-cpu/ops.cpp``, ``ggml_rope_cache_init`` and ``rope_yarn``, llama-cpp-python 0.3.36) computes, for
+a position ``p`` and pair ``i``, ``theta_i = p * ts^i`` by a float32 chain (``theta *= ts`` from ``theta = p``,
+``ts = powf(freq_base, -2 / n_rot)``), divides it by ``rope_freqs[i]`` where the model has that tensor, multiplies
+it by ``freq_scale`` and, for ``rope.scaling.type = yarn`` only, blends it; cos and sin are times
+``attn_factor`` (``rope.scaling.attn_factor``, for every type). Under ``rope.scaling.type = none``
+(``src/llama-context.cpp``: ``freq_scale = 1``, ``ext_factor = 0``) the angle is ``theta_i / rope_freqs[i]``,
+so ``rope_freqs[i] = ts^i / t_i`` makes any static table ``t`` llama.cpp's, with ``ts^i`` the same float32 chain
+(from 1) as the kernel's: the difference left is llama.cpp's own rounding of its chain.
+
+:func:`extend` writes that GGUF: the metadata and tensors of the source byte for byte (the quantised ones never
+dequantised, as the gguf package's ``gguf_new_metadata`` script copies them), with ``rope.scaling.type = none``,
+``rope_freqs.weight``, ``rope.scaling.attn_factor``, ``context_length`` the served length, and ropescale's record
+of the method (``ropescale.method``). Methods llama.cpp cannot run (a table that follows the length, a raw-key
+attention) are refused by name before anything is written; the destination is written beside itself and renamed
+into place, so it is never left half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import scaling
+
+__all__ = ["ROPE_FREQS", "ARCHITECTURES", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
+           "read_rope"]
+
+#: The tensor llama.cpp divides each pair's angle by (``LLM_TENSOR_ROPE_FREQS``), float32, ``n_rot / 2`` values.
+ROPE_FREQS = "rope_freqs.weight"
+#: The GGUF architectures whose llama.cpp model loads ``rope_freqs`` into every layer's rotation (``src/models``:
+#: ``create_tensor(tn(LLM_TENSOR_ROPE_FREQS, ...), {n_rot/2}, TENSOR_NOT_REQUIRED)`` and ``get_rope_factors``) and
+#: that ropescale's tests run through llama.cpp: another is refused by name.
+ARCHITECTURES = ("llama",)
+#: The key ropescale records the method under (JSON, ``scaling.to_hf`` form with the base).
+METHOD_KEY = "ropescale.method"
+
+
+@dataclass(frozen=True)
+class GGUFRope:
+    """What a GGUF says of its rope (:func:`read_rope`)."""
+
+    architecture: str
+    base: float
+    rotary_dim: int  # n_rot
+    context_length: int
+    scaling_type: str  # rope.scaling.type ("linear" when absent, as llama.cpp reads it)
+    scaling_factor: float  # rope.scaling.factor (0: absent)
+    attn_factor: float  # rope.scaling.attn_factor (1: absent)
+    has_rope_freqs: bool
+
+
+@dataclass(frozen=True)
+class GGUFWritten:
+    """What :func:`extend` wrote."""
+
+    path: Path
+    rope_freqs: np.ndarray
+    attn_factor: float
+    context_length: int
+    copied_tensors: int
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError as err:  # an optional dependency: pip install gguf
+        raise ImportError("ropescale.llamacpp needs the gguf package (pip install gguf), which reads and writes "
+                          "GGUF files") from err
+    return gguf
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def read_rope(path: str | Path):
+    """``(reader, GGUFRope)`` of a GGUF file; a file the gguf package cannot read (truncated, not a GGUF) is a
+    ValueError naming it."""
+    gguf = _import_gguf()
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError, KeyError) as err:
+        raise ValueError(f"{path} is not a GGUF file the gguf package can read (truncated or another format): "
+                         f"{err}") from None
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: no general.architecture")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    width = _field(reader, f"{arch}.embedding_length")
+    head_dim = _field(reader, f"{arch}.attention.key_length") or (
+        width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None)
+    rotary_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    context = _field(reader, f"{arch}.context_length")
+    if not isinstance(rotary_dim, int) or not isinstance(context, int):
+        raise ValueError(f"{path}: architecture {arch!r} has no rope dimension ({arch}.rope.dimension_count) or "
+                         f"context length ({arch}.context_length)")
+    rope = GGUFRope(arch, float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rotary_dim, context,
+                    str(_field(reader, f"{arch}.rope.scaling.type", "linear")),
+                    float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
+                    float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+                    any(t.name == ROPE_FREQS for t in reader.tensors))
+    return reader, rope
+
+
+def chain(base: float, rotary_dim: int) -> np.ndarray:
+    """llama.cpp's per-pair frequencies ``ts^i`` as its kernel forms them: ``ts = powf(base, -2 / n_rot)`` and a float32
+    product from 1 (``theta *= theta_scale``)."""
+    ts = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(rotary_dim)))
+    out = np.empty(rotary_dim // 2, dtype=np.float32)
+    value = np.float32(1.0)
+    for i in range(rotary_dim // 2):
+        out[i] = value
+        value = np.float32(value * ts)
+    return out
+
+
+def rope_freqs_for(inv_freq: torch.Tensor, base: float, rotary_dim: int) -> np.ndarray:
+    """``rope_freqs`` for a table ``inv_freq`` (``n_rot / 2`` frequencies): ``ts^i / t_i`` in float64 from llama.cpp's
+    float32 chain, rounded once to float32. A pair the table leaves unrotated (frequency 0) has no factor
+    (llama.cpp would divide by it): refused."""
+    table = inv_freq.detach().to("cpu", torch.float64).numpy()
+    if table.shape != (rotary_dim // 2,):
+        raise ValueError(f"rope_freqs_for: the table has {table.shape} frequencies, n_rot {rotary_dim} needs "
+                         f"{rotary_dim // 2}")
+    if not np.all(np.isfinite(table)) or np.any(table <= 0):
+        raise ValueError("llama.cpp divides each angle by its factor: a table with a zero, negative or non-finite "
+                         "frequency (a pair left unrotated) has none")
+    return (chain(base, rotary_dim).astype(np.float64) / table).astype(np.float32)
+
+
+def effective_inv_freq(base: float, rotary_dim: int, rope_freqs: np.ndarray | None, position: int) -> np.ndarray:
+    """The frequencies llama.cpp's CPU kernel turns position ``position`` by under ``rope.scaling.type = none``:
+    its float32 chain from ``position`` divided by the factors, over ``position`` (float64). For tests: the same
+    arithmetic as ``ggml_rope_cache_init``."""
+    ts = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(rotary_dim)))
+    theta = np.float32(position)
+    out = np.empty(rotary_dim // 2, dtype=np.float64)
+    for i in range(rotary_dim // 2):
+        ff = np.float32(1.0) if rope_freqs is None else np.float32(rope_freqs[i])
+        out[i] = float(np.float32(theta / ff)) / position
+        theta = np.float32(theta * ts)
+    return out
+
+
+def _refusal(method: scaling.RopeScaling) -> str | None:
+    """Why llama.cpp cannot run ``method`` from one GGUF (None: it can)."""
+    name = type(method).__name__ + (" with Resonance" if method.resonance else "")
+    if method.dynamic:
+        return (f"{name} follows each sequence's length (a table per length, or per request): llama.cpp applies one "
+                "static table from the GGUF. Write a static method for the length you serve (--method yarn --factor "
+                "s), or serve this one with transformers (ropescale.hf) or vLLM (ropescale.vllm)")
+    if method.length_dependent:
+        return (f"{name} has a short and a long table, switched by length: this writer puts one table into the GGUF; "
+                "write the long one as its own LongRoPE (short_factor = long_factor)")
+    return None
+
+
+def _atomic_destination(dst: Path) -> tuple[int, Path]:
+    return tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
+
+
+def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, context_length: int | None = None,
+           progress: bool = False) -> GGUFWritten:
+    """Writes ``dst``: the GGUF ``src`` with ``method``'s table as llama.cpp reads it (module docstring).
+    ``context_length``: the served length written as ``{arch}.context_length`` (default: the method's length,
+    ``factor x`` the source's). Everything is checked before a byte is written; ``dst`` appears whole or not at
+    all. Raises ValueError (a file, an architecture or a method llama.cpp cannot take) and FileExistsError."""
+    gguf = _import_gguf()
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists: ropescale never overwrites a model (remove it, or pick another name)")
+    if not dst.parent.is_dir():
+        raise ValueError(f"{dst.parent} is not a directory")
+    reader, rope = read_rope(src)
+    if rope.architecture not in ARCHITECTURES:
+        raise ValueError(f"{src}: architecture {rope.architecture!r}: ropescale writes llama.cpp's per-pair rope "
+                         f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs, tested "
+                         "through llama.cpp); not for this one")
+    if rope.has_rope_freqs or rope.scaling_type not in ("none", "linear") or rope.scaling_factor not in (0.0, 1.0) \
+            or rope.attn_factor != 1.0:
+        raise ValueError(f"{src} already carries a rope scaling (rope.scaling.type {rope.scaling_type!r}, factor "
+                         f"{rope.scaling_factor or 'none'}, attn_factor {rope.attn_factor}"
+                         f"{', ' + ROPE_FREQS if rope.has_rope_freqs else ''}): extend the model it was scaled from")
+    refusal = _refusal(method)
+    if refusal is not None:
+        raise ValueError(f"llama.cpp cannot run this method: {refusal}")
+    method.check_rotary_dim(rope.rotary_dim)
+    table = method.inv_freq(rope.rotary_dim, rope.base, dtype=torch.float64)
+    factors = rope_freqs_for(table, rope.base, rope.rotary_dim)
+    attn_factor = float(method.attention_factor)
+    if not (math.isfinite(attn_factor) and attn_factor > 0):
+        raise ValueError(f"{type(method).__name__}: attention factor {attn_factor} is not a finite number > 0")
+    original = int(getattr(method, "original_max_position", None) or rope.context_length)
+    length = int(context_length if context_length is not None else
+                 round(original * float(getattr(method, "factor", 1.0) or 1.0)))
+    if length < 1:
+        raise ValueError(f"context_length must be >= 1, got {length}")
+    record = json.dumps({"rope_parameters": method.to_hf(rope.base), "context_length": length}, sort_keys=True)
+
+    arch = rope.architecture
+    replaced = {f"{arch}.rope.scaling.type": ("none", gguf.GGUFValueType.STRING),
+                f"{arch}.rope.scaling.attn_factor": (attn_factor, gguf.GGUFValueType.FLOAT32),
+                f"{arch}.context_length": (length, gguf.GGUFValueType.UINT32),
+                METHOD_KEY: (record, gguf.GGUFValueType.STRING)}
+    dropped = {f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear", f"{arch}.rope.scaling.original_context_length",
+               f"{arch}.rope.scaling.yarn_beta_fast", f"{arch}.rope.scaling.yarn_beta_slow",
+               f"{arch}.rope.scaling.yarn_ext_factor", f"{arch}.rope.scaling.yarn_log_multiplier"}
+    handle, part = _atomic_destination(dst)
+    os.close(handle)
+    try:
+        writer = gguf.GGUFWriter(part, arch, endianess=reader.endianess)
+        alignment = _field(reader, "general.alignment")
+        if isinstance(alignment, int):
+            writer.data_alignment = alignment
+        for field in reader.fields.values():
+            if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name in dropped \
+                    or field.name in replaced:
+                continue
+            kind = field.types[0]
+            sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+        for key, (value, kind) in replaced.items():
+            writer.add_key_value(key, value, kind)
+        for tensor in reader.tensors:
+            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                                   tensor.tensor_type)
+        writer.add_tensor_info(ROPE_FREQS, factors.shape, factors.dtype, factors.nbytes)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        tensors = reader.tensors
+        if progress:
+            from tqdm import tqdm
+
+            tensors = tqdm(tensors, desc=f"writing {dst.name}", unit="tensor")
+        for tensor in tensors:
+            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+        writer.write_tensor_data(factors)
+        writer.close()
+        os.replace(part, dst)
+    except BaseException:  # Ctrl-C included: nothing half-written stays
+        Path(part).unlink(missing_ok=True)
+        raise
+    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors))
