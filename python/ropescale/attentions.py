@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["Attention", "Fixed", "Parameter", "RAW_KEY", "NAMES", "PLAIN", "STRING_ATTENTION_FACTOR", "STRING_LOCAL_VALUE",
-           "STRING_SLOPE", "DUAL_CHUNK_TEMPERATURES", "declare", "flag_owners", "owners", "takes"]
+           "STRING_SLOPE", "DUAL_CHUNK_TEMPERATURES", "declare", "flag_owners", "takes"]
 
 #: The attention that rotates keys when written: plain RoPE attention (SDPA or any backend).
 PLAIN = "sdpa"
@@ -267,11 +267,6 @@ def declare(attention: Attention) -> Attention:
 def takes(attention: str) -> tuple[str, ...]:
     """The parameter keys ``attention`` takes (none for plain attention)."""
     return RAW_KEY[attention].keys if attention in RAW_KEY else ()
-
-
-def owners(key: str) -> tuple[str, ...]:
-    """The attentions that take the parameter ``key``."""
-    return tuple(name for name, attention in RAW_KEY.items() if key in attention.keys)
 
 
 def flag_owners(flag: str) -> tuple[str, ...]:

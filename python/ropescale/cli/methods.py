@@ -153,12 +153,12 @@ class Option:
     negatable: bool = False  # --X / --no-X (argparse.BooleanOptionalAction); None when neither is given
     # the attentions whose option it is (listed in the attention group): the parameters' flags declare it
     attention: tuple[str, ...] = ()
+    # --method name -> a sentence of help, shown where the command offers that name
+    method_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not self.attention:
             object.__setattr__(self, "attention", attentions.flag_owners(self.flag))
-    # --method name -> a sentence of help, shown where the command offers that name
-    method_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def dest(self) -> str:

@@ -15,6 +15,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from ropescale import llamacpp, scaling  # noqa: E402
+from support import gguf_llama  # noqa: E402
 
 BASE, ROT, CONTEXT = 10000.0, 16, 64
 
@@ -54,19 +55,7 @@ def tiny_gguf(path, arch="llama", *, rope_freqs=False, scaling_type=None, alignm
     return path
 
 
-STATIC = {
-    "linear": scaling.Linear(factor=4.0),
-    "ntk": scaling.NTK(factor=4.0),
-    "yarn": scaling.YaRN(factor=4.0, original_max_position=CONTEXT),
-    "yarn_untruncated_mscale": scaling.YaRN(factor=4.0, original_max_position=CONTEXT, truncate=False, mscale=0.707,
-                                            mscale_all_dim=1.0),
-    "llama3": scaling.Llama3(factor=4.0, original_max_position=CONTEXT),
-    "longrope_long": scaling.LongRoPE(short_factor=(1.0, 1.5, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0),
-                                      long_factor=(1.0, 1.5, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0),
-                                      original_max_position=CONTEXT, factor=4.0),
-    "resonance_yarn": scaling.YaRN(factor=4.0, original_max_position=CONTEXT, resonance=True),
-    "resonance": scaling.Default(resonance=True),
-}
+STATIC = gguf_llama.static_methods(CONTEXT)
 POSITIONS = (1, 7, 63, 255, 1000, 4095)
 
 

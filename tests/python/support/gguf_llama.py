@@ -17,6 +17,26 @@ import torch
 VOCAB = 49152  # SmolLM2's
 
 
+def static_methods(original: int) -> dict:
+    """Every static method llama.cpp can run from one GGUF, for a model trained to ``original`` tokens with 8 rotary
+    pairs (the tiny models' n_rot 16), each at s = 4 but plain Resonance RoPE."""
+    from ropescale import scaling
+
+    long_factor = (1.0, 1.5, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0)
+    return {
+        "linear": scaling.Linear(factor=4.0),
+        "ntk": scaling.NTK(factor=4.0),
+        "yarn": scaling.YaRN(factor=4.0, original_max_position=original),
+        "yarn_untruncated_mscale": scaling.YaRN(factor=4.0, original_max_position=original, truncate=False,
+                                                mscale=0.707, mscale_all_dim=1.0),
+        "llama3": scaling.Llama3(factor=4.0, original_max_position=original),
+        "longrope_long": scaling.LongRoPE(short_factor=long_factor, long_factor=long_factor,
+                                          original_max_position=original, factor=4.0),
+        "resonance_yarn": scaling.YaRN(factor=4.0, original_max_position=original, resonance=True),
+        "resonance": scaling.Default(resonance=True),
+    }
+
+
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """The converter's q/k row permutation: each head's two halves become interleaved pairs."""
     return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
