@@ -34,7 +34,7 @@ import torch
 from . import scaling
 
 __all__ = ["ROPE_FREQS", "ARCHITECTURES", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
-           "read_rope"]
+           "read_rope", "rewrite"]
 
 #: The tensor llama.cpp divides each pair's angle by (``LLM_TENSOR_ROPE_FREQS``), float32, ``n_rot / 2`` values.
 ROPE_FREQS = "rope_freqs.weight"
@@ -220,6 +220,19 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     dropped = {f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear", f"{arch}.rope.scaling.original_context_length",
                f"{arch}.rope.scaling.yarn_beta_fast", f"{arch}.rope.scaling.yarn_beta_slow",
                f"{arch}.rope.scaling.yarn_ext_factor", f"{arch}.rope.scaling.yarn_log_multiplier"}
+    rewrite(reader, dst, replaced, dropped, {ROPE_FREQS: factors}, progress=progress)
+    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors))
+
+
+def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropped: set[str] | frozenset = frozenset(),
+            added: dict[str, np.ndarray] | None = None, *, progress: bool = False) -> Path:
+    """Writes ``dst``: the GGUF ``reader`` reads with the keys ``replaced`` (key -> (value, GGUFValueType)) set,
+    ``dropped`` left out and the float32 tensors ``added`` appended; every other key and tensor byte for byte (the
+    quantised tensors as they are). Written beside ``dst`` and renamed into place: never half-written."""
+    gguf = _import_gguf()
+    dst = Path(dst)
+    added = added or {}
+    arch = _field(reader, "general.architecture")
     handle, part = _atomic_destination(dst)
     os.close(handle)
     try:
@@ -239,7 +252,8 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
         for tensor in reader.tensors:
             writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
                                    tensor.tensor_type)
-        writer.add_tensor_info(ROPE_FREQS, factors.shape, factors.dtype, factors.nbytes)
+        for name, array in added.items():
+            writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -250,10 +264,11 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
             tensors = tqdm(tensors, desc=f"writing {dst.name}", unit="tensor")
         for tensor in tensors:
             writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-        writer.write_tensor_data(factors)
+        for array in added.values():
+            writer.write_tensor_data(array)
         writer.close()
         os.replace(part, dst)
     except BaseException:  # Ctrl-C included: nothing half-written stays
         Path(part).unlink(missing_ok=True)
         raise
-    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors))
+    return dst

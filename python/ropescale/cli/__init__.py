@@ -7,6 +7,7 @@
     ropescale gap --train-length 64 --test-length 256 --dim 64 --plot gap.png
     ropescale posgen semi_recursive --n 4 --length 24
     ropescale eval perplexity MODEL_DIR --text book.txt --max-length 4096
+    ropescale verify MODEL_DIR --engine vllm    does vLLM apply the scaling the config declares?
 
 Every command takes ``--json`` for machine output; bad arguments print a usage error and exit 2 (a
 value the ops or the scaling methods refuse, too: ``main`` turns their ValueError into one); Ctrl-C
@@ -14,7 +15,7 @@ ends any command within a second with exit 130 (native calls run in a worker thr
 waits on, so the interrupt is never stuck behind them).
 
 One module per command group, each adding its own subcommands (``add_parser``): ``cmd_inspect`` (table,
-base-bound, decay, gap), ``cmd_posgen``, ``cmd_demo``, ``cmd_extend``, ``cmd_eval`` (and ``ropescale.check``
+base-bound, decay, gap), ``cmd_posgen``, ``cmd_demo``, ``cmd_extend``, ``cmd_verify``, ``cmd_eval`` (and ``ropescale.check``
 for ``check``); ``methods`` declares the scaling-method options they share and builds the method from them;
 ``common`` holds argument types, output helpers and the usage error.
 """
@@ -25,7 +26,7 @@ import argparse
 import os
 import sys
 
-from . import cmd_demo, cmd_eval, cmd_extend, cmd_inspect, cmd_posgen
+from . import cmd_demo, cmd_eval, cmd_extend, cmd_inspect, cmd_posgen, cmd_verify
 from .cmd_demo import DEMO_OUTPUT
 from .common import Interrupted, UsageError
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module adds its own subcommands; this order is the one --help lists them in.
-    for commands in (cmd_inspect, cmd_posgen, cmd_demo, cmd_extend, check, cmd_eval):
+    for commands in (cmd_inspect, cmd_posgen, cmd_demo, cmd_extend, cmd_verify, check, cmd_eval):
         commands.add_parser(sub)
     return parser
 

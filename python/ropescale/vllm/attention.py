@@ -62,7 +62,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from .. import attentions, config as config_lib, ops
+from .. import attentions, config as config_lib, ops, serving
 from . import engine
 from ..serving import (NO_WINDOW, PreRopePlan, RequestRotaryTables, Segments, StepTables, TableCache,  # noqa: F401
                        cut_segments, needs_pre_rope)
@@ -597,6 +597,13 @@ def served_plan(vllm_config) -> PreRopePlan | None:
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
+        return None
+    entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
+    layer_params = params.values() if config_lib.per_layer_type(hf_config) else (params,)
+    if getattr(hf_config, config_lib.DUAL_CHUNK_KEY, None) is None and \
+            not any(serving.ropescale_rotary(p, entry) for p in layer_params):
+        # get_rope's rule: a model ropescale did not write (a stock `dynamic` config, say) is vLLM's alone, its
+        # rotary and its attention
         return None
     try:
         plan = PreRopePlan.of_config(hf_config)

@@ -1,0 +1,117 @@
+"""The engine side of ``ropescale verify``: runs ONE engine on a token prompt and prints its prompt log-probabilities.
+
+Run as a script (``python _verify_probe.py JOB.json``), never imported by ropescale: the engine's process then holds
+only what a user's would (transformers without ropescale's rope types; vLLM with the plugins vLLM itself loads;
+llama.cpp). The job: {"engine", "target" (a checkpoint directory or a GGUF file), "tokens", "length"}. Output: one
+line ``PROBE {json}`` with "logprobs" (the log-probability of each prompt token after the first, float64), "version",
+"max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "notes", or
+"error" (the engine refused the target or the prompt: its message).
+"""
+
+import json
+import os
+import sys
+
+CHUNK = 1024  # rows of logits turned into log-probabilities at a time (a 49k vocabulary: 200 MB per chunk)
+
+
+def _log_probs_of(logits_rows, tokens):
+    """float64 log-probability of tokens[i + 1] under row i, for rows given in order as (start, array) chunks."""
+    import numpy as np
+
+    out = []
+    for start, rows in logits_rows:
+        rows = np.asarray(rows, dtype=np.float64)
+        top = rows.max(axis=1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
+        picked = rows[np.arange(len(rows)), np.asarray(tokens[start + 1: start + 1 + len(rows)])]
+        out.extend((picked - lse).tolist())
+    return out
+
+
+def transformers_probe(job):
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    target = Path(job["target"])
+    kwargs = {"gguf_file": target.name} if target.is_file() else {}
+    folder = target.parent if target.is_file() else target
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    tokens = job["tokens"]
+    with torch.no_grad():
+        hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]
+        head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+
+        def chunks():
+            for start in range(0, len(tokens) - 1, CHUNK):
+                logits = head(hidden[start: min(start + CHUNK, len(tokens) - 1)])
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
+                yield start, logits.double().numpy()
+
+        logprobs = _log_probs_of(chunks(), tokens)
+    return {"logprobs": logprobs, "version": f"transformers {transformers.__version__}", "max_length": None,
+            "notes": [f"max_position_embeddings {getattr(model.config, 'max_position_embeddings', None)} "
+                      "(transformers serves any length)"]}
+
+
+def vllm_probe(job):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the probe's
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.config import ModelConfig
+    from vllm.inputs import TokensPrompt
+
+    length = job["length"]
+    derived = ModelConfig(model=job["target"], skip_tokenizer_init=True).max_model_len
+    notes = []
+    if derived < length:
+        # vLLM refuses a max_model_len past the one it derives unless told: the probe still measures the formula
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        notes.append(f"vLLM derives max_model_len {derived}: the probe ran at {length} with "
+                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    llm = LLM(model=job["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=max(length, derived),
+              enforce_eager=True, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=job["tokens"])],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    plugin = "ropescale.vllm.rotary" in sys.modules  # imported by the plugin only when it is active
+    notes.append("ropescale's vLLM plugin loaded" if plugin else "ropescale's vLLM plugin not loaded (stock vLLM)")
+    return {"logprobs": logprobs, "version": f"vLLM {vllm.__version__}", "max_length": derived, "notes": notes}
+
+
+def llama_cpp_probe(job):
+    import llama_cpp
+    import numpy as np
+
+    tokens, length = job["tokens"], job["length"]
+    llm = llama_cpp.Llama(model_path=job["target"], n_ctx=length, n_batch=min(length, 2048),
+                          n_ubatch=min(length, 512), logits_all=True, verbose=False, flash_attn=False,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                          n_threads=os.cpu_count() or 1)
+    llm.eval(tokens)
+    scores = np.asarray(llm.scores[: len(tokens) - 1])
+    logprobs = _log_probs_of(((start, scores[start: start + CHUNK]) for start in range(0, len(scores), CHUNK)),
+                             tokens)
+    return {"logprobs": logprobs, "version": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
+            "max_length": int(llm._model.n_ctx_train()), "notes": ["K and V cache in float32"]}
+
+
+PROBES = {"transformers": transformers_probe, "vllm": vllm_probe, "llama.cpp": llama_cpp_probe}
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    try:
+        result = PROBES[job["engine"]](job)
+    except Exception as err:  # noqa: BLE001 (the engine's refusal is the result)
+        result = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"}
+    print("PROBE " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""``verify``: does an engine apply the rope scaling a checkpoint or GGUF declares? (``ropescale.verify``)"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+from .common import add_json, add_quiet, dump, positive_int, positive_float, show_progress, subcommand
+
+_DESCRIPTION = (
+    "Reads what TARGET (a transformers checkpoint directory or a GGUF file) declares (the scaling method, its table "
+    "and attention factor, the length it is served to), runs ENGINE on a synthetic prompt past the original length "
+    "in the engine's own process, and compares the engine's prompt log-probabilities with ropescale's forward of the "
+    "same weights under the declared method and under each known way of getting it wrong: the scaling ignored, a "
+    "key the engine does not read (its default instead), the attention factor (mscale) lost, Resonance's rounding "
+    "dropped, a dynamic scale fixed at one length, a raw-key attention ignored.",
+    "Per check (served length, scaling): exact; different (the parameter, the engine's and the declared value, the "
+    "size of the difference in nats); ignored; short (not served past length N, or not finite past it); refused "
+    "(the engine said so); inconclusive (no known formula explains the engine). Exit 0 when every check is exact, "
+    "1 otherwise, 2 for a bad argument.",
+    "Each engine is imported only when asked for: transformers (plain, as from_pretrained loads the target), vllm "
+    "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), llama.cpp (llama-cpp-python, a GGUF).",
+)
+
+
+def add_parser(sub) -> None:
+    from .. import verify
+
+    p = subcommand(sub, "verify", "check that an engine applies the rope scaling a model declares",
+                   "\n\n".join(textwrap.fill(t, 108) for t in _DESCRIPTION),
+                   ["ropescale verify ./llama-yarn --engine vllm",
+                    "ROPESCALE_VLLM=0 ropescale verify ./llama-yarn --engine vllm   # stock vLLM",
+                    "ropescale verify model-yarn4.gguf --engine llama.cpp",
+                    "ropescale verify ./llama-yarn --engine transformers --length 16384 --json"])
+    p.add_argument("target", metavar="TARGET", help="a transformers checkpoint directory, or a GGUF file")
+    p.add_argument("--engine", required=True, choices=list(verify.ENGINES), help="the engine to probe")
+    p.add_argument("--length", type=positive_int, metavar="N",
+                   help="the probe's prompt length (default: twice the original length, at most the served length)")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, metavar="S",
+                   help="seconds the engine may take (default 1800)")
+    add_json(p)
+    add_quiet(p, "no progress lines")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args) -> int:
+    from .. import verify
+
+    say = (lambda message: print(f"... {message}", file=sys.stderr, flush=True)) if show_progress(args) else None
+    report = verify.verify(args.target, args.engine, length=args.length, timeout=args.timeout, progress=say)
+    if args.json:
+        dump(report.to_json())
+    else:
+        print(report.text())
+    return report.exit_code

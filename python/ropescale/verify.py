@@ -1,0 +1,479 @@
+"""``ropescale verify``: does an engine apply the rope scaling a checkpoint or GGUF declares? (issue 45, part 3)
+
+What the target declares is read as ropescale reads it (:func:`declared`): the method, its table and attention factor
+at the probe's length, the length the target is served to. The engine then runs a synthetic prompt past the original
+length (a random block and its repeat, so that the second half's log-probabilities depend on attending back across
+the whole distance) in its own process (``_verify_probe.py``: the engine's process holds only what a user's would).
+Its prompt log-probabilities are compared with ropescale's forward of the same weights (transformers + ``hf.patch``,
+float32) under the declared method and under each way an engine is known to get it wrong (:func:`hypotheses`): the
+scaling ignored, one parameter at the value an engine takes when it does not read the key, the attention factor 1
+(mscale lost), Resonance's rounding dropped, a dynamic scale fixed at the served length, a raw-key attention ignored.
+
+The verdict is the hypothesis the engine is nearest, when it is clearly nearest: its distance (mean |delta log p|
+over the prompt) at most a quarter of that hypothesis's distance to every other; else the engine computes something
+none of them explains, which is said with the distances. Per check: ``exact``, ``different`` (the parameter, the
+engine's and the declared value, the size of the difference), ``ignored``, ``short`` (not served past length N),
+``refused`` (the engine said so: not silent) or ``inconclusive``. Exit code 0 when every check is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import config as config_lib
+from . import ops, scaling
+
+__all__ = ["ENGINES", "Check", "Declared", "Hypothesis", "Report", "declared", "hypotheses", "verify"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine ``verify`` probes: its name (``--engine``), the module it needs, what it runs."""
+
+    name: str
+    module: str  # imported only when this engine is asked for
+    install: str
+    targets: tuple[str, ...]  # "dir" (a transformers checkpoint directory), "gguf"
+    refusal: str = ""  # why it does not run the other kind of target, and what to do instead
+
+
+#: Every engine ``verify`` knows (``_verify_probe.PROBES`` runs each, by name).
+ENGINES = {e.name: e for e in (
+    Engine("transformers", "transformers", "pip install transformers (and gguf, accelerate for a GGUF)",
+           ("dir", "gguf")),
+    Engine("vllm", "vllm", "pip install vllm (ropescale's plugin loads with it)", ("dir",),
+           "vLLM serves the transformers directory: verify the directory the GGUF was made from"),
+    Engine("llama.cpp", "llama_cpp", "pip install llama-cpp-python (README, llama.cpp)", ("gguf",),
+           "llama.cpp runs GGUF files: convert the directory with llama.cpp's convert_hf_to_gguf.py, write the "
+           "method into it with `ropescale extend SRC.gguf DST.gguf --method ...`, and verify DST.gguf"),
+)}
+
+VERDICTS = ("exact", "different", "ignored", "short", "refused", "inconclusive")
+CLEAR = 4.0  # the engine must be this many times nearer its hypothesis than that hypothesis is to any other
+SAME = 1e-6  # hypotheses whose log-probabilities differ by less (mean nats) cannot be told apart: merged
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a target declares: its method as ropescale reads it, the attention, and the lengths."""
+
+    method: scaling.RopeScaling
+    base: float
+    rotary_dim: int
+    original: int  # the length the model was trained to
+    served: int  # the length the target is served to
+    source: str  # where the declaration was read
+    attention: str = "sdpa"
+    parameters: dict = field(default_factory=dict)
+    vocab_size: int = 0
+    config_length: int = 0  # max_position_embeddings (or the GGUF's context_length): a key's fallback
+
+    def describe(self) -> str:
+        parts = [type(self.method).__name__ + (" with Resonance" if self.method.resonance else "")]
+        scale = self.method.scale_at(None)
+        if scale is not None:
+            parts.append(f"s = {scale:g}")
+        parts.append(f"attention factor {self.method.attention_factor:.6g}")
+        if self.attention != "sdpa":
+            parts.append(f"attention {self.attention}")
+        return f"{', '.join(parts)}; trained to {self.original}, served to {self.served} (from {self.source})"
+
+
+def _target_kind(target: Path) -> str:
+    if target.is_dir():
+        if not (target / "config.json").is_file():
+            raise ValueError(f"{target}: a checkpoint directory needs a config.json")
+        return "dir"
+    if target.is_file():
+        with open(target, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ValueError(f"{target}: not a GGUF file (no GGUF magic) nor a checkpoint directory")
+    raise ValueError(f"{target}: no such file or directory")
+
+
+def declared(target: str | Path) -> Declared:
+    """What ``target`` (a transformers checkpoint directory or a GGUF file) declares."""
+    target = Path(target)
+    return (_declared_dir if _target_kind(target) == "dir" else _declared_gguf)(target)
+
+
+def _declared_dir(target: Path) -> Declared:
+    from transformers import AutoConfig
+
+    from . import hf  # noqa: F401  (ropescale's rope types, so that the config reads)
+
+    cfg = AutoConfig.from_pretrained(target)
+    read = config_lib.read_config(cfg)
+    method = read.method
+    mpe = int(cfg.max_position_embeddings)
+    original = int(getattr(method, "original_max_position", None) or mpe)
+    return Declared(method, read.base, config_lib.rotary_dim_of(cfg), original, config_lib.max_model_len_of(cfg),
+                    f"{target.name}/config.json" + (" (ropescale's entry)" if read.recorded else ""),
+                    read.attention, dict(read.parameters), int(cfg.vocab_size), mpe)
+
+
+def _declared_gguf(target: Path) -> Declared:
+    """A GGUF's declaration: ropescale's record (``llamacpp.METHOD_KEY``) where ``extend`` wrote one, else the GGUF
+    rope keys as the GGUF format defines them (type linear/yarn/none, factor, original context, YaRN's betas and
+    log multiplier, attn_factor on top of YaRN's own)."""
+    from . import llamacpp
+
+    reader, rope = llamacpp.read_rope(target)
+    arch = rope.architecture
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else int(llamacpp._field(reader, f"{arch}.vocab_size", 0) or 0)
+    record = llamacpp._field(reader, llamacpp.METHOD_KEY)
+    if record is not None:
+        entry = json.loads(record)
+        method = scaling.from_hf(entry["rope_parameters"], rope.context_length)
+        served, source = int(entry["context_length"]), f"{target.name}: {llamacpp.METHOD_KEY}"
+    else:
+        factor = rope.scaling_factor
+        original = int(llamacpp._field(reader, f"{arch}.rope.scaling.original_context_length", rope.context_length))
+        if rope.has_rope_freqs:
+            raise ValueError(f"{target}: {llamacpp.ROPE_FREQS} without ropescale's record ({llamacpp.METHOD_KEY}): "
+                             "no declaration to check the engine against")
+        if rope.scaling_type == "yarn" and factor > 1:
+            log_mul = float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+            yarn = scaling.YaRN(
+                factor=factor, original_max_position=original,
+                beta_fast=float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                beta_slow=float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                mscale=1.0 if log_mul else None, mscale_all_dim=log_mul or None)
+            method = dataclasses.replace(yarn, attention_factor_override=yarn.attention_factor * rope.attn_factor) \
+                if rope.attn_factor != 1.0 else yarn
+        elif rope.scaling_type == "linear" and factor > 1:
+            method = scaling.Linear(factor=factor)
+        elif factor in (0.0, 1.0) and rope.scaling_type in ("linear", "none", "yarn") and rope.attn_factor == 1.0:
+            method = scaling.Default()
+        else:
+            raise ValueError(f"{target}: rope.scaling.type {rope.scaling_type!r} with factor {factor} and attn_factor "
+                             f"{rope.attn_factor}: ropescale reads no such declaration")
+        served, source = rope.context_length, f"{target.name}: {arch}.rope.* keys"
+    original = int(getattr(method, "original_max_position", None) or rope.context_length)
+    if record is None and isinstance(method, scaling.Linear):
+        original = max(1, int(rope.context_length / method.factor))
+    return Declared(method, rope.base, rope.rotary_dim, original, served, source, vocab_size=vocab,
+                    config_length=rope.context_length)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One way an engine may run the target: as declared, or one known way of getting it wrong."""
+
+    kind: str  # "declared", "ignored", "parameter", "attention_factor", "fixed", "attention"
+    says: str  # the verdict's words when the engine is nearest this one
+    method: scaling.RopeScaling
+    attention: str = "sdpa"
+    parameters: dict = field(default_factory=dict)
+    key: str | None = None  # the parameter that differs
+    declared_value: Any = None
+    engine_value: Any = None
+    alternatives: tuple["Hypothesis", ...] = ()  # other wrong formulas that rotate the same at the probe's length
+
+    def names(self) -> str:
+        """``key engine_value in the engine, declared_value declared`` (and its alternatives')."""
+        return "; or, the same rotation at this length, ".join(h._names() for h in (self,) + self.alternatives)
+
+    def _names(self) -> str:
+        if self.engine_value is None:  # an optional key the engine does not read: the method's own rule instead
+            return (f"{self.key} not read by the engine (its own rule: attention factor "
+                    f"{self.method.attention_factor:.6g}), {self.declared_value!r} declared")
+        return f"{self.key} {self.engine_value!r} in the engine, {self.declared_value!r} declared"
+
+
+def _fixed_table(table: torch.Tensor, factor: float, rotary_dim: int, base: float, original: int) -> scaling.LongRoPE:
+    """A method whose one table is ``table`` with attention factor ``factor`` (LongRoPE's per-pair factors carry
+    any table exactly: ``theta_i / (theta_i / t_i)``)."""
+    plain = ops.default_inv_freq(rotary_dim, base, dtype=torch.float64)
+    factors = tuple((plain / table.to(torch.float64)).tolist())
+    return scaling.LongRoPE(short_factor=factors, long_factor=factors, original_max_position=max(2, original),
+                            factor=1.0, attention_factor_override=float(factor))
+
+
+def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
+    """The declared method and every known way of getting it wrong that differs from it at ``length``; and the
+    labels of those that rotate as the declared one does there (the probe cannot tell them apart)."""
+    m = d.method
+    out = [Hypothesis("declared", "applied exactly", m, d.attention, d.parameters),
+           Hypothesis("ignored", "silently ignored: the engine runs plain RoPE", scaling.Default())]
+    if d.attention != "sdpa":
+        out.append(Hypothesis("attention", f"applied with a different formula: the table, without the "
+                                           f"{d.attention} attention", m, key="attention",
+                              declared_value=d.attention, engine_value="sdpa"))
+    for p in type(m).parameters():
+        if p.hf_key is None or p.required:
+            continue
+        value = getattr(m, p.name)
+        unread = d.config_length if p.fallback == scaling.FROM_CONFIG_LENGTH else p.default
+        if value == unread:
+            continue
+        try:
+            variant = dataclasses.replace(m, **{p.name: unread})
+        except (TypeError, ValueError):
+            continue  # the default is not valid beside the other values: no engine takes it
+        out.append(Hypothesis("parameter", "applied with a different formula", variant, d.attention, d.parameters,
+                              p.hf_key, value, unread))
+    if m.attention_factor != 1.0 and "attention_factor_override" in {f.name for f in dataclasses.fields(m)}:
+        out.append(Hypothesis("attention_factor", "applied with a different formula: the attention factor (mscale) "
+                                                  "lost", dataclasses.replace(m, attention_factor_override=1.0),
+                              d.attention, d.parameters, "attention factor", m.attention_factor, 1.0))
+    if m.resonance:
+        out.append(Hypothesis("parameter", "applied with a different formula: Resonance's rounding lost",
+                              dataclasses.replace(m, resonance=False), d.attention, d.parameters, "resonance", True,
+                              False))
+    if m.dynamic and d.served != length:
+        fixed = _fixed_table(m.inv_freq(d.rotary_dim, d.base, seq_len=d.served, dtype=torch.float64),
+                             m.attention_factor_for(d.served), d.rotary_dim, d.base, d.original)
+        out.append(Hypothesis("fixed", f"applied with a different formula: one table, the one at the served length "
+                                       f"{d.served}, for every length", fixed, d.attention, d.parameters,
+                              "scale", f"of the length ({length})", f"of {d.served}"))
+    unique, seen, same = [], [], []
+    for h in out:  # hypotheses that are the same rotation at this length are one
+        key = (h.method.inv_freq(d.rotary_dim, d.base, seq_len=length, dtype=torch.float64),
+               h.method.attention_factor_for(length), h.attention)
+        twin = next((i for i, k in enumerate(seen)
+                     if torch.equal(key[0], k[0]) and key[1] == k[1] and key[2] == k[2]), None)
+        if twin == 0:
+            same.append(_label(h))
+        elif twin is not None:  # two wrong formulas, one rotation: the verdict names both
+            unique[twin] = dataclasses.replace(unique[twin], alternatives=unique[twin].alternatives + (h,))
+        else:
+            seen.append(key)
+            unique.append(h)
+    return unique, same
+
+
+def probe_tokens(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """A random block and its repeat (``length`` tokens), ids from the upper three quarters of the vocabulary (the
+    lowest ids are the special tokens of most tokenizers)."""
+    if vocab_size < 8:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens is too small to probe")
+    block = torch.randint(vocab_size // 4, vocab_size, ((length + 1) // 2,),
+                          generator=torch.Generator().manual_seed(seed)).tolist()
+    return (block * 2)[:length]
+
+
+def _reference_model(target: Path):
+    from . import hf  # noqa: F401  (ropescale's rope types)
+
+    if target.is_file():
+        from . import realmodel
+
+        with realmodel._parse_once(), realmodel._quiet_dequantisation(False):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(target.parent, gguf_file=target.name, dtype=torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    return model.eval()
+
+
+def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
+    """ropescale's forward of ``model`` under hypothesis ``h``: float64 log-probability of each token after the
+    first."""
+    from . import hf
+
+    chunk = 1024
+    hf.patch(model, h.method, attention=h.attention if h.attention != "sdpa" else None, **h.parameters)
+    try:
+        with torch.no_grad():
+            hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]
+            head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+            ids, out = torch.tensor(tokens), []
+            for start in range(0, len(tokens) - 1, chunk):
+                logits = head(hidden[start: min(start + chunk, len(tokens) - 1)])
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
+                out.append(logits.double().log_softmax(-1).gather(-1, ids[start + 1: start + 1 + len(logits), None])[:, 0])
+    finally:
+        hf.unpatch(model)
+    return torch.cat(out)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # "served length", "scaling"
+    verdict: str  # one of VERDICTS
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "exact"
+
+
+@dataclass
+class Report:
+    target: str
+    engine: str
+    version: str
+    declared: str
+    length: int
+    checks: list[Check]
+    distances: dict[str, float]
+    notes: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(c.ok for c in self.checks) else 1
+
+    def text(self) -> str:
+        lines = [f"ropescale verify {self.target} on {self.version}",
+                 f"  declared: {self.declared}",
+                 f"  probe: {self.length} tokens, the engine's prompt log-probabilities against ropescale's forward "
+                 "of the same weights"]
+        lines += [f"  note: {n}" for n in self.notes]
+        width = max(len(c.name) for c in self.checks)
+        lines += [f"  {c.name:<{width}}  {c.verdict.upper() if not c.ok else 'exact'}: {c.detail}" for c in self.checks]
+        failed = sum(not c.ok for c in self.checks)
+        lines.append(f"{'every check passed' if not failed else f'{failed} of {len(self.checks)} checks failed'} "
+                     f"(exit {self.exit_code})")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "engine": self.engine, "version": self.version, "declared": self.declared,
+                "length": self.length, "checks": [dataclasses.asdict(c) for c in self.checks],
+                "distances": self.distances, "notes": self.notes, "exit_code": self.exit_code}
+
+
+def _run_probe(engine: str, target: Path, tokens: list[int], length: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ropescale-verify-") as folder:
+        # a copy outside the package: run from its own folder, the script's sys.path[0] would make ropescale's
+        # subpackages (ropescale/vllm) shadow the engines
+        script, job = Path(folder) / "probe.py", Path(folder) / "job.json"
+        script.write_text(Path(__file__).with_name("_verify_probe.py").read_text())
+        job.write_text(json.dumps({"engine": engine, "target": str(target), "tokens": tokens, "length": length}))
+        try:
+            run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True,
+                                 timeout=timeout, cwd=folder)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the engine gave no answer in {timeout:g} s"}
+    lines = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")]
+    if not lines:
+        tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+        return {"error": f"the engine's process ended (exit {run.returncode}) with no answer: " + " | ".join(tail)}
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().mean().item()
+
+
+def _served_check(d: Declared, engine: str, max_length: int | None) -> Check:
+    if max_length is None:
+        return Check("served length", "exact", f"{engine} bounds no length; the target is served to {d.served}")
+    if max_length < d.served:
+        return Check("served length", "short", f"not served past length {max_length}: the engine reads "
+                                                f"{max_length}, the target declares {d.served}")
+    if max_length > d.served:
+        return Check("served length", "different", f"the engine serves {max_length} tokens, the target declares "
+                                                    f"{d.served}: past {d.served} the table is not the one declared")
+    return Check("served length", "exact", f"{max_length} tokens, as declared")
+
+
+def _scaling_check(hs: list[Hypothesis], logprobs: dict[int, torch.Tensor], engine: torch.Tensor,
+                   distances: dict[str, float]) -> Check:
+    near = sorted(range(len(hs)), key=lambda i: _distance(engine, logprobs[i]))
+    best = near[0]
+    d_best = _distance(engine, logprobs[best])
+    separation = min((_distance(logprobs[best], logprobs[i]) for i in range(len(hs)) if i != best), default=math.inf)
+    h, d_declared = hs[best], _distance(engine, logprobs[0])
+    size = f"mean |delta log p| {d_declared:.3g} nats against the declared (max {(engine - logprobs[0]).abs().max():.3g})"
+    if d_best * CLEAR > separation:
+        nearest = ", ".join(f"{_label(hs[i])} {distances[_label(hs[i])]:.3g}" for i in near[:3])
+        return Check("scaling", "inconclusive", f"no checked formula explains the engine: mean |delta log p| to "
+                                                f"{nearest} nats; {size}")
+    if h.kind == "declared":
+        return Check("scaling", "exact", f"mean |delta log p| {d_best:.3g} nats (the nearest other formula, "
+                                         f"{_label(hs[near[1]])}, is {separation:.3g} away)" if len(hs) > 1 else "")
+    if h.kind == "ignored":
+        return Check("scaling", "ignored", f"{h.says}; {size}")
+    detail = f"{h.says}: {h.names()}; {size}"
+    return Check("scaling", "different", detail)
+
+
+def _label(h: Hypothesis) -> str:
+    return {"declared": "declared", "ignored": "plain RoPE", "fixed": "fixed table"}.get(
+        h.kind, f"{h.key}={h.engine_value!r}")
+
+
+def verify(target: str | Path, engine: str, *, length: int | None = None, timeout: float = 1800.0,
+           progress: Callable[[str], None] | None = None) -> Report:
+    """Probes ``engine`` on ``target`` (module docstring). ``length``: the probe's prompt length (default: twice the
+    original length, at most the served length)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; verify knows {', '.join(ENGINES)}")
+    spec = ENGINES[engine]
+    target = Path(target)
+    kind = _target_kind(target)
+    if kind not in spec.targets:
+        raise ValueError(f"{engine} does not run a {'GGUF file' if kind == 'gguf' else 'checkpoint directory'}: "
+                         f"{spec.refusal}")
+    import importlib.util
+
+    if importlib.util.find_spec(spec.module) is None:
+        raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
+    say = progress or (lambda message: None)
+    d = declared(target)
+    if length is None:
+        length = min(d.served, 2 * d.original) if d.served > d.original else d.served
+    if length < 2:
+        raise ValueError(f"the probe needs at least 2 tokens, got {length}")
+    notes = [] if length > d.original else [f"the probe ({length} tokens) does not pass the original length "
+                                            f"{d.original}: what happens past it is not seen"]
+    tokens = probe_tokens(d.vocab_size, length)
+    hs, same = hypotheses(d, length)
+    if same:
+        notes.append(f"at {length} tokens these rotate as the declared method does (not checked): {', '.join(same)}")
+    say(f"{engine}: {length} tokens")
+    answer = _run_probe(engine, target, tokens, length, timeout)
+    if "error" in answer:
+        check = Check("scaling", "refused", f"the engine refused the target: {answer['error']}")
+        return Report(str(target), engine, engine, d.describe(), length, [check], {}, notes)
+    engine_logprobs = torch.tensor([math.nan if v is None else v for v in answer["logprobs"]], dtype=torch.float64)
+    if engine_logprobs.shape != (length - 1,):
+        raise RuntimeError(f"{engine} answered {len(engine_logprobs)} log-probabilities for {length - 1} prompt tokens")
+    served = _served_check(d, engine, answer.get("max_length"))
+    bad = (~torch.isfinite(engine_logprobs)).nonzero()
+    usable = length - 1 if len(bad) == 0 else int(bad[0])  # output rows 0..usable-1 are finite
+    if usable < length - 1:
+        served = Check("served length", "short", f"not served past length {usable}: the engine's log-probabilities "
+                                                  f"are not finite from position {usable} on ({len(bad)} of "
+                                                  f"{length - 1}); it reads {answer.get('max_length')}")
+        if usable == 0:
+            return Report(str(target), engine, answer.get("version", engine), d.describe(), length,
+                          [served, Check("scaling", "inconclusive", "no finite log-probability to compare")], {},
+                          notes + list(answer.get("notes", [])))
+        notes.append(f"the scaling is judged on the first {usable} positions (the finite ones)")
+    engine_logprobs = engine_logprobs[:usable]
+    model = _reference_model(target)
+    logprobs = {}
+    for i, h in enumerate(hs):
+        say(f"ropescale: {_label(h)} ({i + 1} of {len(hs)})")
+        logprobs[i] = reference_logprobs(model, h, tokens)[:usable]
+        if not torch.isfinite(logprobs[i]).all():
+            raise RuntimeError(f"ropescale's forward under {_label(h)} is not finite: a ropescale bug, please report")
+    keep = [i for i in range(len(hs)) if i == 0 or _distance(logprobs[i], logprobs[0]) > SAME]
+    merged = [_label(hs[i]) for i in range(len(hs)) if i not in keep]
+    if merged:
+        notes.append(f"at {length} tokens these give the declared log-probabilities (not checked): "
+                     f"{', '.join(merged)}")
+    hs, logprobs = [hs[i] for i in keep], {j: logprobs[i] for j, i in enumerate(keep)}
+    distances = {_label(h): _distance(engine_logprobs, logprobs[i]) for i, h in enumerate(hs)}
+    checks = [served, _scaling_check(hs, logprobs, engine_logprobs, distances)]
+    return Report(str(target), engine, answer.get("version", engine), d.describe(), length, checks, distances,
+                  notes + list(answer.get("notes", [])))
