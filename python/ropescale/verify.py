@@ -411,6 +411,12 @@ def _label(h: Hypothesis) -> str:
         h.kind, f"{h.key}={h.engine_value!r}")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def verify(target: str | Path, engine: str, *, length: int | None = None, timeout: float = 1800.0,
            progress: Callable[[str], None] | None = None) -> Report:
     """Probes ``engine`` on ``target`` (module docstring). ``length``: the probe's prompt length (default: twice the
@@ -423,9 +429,7 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if kind not in spec.targets:
         raise ValueError(f"{engine} does not run a {'GGUF file' if kind == 'gguf' else 'checkpoint directory'}: "
                          f"{spec.refusal}")
-    import importlib.util
-
-    if importlib.util.find_spec(spec.module) is None:
+    if not _installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     say = progress or (lambda message: None)
     d = declared(target)

@@ -102,3 +102,60 @@ def test_a_q8_0_gguf_is_as_close_as_llama_cpps_own_quantised_model(quantized, na
     error = ((llama_cpp_logits(dst, tokens) - want).abs().max() / want.abs().max()).item()
     print(f"{name} Q8_0: llama.cpp vs transformers + ropescale {error:.2e}, llama.cpp's own Q8_0 error {native:.2e}")
     assert error <= 2 * native, (name, error, native)
+
+
+# ``ropescale verify --engine llama.cpp`` (issue 45, part 3): the GGUFs extend writes pass, and so does llama.cpp's own
+# YaRN from the GGUF keys; a key llama.cpp does not read for llama (yarn_beta_slow) and an attn_factor another tool
+# rewrote are named. Heads of 64 features (32 pairs): the tiny model's 8 pairs rotate YaRN's betas alike.
+
+@pytest.fixture(scope="module")
+def wide_source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llamacpp-verify")
+    config = transformers.LlamaConfig(vocab_size=gguf_llama.VOCAB, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      initializer_range=0.1, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return gguf_llama.write(model, folder / "wide.gguf", realmodel.smollm2_gguf()), folder
+
+
+def _yarn_keys(**extra):
+    import gguf
+
+    kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT32}
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": ORIGINAL,
+            "context_length": LENGTH, **extra}
+    return {f"llama.{k}": (v, kinds[type(v)]) for k, v in keys.items()}
+
+
+@pytest.mark.parametrize("case", ["extended", "native_yarn", "beta_slow_unread", "attn_factor_rewritten"])
+def test_verify_passes_what_llama_cpp_applies_and_names_what_it_does_not(wide_source, case):
+    from ropescale import verify
+
+    src, folder = wide_source
+    path = folder / f"{case}.gguf"
+    reader, _ = llamacpp.read_rope(src)
+    if case == "extended":
+        llamacpp.extend(src, path, METHODS["yarn"])
+    elif case == "native_yarn":
+        llamacpp.rewrite(reader, path, _yarn_keys())
+    elif case == "beta_slow_unread":
+        llamacpp.rewrite(reader, path, _yarn_keys(**{"rope.scaling.yarn_beta_slow": 2.0}))
+    else:  # ropescale's record says YaRN's 1.139; the key llama.cpp reads now says 1
+        extended = llamacpp.extend(src, folder / "to-rewrite.gguf", METHODS["yarn"]).path
+        attn_factor = {k: v for k, v in _yarn_keys(**{"rope.scaling.attn_factor": 1.0}).items()
+                       if k.endswith("attn_factor")}
+        llamacpp.rewrite(llamacpp.read_rope(extended)[0], path, attn_factor)
+    report = verify.verify(path, "llama.cpp")
+    print(report.text())
+    served, scaled = report.checks
+    assert served.verdict == "exact", report.text()
+    if case in ("extended", "native_yarn"):
+        assert scaled.verdict == "exact" and report.exit_code == 0, report.text()
+    else:
+        assert scaled.verdict == "different" and report.exit_code == 1, report.text()
+        named = {"beta_slow_unread": "beta_slow 1.0 in the engine, 2.0 declared",
+                 "attn_factor_rewritten": "attention factor 1.0 in the engine"}[case]
+        assert named in scaled.detail and "; or," not in scaled.detail, scaled.detail

@@ -32,6 +32,21 @@ def served_llama(seed=0):
                               tie_word_embeddings=False, attn_implementation=None)
 
 
+def saved_llama(folder, method=None, *, max_position_embeddings=ORIGINAL, **rope):
+    """:func:`served_llama` saved to ``folder``: with ``method`` written by ``hf.patch`` (a checkpoint ropescale
+    wrote), or a plain config with the rope parameters ``rope`` (a model ropescale did not write)."""
+    from ropescale import hf
+
+    model = served_llama()
+    if method is not None:
+        hf.patch(model, method)
+    else:
+        model.config.rope_parameters = {"rope_theta": 10000.0, **rope}
+        model.config.max_position_embeddings = max_position_embeddings
+    model.save_pretrained(folder)
+    return folder
+
+
 def assert_same(served, expected, what, atol=1e-5):
     """Per request: the same greedy tokens, and prompt logprobs within ``atol`` (float32 logits: 1e-5, plus
     float32's relative rounding on large logprobs); the generated tokens' logprobs too where both sides have them

@@ -1,0 +1,60 @@
+"""``ropescale verify --engine vllm`` against vLLM itself (issue 45, part 3), on the vLLM leg: a checkpoint ropescale
+wrote is applied exactly, with the plugin and by stock vLLM (ROPESCALE_VLLM=0); the mismatches vLLM 0.32 really has
+are named: a LongRoPE ``attention_factor`` it does not read (its own rule instead: a wrong mscale), and the stock
+``dynamic`` type, which it serves as plain RoPE up to ``max_position_embeddings`` and as NaN past it while deriving
+a max_model_len ``factor`` times longer."""
+
+import os
+
+import pytest
+
+from support.vllm_testing import HEAD, ORIGINAL, require_vllm, saved_llama
+
+require_vllm()
+
+from ropescale import scaling, verify  # noqa: E402
+
+SHORT = [1.0 + 0.02 * i for i in range(HEAD // 2)]
+LONG = [1.0 + 0.25 * i for i in range(HEAD // 2)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-verify")
+
+
+@pytest.mark.parametrize("plugin", ["1", "0"])
+def test_vllm_applies_a_yarn_checkpoint_ropescale_wrote(folder, monkeypatch, plugin):
+    path = folder / "yarn"
+    if not path.exists():
+        saved_llama(path, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    monkeypatch.setenv("ROPESCALE_VLLM", plugin)
+    report = verify.verify(path, "vllm")
+    print(report.text())
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+    assert ("plugin loaded" if plugin == "1" else "plugin not loaded") in " ".join(report.notes)
+    assert report.distances["declared"] < 1e-5 < 1e-2 < min(v for k, v in report.distances.items() if k != "declared")
+
+
+def test_vllm_does_not_read_a_longrope_attention_factor(folder):
+    path = saved_llama(folder / "longrope", rope_type="longrope", short_factor=SHORT, long_factor=LONG, factor=4.0,
+                       original_max_position_embeddings=ORIGINAL, attention_factor=1.0,
+                       max_position_embeddings=4 * ORIGINAL)
+    report = verify.verify(path, "vllm")
+    print(report.text())
+    served, scaled = report.checks
+    assert served.verdict == "exact" and scaled.verdict == "different", report.text()
+    assert "attention_factor not read by the engine" in scaled.detail and "1.0 declared" in scaled.detail
+
+
+def test_vllm_serves_a_stock_dynamic_config_as_plain_rope_then_nan(folder):
+    """vLLM 0.32's DynamicNTKScalingRotaryEmbedding takes max_position_embeddings as both the trained and the
+    served length: its base stays the model's and its table ends there. With ropescale's plugin loaded this model
+    is vLLM's alone (it crashed at the first forward before: the plugin's attention expected a plan)."""
+    path = saved_llama(folder / "dynamic", rope_type="dynamic", factor=4.0)
+    report = verify.verify(path, "vllm")
+    print(report.text())
+    served, scaled = report.checks
+    assert served.verdict == "short" and f"past length {ORIGINAL}" in served.detail, report.text()
+    assert scaled.verdict == "ignored", report.text()
+    assert os.environ.get("ROPESCALE_VLLM", "1") != "0"

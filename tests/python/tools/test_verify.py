@@ -1,0 +1,169 @@
+"""``ropescale verify`` (issue 45, part 3): what a target declares, the known ways of getting it wrong, the verdict
+that names the one an engine is nearest, and transformers as an engine (vLLM: engines/test_vllm_verify.py, llama.cpp:
+engines/test_llamacpp_engine.py).
+
+The verdict logic is tested against a fake engine that IS one of the wrong formulas (ropescale's own forward under
+it): verify must name each, and pass the declared one. The real transformers runs: a checkpoint ropescale wrote
+(exact), and a GGUF with a YaRN table (transformers' GGUF loader reads no rope scaling for llama: ignored)."""
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from ropescale import cli, scaling, verify
+from support.vllm_testing import saved_llama
+
+transformers = pytest.importorskip("transformers")
+
+ORIGINAL = 64
+YARN = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)
+
+
+@pytest.fixture(scope="module")
+def yarn_checkpoint(tmp_path_factory):
+    return saved_llama(tmp_path_factory.mktemp("verify") / "yarn", YARN)
+
+
+def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0):
+    """Replaces the engine's process by ropescale's own forward under ``runs`` (a Hypothesis-like object with
+    method, attention, parameters): an engine that computes exactly that formula."""
+    def probe(engine, target, tokens, length, timeout):
+        model = verify._reference_model(target)
+        lp = verify.reference_logprobs(model, runs, tokens)
+        lp = lp + noise * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        if nan_from is not None:
+            lp[nan_from:] = math.nan
+        return {"logprobs": lp.tolist(), "version": "fake", "max_length": None, "notes": []}
+
+    monkeypatch.setattr(verify, "_run_probe", probe)
+
+
+def test_every_engine_has_a_probe():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("probe", Path(verify.__file__).with_name("_verify_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert set(probe.PROBES) == set(verify.ENGINES)
+
+
+def test_declared_reads_what_ropescale_wrote(yarn_checkpoint):
+    d = verify.declared(yarn_checkpoint)
+    assert d.method == YARN and d.original == ORIGINAL and d.served == 4 * ORIGINAL and d.rotary_dim == 64
+    assert d.vocab_size == 256 and "ropescale's entry" in d.source
+
+
+def test_hypotheses_are_every_key_an_engine_may_not_read():
+    method = scaling.YaRN(factor=4.0, original_max_position=4096, beta_fast=16.0, beta_slow=2.0, truncate=False,
+                          mscale=0.707, mscale_all_dim=1.0, resonance=True)
+    d = verify.Declared(method, 10000.0, 128, 4096, 16384, "test", vocab_size=256, config_length=16384)
+    hs, same = verify.hypotheses(d, 8192)
+    assert not same
+    named = {h.key for h in hs for h in (h, *h.alternatives)}
+    assert {None, "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+            "attention factor", "resonance"} <= named, named
+    assert hs[0].kind == "declared" and hs[1].kind == "ignored"
+    # a dynamic method: also its table fixed at the served length
+    dyn = verify.Declared(scaling.DynamicNTK(factor=4.0, original_max_position=ORIGINAL), 10000.0, 64, ORIGINAL,
+                          4 * ORIGINAL, "test", vocab_size=256, config_length=ORIGINAL)
+    assert "fixed" in {h.kind for h in verify.hypotheses(dyn, 2 * ORIGINAL)[0]}
+
+
+@pytest.mark.parametrize("planted", ["declared", "ignored", "original_max_position_embeddings", "attention factor"])
+def test_the_verdict_names_the_formula_the_engine_runs(yarn_checkpoint, monkeypatch, planted):
+    d = verify.declared(yarn_checkpoint)
+    hs, _ = verify.hypotheses(d, 2 * ORIGINAL)
+    runs = next(h for h in hs if h.kind == planted or h.key == planted)
+    fake_engine(monkeypatch, runs)
+    report = verify.verify(yarn_checkpoint, "transformers")
+    check = report.checks[-1]
+    want = {"declared": "exact", "ignored": "ignored"}.get(planted, "different")
+    assert check.verdict == want, report.text()
+    assert report.exit_code == (0 if planted == "declared" else 1)
+    if want == "different":
+        assert planted in check.detail, check.detail
+
+
+def test_an_engine_no_formula_explains_is_inconclusive(yarn_checkpoint, monkeypatch):
+    d = verify.declared(yarn_checkpoint)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0], noise=0.5)
+    report = verify.verify(yarn_checkpoint, "transformers")
+    assert report.checks[-1].verdict == "inconclusive" and report.exit_code == 1, report.text()
+
+
+def test_log_probabilities_that_stop_being_finite_are_a_length_not_served(yarn_checkpoint, monkeypatch):
+    d = verify.declared(yarn_checkpoint)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][1], nan_from=ORIGINAL)
+    report = verify.verify(yarn_checkpoint, "transformers")
+    served, scaled = report.checks
+    assert served.verdict == "short" and f"past length {ORIGINAL}" in served.detail, report.text()
+    assert scaled.verdict == "ignored", report.text()  # judged on the finite positions
+
+
+def test_transformers_applies_a_checkpoint_ropescale_wrote(yarn_checkpoint, capsys):
+    assert cli.main(["verify", str(yarn_checkpoint), "--engine", "transformers", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["verdict"] for c in out["checks"]] == ["exact", "exact"], out
+    others = [v for k, v in out["distances"].items() if k != "declared"]
+    assert out["distances"]["declared"] < 1e-5 and min(others) > 1e-2, out["distances"]
+
+
+def test_transformers_ignores_the_rope_scaling_of_a_llama_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from ropescale import llamacpp, realmodel
+    from support import gguf_llama
+
+    try:
+        tokenizer = realmodel.smollm2_gguf()
+    except realmodel.RealModelUnavailable as err:
+        pytest.skip(str(err))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=gguf_llama.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, max_position_embeddings=ORIGINAL, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+    src = gguf_llama.write(model, tmp_path / "tiny.gguf", tokenizer)
+    dst = llamacpp.extend(src, tmp_path / "yarn.gguf", YARN).path
+    report = verify.verify(dst, "transformers")
+    assert report.checks[-1].verdict == "ignored", report.text()
+    assert "ropescale.method" in report.declared
+
+
+def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, yarn_checkpoint, monkeypatch, capsys):
+    monkeypatch.setattr(verify, "_run_probe", lambda *a: pytest.fail("an engine ran"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "trunc.gguf").write_bytes(b"GGUF\x03\x00")
+    rows = [
+        (tmp_path / "missing", "transformers", "no such file or directory"),
+        (tmp_path / "empty", "transformers", "needs a config.json"),
+        (tmp_path / "notes.txt", "transformers", "not a GGUF file"),
+        (yarn_checkpoint, "llama.cpp", "convert_hf_to_gguf.py"),
+        (tmp_path / "trunc.gguf", "vllm", "vLLM serves the transformers directory"),
+        (yarn_checkpoint, "sglang", "unknown engine 'sglang'"),
+    ]
+    if importlib.util.find_spec("gguf") is not None:
+        rows.append((tmp_path / "trunc.gguf", "transformers", "not a GGUF file the gguf package can read"))
+    for target, engine, message in rows:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            verify.verify(target, engine)
+    monkeypatch.setattr(verify, "_installed", lambda module: module != "vllm")
+    with pytest.raises(ValueError, match="needs the vllm package"):
+        verify.verify(yarn_checkpoint, "vllm")
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        verify.verify(yarn_checkpoint, "transformers", length=1)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["verify", str(yarn_checkpoint), "--engine", "sglang"])
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_an_engine_that_crashes_or_hangs_is_reported_not_raised(yarn_checkpoint, monkeypatch):
+    monkeypatch.setattr(verify, "_run_probe",
+                        lambda *a: {"error": "RuntimeError: Unknown RoPE scaling type resonance_yarn"})
+    report = verify.verify(yarn_checkpoint, "transformers")
+    assert report.checks[-1].verdict == "refused" and "resonance_yarn" in report.checks[-1].detail
+    assert report.exit_code == 1
