@@ -172,6 +172,7 @@ class Declaration:
     resonance_type: bool = True
     vllm_rotary_class: str | None = None
     vllm_owns_name: bool = False
+    vllm_stock_wrong: str = ""
     cli_names: tuple[str, ...] | None = None  # None: the rope type alone
     head_dim_table: bool = False
 
@@ -204,6 +205,16 @@ def register(rope_type: str, **declared):
         return cls
 
     return decorate
+
+
+def reads_every_key(rope_parameters: Mapping[str, Any]) -> bool:
+    """Whether ``from_hf`` reads every key of these rope parameters (their type's, and the common ones)."""
+    parsed = RopeType.parse((rope_parameters or {}).get("rope_type") or (rope_parameters or {}).get("type")
+                            or "default")
+    if parsed.method is None:
+        return False
+    required, optional = HF_KEYS[parsed.method.rope_type]
+    return set(rope_parameters or {}) <= required | optional | _COMMON_KEYS
 
 
 def _parameter(cls, f: dataclasses.Field) -> Parameter:
@@ -358,6 +369,9 @@ class RopeScaling:
     vllm_rotary_class: ClassVar[str | None] = "RotaryEmbedding"
     #: vLLM has a type of this name with another formula: vLLM keeps it.
     vllm_owns_name: ClassVar[bool] = False
+    #: What vLLM's own code gets wrong for this transformers type (a config ropescale did not write): the plugin
+    #: then serves it as transformers does. Empty: vLLM's own is right, and a model ropescale did not write is vLLM's.
+    vllm_stock_wrong: ClassVar[str] = ""
     #: The names the command line's ``--method`` offers for it.
     cli_names: ClassVar[tuple[str, ...]] = ("default", "resonance")
     #: Its table covers the whole head (``head_dim / 2`` pairs) whatever the config's ``partial_rotary_factor``:
@@ -567,7 +581,10 @@ def _per_parameter():
 
 
 @register("dynamic", aliases=("dynamic_ntk",), written_type="dynamic_ntk", dynamic=True, transformers_native=True,
-          cli_names=("dynamic", "dynamic_ntk"))
+          cli_names=("dynamic", "dynamic_ntk"),
+          vllm_stock_wrong="vLLM 0.32's DynamicNTKScalingRotaryEmbedding takes max_position_embeddings as both the "
+                           "trained and the served length: plain RoPE up to it and a table that ends there (NaN past "
+                           "it), while vLLM derives max_model_len = factor x max_position_embeddings")
 @dataclass(frozen=True)
 class DynamicNTK(RopeScaling):
     """Dynamic NTK (emozilla): NTK whose factor grows with the length past

@@ -260,12 +260,16 @@ class PreRopePlan:
 def ropescale_rotary(rope_parameters, entry) -> bool:
     """Whether an engine adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
     rather than the engine's own: its rope type is one of ropescale's (but a name the engine has with another
-    formula, vLLM's ``ntk``: ``RopeScaling.vllm_owns_name``), or the ``ropescale`` entry records the method (a
+    formula, vLLM's ``ntk``: ``RopeScaling.vllm_owns_name``), a transformers type vLLM serves wrong
+    (``RopeScaling.vllm_stock_wrong``: its stock ``dynamic``), or the ``ropescale`` entry records the method (a
     stock type ropescale wrote: its table is served as ropescale computes it)."""
     rope_type = (rope_parameters or {}).get("rope_type", "default")
     parsed = scaling.RopeType.parse(rope_type)
     ours = rope_type in scaling.ropescale_rope_types() and not (parsed.plain and parsed.method.vllm_owns_name)
-    return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    # a transformers type vLLM serves wrong (its stock `dynamic`), with no key ropescale does not read
+    wrong_in_vllm = (parsed.method is not None and parsed.plain and bool(parsed.method.vllm_stock_wrong)
+                     and scaling.reads_every_key(rope_parameters))
+    return ours or wrong_in_vllm or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
 
 
 def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int, coefficient: float = 0.1) -> torch.Tensor:

@@ -2,9 +2,7 @@
 wrote is applied exactly, with the plugin and by stock vLLM (ROPESCALE_VLLM=0); the mismatches vLLM 0.32 really has
 are named: a LongRoPE ``attention_factor`` it does not read (its own rule instead: a wrong mscale), and the stock
 ``dynamic`` type, which it serves as plain RoPE up to ``max_position_embeddings`` and as NaN past it while deriving
-a max_model_len ``factor`` times longer."""
-
-import os
+a max_model_len ``factor`` times longer (the plugin serves that one exactly)."""
 
 import pytest
 
@@ -47,14 +45,20 @@ def test_vllm_does_not_read_a_longrope_attention_factor(folder):
     assert "attention_factor not read by the engine" in scaled.detail and "1.0 declared" in scaled.detail
 
 
-def test_vllm_serves_a_stock_dynamic_config_as_plain_rope_then_nan(folder):
+@pytest.mark.parametrize("plugin", ["0", "1"])
+def test_a_stock_dynamic_config_is_plain_rope_then_nan_in_vllm_and_exact_with_the_plugin(folder, monkeypatch, plugin):
     """vLLM 0.32's DynamicNTKScalingRotaryEmbedding takes max_position_embeddings as both the trained and the
-    served length: its base stays the model's and its table ends there. With ropescale's plugin loaded this model
-    is vLLM's alone (it crashed at the first forward before: the plugin's attention expected a plan)."""
-    path = saved_llama(folder / "dynamic", rope_type="dynamic", factor=4.0)
+    served length: its base stays the model's and its table ends there (NaN past it). The plugin serves the type
+    as transformers does (``RopeScaling.vllm_stock_wrong``), per step over raw keys."""
+    path = folder / "dynamic"
+    if not path.exists():
+        saved_llama(path, rope_type="dynamic", factor=4.0)
+    monkeypatch.setenv("ROPESCALE_VLLM", plugin)
     report = verify.verify(path, "vllm")
     print(report.text())
     served, scaled = report.checks
-    assert served.verdict == "short" and f"past length {ORIGINAL}" in served.detail, report.text()
-    assert scaled.verdict == "ignored", report.text()
-    assert os.environ.get("ROPESCALE_VLLM", "1") != "0"
+    if plugin == "0":
+        assert served.verdict == "short" and f"past length {ORIGINAL}" in served.detail, report.text()
+        assert scaled.verdict == "ignored", report.text()
+    else:
+        assert served.verdict == scaled.verdict == "exact", report.text()
