@@ -13,7 +13,11 @@ so ``rope_freqs[i] = ts^i / t_i`` makes any static table ``t`` llama.cpp's, with
 :func:`extend` writes that GGUF: the metadata and tensors of the source byte for byte (the quantised ones never
 dequantised, as the gguf package's ``gguf_new_metadata`` script copies them), with ``rope.scaling.type = none``,
 ``rope_freqs.weight``, ``rope.scaling.attn_factor``, ``context_length`` the served length, and ropescale's record
-of the method (``ropescale.method``). Methods llama.cpp cannot run (a table that follows the length, a raw-key
+of the method (``ropescale.method``). A LongRoPE with distinct short and long factors is written as llama.cpp's own
+``rope.scaling.type = longrope`` with both tables (``rope_factors_short/long.weight``, the same divisors) and
+``rope.scaling.original_context_length``: llama.cpp then takes the long table whenever its context size (``-c``)
+exceeds the original length, for every prompt, where transformers takes it only for a sequence longer than that (the
+same rule as stock vLLM's). Methods llama.cpp cannot run (a table that follows the length, a raw-key
 attention) are refused by name before anything is written; the destination is written beside itself and renamed
 into place, so it is never left half-written.
 """
@@ -33,7 +37,7 @@ import torch
 
 from . import scaling
 
-__all__ = ["ROPE_FREQS", "ARCHITECTURES", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
+__all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
            "read_rope", "rewrite"]
 
 #: The tensor llama.cpp divides each pair's angle by (``LLM_TENSOR_ROPE_FREQS``), float32, ``n_rot / 2`` values.
@@ -42,6 +46,11 @@ ROPE_FREQS = "rope_freqs.weight"
 #: ``create_tensor(tn(LLM_TENSOR_ROPE_FREQS, ...), {n_rot/2}, TENSOR_NOT_REQUIRED)`` and ``get_rope_factors``) and
 #: that ropescale's tests run through llama.cpp: another is refused by name.
 ARCHITECTURES = ("llama",)
+#: LongRoPE's two tables under ``rope.scaling.type = longrope`` (llama arch: ``LLM_TENSOR_ROPE_FACTORS_SHORT/LONG``),
+#: divisors as ``rope_freqs``; llama.cpp takes the long one when the context size (``n_ctx`` per sequence, not the
+#: prompt's length) exceeds ``rope.scaling.original_context_length``.
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
 #: The key ropescale records the method under (JSON, ``scaling.to_hf`` form with the base).
 METHOD_KEY = "ropescale.method"
 
@@ -57,7 +66,7 @@ class GGUFRope:
     scaling_type: str  # rope.scaling.type ("linear" when absent, as llama.cpp reads it)
     scaling_factor: float  # rope.scaling.factor (0: absent)
     attn_factor: float  # rope.scaling.attn_factor (1: absent)
-    has_rope_freqs: bool
+    has_rope_freqs: bool  # rope_freqs, or LongRoPE's factor tensors
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,12 @@ class GGUFWritten:
     """What :func:`extend` wrote."""
 
     path: Path
-    rope_freqs: np.ndarray
+    rope_freqs: np.ndarray  # the table the written context uses (LongRoPE's long one)
     attn_factor: float
     context_length: int
     copied_tensors: int
+    scaling_type: str = "none"  # "longrope": LongRoPE's two tables
+    tensors: tuple[str, ...] = (ROPE_FREQS,)  # the factor tensors added
 
 
 def _import_gguf():
@@ -113,7 +124,7 @@ def read_rope(path: str | Path):
                     str(_field(reader, f"{arch}.rope.scaling.type", "linear")),
                     float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
                     float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
-                    any(t.name == ROPE_FREQS for t in reader.tensors))
+                    any(t.name in (ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG) for t in reader.tensors))
     return reader, rope
 
 
@@ -164,9 +175,6 @@ def _refusal(method: scaling.RopeScaling) -> str | None:
         return (f"{name} follows each sequence's length (a table per length, or per request): llama.cpp applies one "
                 "static table from the GGUF. Write a static method for the length you serve (--method yarn --factor "
                 "s), or serve this one with transformers (ropescale.hf) or vLLM (ropescale.vllm)")
-    if method.length_dependent:
-        return (f"{name} has a short and a long table, switched by length: this writer puts one table into the GGUF; "
-                "write the long one as its own LongRoPE (short_factor = long_factor)")
     return None
 
 
@@ -200,8 +208,18 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     if refusal is not None:
         raise ValueError(f"llama.cpp cannot run this method: {refusal}")
     method.check_rotary_dim(rope.rotary_dim)
-    table = method.inv_freq(rope.rotary_dim, rope.base, dtype=torch.float64)
-    factors = rope_freqs_for(table, rope.base, rope.rotary_dim)
+    two_tables = isinstance(method, scaling.LongRoPE) and method.length_dependent
+    if two_tables:  # llama.cpp's own LongRoPE: both tables, switched by the context size (module docstring)
+        original_length = int(method.original_max_position)
+        tensors = {name: rope_freqs_for(method.inv_freq(rope.rotary_dim, rope.base, seq_len=seq_len,
+                                                        dtype=torch.float64), rope.base, rope.rotary_dim)
+                   for name, seq_len in ((ROPE_FACTORS_SHORT, original_length), (ROPE_FACTORS_LONG,
+                                                                                  original_length + 1))}
+        factors = tensors[ROPE_FACTORS_LONG]
+    else:
+        table = method.inv_freq(rope.rotary_dim, rope.base, dtype=torch.float64)
+        factors = rope_freqs_for(table, rope.base, rope.rotary_dim)
+        tensors = {ROPE_FREQS: factors}
     attn_factor = float(method.attention_factor)
     if not (math.isfinite(attn_factor) and attn_factor > 0):
         raise ValueError(f"{type(method).__name__}: attention factor {attn_factor} is not a finite number > 0")
@@ -213,15 +231,18 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     record = json.dumps({"rope_parameters": method.to_hf(rope.base), "context_length": length}, sort_keys=True)
 
     arch = rope.architecture
-    replaced = {f"{arch}.rope.scaling.type": ("none", gguf.GGUFValueType.STRING),
+    replaced = {f"{arch}.rope.scaling.type": ("longrope" if two_tables else "none", gguf.GGUFValueType.STRING),
                 f"{arch}.rope.scaling.attn_factor": (attn_factor, gguf.GGUFValueType.FLOAT32),
                 f"{arch}.context_length": (length, gguf.GGUFValueType.UINT32),
                 METHOD_KEY: (record, gguf.GGUFValueType.STRING)}
+    if two_tables:  # the length llama.cpp switches at (n_ctx_orig_yarn)
+        replaced[f"{arch}.rope.scaling.original_context_length"] = (original, gguf.GGUFValueType.UINT32)
     dropped = {f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear", f"{arch}.rope.scaling.original_context_length",
                f"{arch}.rope.scaling.yarn_beta_fast", f"{arch}.rope.scaling.yarn_beta_slow",
                f"{arch}.rope.scaling.yarn_ext_factor", f"{arch}.rope.scaling.yarn_log_multiplier"}
-    rewrite(reader, dst, replaced, dropped, {ROPE_FREQS: factors}, progress=progress)
-    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors))
+    rewrite(reader, dst, replaced, dropped, tensors, progress=progress)
+    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), "longrope" if two_tables else "none",
+                       tuple(tensors))
 
 
 def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropped: set[str] | frozenset = frozenset(),

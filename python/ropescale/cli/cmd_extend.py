@@ -314,9 +314,13 @@ def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}") from None
-    print(f"wrote {dst}: rope.scaling.type none, {llamacpp.ROPE_FREQS} ({len(written.rope_freqs)} factors), "
-          f"attn_factor {written.attn_factor:.6g}, context_length {written.context_length}; {written.copied_tensors} "
-          f"tensors copied byte for byte. Serve it: llama-server -m {dst} -c {written.context_length}")
+    print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {' and '.join(written.tensors)} "
+          f"({len(written.rope_freqs)} factors), attn_factor {written.attn_factor:.6g}, context_length "
+          f"{written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: llama-server -m "
+          f"{dst} -c {written.context_length}")
+    if written.scaling_type == "longrope":
+        print(f"note: llama.cpp takes the long table for EVERY prompt when -c exceeds {method.original_max_position} "
+              "(transformers: only for a sequence longer than that), the short one otherwise")
     return 0
 
 

@@ -89,6 +89,27 @@ def test_llama_cpps_frequencies_are_the_table_to_its_own_rounding(tmp_path, name
     assert scaling.from_hf(record["rope_parameters"], CONTEXT) == method
 
 
+def test_a_longrope_with_two_tables_is_llama_cpps_own_longrope(tmp_path):
+    """``rope.scaling.type = longrope``, both tables as divisors, the length llama.cpp switches at; no rope_freqs
+    (llama.cpp would take it over both) and no factor (freq_scale stays 1)."""
+    src = tiny_gguf(tmp_path / "src.gguf")
+    written = llamacpp.extend(src, tmp_path / "dst.gguf", DYNAMIC_LONGROPE)
+    reader, rope = llamacpp.read_rope(written.path)
+    assert (rope.scaling_type, rope.scaling_factor, rope.has_rope_freqs) == ("longrope", 0.0, True)
+    assert reader.get_field("llama.rope.scaling.original_context_length").contents() == CONTEXT
+    assert rope.attn_factor == np.float32(DYNAMIC_LONGROPE.attention_factor)
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert llamacpp.ROPE_FREQS not in tensors
+    native = llama_cpp_error(scaling.Default().inv_freq(ROT, BASE, dtype=torch.float64).numpy(), None)
+    for name, seq_len in ((llamacpp.ROPE_FACTORS_SHORT, CONTEXT), (llamacpp.ROPE_FACTORS_LONG, CONTEXT + 1)):
+        table = DYNAMIC_LONGROPE.inv_freq(ROT, BASE, seq_len=seq_len, dtype=torch.float64).numpy()
+        assert llama_cpp_error(table, tensors[name]) <= 2 * native + 2 * 2.0 ** -24, name
+    assert not np.array_equal(tensors[llamacpp.ROPE_FACTORS_SHORT], tensors[llamacpp.ROPE_FACTORS_LONG])
+    # a GGUF carrying LongRoPE's factors is already scaled
+    with pytest.raises(ValueError, match="already carries a rope scaling"):
+        llamacpp.extend(written.path, tmp_path / "again.gguf", STATIC["yarn"])
+
+
 def test_everything_but_the_rope_is_copied_byte_for_byte(tmp_path):
     src = tiny_gguf(tmp_path / "src.gguf", alignment=64)
     dst = llamacpp.extend(src, tmp_path / "dst.gguf", STATIC["yarn"]).path
@@ -124,7 +145,6 @@ REFUSALS = {
                 "follows each sequence's length"),
     "per_request": (lambda p: tiny_gguf(p), scaling.DynamicYaRN(original_max_position=CONTEXT, per="request"),
                     "follows each sequence's length"),
-    "longrope_two_tables": (lambda p: tiny_gguf(p), DYNAMIC_LONGROPE, "has a short and a long table"),
     "architecture": (lambda p: tiny_gguf(p, "qwen2"), STATIC["yarn"], "architecture 'qwen2'"),
     "already_scaled_freqs": (lambda p: tiny_gguf(p, rope_freqs=True), STATIC["yarn"], "already carries a rope scaling"),
     "already_scaled_yarn": (lambda p: tiny_gguf(p, scaling_type="yarn"), STATIC["yarn"], "rope.scaling.type 'yarn'"),

@@ -19,7 +19,7 @@ if os.environ.get("ROPESCALE_LLAMACPP") != "1":
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
 
-from ropescale import hf, llamacpp, realmodel  # noqa: E402
+from ropescale import hf, llamacpp, realmodel, scaling  # noqa: E402
 from support import gguf_llama  # noqa: E402
 
 ORIGINAL = 64
@@ -159,3 +159,37 @@ def test_verify_passes_what_llama_cpp_applies_and_names_what_it_does_not(wide_so
         named = {"beta_slow_unread": "beta_slow 1.0 in the engine, 2.0 declared",
                  "attn_factor_rewritten": "attention factor 1.0 in the engine"}[case]
         assert named in scaled.detail and "; or," not in scaled.detail, scaled.detail
+
+
+# original 256: llama.cpp rounds its context size up to a multiple of 256, so a shorter original has no short side
+SWITCH = 256
+TWO_TABLES = scaling.LongRoPE(short_factor=(1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.0, 2.0),
+                              long_factor=(1.0, 1.5, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0), original_max_position=SWITCH,
+                              factor=4.0)
+
+
+def test_a_longrope_with_two_tables_runs_as_transformers_on_either_side_of_the_original_length(source):
+    """``rope.scaling.type = longrope``: llama.cpp picks the table by its context size (rounded up to a multiple of
+    256). With a context past the original length and a prompt past it (long table), and with a context of the
+    original length (short table), its logits are transformers + ropescale's. KNOWN DIFFERENCE, pinned: a short prompt in a long context gets the long
+    table in llama.cpp, the short one in transformers."""
+    model, src, folder = source
+    dst = llamacpp.extend(src, folder / "longrope-two.gguf", TWO_TABLES).path
+    patched = hf.patch(tiny_llama(), TWO_TABLES)
+    gen = torch.Generator().manual_seed(4)
+    for length in (4 * SWITCH, SWITCH):
+        tokens = torch.randint(3, gguf_llama.VOCAB, (length,), generator=gen).tolist()
+        with torch.no_grad():
+            want = patched(torch.tensor([tokens])).logits[0]
+        error = ((llama_cpp_logits(dst, tokens) - want).abs().max() / want.abs().max()).item()
+        print(f"two-table LongRoPE, {length} tokens: {error:.2e}")
+        assert error <= 1e-4, (length, error)
+    short = tokens[: SWITCH // 2]
+    llm = llama_cpp.Llama(model_path=str(dst), n_ctx=4 * SWITCH, n_batch=SWITCH, logits_all=True, verbose=False,
+                          flash_attn=False, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm.eval(short)
+    got = torch.from_numpy(np.array(llm.scores[: len(short)], dtype=np.float32))
+    with torch.no_grad():
+        want = patched(torch.tensor([short])).logits[0]
+    hf.unpatch(patched)
+    assert ((got - want).abs().max() / want.abs().max()).item() > 1e-3  # the long table, not transformers' short
