@@ -193,3 +193,46 @@ def test_a_longrope_with_two_tables_runs_as_transformers_on_either_side_of_the_o
         want = patched(torch.tensor([short])).logits[0]
     hf.unpatch(patched)
     assert ((got - want).abs().max() / want.abs().max()).item() > 1e-3  # the long table, not transformers' short
+
+
+def _shifted_error(path, tokens, delta=10):
+    """llama.cpp's context shift (``llama_memory_seq_add``: the cached keys re-rotated by ``delta`` positions) and
+    one more token, against a fresh run of the same tokens: relative positions are unchanged, so an exact shift
+    gives the same logits."""
+    def llm():
+        return llama_cpp.Llama(model_path=str(path), n_ctx=len(tokens) + delta + 1, n_batch=len(tokens) + 1,
+                               logits_all=True, verbose=False, flash_attn=False, type_k=llama_cpp.GGML_TYPE_F32,
+                               type_v=llama_cpp.GGML_TYPE_F32)
+    fresh = llm()
+    fresh.eval(tokens)
+    want = torch.tensor(fresh.scores[len(tokens) - 1], dtype=torch.float64)
+    shifted = llm()
+    shifted.eval(tokens[:-1])
+    llama_cpp.llama_memory_seq_add(llama_cpp.llama_get_memory(shifted.ctx), 0, 0, -1, delta)
+    shifted.n_tokens = len(tokens) - 1 + delta
+    shifted.eval(tokens[-1:])
+    got = torch.tensor(shifted.scores[len(tokens) - 1 + delta], dtype=torch.float64)
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_llama_cpps_context_shift_applies_the_attention_factor_again(source):
+    """KNOWN, pinned (README): llama.cpp's context shift re-rotates the cached keys with the attention factor on cos
+    and sin (``llama_kv_cache::build_rope_shift`` passes ``yarn_attn_factor``), so every shift multiplies them by it
+    once more. A method with factor 1 (linear) shifts exactly; YaRN does not, in ropescale's GGUF and in llama.cpp's
+    own ``rope.scaling.type = yarn`` alike."""
+    import gguf
+
+    model, src, folder = source
+    tokens = torch.randint(3, gguf_llama.VOCAB, (2 * ORIGINAL,), generator=torch.Generator().manual_seed(5)).tolist()
+    linear = llamacpp.extend(src, folder / "shift-linear.gguf", METHODS["linear"]).path
+    yarn = llamacpp.extend(src, folder / "shift-yarn.gguf", METHODS["yarn"]).path
+    native_yarn = llamacpp.rewrite(llamacpp.read_rope(src)[0], folder / "shift-native-yarn.gguf", {
+        "llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
+        "llama.rope.scaling.original_context_length": (ORIGINAL, gguf.GGUFValueType.UINT32)})
+    errors = {name: _shifted_error(path, tokens) for name, path in
+              (("plain", src), ("linear", linear), ("yarn", yarn), ("native_yarn", native_yarn))}
+    print("context shift of 10 positions, relative logit error:", errors)
+    assert errors["plain"] < 1e-5 and errors["linear"] < 1e-5, errors
+    assert errors["yarn"] > 1e-2 and errors["native_yarn"] > 1e-2, errors
+    assert abs(errors["yarn"] - errors["native_yarn"]) < 0.1 * errors["yarn"], errors  # llama.cpp's, not the file's
