@@ -417,9 +417,12 @@ def _installed(module: str) -> bool:
 
 
 def verify(target: str | Path, engine: str, *, length: int | None = None, timeout: float = 1800.0,
-           progress: Callable[[str], None] | None = None) -> Report:
+           declared_by: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Report:
     """Probes ``engine`` on ``target`` (module docstring). ``length``: the probe's prompt length (default: twice the
-    original length, at most the served length)."""
+    original length, at most the served length). ``declared_by``: the checkpoint whose declaration and weights the
+    engine is held to, when ``target`` was made from it by another tool (a GGUF that llama.cpp's
+    convert_hf_to_gguf.py wrote from a directory ropescale extended: the converter writes only the rope keys it
+    knows)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; verify knows {', '.join(ENGINES)}")
     spec = ENGINES[engine]
@@ -431,7 +434,8 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if not _installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     say = progress or (lambda message: None)
-    d = declared(target)
+    source = Path(declared_by) if declared_by is not None else target
+    d = declared(source)
     if length is None:
         length = min(d.served, 2 * d.original) if d.served > d.original else d.served
     if length < 2:
@@ -463,7 +467,7 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                           notes + list(answer.get("notes", [])))
         notes.append(f"the scaling is judged on the first {usable} positions (the finite ones)")
     engine_logprobs = engine_logprobs[:usable]
-    model = _reference_model(target)
+    model = _reference_model(source)
     logprobs = {}
     for i, h in enumerate(hs):
         say(f"ropescale: {_label(h)} ({i + 1} of {len(hs)})")

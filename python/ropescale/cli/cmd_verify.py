@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 from .common import add_json, add_quiet, dump, positive_int, positive_float, show_progress, subcommand
 
@@ -31,9 +32,15 @@ def add_parser(sub) -> None:
                    ["ropescale verify ./llama-yarn --engine vllm",
                     "ROPESCALE_VLLM=0 ropescale verify ./llama-yarn --engine vllm   # stock vLLM",
                     "ropescale verify model-yarn4.gguf --engine llama.cpp",
+                    "ropescale verify converted.gguf --engine llama.cpp --declared-by ./llama-yarn"
+                    "   # a GGUF another tool made from ./llama-yarn",
                     "ropescale verify ./llama-yarn --engine transformers --length 16384 --json"])
     p.add_argument("target", metavar="TARGET", help="a transformers checkpoint directory, or a GGUF file")
     p.add_argument("--engine", required=True, choices=list(verify.ENGINES), help="the engine to probe")
+    p.add_argument("--declared-by", metavar="DIR", type=Path,
+                   help="hold the engine to this checkpoint's declaration and weights (TARGET was made from it by "
+                        "another tool: a GGUF llama.cpp's convert_hf_to_gguf.py wrote from a directory ropescale "
+                        "extended)")
     p.add_argument("--length", type=positive_int, metavar="N",
                    help="the probe's prompt length (default: twice the original length, at most the served length)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, metavar="S",
@@ -47,7 +54,8 @@ def _cmd_verify(args) -> int:
     from .. import verify
 
     say = (lambda message: print(f"... {message}", file=sys.stderr, flush=True)) if show_progress(args) else None
-    report = verify.verify(args.target, args.engine, length=args.length, timeout=args.timeout, progress=say)
+    report = verify.verify(args.target, args.engine, length=args.length, timeout=args.timeout,
+                           declared_by=args.declared_by, progress=say)
     if args.json:
         dump(report.to_json())
     else:

@@ -118,7 +118,7 @@ def wide_source(tmp_path_factory):
                                                                               "rope_theta": 10000.0})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    return gguf_llama.write(model, folder / "wide.gguf", realmodel.smollm2_gguf()), folder
+    return gguf_llama.write(model, folder / "wide.gguf", realmodel.smollm2_gguf()), folder, model
 
 
 def _yarn_keys(**extra):
@@ -134,7 +134,7 @@ def _yarn_keys(**extra):
 def test_verify_passes_what_llama_cpp_applies_and_names_what_it_does_not(wide_source, case):
     from ropescale import verify
 
-    src, folder = wide_source
+    src, folder, _ = wide_source
     path = folder / f"{case}.gguf"
     reader, _ = llamacpp.read_rope(src)
     if case == "extended":
@@ -236,3 +236,29 @@ def test_llama_cpps_context_shift_applies_the_attention_factor_again(source):
     assert errors["plain"] < 1e-5 and errors["linear"] < 1e-5, errors
     assert errors["yarn"] > 1e-2 and errors["native_yarn"] > 1e-2, errors
     assert abs(errors["yarn"] - errors["native_yarn"]) < 0.1 * errors["yarn"], errors  # llama.cpp's, not the file's
+
+
+@pytest.mark.parametrize("case", ["yarn_beta_slow", "resonance_yarn"])
+def test_verify_holds_a_converted_gguf_to_the_directory_it_was_made_from(wide_source, case):
+    """A GGUF another tool made from a directory ropescale extended (llama.cpp's convert_hf_to_gguf.py writes the
+    rope keys it knows: a YaRN's type, factor, original length and betas, nothing of Resonance): ``--declared-by``
+    holds llama.cpp to the directory's declaration, and names what the conversion lost."""
+    from ropescale import verify
+
+    src, folder, model = wide_source
+    method = {"yarn_beta_slow": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, beta_slow=2.0),
+              "resonance_yarn": scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True)}[case]
+    directory = folder / f"dir-{case}"
+    hf.patch(model, method)
+    model.save_pretrained(directory)
+    hf.unpatch(model)
+    keys = _yarn_keys(**({"rope.scaling.yarn_beta_slow": 2.0} if case == "yarn_beta_slow" else {}))
+    converted = llamacpp.rewrite(llamacpp.read_rope(src)[0], folder / f"converted-{case}.gguf", keys)
+    report = verify.verify(converted, "llama.cpp", declared_by=directory)
+    print(report.text())
+    served, scaled = report.checks
+    assert served.verdict == "exact" and scaled.verdict == "different", report.text()
+    named = {"yarn_beta_slow": "beta_slow 1.0 in the engine, 2.0 declared",
+             "resonance_yarn": "Resonance's rounding lost"}[case]
+    assert named in scaled.detail, scaled.detail
+    assert directory.name in report.declared
