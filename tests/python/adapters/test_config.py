@@ -239,3 +239,17 @@ def test_only_a_length_free_checkpoint_takes_a_served_length():
                    {"rope_type": "longrope", "short_factor": list(LONG), "long_factor": [2 * f for f in LONG],
                     "factor": 4.0, "original_max_position_embeddings": L}):
         assert not config.read(params, 4 * L, {"method": dict(params)}).length_free
+
+
+@pytest.mark.parametrize("params, ours", [
+    ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, True),  # vLLM 0.32 serves it wrong
+    ({"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 1e4}, False),  # a key ropescale does not read: vLLM's
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, False),  # vLLM's own is right
+    ({"rope_type": "ntk", "factor": 4.0}, False),  # vLLM owns the name
+    ({"rope_type": "dynamic_ntk", "factor": 4.0}, True),  # ropescale's type
+])
+def test_the_vllm_plugin_takes_the_stock_types_vllm_serves_wrong(params, ours):
+    from ropescale import serving
+
+    assert serving.ropescale_rotary(params, None) is ours
+    assert bool(scaling.DynamicNTK.vllm_stock_wrong) and not scaling.YaRN.vllm_stock_wrong
