@@ -113,7 +113,10 @@ def _declared_dir(target: Path) -> Declared:
 
     from . import hf  # noqa: F401  (ropescale's rope types, so that the config reads)
 
-    cfg = AutoConfig.from_pretrained(target)
+    try:
+        cfg = AutoConfig.from_pretrained(target)
+    except (OSError, KeyError) as err:  # no model type transformers knows, an unreadable file
+        raise ValueError(f"{target}: transformers cannot read this config: {err}") from None
     read = config_lib.read_config(cfg)
     method = read.method
     mpe = int(cfg.max_position_embeddings)
@@ -239,6 +242,10 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("fixed", f"applied with a different formula: one table, the one at the served length "
                                        f"{d.served}, for every length", fixed, d.attention, d.parameters,
                               "scale", f"of the length ({length})", f"of {d.served}"))
+    if len(out) == 2 and isinstance(m, scaling.Default) and not m.resonance:
+        # plain RoPE declared: "ignored" is the declaration itself; a scaled table gives the verdict its yardstick
+        out.append(Hypothesis("parameter", "applied with a different formula: a scaled table", scaling.Linear(
+            factor=2.0), d.attention, d.parameters, "table", "default", "linear x2"))
     unique, seen, same = [], [], []
     for h in out:  # hypotheses that are the same rotation at this length are one
         key = (h.method.inv_freq(d.rotary_dim, d.base, seq_len=length, dtype=torch.float64),
@@ -360,11 +367,12 @@ def _run_probe(engine: str, target: Path, tokens: list[int], length: int, timeou
             run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True,
                                  timeout=timeout, cwd=folder)
         except subprocess.TimeoutExpired:
-            return {"error": f"the engine gave no answer in {timeout:g} s"}
+            return {"error": f"the engine gave no answer in {timeout:g} s (--timeout)", "crashed": True}
     lines = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")]
     if not lines:
         tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
-        return {"error": f"the engine's process ended (exit {run.returncode}) with no answer: " + " | ".join(tail)}
+        return {"error": f"the engine's process ended (exit {run.returncode}) with no answer: " + " | ".join(tail),
+                "crashed": True}
     return json.loads(lines[-1][len("PROBE "):])
 
 
@@ -449,7 +457,8 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     say(f"{engine}: {length} tokens")
     answer = _run_probe(engine, target, tokens, length, timeout)
     if "error" in answer:
-        check = Check("scaling", "refused", f"the engine refused the target: {answer['error']}")
+        check = (Check("scaling", "inconclusive", answer["error"]) if answer.get("crashed") else
+                 Check("scaling", "refused", f"the engine refused the target: {answer['error']}"))
         return Report(str(target), engine, engine, d.describe(), length, [check], {}, notes)
     engine_logprobs = torch.tensor([math.nan if v is None else v for v in answer["logprobs"]], dtype=torch.float64)
     if engine_logprobs.shape != (length - 1,):

@@ -161,9 +161,26 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
-def test_an_engine_that_crashes_or_hangs_is_reported_not_raised(yarn_checkpoint, monkeypatch):
+def test_an_engine_that_refuses_crashes_or_hangs_is_reported_not_raised(yarn_checkpoint, monkeypatch):
     monkeypatch.setattr(verify, "_run_probe",
-                        lambda *a: {"error": "RuntimeError: Unknown RoPE scaling type resonance_yarn"})
+                        lambda *a: {"error": "ValueError: Unknown RoPE scaling type resonance_yarn"})
     report = verify.verify(yarn_checkpoint, "transformers")
     assert report.checks[-1].verdict == "refused" and "resonance_yarn" in report.checks[-1].detail
     assert report.exit_code == 1
+    monkeypatch.undo()
+    # the real probe, its process killed by the timeout: no verdict on the engine
+    report = verify.verify(yarn_checkpoint, "transformers", timeout=0.01)
+    assert report.checks[-1].verdict == "inconclusive" and "no answer in 0.01 s" in report.checks[-1].detail
+
+
+def test_plain_rope_declared_still_has_a_formula_to_tell_it_from(tmp_path, monkeypatch):
+    """With nothing scaled, "ignored" is the declaration itself: a scaled table is the yardstick, so an engine that
+    scales anyway is named, and one that does not passes."""
+    path = saved_llama(tmp_path / "plain", rope_type="default")
+    d = verify.declared(path)
+    hs, _ = verify.hypotheses(d, 2 * ORIGINAL)
+    assert [h.kind for h in hs] == ["declared", "parameter"]
+    for runs, want in ((hs[0], "exact"), (hs[1], "different")):
+        fake_engine(monkeypatch, runs)
+        assert verify.verify(path, "transformers").checks[-1].verdict == want
+        monkeypatch.undo()
