@@ -457,8 +457,13 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     say(f"{engine}: {length} tokens")
     answer = _run_probe(engine, target, tokens, length, timeout)
     if "error" in answer:
+        hint = ""
+        named = [t for t in scaling.ropescale_rope_types() if f"'{t}'" in answer["error"]]
+        if engine == "transformers" and named:
+            hint = (f" (plain transformers has no rope type {named[0]!r}, one of ropescale's: `import ropescale.hf` "
+                    "registers them, then `ropescale.hf.patch(model)` serves it)")
         check = (Check("scaling", "inconclusive", answer["error"]) if answer.get("crashed") else
-                 Check("scaling", "refused", f"the engine refused the target: {answer['error']}"))
+                 Check("scaling", "refused", f"the engine refused the target: {answer['error']}{hint}"))
         return Report(str(target), engine, engine, d.describe(), length, [check], {}, notes)
     engine_logprobs = torch.tensor([math.nan if v is None else v for v in answer["logprobs"]], dtype=torch.float64)
     if engine_logprobs.shape != (length - 1,):

@@ -184,3 +184,9 @@ def test_plain_rope_declared_still_has_a_formula_to_tell_it_from(tmp_path, monke
         fake_engine(monkeypatch, runs)
         assert verify.verify(path, "transformers").checks[-1].verdict == want
         monkeypatch.undo()
+
+
+def test_plain_transformers_refuses_ropescales_own_types_by_name(tmp_path):
+    path = saved_llama(tmp_path / "ryarn", scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True))
+    check = verify.verify(path, "transformers").checks[-1]
+    assert check.verdict == "refused" and "'resonance_yarn'" in check.detail and "import ropescale.hf" in check.detail
