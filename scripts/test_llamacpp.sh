@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The opt-in llama.cpp leg (README, "Serve with llama.cpp"): llama.cpp itself runs what `ropescale extend` writes and
 # `ropescale verify --engine llama.cpp` probes it. PyPI has no llama-cpp-python wheel for this machine: the source
-# build (about 11 min of CPU on 2 cores) happens once, into a wheel cache reused by every later run.
+# build (about 11 min of CPU on 2 cores) happens once, into a wheel cache reused by every later run; the same cache
+# holds the sdist, whose llama.cpp copy has the converter `ropescale extend DIR DST.gguf` runs.
 #   scripts/test_llamacpp.sh                 # build or reuse the wheel, install it, run the leg
 #   ROPESCALE_WHEEL_CACHE=DIR scripts/test_llamacpp.sh -k verify     # another cache; pytest's options after
 set -euo pipefail
@@ -21,4 +22,16 @@ if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
   fi
   "$PY" -m pip install -q "$wheel" diskcache
 fi
+# llama.cpp's converter (`ropescale extend DIR DST.gguf`): the copy in the llama-cpp-python sdist, unpacked once
+if [ -z "${LLAMA_CPP_CONVERTER:-}" ]; then
+  converter="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp/convert_hf_to_gguf.py"
+  if [ ! -f "$converter" ]; then
+    mkdir -p "$CACHE"
+    [ -f "$CACHE/llama_cpp_python-$VERSION.tar.gz" ] || \
+      "$PY" -m pip download -q --no-deps --no-binary :all: -d "$CACHE" "llama-cpp-python==$VERSION"
+    tar -xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+  fi
+  export LLAMA_CPP_CONVERTER="$converter"
+fi
+"$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece  # the converter imports it
 ROPESCALE_LLAMACPP=1 "$PY" -m pytest -n 2 --dist loadfile tests/python/engines/test_llamacpp_engine.py "$@"

@@ -27,6 +27,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,8 @@ import torch
 
 from . import scaling
 
-__all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
+__all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "CONVERTER_ENV", "find_converter",
+           "from_transformers", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
            "read_rope", "rewrite"]
 
 #: The tensor llama.cpp divides each pair's angle by (``LLM_TENSOR_ROPE_FREQS``), float32, ``n_rot / 2`` values.
@@ -293,3 +297,59 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
         Path(part).unlink(missing_ok=True)
         raise
     return dst
+
+
+#: Where :func:`find_converter` looks first: the path of llama.cpp's ``convert_hf_to_gguf.py``.
+CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
+#: The transformers architectures llama.cpp's converter writes as a GGUF of an architecture in ``ARCHITECTURES``.
+TRANSFORMERS_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def find_converter(given: str | Path | None = None) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py``: ``given``, else ``$LLAMA_CPP_CONVERTER``, else on the PATH."""
+    found = given or os.environ.get(CONVERTER_ENV) or shutil.which("convert_hf_to_gguf.py")
+    if not found or not Path(found).is_file():
+        raise ValueError(f"llama.cpp's convert_hf_to_gguf.py was not found{f' at {found}' if found else ''}: it "
+                         "converts the model and its tokenizer (a llama.cpp checkout has it, or the llama-cpp-python "
+                         f"sdist's vendor/llama.cpp); give --converter PATH or set {CONVERTER_ENV}")
+    return Path(found)
+
+
+def from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
+                      converter: str | Path | None = None, outtype: str = "f16", context_length: int | None = None,
+                      progress: bool = False) -> GGUFWritten:
+    """Writes ``dst`` from the transformers directory ``src``: llama.cpp's own converter writes the UNSCALED model
+    (weights and tokenizer, ``outtype``) beside ``dst``, then :func:`extend` writes ``method`` into it. ``src`` must
+    carry no rope scaling: the converter writes only the rope keys it knows (Resonance, YaRN's betas for llama and
+    ropescale's types are lost), so a scaled directory is refused, never converted."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists: ropescale never overwrites a model (remove it, or pick another name)")
+    if not dst.parent.is_dir():
+        raise ValueError(f"{dst.parent} is not a directory")
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{src}: not a transformers model directory with a readable config.json ({err})") from None
+    architectures = config.get("architectures") or []
+    if not any(a in TRANSFORMERS_ARCHITECTURES for a in architectures):
+        raise ValueError(f"{src}: architecture {architectures}: ropescale writes llama.cpp's rope factors for "
+                         f"{', '.join(TRANSFORMERS_ARCHITECTURES)} (GGUF architecture llama) only")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" or config.get("ropescale") is not None:
+        raise ValueError(f"{src} already carries a rope scaling (rope_type {rope_type!r}): convert the model it was "
+                         "scaled from (llama.cpp's converter writes only the rope keys it knows), or check a converted "
+                         "file with `ropescale verify FILE.gguf --engine llama.cpp --declared-by DIR`")
+    script = find_converter(converter)
+    handle, part = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".unscaled.gguf", dir=dst.parent)
+    os.close(handle)
+    try:
+        run = subprocess.run([sys.executable, str(script), str(src), "--outfile", part, "--outtype", outtype],
+                             capture_output=not progress, text=True)
+        if run.returncode != 0:
+            tail = " | ".join(((run.stderr or "") + (run.stdout or "")).strip().splitlines()[-3:])
+            raise ValueError(f"llama.cpp's converter failed on {src} (exit {run.returncode}): {tail}")
+        return extend(part, dst, method, context_length=context_length, progress=progress)
+    finally:  # Ctrl-C included
+        Path(part).unlink(missing_ok=True)

@@ -11,6 +11,7 @@ own table."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import textwrap
@@ -118,6 +119,11 @@ def add_parser(sub) -> None:
     ex.add_argument("--target", choices=("any", "vllm"), default="any",
                     help="vllm: write the table as a longrope (short == long factors) that stock vLLM serves "
                          "exactly with no plugin (static methods only)")
+    ex.add_argument("--converter", metavar="PATH", default=None,
+                    help="SRC a directory, DST *.gguf: llama.cpp's convert_hf_to_gguf.py, which writes the unscaled "
+                         "model (default: $LLAMA_CPP_CONVERTER, else on the PATH)")
+    ex.add_argument("--outtype", default="f16", choices=("f32", "f16", "bf16", "q8_0"),
+                    help="SRC a directory, DST *.gguf: the converter's weight type (default f16)")
     ex.add_argument("--dry-run", action="store_true", help="print the new config.json and write nothing")
     ex.set_defaults(func=_cmd_extend)
 
@@ -278,8 +284,9 @@ def _attention_summary(plan) -> str:
             "with ropescale's plugin)")
 
 
-def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
-    """SRC a GGUF file: DST the GGUF llama.cpp reads the method from (``ropescale.llamacpp``)."""
+def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -> int:
+    """SRC a GGUF file, or a transformers directory llama.cpp's converter turns into one: DST the GGUF llama.cpp
+    reads the method from (``ropescale.llamacpp``)."""
     from .. import llamacpp
 
     attention = methods.attention_of(args)
@@ -290,7 +297,7 @@ def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
                          "rotates keys once, when written): serve it with transformers (ropescale.hf) or vLLM with "
                          "ropescale's plugin, from a transformers directory (extend SRC_DIR DST_DIR --attention ...)")
     if args.method is None:
-        raise UsageError("a GGUF SRC takes --method M (a static table llama.cpp applies); --attention is not for it")
+        raise UsageError("a GGUF DST takes --method M (a static table llama.cpp applies); --attention is not for it")
     for flag, given in (("--target", args.target != "any"), ("--max-length", args.max_length is not None),
                         ("--max-new-tokens", args.max_new_tokens is not None)):
         if given:
@@ -298,6 +305,8 @@ def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
                              "(llama-server -c N)")
     if dst.suffix.lower() != ".gguf":
         raise UsageError(f"{dst}: a GGUF SRC writes a GGUF file: name DST *.gguf")
+    if from_directory:
+        return _cmd_extend_directory_to_gguf(args, src, dst)
     try:
         _, rope = llamacpp.read_rope(src)
     except (ValueError, ImportError) as err:
@@ -314,6 +323,32 @@ def _cmd_extend_gguf(args, src: Path, dst: Path) -> int:
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}") from None
+    return _print_written(written, dst, method)
+
+
+def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
+    from .. import llamacpp
+
+    if not (src / "config.json").is_file():
+        raise UsageError(f"{src} is not a transformers model directory (no config.json)")
+    config = json.loads((src / "config.json").read_text())
+    args.original_max_position = args.original_max_position or config.get("max_position_embeddings")
+    method = methods.build(args)
+    if args.dry_run:
+        print(f"would convert {src} with llama.cpp's converter ({args.outtype}) and write {dst}: "
+              f"{type(method).__name__}")
+        return 0
+    try:
+        written = llamacpp.from_transformers(src, dst, method, converter=args.converter, outtype=args.outtype,
+                                             progress=sys.stderr.isatty())
+    except FileExistsError as err:
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        raise UsageError(f"--method {args.method}: {err}") from None
+    return _print_written(written, dst, method)
+
+
+def _print_written(written, dst: Path, method) -> int:
     print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {' and '.join(written.tensors)} "
           f"({len(written.rope_freqs)} factors), attn_factor {written.attn_factor:.6g}, context_length "
           f"{written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: llama-server -m "
@@ -330,6 +365,8 @@ def _cmd_extend(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if src.is_file() and src.suffix.lower() == ".gguf":
         return _cmd_extend_gguf(args, src, dst)
+    if dst.suffix.lower() == ".gguf":
+        return _cmd_extend_gguf(args, src, dst, from_directory=True)
     methods.check_attention_options(args)
     attention = methods.attention_of(args)
     if args.method is None and attention is None:

@@ -2,7 +2,9 @@
 
 Here: the written file against llama.cpp's own arithmetic (its float32 frequency chain and the division by
 rope_freqs, as ``ggml_rope_cache_init`` does it), everything else in the file byte for byte, and the refusals.
-llama.cpp itself running the file is the llama-cpp-python leg's (not in this suite yet: issue 45, part 2).
+llama.cpp itself running the file is the llama-cpp-python leg's (engines/test_llamacpp_engine.py). A transformers
+directory goes through llama.cpp's converter (``from_transformers``): here a stand-in converter that writes a known
+GGUF, so that the glue (the refusals, the unscaled intermediate, what is left behind) is tested without llama.cpp.
 """
 
 import json
@@ -252,7 +254,7 @@ def test_extend_cli_writes_the_gguf_and_says_how_to_serve_it(tmp_path, capsys):
 CLI_REFUSALS = {
     "attention": (["--attention", "string", "--shifted-offset", 8], "llama.cpp has no STRING attention"),
     "rerope": (["--method", "rerope", "--window", 8], "llama.cpp has no ReRoPE attention"),
-    "no_method": ([], "a GGUF SRC takes --method M"),
+    "no_method": ([], "a GGUF DST takes --method M"),
     "dynamic": (["--method", "dynamic_yarn"], "follows each sequence's length"),
     "target": (["--method", "yarn", "--factor", 4, "--target", "vllm"], "--target is for a transformers directory"),
     "max_length": (["--method", "yarn", "--factor", 4, "--max-length", 512], "--max-length is for a transformers"),
@@ -266,3 +268,66 @@ def test_extend_cli_refuses_what_llama_cpp_cannot_run_by_name(tmp_path, capsys, 
     code, _, err = extend_cli(capsys, src, tmp_path / "dst.gguf", *options)
     assert code == 2 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]
+
+
+FAKE_CONVERTER = """
+import shutil, sys
+args = sys.argv[1:]
+if "fail" in args[0]:
+    print("Traceback: the model type is not supported", file=sys.stderr)
+    sys.exit(1)
+shutil.copyfile({source!r}, args[args.index("--outfile") + 1])
+"""
+
+
+def llama_directory(path, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                  "max_position_embeddings": CONTEXT, **config}))
+    return path
+
+
+def fake_converter(tmp_path):
+    source = tiny_gguf(tmp_path / "converted.gguf")
+    script = tmp_path / "convert_hf_to_gguf.py"
+    script.write_text(FAKE_CONVERTER.format(source=str(source)))
+    return script
+
+
+def test_a_transformers_directory_is_converted_unscaled_then_extended(tmp_path, capsys):
+    converter = fake_converter(tmp_path)
+    src = llama_directory(tmp_path / "llama")
+    code, out, err = extend_cli(capsys, src, tmp_path / "llama-yarn.gguf", "--method", "yarn", "--factor", 4,
+                                "--converter", converter)
+    assert code == 0, err
+    assert "llama-server -m" in out and "-c 256" in out
+    reader, rope = llamacpp.read_rope(tmp_path / "llama-yarn.gguf")
+    assert (rope.scaling_type, rope.context_length) == ("none", 4 * CONTEXT)
+    assert scaling.from_hf(json.loads(reader.get_field(llamacpp.METHOD_KEY).contents())["rope_parameters"],
+                           CONTEXT) == STATIC["yarn"]
+    # nothing but DST is left: the unscaled intermediate is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convert_hf_to_gguf.py", "converted.gguf", "llama",
+                                                          "llama-yarn.gguf"]
+
+
+@pytest.mark.parametrize("case", ["scaled", "entry", "architecture", "no_converter", "converter_fails", "no_config"])
+def test_a_directory_the_converter_would_get_wrong_is_refused_before_it_runs(tmp_path, capsys, monkeypatch, case):
+    converter = fake_converter(tmp_path)
+    name, config, message = {
+        "scaled": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "already carries a rope scaling"),
+        "entry": ("llama", {"ropescale": {"attention": "rerope"}}, "already carries a rope scaling"),
+        "architecture": ("qwen", {"architectures": ["Qwen2ForCausalLM"]}, "architecture ['Qwen2ForCausalLM']"),
+        "no_converter": ("llama", {}, "convert_hf_to_gguf.py was not found"),
+        "converter_fails": ("fail", {}, "llama.cpp's converter failed on"),
+        "no_config": ("empty", None, "not a transformers model directory"),
+    }[case]
+    src = llama_directory(tmp_path / name, **config) if config is not None else tmp_path / name
+    if config is None:
+        src.mkdir()
+    monkeypatch.delenv(llamacpp.CONVERTER_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    options = [] if case == "no_converter" else ["--converter", converter]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = extend_cli(capsys, src, tmp_path / "dst.gguf", "--method", "yarn", "--factor", 4, *options)
+    assert code == 2 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no DST, no intermediate

@@ -262,3 +262,28 @@ def test_verify_holds_a_converted_gguf_to_the_directory_it_was_made_from(wide_so
              "resonance_yarn": "Resonance's rounding lost"}[case]
     assert named in scaled.detail, scaled.detail
     assert directory.name in report.declared
+
+
+def test_a_transformers_directory_through_llama_cpps_converter_runs_as_transformers(wide_source, tmp_path):
+    """``ropescale extend DIR DST.gguf``: llama.cpp's own converter writes the unscaled model (weights and tokenizer),
+    then the method goes in; llama.cpp's logits at 4x equal transformers + ropescale on the directory."""
+    try:
+        llamacpp.find_converter()
+    except ValueError as err:
+        pytest.skip(str(err))  # scripts/test_llamacpp.sh provides it (the llama-cpp-python sdist's copy)
+    _, _, model = wide_source
+    directory = tmp_path / "llama"
+    model.save_pretrained(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(realmodel.smollm2_gguf().parent,
+                                                           gguf_file=realmodel.smollm2_gguf().name)
+    tokenizer.save_pretrained(directory)
+    method = METHODS["yarn"]
+    dst = llamacpp.from_transformers(directory, tmp_path / "llama-yarn.gguf", method, outtype="f32").path
+    tokens = torch.randint(3, gguf_llama.VOCAB, (LENGTH,), generator=torch.Generator().manual_seed(6)).tolist()
+    patched = hf.patch(transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), method)
+    with torch.no_grad():
+        want = patched(torch.tensor([tokens])).logits[0]
+    error = ((llama_cpp_logits(dst, tokens) - want).abs().max() / want.abs().max()).item()
+    print(f"converted directory, YaRN at {LENGTH}: {error:.2e}")
+    assert error <= 1e-4, error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "llama-yarn.gguf"]
