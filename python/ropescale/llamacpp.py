@@ -40,7 +40,8 @@ import torch
 
 from . import scaling
 
-__all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "CONVERTER_ENV", "find_converter",
+__all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "NATIVE_ONLY_ARCHITECTURES",
+           "CONVERTER_ENV", "find_converter",
            "from_transformers", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
            "read_rope", "rewrite"]
 
@@ -50,6 +51,9 @@ ROPE_FREQS = "rope_freqs.weight"
 #: ``create_tensor(tn(LLM_TENSOR_ROPE_FREQS, ...), {n_rot/2}, TENSOR_NOT_REQUIRED)`` and ``get_rope_factors``) and
 #: that ropescale's tests run through llama.cpp: another is refused by name.
 ARCHITECTURES = ("llama",)
+#: GGUF architectures whose llama.cpp model has no ``rope_freqs`` (Qwen 2 and 3, ``src/models/qwen2.cpp``,
+#: ``qwen3.cpp``): only llama.cpp's own rope types run exactly there, and are written as its keys (:func:`_native`).
+NATIVE_ONLY_ARCHITECTURES = ("qwen2", "qwen3")
 #: LongRoPE's two tables under ``rope.scaling.type = longrope`` (llama arch: ``LLM_TENSOR_ROPE_FACTORS_SHORT/LONG``),
 #: divisors as ``rope_freqs``; llama.cpp takes the long one when the context size (``n_ctx`` per sequence, not the
 #: prompt's length) exceeds ``rope.scaling.original_context_length``.
@@ -199,10 +203,11 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     if not dst.parent.is_dir():
         raise ValueError(f"{dst.parent} is not a directory")
     reader, rope = read_rope(src)
-    if rope.architecture not in ARCHITECTURES:
+    if rope.architecture not in ARCHITECTURES + NATIVE_ONLY_ARCHITECTURES:
         raise ValueError(f"{src}: architecture {rope.architecture!r}: ropescale writes llama.cpp's per-pair rope "
-                         f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs, tested "
-                         "through llama.cpp); not for this one")
+                         f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs) and "
+                         f"llama.cpp's own linear and yarn for {', '.join(NATIVE_ONLY_ARCHITECTURES)}, each tested "
+                         "through llama.cpp; not for this one")
     if rope.has_rope_freqs or rope.scaling_type not in ("none", "linear") or rope.scaling_factor not in (0.0, 1.0) \
             or rope.attn_factor != 1.0:
         raise ValueError(f"{src} already carries a rope scaling (rope.scaling.type {rope.scaling_type!r}, factor "
@@ -212,6 +217,9 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     if refusal is not None:
         raise ValueError(f"llama.cpp cannot run this method: {refusal}")
     method.check_rotary_dim(rope.rotary_dim)
+    native = rope.architecture in NATIVE_ONLY_ARCHITECTURES
+    if native:
+        keys = _native(method, rope)  # refuses what llama.cpp's own types do not compute
     two_tables = isinstance(method, scaling.LongRoPE) and method.length_dependent
     if two_tables:  # llama.cpp's own LongRoPE: both tables, switched by the context size (module docstring)
         original_length = int(method.original_max_position)
@@ -244,9 +252,35 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     dropped = {f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear", f"{arch}.rope.scaling.original_context_length",
                f"{arch}.rope.scaling.yarn_beta_fast", f"{arch}.rope.scaling.yarn_beta_slow",
                f"{arch}.rope.scaling.yarn_ext_factor", f"{arch}.rope.scaling.yarn_log_multiplier"}
+    if native:  # llama.cpp's own type: its keys, no factor tensor, its own temperature (attn_factor 1)
+        dropped.add(f"{arch}.rope.scaling.attn_factor")
+        del replaced[f"{arch}.rope.scaling.attn_factor"]
+        replaced.update({f"{arch}.{key}": value for key, value in keys.items()})
+        tensors = {}
     rewrite(reader, dst, replaced, dropped, tensors, progress=progress)
-    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), "longrope" if two_tables else "none",
-                       tuple(tensors))
+    scaling_type = keys["rope.scaling.type"][0] if native else "longrope" if two_tables else "none"
+    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), scaling_type, tuple(tensors))
+
+
+def _native(method: scaling.RopeScaling, rope: GGUFRope) -> dict[str, tuple[Any, Any]]:
+    """llama.cpp's own keys for ``method`` (an architecture with no ``rope_freqs``): a linear table (``type linear``,
+    ``freq_scale = 1/s``), or YaRN as llama.cpp computes it (``type yarn``: betas 32 and 1, the truncated ramp, the
+    attention factor ``0.1 ln s + 1``). Anything else is refused by name."""
+    gguf = _import_gguf()
+    if isinstance(method, scaling.Linear) and not method.resonance:
+        return {"rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+                "rope.scaling.factor": (float(method.factor), gguf.GGUFValueType.FLOAT32)}
+    if type(method) is scaling.YaRN and method == scaling.YaRN(factor=method.factor,
+                                                               original_max_position=method.original_max_position):
+        return {"rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                "rope.scaling.factor": (float(method.factor), gguf.GGUFValueType.FLOAT32),
+                "rope.scaling.original_context_length": (int(method.original_max_position),
+                                                         gguf.GGUFValueType.UINT32)}
+    name = type(method).__name__ + (" with Resonance" if method.resonance else "")
+    raise ValueError(f"architecture {rope.architecture!r}: llama.cpp's model has no per-pair rope factors "
+                     "(rope_freqs), so only its own rope types run exactly: linear, and yarn with beta_fast 32, "
+                     f"beta_slow 1, the truncated ramp and the 0.1 ln s + 1 attention factor. {name} "
+                     f"({method.to_hf()}) is not one of them: serve it with transformers (ropescale.hf) or vLLM")
 
 
 def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropped: set[str] | frozenset = frozenset(),

@@ -349,8 +349,10 @@ def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
 
 
 def _print_written(written, dst: Path, method) -> int:
-    print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {' and '.join(written.tensors)} "
-          f"({len(written.rope_freqs)} factors), attn_factor {written.attn_factor:.6g}, context_length "
+    factors = (f"{' and '.join(written.tensors)} ({len(written.rope_freqs)} factors)" if written.tensors else
+               "llama.cpp's own keys (no factor tensor)")
+    print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {factors}, attn_factor {written.attn_factor:.6g}, "
+          f"context_length "
           f"{written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: llama-server -m "
           f"{dst} -c {written.context_length}")
     if written.scaling_type == "longrope":

@@ -112,6 +112,21 @@ def test_a_longrope_with_two_tables_is_llama_cpps_own_longrope(tmp_path):
         llamacpp.extend(written.path, tmp_path / "again.gguf", STATIC["yarn"])
 
 
+@pytest.mark.parametrize("name, keys", [
+    ("yarn", {"type": "yarn", "factor": 4.0, "original_context_length": CONTEXT}),
+    ("linear", {"type": "linear", "factor": 4.0}),
+])
+def test_qwen_has_no_rope_freqs_so_its_own_types_are_written(tmp_path, name, keys):
+    """llama.cpp's qwen2/qwen3 models read no rope_freqs: a method llama.cpp computes itself is written as its keys."""
+    src = tiny_gguf(tmp_path / "src.gguf", "qwen2")
+    written = llamacpp.extend(src, tmp_path / "dst.gguf", STATIC[name])
+    reader, rope = llamacpp.read_rope(written.path)
+    assert not rope.has_rope_freqs and written.tensors == () and written.scaling_type == keys["type"]
+    got = {k: reader.get_field(f"qwen2.rope.scaling.{k}").contents() for k in keys}
+    assert got == keys and rope.attn_factor == 1.0 and rope.context_length == 4 * CONTEXT
+    assert reader.get_field(llamacpp.METHOD_KEY) is not None
+
+
 def test_everything_but_the_rope_is_copied_byte_for_byte(tmp_path):
     src = tiny_gguf(tmp_path / "src.gguf", alignment=64)
     dst = llamacpp.extend(src, tmp_path / "dst.gguf", STATIC["yarn"]).path
@@ -147,7 +162,10 @@ REFUSALS = {
                 "follows each sequence's length"),
     "per_request": (lambda p: tiny_gguf(p), scaling.DynamicYaRN(original_max_position=CONTEXT, per="request"),
                     "follows each sequence's length"),
-    "architecture": (lambda p: tiny_gguf(p, "qwen2"), STATIC["yarn"], "architecture 'qwen2'"),
+    "architecture": (lambda p: tiny_gguf(p, "phi2"), STATIC["yarn"], "architecture 'phi2'"),
+    "qwen2_ntk": (lambda p: tiny_gguf(p, "qwen2"), STATIC["ntk"], "only its own rope types run exactly"),
+    "qwen2_resonance_yarn": (lambda p: tiny_gguf(p, "qwen2"), STATIC["resonance_yarn"], "YaRN with Resonance"),
+    "qwen2_yarn_mscale": (lambda p: tiny_gguf(p, "qwen2"), STATIC["yarn_untruncated_mscale"], "'truncate': False"),
     "already_scaled_freqs": (lambda p: tiny_gguf(p, rope_freqs=True), STATIC["yarn"], "already carries a rope scaling"),
     "already_scaled_yarn": (lambda p: tiny_gguf(p, scaling_type="yarn"), STATIC["yarn"], "rope.scaling.type 'yarn'"),
     "truncated": (lambda p: truncated(tiny_gguf(p)), STATIC["yarn"], "is not a GGUF file the gguf package can read"),

@@ -287,3 +287,42 @@ def test_a_transformers_directory_through_llama_cpps_converter_runs_as_transform
     print(f"converted directory, YaRN at {LENGTH}: {error:.2e}")
     assert error <= 1e-4, error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "llama-yarn.gguf"]
+
+
+@pytest.fixture(scope="module")
+def qwen_source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llamacpp-qwen")
+    config = transformers.Qwen2Config(vocab_size=gguf_llama.VOCAB, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      initializer_range=0.1, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # Qwen2's biases start at zero: made to count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    return model, gguf_llama.write(model, folder / "qwen2.gguf", realmodel.smollm2_gguf()), folder
+
+
+@pytest.mark.parametrize("name", ["yarn", "linear"])
+def test_qwen_runs_llama_cpps_own_types_as_transformers_and_ropescale_do(qwen_source, name):
+    """llama.cpp's qwen2 has no rope_freqs: extend writes its own type, and llama.cpp's logits at 4x are
+    transformers + ropescale's; `verify` passes it."""
+    from ropescale import verify
+
+    model, src, folder = qwen_source
+    method = METHODS[name]
+    dst = llamacpp.extend(src, folder / f"qwen2-{name}.gguf", method).path
+    tokens = torch.randint(3, gguf_llama.VOCAB, (LENGTH,), generator=torch.Generator().manual_seed(7)).tolist()
+    hf.patch(model, method)
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    hf.unpatch(model)
+    error = ((llama_cpp_logits(dst, tokens) - want).abs().max() / want.abs().max()).item()
+    unscaled = ((llama_cpp_logits(src, tokens) - want).abs().max() / want.abs().max()).item()
+    print(f"qwen2 {name}: llama.cpp vs transformers + ropescale {error:.2e}, the unscaled GGUF {unscaled:.2e}")
+    assert error <= 1e-4 and unscaled > 100 * max(error, 1e-6), (error, unscaled)
+    report = verify.verify(dst, "llama.cpp")
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()

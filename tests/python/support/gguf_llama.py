@@ -58,16 +58,19 @@ def tokenizer_fields(gguf_path: Path):
 
 
 def write(model, path: Path, tokenizer_gguf: Path, *, quantize: bool = False) -> Path:
-    """Writes ``model`` (a transformers LlamaForCausalLM with SmolLM2's vocabulary size, default RoPE) as a llama GGUF;
-    ``quantize``: the 2-D weights as Q8_0 (the embedding and norms stay float32)."""
+    """Writes ``model`` (a transformers LlamaForCausalLM, or a Qwen2ForCausalLM, with SmolLM2's vocabulary size,
+    default RoPE) as a llama (qwen2) GGUF; ``quantize``: the 2-D weights as Q8_0 (the embedding and norms stay
+    float32). llama.cpp rotates a qwen2's two halves as transformers does (NEOX): its q and k are not permuted, and
+    its q/k/v biases are written."""
     import gguf
 
     config = model.config
+    arch = {"llama": "llama", "qwen2": "qwen2"}[config.model_type]
     if config.vocab_size != VOCAB:
         raise ValueError(f"the model needs SmolLM2's vocabulary ({VOCAB} tokens), has {config.vocab_size}")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -100,9 +103,14 @@ def write(model, path: Path, tokenizer_gguf: Path, *, quantize: bool = False) ->
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         tensor(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"])
-        tensor(f"blk.{i}.attn_q.weight", torch.from_numpy(permute(state[prefix + "self_attn.q_proj.weight"].numpy(), heads)))
-        tensor(f"blk.{i}.attn_k.weight",
-               torch.from_numpy(permute(state[prefix + "self_attn.k_proj.weight"].numpy(), kv_heads)))
+        q, k = state[prefix + "self_attn.q_proj.weight"], state[prefix + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = torch.from_numpy(permute(q.numpy(), heads)), torch.from_numpy(permute(k.numpy(), kv_heads))
+        else:
+            for name in ("q", "k", "v"):
+                tensor(f"blk.{i}.attn_{name}.bias", state[prefix + f"self_attn.{name}_proj.bias"])
+        tensor(f"blk.{i}.attn_q.weight", q)
+        tensor(f"blk.{i}.attn_k.weight", k)
         tensor(f"blk.{i}.attn_v.weight", state[prefix + "self_attn.v_proj.weight"])
         tensor(f"blk.{i}.attn_output.weight", state[prefix + "self_attn.o_proj.weight"])
         tensor(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"])
