@@ -138,9 +138,12 @@ def _declared_gguf(target: Path) -> Declared:
     vocab = len(tokens.data) if tokens is not None else int(llamacpp._field(reader, f"{arch}.vocab_size", 0) or 0)
     record = llamacpp._field(reader, llamacpp.METHOD_KEY)
     if record is not None:
-        entry = json.loads(record)
-        method = scaling.from_hf(entry["rope_parameters"], rope.context_length)
-        served, source = int(entry["context_length"]), f"{target.name}: {llamacpp.METHOD_KEY}"
+        try:
+            entry = json.loads(record)
+            method = scaling.from_hf(entry["rope_parameters"], rope.context_length)
+            served, source = int(entry["context_length"]), f"{target.name}: {llamacpp.METHOD_KEY}"
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{target}: ropescale's record ({llamacpp.METHOD_KEY}) does not read: {err}") from None
     else:
         factor = rope.scaling_factor
         original = int(llamacpp._field(reader, f"{arch}.rope.scaling.original_context_length", rope.context_length))
