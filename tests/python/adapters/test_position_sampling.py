@@ -1,0 +1,181 @@
+"""``ropescale.training``: PoSE and CREAM position sampling (issue 46, part 1).
+
+The must-hold: for fixed seeds the samplers give the authors' sequences. The yardsticks below follow the authors'
+code draw for draw (dwzhu-pku/PoSE ``train_preprocess_function_pose``; bigai-nlco/CREAM ``CREAM``), on the global
+``random`` and ``numpy.random`` generators they seed, one text (PoSE) or one batch (CREAM) at a time; the samplers
+run on their own generators with the same seeds. Then the invariants, the collator, and a patched model taking the
+sampled positions in training (float32 and autocast).
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ropescale import hf, scaling
+from ropescale.training import CREAM, PoSE, PositionSamplingCollator, sample_positions
+from support import tiny_lm
+from support.training import assert_autocast_as_close_as_native, loss_and_grads
+
+
+def pose_as_the_code_draws(ids, window, target):
+    """dwzhu-pku/PoSE's rule for one text, on the global ``random``: (tokens, positions)."""
+    chunk = min(len(ids), window)
+    r1 = random.randint(1, (chunk + 1) // 2)
+    r2 = random.randint(chunk, len(ids))
+    l2 = r2 - (chunk - r1)
+    tokens = ids[:r1] + ids[l2:r2]
+    positions = torch.arange(len(tokens))
+    skip = random.randint(0, target - len(tokens))
+    positions[r1:] += skip
+    return tokens, positions.tolist()
+
+
+def cream_as_the_code_draws(texts, window, target, sigma=3.0):
+    """bigai-nlco/CREAM's rule for one batch, on the global ``random`` and ``numpy.random``: [(tokens, positions)]."""
+    k = target // window
+    head = tail = window // 3 if random.randint(0, 1) == 0 else 4 * k
+    middle = window - head - tail
+    first, last = torch.arange(0, head), torch.arange(k * window - tail, k * window)
+    x = np.linspace(2, k * 2, 1000)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)((x - (1 + k)) / (sigma * np.sqrt(2))))
+    out = []
+    for ids in texts:
+        f = np.interp(np.random.rand(), cdf, x).astype(int)
+        assert 2 <= f <= 2 * k
+        end = random.randint(int(head + (middle - 1) * (f / 2)), int((f / 2) * window - tail - 1))
+        second = torch.arange(end - (middle - 1), end + 1)
+        picked = (torch.arange(len(ids) - tail - (middle - 1) - 1, len(ids) - tail) if end >= len(ids) else second)
+        index = torch.cat([first, picked, torch.arange(len(ids) - tail, len(ids))])
+        out.append((torch.tensor(ids)[index].tolist(), torch.cat([first, second, last]).tolist()))
+    return out
+
+
+def text(length, seed=0):
+    return [int(t) for t in torch.randint(0, 50_000, (length,), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("window, target, lengths", [(16, 64, (80, 64, 17)), (32, 256, (160, 300)),
+                                                     (7, 50, (7, 9)), (100, 100, (300,)), (64, 1024, (320,))])
+@pytest.mark.parametrize("seed", range(5))
+def test_pose_gives_the_authors_sequences(window, target, lengths, seed):
+    texts = [text(n, seed=i) for i, n in enumerate(lengths)]
+    random.seed(seed)
+    want = [pose_as_the_code_draws(t, window, target) for t in texts]
+    got = PoSE(window, target).sample([len(t) for t in texts], random.Random(seed))
+    assert [([t[i] for i in idx], pos) for t, (idx, pos) in zip(texts, got)] == want
+
+
+@pytest.mark.parametrize("window, target, lengths", [(48, 192, (192, 150, 500)), (96, 768, (96, 800, 400)),
+                                                     (60, 240, (60,) * 4), (300, 1200, (1200, 700))])
+@pytest.mark.parametrize("seed", range(5))
+def test_cream_gives_the_authors_sequences(window, target, lengths, seed):
+    texts = [text(n, seed=i) for i, n in enumerate(lengths)]
+    random.seed(seed)
+    np.random.seed(seed)
+    want = cream_as_the_code_draws(texts, window, target)
+    got = CREAM(window, target).sample([len(t) for t in texts], random.Random(seed), np.random.RandomState(seed))
+    assert [([t[i] for i in idx], pos) for t, (idx, pos) in zip(texts, got)] == want
+
+
+@pytest.mark.parametrize("sampler", [PoSE(32, 256), CREAM(96, 768), CREAM(96, 768, sigma=0.5)])
+def test_every_sample_is_a_window_of_increasing_positions_below_the_target(sampler):
+    rng, np_rng = random.Random(1), np.random.RandomState(1)
+    reach = 0
+    for _ in range(200):
+        lengths = [sampler.window * 3, sampler.window + 5]
+        for length, (indices, positions) in zip(lengths, sampler.sample(lengths, rng, np_rng)):
+            assert len(indices) == len(positions) == sampler.window
+            assert all(b > a for a, b in zip(positions, positions[1:])) and 0 <= positions[0]
+            assert positions[-1] < sampler.target and all(0 <= i < length for i in indices)
+            if isinstance(sampler, PoSE):  # tokens stay in the text's order
+                assert all(b > a for a, b in zip(indices, indices[1:]))
+            else:  # each segment in order; the code's middle may end inside the tail's tokens (docstring)
+                assert indices[-1] == length - 1 and all(
+                    b == a + 1 for a, b in zip(indices[-8:], indices[-7:]))
+            reach = max(reach, positions[-1])
+    assert reach >= sampler.target * 3 // 4  # the long positions are seen
+
+
+def test_cream_is_a_truncated_gaussian_around_its_mean():
+    """The middle's factor: mean 1 + k, clamped to [2, 2k]; a narrow sigma concentrates it there."""
+    narrow = CREAM(120, 1200, sigma=0.5)
+    x, cdf = narrow._factor_table()
+    draws = np.array([int(np.interp(u, cdf, x)) for u in np.random.RandomState(0).rand(5000)])
+    assert set(draws) <= set(range(2, 21)) and abs(np.median(draws) - 10) <= 1  # floor of N(11, 0.5)
+
+
+BAD = [
+    (lambda: PoSE(0, 64), "window must be an integer >= 1"),
+    (lambda: PoSE(64, 32), "target (32) must be >= window (64)"),
+    (lambda: PoSE(16.0, 64), "window must be an integer"),
+    (lambda: CREAM(48, 64), "at least twice the window"),
+    (lambda: CREAM(48, 192, sigma=math.nan), "sigma must be a finite number > 0"),
+    (lambda: CREAM(49, 196), "the window must be even"),
+    (lambda: CREAM(24, 480), "leaves no middle"),
+    (lambda: PoSE(16, 64).sample([1], random.Random(0)), "cannot be split into two chunks"),
+    (lambda: CREAM(48, 192).sample([40], random.Random(0), np.random.RandomState(0)), "shorter than the window"),
+    (lambda: CREAM(48, 192).sample([100], random.Random(0)), "np_rng"),
+    (lambda: PositionSamplingCollator("pose"), "must be PoSE or CREAM"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD, ids=[m for _, m in BAD])
+def test_bad_arguments_are_refused_by_name(make, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_the_collator_pads_as_the_authors_collator():
+    collator = PositionSamplingCollator(PoSE(16, 64), pad_token_id=7, seed=3)
+    batch = collator([{"input_ids": text(40)}, {"input_ids": text(10, seed=1)}])
+    assert batch["input_ids"].shape == batch["position_ids"].shape == batch["labels"].shape == (2, 16)
+    assert (batch["input_ids"][1, 10:] == 7).all() and (batch["labels"][1, 10:] == -100).all()
+    assert (batch["position_ids"][1, 10:] == 0).all() and batch["attention_mask"][1].sum() == 10
+    # the same seed gives the same batches; the generators move on between calls
+    again = PositionSamplingCollator(PoSE(16, 64), pad_token_id=7, seed=3)
+    assert torch.equal(again([{"input_ids": text(40)}, {"input_ids": text(10, seed=1)}])["position_ids"],
+                       batch["position_ids"])
+    assert not torch.equal(collator([{"input_ids": text(40)}, {"input_ids": text(10, seed=1)}])["position_ids"],
+                           batch["position_ids"])
+
+
+class WithPositions(torch.nn.Module):
+    """The model with fixed position ids: what a PoSE/CREAM batch feeds it (``support.training``'s step calls
+    ``model(x, use_cache=False)``)."""
+
+    def __init__(self, model, position_ids):
+        super().__init__()
+        self.model, self.position_ids = model, position_ids
+
+    def forward(self, x, use_cache=False):
+        return self.model(x, position_ids=self.position_ids, use_cache=use_cache)
+
+
+YARN = scaling.YaRN(factor=4.0, original_max_position=32)
+
+
+def test_a_patched_model_trains_on_the_sampled_positions():
+    """hf.patch's rotation reads the sampled position ids: the logits are those of transformers' own YaRN at the
+    same positions, unchanged by a shift of every position (RoPE is relative), changed by the skip."""
+    batch = sample_positions([text(96, seed=s) for s in range(2)], PoSE(32, 128), random.Random(0))
+    x, positions = batch["input_ids"] % 256, batch["position_ids"]
+    assert (positions[:, -1] >= 32).all()
+    native = tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0})
+    patched = hf.patch(tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2), YARN)
+    with torch.no_grad():
+        want = native(x, position_ids=positions).logits
+        got = patched(x, position_ids=positions).logits
+        shifted = patched(x, position_ids=positions + 7).logits
+        contiguous = patched(x, position_ids=torch.arange(32).expand(2, -1)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shifted, got, rtol=1e-4, atol=1e-4)
+    assert (contiguous - got).abs().max() > 1e-2
+    for dtype in (torch.bfloat16, torch.float16):
+        assert_autocast_as_close_as_native(WithPositions(patched, positions), WithPositions(native, positions), x,
+                                           dtype)
+    lp, grads = loss_and_grads(WithPositions(patched, positions), x)
+    assert torch.isfinite(lp).all() and torch.isfinite(grads).all() and grads.abs().sum() > 0
