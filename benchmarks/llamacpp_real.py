@@ -151,12 +151,12 @@ def main(argv=None) -> int:
     run("llama.cpp", "native", "nll", ORIGINAL, lambda: {"nll": nll_last_quarter_llama_cpp(native, book[:ORIGINAL])})
     run("transformers", "native", "nll", ORIGINAL,
         lambda: {"nll": nll_last_quarter_transformers(model, book[:ORIGINAL])})
-    del native
+    native = None  # frees the model before the next one loads
     # the control: the unscaled GGUF at N
     plain = llama_cpp_model(src, args.length)
     run("llama.cpp", "native", "nll", args.length,
         lambda: {"nll": nll_last_quarter_llama_cpp(plain, book[:args.length])})
-    del plain
+    plain = None
     for name, method in methods(args.length).items():
         dst = args.work / f"smollm2-{name}-{args.length}.gguf"
         if not dst.exists():
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         llm = llama_cpp_model(dst, args.length)
         run("llama.cpp", name, "nll", args.length, lambda: {"nll": nll_last_quarter_llama_cpp(llm, book[:args.length])})
         run("llama.cpp", name, "passkey", args.length, lambda: passkeys(lambda ids: greedy_llama_cpp(llm, ids, 10)))
-        del llm
+        llm = None
         hf.patch(model, method)
         run("transformers", name, "nll", args.length,
             lambda: {"nll": nll_last_quarter_transformers(model, book[:args.length])})
