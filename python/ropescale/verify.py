@@ -397,10 +397,14 @@ def _served_check(d: Declared, engine: str, max_length: int | None) -> Check:
 
 def _scaling_check(hs: list[Hypothesis], logprobs: dict[int, torch.Tensor], engine: torch.Tensor,
                    distances: dict[str, float]) -> Check:
+    if len(hs) == 1:  # nothing to tell the declared method from: no verdict
+        return Check("scaling", "inconclusive", "at this length every checked formula gives the declared "
+                                                "log-probabilities: probe past the original length (--length)")
     near = sorted(range(len(hs)), key=lambda i: _distance(engine, logprobs[i]))
     best = near[0]
     d_best = _distance(engine, logprobs[best])
-    separation = min((_distance(logprobs[best], logprobs[i]) for i in range(len(hs)) if i != best), default=math.inf)
+    neighbour = min((i for i in range(len(hs)) if i != best), key=lambda i: _distance(logprobs[best], logprobs[i]))
+    separation = _distance(logprobs[best], logprobs[neighbour])
     h, d_declared = hs[best], _distance(engine, logprobs[0])
     size = f"mean |delta log p| {d_declared:.3g} nats against the declared (max {(engine - logprobs[0]).abs().max():.3g})"
     if d_best * CLEAR > separation:
@@ -409,7 +413,7 @@ def _scaling_check(hs: list[Hypothesis], logprobs: dict[int, torch.Tensor], engi
                                                 f"{nearest} nats; {size}")
     if h.kind == "declared":
         return Check("scaling", "exact", f"mean |delta log p| {d_best:.3g} nats (the nearest other formula, "
-                                         f"{_label(hs[near[1]])}, is {separation:.3g} away)" if len(hs) > 1 else "")
+                                         f"{_label(hs[neighbour])}, is {separation:.3g} away)")
     if h.kind == "ignored":
         return Check("scaling", "ignored", f"{h.says}; {size}")
     detail = f"{h.says}: {h.names()}; {size}"

@@ -190,3 +190,13 @@ def test_plain_transformers_refuses_ropescales_own_types_by_name(tmp_path):
     path = saved_llama(tmp_path / "ryarn", scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, resonance=True))
     check = verify.verify(path, "transformers").checks[-1]
     assert check.verdict == "refused" and "'resonance_yarn'" in check.detail and "import ropescale.hf" in check.detail
+
+
+def test_a_probe_that_cannot_tell_the_formulas_apart_gives_no_verdict(yarn_checkpoint, monkeypatch):
+    """With every other formula merged into the declared one (here: all of them, by a tolerance no difference
+    passes), an engine is never called exact: there is nothing to tell it from."""
+    d = verify.declared(yarn_checkpoint)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][1])  # an engine running plain RoPE
+    monkeypatch.setattr(verify, "SAME", math.inf)
+    check = verify.verify(yarn_checkpoint, "transformers").checks[-1]
+    assert check.verdict == "inconclusive" and "--length" in check.detail
