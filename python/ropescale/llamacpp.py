@@ -206,8 +206,8 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     if rope.architecture not in ARCHITECTURES + NATIVE_ONLY_ARCHITECTURES:
         raise ValueError(f"{src}: architecture {rope.architecture!r}: ropescale writes llama.cpp's per-pair rope "
                          f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs) and "
-                         f"llama.cpp's own linear and yarn for {', '.join(NATIVE_ONLY_ARCHITECTURES)}, each tested "
-                         "through llama.cpp; not for this one")
+                         f"llama.cpp's own linear and yarn for {', '.join(NATIVE_ONLY_ARCHITECTURES)} (tested "
+                         "through llama.cpp on llama and qwen2); not for this one")
     if rope.has_rope_freqs or rope.scaling_type not in ("none", "linear") or rope.scaling_factor not in (0.0, 1.0) \
             or rope.attn_factor != 1.0:
         raise ValueError(f"{src} already carries a rope scaling (rope.scaling.type {rope.scaling_type!r}, factor "
