@@ -298,7 +298,8 @@ def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
     from . import hf
 
     chunk = 1024
-    hf.patch(model, h.method, attention=h.attention if h.attention != "sdpa" else None, **h.parameters)
+    # the attention always named: None would keep the checkpoint's own (a ReRoPE checkpoint's "plain" hypothesis)
+    hf.patch(model, h.method, attention=h.attention, **h.parameters)
     try:
         with torch.no_grad():
             hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]

@@ -62,3 +62,23 @@ def test_a_stock_dynamic_config_is_plain_rope_then_nan_in_vllm_and_exact_with_th
         assert scaled.verdict == "ignored", report.text()
     else:
         assert served.verdict == scaled.verdict == "exact", report.text()
+
+
+@pytest.mark.parametrize("plugin", ["1", "0"])
+def test_vllm_serves_a_rerope_checkpoint_with_the_plugin_and_refuses_it_without(folder, monkeypatch, plugin):
+    from ropescale import hf
+    from support.vllm_testing import served_llama
+
+    path = folder / "rerope"
+    if not path.exists():
+        model = served_llama()
+        hf.patch(model, scaling.Default(), attention="rerope", window=16)
+        model.config.model_max_length = 4 * ORIGINAL
+        model.save_pretrained(path)
+    monkeypatch.setenv("ROPESCALE_VLLM", plugin)
+    report = verify.verify(path, "vllm", length=3 * ORIGINAL)
+    print(report.text())
+    if plugin == "1":
+        assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+    else:
+        assert report.checks[-1].verdict == "refused" and "rerope" in report.checks[-1].detail, report.text()

@@ -200,3 +200,24 @@ def test_a_probe_that_cannot_tell_the_formulas_apart_gives_no_verdict(yarn_check
     monkeypatch.setattr(verify, "SAME", math.inf)
     check = verify.verify(yarn_checkpoint, "transformers").checks[-1]
     assert check.verdict == "inconclusive" and "--length" in check.detail
+
+
+def test_a_raw_key_attention_ignored_is_named(tmp_path, monkeypatch):
+    """A ReRoPE checkpoint: the declared hypothesis attends with ReRoPE, "plain RoPE" with the model's SDPA (an
+    engine that ignores the attention); each fake engine is named (the plain one was once merged into the declared:
+    the reference patched with attention=None kept the checkpoint's ReRoPE)."""
+    from support.vllm_testing import served_llama
+    from ropescale import hf
+
+    model = served_llama()
+    hf.patch(model, scaling.Default(), attention="rerope", window=16)
+    model.save_pretrained(tmp_path / "rerope")
+    path = tmp_path / "rerope"
+    d = verify.declared(path)
+    assert d.attention == "rerope" and d.parameters["window"] == 16
+    hs, same = verify.hypotheses(d, 3 * ORIGINAL)
+    assert [h.kind for h in hs] == ["declared", "ignored"] and not same
+    for runs, want in ((hs[0], "exact"), (hs[1], "ignored")):
+        fake_engine(monkeypatch, runs)
+        assert verify.verify(path, "transformers", length=3 * ORIGINAL).checks[-1].verdict == want
+        monkeypatch.undo()
