@@ -5,8 +5,10 @@ relative distances) at the cost of a short sequence. Each sampler turns one toke
 positions)``: the tokens to train on (indices into the text) and their position ids, both ``window`` long, positions
 strictly increasing and below ``target``. ``PositionSamplingCollator`` does it for transformers' Trainer (it pads
 as the authors' collators do); :func:`sample_positions` for a plain loop. Every ropescale method takes the
-positions: ``hf.patch``'s rotation reads ``position_ids`` (a static table at any position; a dynamic method's
-length is the batch's, not the largest position's, as transformers computes it).
+positions: ``hf.patch``'s rotation reads ``position_ids`` (a static table at any position; a dynamic method's length
+is each row's largest position + 1, as transformers computes it, so a sampled row takes the table of the length its
+positions reach). KNOWN: ReRoPE-family training (``rerope_attention_train``) takes consecutive positions only, so a
+sampled batch runs its composite: the same attention, with an ``L x L`` mask (memory quadratic in the window).
 
 The rules are the authors' code's, draw for draw, so that a seed gives their sequences:
 
