@@ -17,12 +17,12 @@ The rules are the authors' code's, draw for draw, so that a seed gives their seq
   in ``[1, (len_chunk + 1) // 2]``; the second is the ``len_chunk - r1`` tokens ending at ``r2``, uniform in
   ``[len_chunk, len(text)]``. Positions: ``0 .. len_chunk - 1``, the second chunk's all shifted by one skip ``u``
   uniform in ``[0, target - len_chunk]`` (the code's "lt = 0" revision: the first chunk always starts at 0). The
-  paper describes N chunks with a skip each; its code (and every run it reports) uses two.
+  paper describes N chunks with a skip each; its code uses two.
 - :class:`CREAM` (Wu et al., NeurIPS 2024; ``bigai-nlco/CREAM`` ``src/train.py``, ``CREAM``): three segments. Per
   call (a batch: the code's ``datasets.map`` batch), head and tail lengths ``window // 3`` or ``4 * k``
   (``k = target // window``), one or the other with probability 1/2; the head keeps positions ``0 .. head - 1``,
   the tail the last ``tail`` positions below ``k * window``. Per text, the middle's end ``e`` follows a
-  "truncated Gaussian" over ``f`` in ``[2, 2k]``: the paper's mean ``1 + k`` and ``sigma`` (3.0), drawn as the code
+  "truncated Gaussian" over ``f`` in ``[2, 2k]``: the code's mean ``1 + k`` and ``sigma`` (default 3.0), drawn as it
   does by inverting the Gaussian's CDF tabulated on 1000 points of ``[2, 2k]`` with ``numpy.interp`` (so the mass
   outside the interval lands on its ends, not spread over it: the code's truncation) and flooring; then ``e``
   uniform in ``[head + (len_chunk - 1) f / 2, f window / 2 - tail - 1]``. The middle's tokens are the text's at the
