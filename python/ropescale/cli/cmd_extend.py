@@ -317,13 +317,7 @@ def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -
         print(f"would write {dst}: {type(method).__name__} over {rope.architecture} (base {rope.base:g}, n_rot "
               f"{rope.rotary_dim}, context_length {rope.context_length})")
         return 0
-    try:
-        written = llamacpp.extend(src, dst, method, progress=sys.stderr.isatty())
-    except FileExistsError as err:
-        raise UsageError(str(err)) from None
-    except ValueError as err:
-        raise UsageError(f"--method {args.method}: {err}") from None
-    return _print_written(written, dst, method)
+    return _write_gguf(args, dst, method, lambda: llamacpp.extend(src, dst, method, progress=sys.stderr.isatty()))
 
 
 def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
@@ -338,23 +332,24 @@ def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
         print(f"would convert {src} with llama.cpp's converter ({args.outtype}) and write {dst}: "
               f"{type(method).__name__}")
         return 0
+    return _write_gguf(args, dst, method, lambda: llamacpp.from_transformers(
+        src, dst, method, converter=args.converter, outtype=args.outtype, progress=sys.stderr.isatty()))
+
+
+def _write_gguf(args, dst: Path, method, write) -> int:
+    """Runs ``write`` (``llamacpp.extend`` or ``from_transformers``), its refusals as usage errors, and says what it
+    wrote and how to serve it."""
     try:
-        written = llamacpp.from_transformers(src, dst, method, converter=args.converter, outtype=args.outtype,
-                                             progress=sys.stderr.isatty())
+        written = write()
     except FileExistsError as err:
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}") from None
-    return _print_written(written, dst, method)
-
-
-def _print_written(written, dst: Path, method) -> int:
     factors = (f"{' and '.join(written.tensors)} ({len(written.rope_freqs)} factors)" if written.tensors else
                "llama.cpp's own keys (no factor tensor)")
     print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {factors}, attn_factor {written.attn_factor:.6g}, "
-          f"context_length "
-          f"{written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: llama-server -m "
-          f"{dst} -c {written.context_length}")
+          f"context_length {written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: "
+          f"llama-server -m {dst} -c {written.context_length}")
     if written.scaling_type == "longrope":
         print(f"note: llama.cpp takes the long table for EVERY prompt when -c exceeds {method.original_max_position} "
               "(transformers: only for a sequence longer than that), the short one otherwise")

@@ -108,16 +108,20 @@ def test_a_q8_0_gguf_is_as_close_as_llama_cpps_own_quantised_model(quantized, na
 # YaRN from the GGUF keys; a key llama.cpp does not read for llama (yarn_beta_slow) and an attn_factor another tool
 # rewrote are named. Heads of 64 features (32 pairs): the tiny model's 8 pairs rotate YaRN's betas alike.
 
+def wide_model(family: str):
+    """A tiny ``family`` ("Llama", "Qwen2") causal LM with heads of 64 features, SmolLM2's vocabulary, seed 0."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=gguf_llama.VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+
+
 @pytest.fixture(scope="module")
 def wide_source(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llamacpp-verify")
-    config = transformers.LlamaConfig(vocab_size=gguf_llama.VOCAB, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                      initializer_range=0.1, rope_parameters={"rope_type": "default",
-                                                                              "rope_theta": 10000.0})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = wide_model("Llama")
     return gguf_llama.write(model, folder / "wide.gguf", realmodel.smollm2_gguf()), folder, model
 
 
@@ -292,13 +296,7 @@ def test_a_transformers_directory_through_llama_cpps_converter_runs_as_transform
 @pytest.fixture(scope="module")
 def qwen_source(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llamacpp-qwen")
-    config = transformers.Qwen2Config(vocab_size=gguf_llama.VOCAB, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                      initializer_range=0.1, rope_parameters={"rope_type": "default",
-                                                                              "rope_theta": 10000.0})
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
+    model = wide_model("Qwen2")
     with torch.no_grad():  # Qwen2's biases start at zero: made to count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
