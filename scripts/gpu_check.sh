@@ -8,7 +8,8 @@
 #   first-day  what a GPU user does first (issue 26): one autocast bf16/fp16 fine-tuning step of every
 #              patch kind, a ReRoPE training step at 4k-16k with its peak memory against plain SDPA, vLLM
 #              serving ReRoPE and Dynamic-YaRN checkpoints with --attention-backend CUSTOM and CUDA graphs
-#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context;
+#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context,
+#              context parallelism CP=2 against the unsplit step (on 2 GPUs; skipped on one);
 #   ruler      (opt-in: GPU_CHECK_PARTS=ruler) the RULER table on SmolLM2-135M (benchmarks/ruler_table.py,
 #              issue 44): every method, 4k to 32k, 50 samples a cell, resumed from and appended to
 #              benchmarks/results/ruler_smollm2.jsonl, so each call adds what its budget allows (bring the file back).
@@ -35,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 OUT=$1
@@ -217,6 +218,11 @@ if [ "$build_ok" = 1 ] && part first-day; then
   run "bench_rerope_train (GPU): ReRoPE training step, peak memory" 120 "$OUT/bench_rerope_train.log" \
     "$PYTHON" benchmarks/bench_rerope_train.py --device cuda --autocast bf16 --lengths 4096 8192 16384 \
     --composite-max 4096
+  # Context parallelism (issue 46): CP=2 training steps of patched models through PyTorch's own CUDA ring attention
+  # (NCCL) against the unsplit step; the test needs 2 GPUs and says so (skipped) on one.
+  run "context parallelism CP=2, CUDA ring attention, against the unsplit step" 120 "$OUT/context_parallel.log" \
+    env ROPESCALE_CP_DEVICE=cuda "$PYTHON" -m pytest tests/python/adapters/test_context_parallel.py -q -s \
+    -p no:cacheprovider -rfEs
   if "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
     run "vLLM on CUDA: CUSTOM backend, CUDA graphs, ReRoPE and Dynamic-YaRN against transformers" 240 \
       "$OUT/vllm_cuda.log" "$PYTHON" -m pytest "$VLLM_ENGINE_TEST" -m cuda -q -p no:cacheprovider -rfEs
@@ -257,7 +263,7 @@ if [ "$build_ok" = 1 ] && part llamacpp; then
 fi
 
 section "Tests"
-for t in pytest_cuda pytest_cpu_host training vllm_cuda; do
+for t in pytest_cuda pytest_cpu_host training context_parallel vllm_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"

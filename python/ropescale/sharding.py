@@ -25,6 +25,9 @@ The in-place ops cannot redistribute what they write: the tensors they mutate mu
 layout above, or the op refuses with an error naming the alternatives (the out-of-place op, which
 DTensor redistributes, or ``.to_local()``).
 
+:func:`context_parallel_active` says whether PyTorch's context parallelism (ring attention) is on, for the
+refusals of what it would compute wrong (``ropescale.hf.patch``; docs/DESIGN.md, "Context parallelism").
+
 Importing ``torch.distributed.tensor`` costs seconds, and DTensors exist only once it is imported, so
 ``import ropescale`` does not import it: the rules are registered right after it is imported (at once
 when it already is), through a one-shot import hook. :func:`register` does it by hand.
@@ -39,10 +42,35 @@ import warnings
 
 import torch
 
-__all__ = ["register", "registered"]
+__all__ = ["register", "registered", "context_parallel_active"]
 
 _lock = threading.Lock()
 _registered = False
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism (torch.distributed.tensor.experimental.context_parallel): the sequence of q, k, v and of the
+# user's buffers (input ids, labels, position ids) split over ranks, F.scaled_dot_product_attention turned into ring
+# attention. PyTorch keeps it in private modules; their names moved once (2.10), so both are looked up.
+
+_CONTEXT_PARALLEL_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
+                             "torch.distributed.tensor.experimental._attention")
+
+
+def context_parallel_active() -> bool:
+    """Whether PyTorch's context parallelism is on in this process: inside ``context_parallel(mesh, ...)``, or its
+    dispatcher enabled for a module-wrapper ``_ContextParallel`` plan. Both enable its DTensor handler for the fused
+    attention kernels, which is what this looks for; False when PyTorch's module is not even imported (no cost)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    handlers = getattr(getattr(dtensor.DTensor, "_op_dispatcher", None), "_custom_op_handlers", None) or {}
+    for name in _CONTEXT_PARALLEL_MODULES:
+        module = sys.modules.get(name)
+        handler = getattr(module, "_sdpa_handler", None)
+        if handler is not None and any(h is handler for h in handlers.values()):
+            return True
+    return False
+
 
 # ---------------------------------------------------------------------------------------------
 # Layouts. A rule gets the ops' arguments with every tensor replaced by its DTensorSpec (placements,

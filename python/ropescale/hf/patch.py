@@ -78,11 +78,11 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from .. import config as config_lib, scaling as scaling_lib, serving
+from .. import config as config_lib, scaling as scaling_lib, serving, sharding
 from . import architectures, checkpoint
 from .cache import PreRopeCache, PreRopeLayer
 # request (public), REROPE_IMPLEMENTATIONS and the raw-key attention stay importable from here
-from .pre_rope import (REROPE_IMPLEMENTATIONS, _check_rerope_implementation, _pre_rope_attention,  # noqa: F401
+from .pre_rope import (REROPE_IMPLEMENTATIONS, _base_implementation, _check_rerope_implementation, _pre_rope_attention,  # noqa: F401
                        _pre_rope_layers, _rerope, _wrap_implementations)
 from .requests import (_GENERATED_LENGTH, _Request, _end_request_step, _generate, _prepare_generated_length,
                        _start_request_step, request)
@@ -494,6 +494,8 @@ def _base_model_pre_hook(module, args, kwargs):
     state: _PatchState = module._ropescale_patch
     _wrap_implementations(state)
     bound = _bound_arguments(module, args, kwargs)
+    if sharding.context_parallel_active():
+        _check_context_parallel(state, bound)
     cache = bound.get("past_key_values")
     if isinstance(cache, PreRopeCache) and state.architecture.pre_rope:
         raise ValueError(f"ropescale: a PreRopeCache (raw keys, rotated at attention time) cannot serve "
@@ -513,6 +515,40 @@ def _base_model_pre_hook(module, args, kwargs):
         _pre_rope_layers(state, cache)
     state.step_cache = cache
     return args, kwargs
+
+
+def _check_context_parallel(state: _PatchState, bound: dict) -> None:
+    """Under PyTorch's context parallelism each rank holds a slice of the sequence (its tokens and, given by the
+    user, their position ids), and only ``F.scaled_dot_product_attention`` becomes ring attention (every query
+    against every rank's keys). What a slice would compute silently wrong is refused here, by name: a forward
+    without position ids (transformers counts each slice from 0), a table that depends on the sequence's length
+    (each rank sees its own slice's largest position), an attention other than SDPA (ropescale's raw-key ops, or
+    another implementation, would attend to the rank's own keys only)."""
+    method = type(state.method).__name__
+    if bound.get("position_ids") is None:
+        raise ValueError(
+            "ropescale: under context parallelism pass position_ids, sharded with the batch (context_parallel(mesh, "
+            "buffers=[input_ids, labels, position_ids], buffer_seq_dims=[1, 1, 1])): without them transformers counts "
+            "every rank's slice of the sequence from position 0")
+    if state.raw_keys:
+        raise NotImplementedError(
+            f"ropescale: {config_lib.ATTENTION_NAMES[state.attention]} under context parallelism: PyTorch's ring "
+            "attention replaces F.scaled_dot_product_attention only, so each rank would attend to its own slice of "
+            "the keys. Train it on one sequence per device (its training path needs no L x L memory: "
+            "ropescale.rerope_train)")
+    if state.length_dependent or state.per_request:
+        what = "per request" if state.per_request else "per length"
+        raise NotImplementedError(
+            f"ropescale: {method} ({what}) under context parallelism: its table follows each sequence's length (its "
+            "largest position + 1), which a rank holding a slice of the sequence does not see. Train with the "
+            "static table of the training length instead (a dynamic method at length L is its static method at "
+            "factor L / original_max_position)")
+    implementations = {_base_implementation(m.config) for m in state.attention_modules if state.extends(m)}
+    if implementations - {"sdpa"}:
+        raise NotImplementedError(
+            f"ropescale: attn_implementation {', '.join(sorted(implementations))} under context parallelism: "
+            "PyTorch's ring attention replaces F.scaled_dot_product_attention only, so any other implementation "
+            "attends to each rank's own slice of the keys: load the model with attn_implementation='sdpa'")
 
 
 def _base_model_hook(module, args, output):
