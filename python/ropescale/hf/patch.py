@@ -496,6 +496,8 @@ def _base_model_pre_hook(module, args, kwargs):
     bound = _bound_arguments(module, args, kwargs)
     if sharding.context_parallel_active():
         _check_context_parallel(state, bound)
+    if not torch.compiler.is_compiling():  # compiled: no data-dependent read (docstring below)
+        _check_position_jumps(state, module, kwargs, bound)
     cache = bound.get("past_key_values")
     if isinstance(cache, PreRopeCache) and state.architecture.pre_rope:
         raise ValueError(f"ropescale: a PreRopeCache (raw keys, rotated at attention time) cannot serve "
@@ -505,7 +507,7 @@ def _base_model_pre_hook(module, args, kwargs):
     if not state.step_pre_rope:
         if state.rotated_at_write and not state.in_request:
             _start_request_step(state, cache)
-        return None
+        return args, kwargs
     if cache is None and _uses_cache(module, bound.get("use_cache")):
         cache = DynamicCache(config=state.config)
         kwargs["past_key_values"] = cache
@@ -515,6 +517,56 @@ def _base_model_pre_hook(module, args, kwargs):
         _pre_rope_layers(state, cache)
     state.step_cache = cache
     return args, kwargs
+
+
+def _check_position_jumps(state: _PatchState, module, kwargs, bound) -> None:
+    """Position ids that jump, in a forward with neither an attention mask nor a cache (a training forward):
+    transformers takes every place where consecutive positions differ by other than 1 for the start of another
+    packed sequence (``masking_utils.find_packed_sequence_indices``) and masks each row into those sequences.
+
+    - Rows that restart (packed sequences, each from 0) keep that, except where ropescale cannot follow it: its
+      raw-key attentions read padding from the attention mask, not the packed sequences, and a table of each
+      row's length (dynamic, per request) would be the row's, not each sequence's; both refused by name.
+    - Rows that jump forward (PoSE's and CREAM's skips: ``ropescale.training``) would be cut at each skip,
+      silently: a patched model reads them as ONE sequence, as the samplers mean (an all-ones attention mask,
+      which transformers' SDPA path drops for ``is_causal``). Rows that do both are refused.
+
+    One host sync; not under ``torch.compile`` (a compiled step would break its graph here), where transformers'
+    reading stands: pass the attention mask with sampled positions (``ropescale.training``'s collator does)."""
+    positions = bound.get("position_ids")
+    if (positions is None or positions.ndim != 2 or positions.shape[-1] < 2 or bound.get("attention_mask") is not None
+            or bound.get("past_key_values") is not None or _uses_cache(module, bound.get("use_cache"))):
+        return
+    steps = positions.diff(dim=-1)
+    jumps, restarts = torch.stack(((steps > 1).any(), (steps < 1).any())).tolist()
+    if restarts:
+        if jumps:
+            raise ValueError(
+                "ropescale: position_ids that both jump forward (a sampled sequence's skips: PoSE, CREAM) and "
+                "restart (packed sequences), with no attention mask: transformers would read every jump as the start "
+                "of another packed sequence and cut the sampled one there. Give each sampled sequence a row of its "
+                "own (with the attention_mask ropescale.training's collator returns)")
+        if state.raw_keys:
+            raise NotImplementedError(
+                f"ropescale: {config_lib.ATTENTION_NAMES[state.attention]} on packed sequences (position_ids that "
+                "restart within a row): it reads padding from the attention mask, not transformers' packed-sequence "
+                "mask, so each sequence would attend to the others. Give each sequence a row of its own (padded, "
+                "with an attention_mask)")
+        if state.length_dependent or state.per_request:
+            raise NotImplementedError(
+                f"ropescale: {type(state.method).__name__} on packed sequences (position_ids that restart within a "
+                "row): its table follows the row's length, not each packed sequence's. Give each sequence a row of "
+                "its own (padded, with an attention_mask), or train with a static method")
+        return
+    if not jumps:
+        return
+    if "attention_mask" in bound.get("_positional", ()):
+        raise RuntimeError("ropescale: pass attention_mask by keyword to a patched model given position ids with "
+                           "gaps (ropescale supplies the all-ones mask that keeps them one sequence)")
+    inputs = bound.get("input_ids")
+    if inputs is None:
+        inputs = bound["inputs_embeds"]
+    kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=positions.device)
 
 
 def _check_context_parallel(state: _PatchState, bound: dict) -> None:
