@@ -29,6 +29,22 @@ def test_generate_rerope_agrees_with_full_forward():
     assert "agrees with the cached decode at the last step: True" in out
 
 
+def test_rl_rollout_says_it_needs_vllm_where_vllm_is_missing():
+    # examples/rl_rollout.py runs end to end on the vLLM leg (tests/python/engines/test_trainer_rollout.py); here
+    # (no vLLM) its help teaches the loop and a run says clearly what is missing, with a non-zero status.
+    import importlib.util
+
+    import pytest
+
+    assert "hf.patch" in run(ROOT / "examples/rl_rollout.py", "--help")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: the example runs (test_trainer_rollout.py)")
+    result = subprocess.run([sys.executable, str(ROOT / "examples/rl_rollout.py"), "--iterations", "1"], env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "rl_rollout: vLLM is not installed" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # examples/finetune.py with transformers' Trainer and with PEFT LoRA: run in this process (one
 # transformers import for all), saved, reloaded, compared.
