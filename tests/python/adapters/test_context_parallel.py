@@ -60,11 +60,11 @@ def _batch():
     return input_ids, position_ids, labels
 
 
-def _step(model, input_ids, position_ids, labels, tokens, autocast=None):
+def _step(model, input_ids, position_ids, labels, tokens, autocast=None, use_cache=None):
     """Summed token loss / ``tokens`` (the whole batch's count), backward; (loss, per-token losses, {name: grad})."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(DEVICE, dtype=autocast, enabled=autocast is not None):
-        logits = model(input_ids=input_ids, position_ids=position_ids).logits
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache).logits
     per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none")
     loss = per_token.sum() / tokens
     loss.backward()
@@ -72,13 +72,14 @@ def _step(model, input_ids, position_ids, labels, tokens, autocast=None):
     return loss.detach(), per_token.detach().view(labels.shape), grads
 
 
-def unsplit_step(model, autocast=None, position_ids=True):
+def unsplit_step(model, autocast=None, position_ids=True, use_cache=None):
     """(loss, per-token losses [B, L], grads) of the whole batch."""
     input_ids, positions, labels = _batch()
-    return _step(model, input_ids, positions if position_ids else None, labels, int((labels != -100).sum()), autocast)
+    return _step(model, input_ids, positions if position_ids else None, labels, int((labels != -100).sum()), autocast,
+                 use_cache)
 
 
-def cp_step(model, mesh, autocast=None, position_ids=True, load_balance=True, reference=None):
+def cp_step(model, mesh, autocast=None, position_ids=True, load_balance=True, reference=None, use_cache=None):
     """The same step under ``context_parallel``: each rank's slice, loss and gradients all-reduced; (loss, the
     largest per-token loss difference to ``reference`` (per-token losses of the whole batch, split with it), grads)."""
     from torch.distributed.tensor.experimental import context_parallel
@@ -93,7 +94,7 @@ def cp_step(model, mesh, autocast=None, position_ids=True, load_balance=True, re
         with _ring(), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
             assert input_ids.shape[1] == LENGTH // WORLD
             loss, per_token, grads = _step(model, input_ids, positions if position_ids else None, labels, tokens,
-                                           autocast)
+                                           autocast, use_cache)
             token_error = (per_token - reference).abs().max()
     finally:
         _cp_options.enable_load_balance = saved
@@ -126,7 +127,7 @@ def grad_error(grads, reference) -> float:
 
 def assert_cp_equals_unsplit(mesh, model, **options):
     """The CP step equals the unsplit one; (per-token losses, (largest token error, largest gradient error))."""
-    loss, per_token, grads = unsplit_step(model)
+    loss, per_token, grads = unsplit_step(model, use_cache=options.get("use_cache"))
     cp_loss, token_error, cp_grads = cp_step(model, mesh, reference=per_token, **options)
     torch.testing.assert_close(cp_loss, loss, **LOSS_TOLERANCE)
     assert token_error < TOKEN_TOLERANCE, token_error
@@ -192,6 +193,16 @@ def check_without_load_balancing(mesh, rank):
     """Contiguous slices (rank 0 the first half) instead of head-tail pairs."""
     for method in (_method(scaling.YaRN), _method(scaling.YaRN, resonance=True), _method(scaling.Llama3)):
         assert_cp_equals_unsplit(mesh, model_for(method), load_balance=False)
+
+
+def check_without_cache(mesh, rank):
+    """``use_cache=False`` (gradient checkpointing sets it): transformers then reads a rank's head-tail slice, whose
+    positions jump (rank 0: the first and the last quarter), as two packed sequences; ropescale keeps it one."""
+    for method in (_method(scaling.YaRN), _method(scaling.Llama3)):
+        model = model_for(method)
+        assert_cp_equals_unsplit(mesh, model, use_cache=False)
+        model.gradient_checkpointing_enable()
+        assert_cp_equals_unsplit(mesh, model)
 
 
 def check_autocast(mesh, rank):
@@ -270,7 +281,8 @@ def check_stock_hazard(mesh, rank):
 
 
 CHECKS = {f.__name__: f for f in (
-    check_every_method, check_per_request_refused, check_without_load_balancing, check_autocast, check_refusals,
+    check_every_method, check_per_request_refused, check_without_load_balancing, check_without_cache, check_autocast,
+    check_refusals,
     check_ring_ran, check_stock_hazard,
 )}
 
