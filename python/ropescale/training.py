@@ -7,8 +7,10 @@ strictly increasing and below ``target``. ``PositionSamplingCollator`` does it f
 as the authors' collators do); :func:`sample_positions` for a plain loop. Every ropescale method takes the
 positions: ``hf.patch``'s rotation reads ``position_ids`` (a static table at any position; a dynamic method's length
 is each row's largest position + 1, as transformers computes it, so a sampled row takes the table of the length its
-positions reach). KNOWN: ReRoPE-family training (``rerope_attention_train``) takes consecutive positions only, so a
-sampled batch runs its composite: the same attention, with an ``L x L`` mask (memory quadratic in the window).
+positions reach). KNOWN: ReRoPE-family training (``rerope_attention_train``) runs sampled positions on its fused
+path, on a layout up to ReRoPE's window - 1 rows longer per skip (PoSE: one, CREAM: two); a batch with a row the
+collator padded (position ids 0 after the text) still runs its composite: an ``L x L`` mask (memory quadratic in the
+window).
 
 The rules are the authors' code's, draw for draw, so that a seed gives their sequences:
 

@@ -199,11 +199,13 @@ def test_a_dynamic_method_takes_the_length_the_sampled_positions_reach():
             assert (plain(x[row:row + 1], position_ids=positions[row:row + 1]).logits - got).abs().max() > 1e-3
 
 
-def test_rerope_training_takes_the_sampled_positions():
-    """ReRoPE's training path (raw keys, distances clipped at the window) on PoSE positions: the distances are the
-    sampled ones (a shift of every position changes nothing; the skip changes the far pairs), and a step under
-    autocast is as close to float32 as transformers' own model is."""
-    batch = sample_positions([text(96, seed=s) for s in range(2)], PoSE(32, 128), random.Random(3))
+@pytest.mark.parametrize("sampler", [PoSE(32, 128), CREAM(32, 96)], ids=["PoSE", "CREAM"])
+def test_rerope_training_takes_the_sampled_positions(monkeypatch, sampler):
+    """ReRoPE's training path (raw keys, distances clipped at the window) on PoSE / CREAM positions: the distances are
+    the sampled ones (a shift of every position changes nothing; the skip changes the far pairs), a step under
+    autocast is as close to float32 as transformers' own model is, and the sampled positions run the fused path
+    (rerope_train's gapped layout, never the composite), whose float32 step is the composite's."""
+    batch = sample_positions([text(96, seed=s) for s in range(2)], sampler, random.Random(3), np.random.RandomState(3))
     x, positions = batch["input_ids"] % 256, batch["position_ids"]
     model = tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2)
     hf.patch(model, scaling.Default(), attention="rerope", window=8, leaky_k=4.0)
@@ -214,12 +216,27 @@ def test_rerope_training_takes_the_sampled_positions():
         contiguous = model(x, position_ids=torch.arange(32).expand(2, -1)).logits
     torch.testing.assert_close(shifted, got, rtol=1e-4, atol=1e-4)
     assert (contiguous - got).abs().max() > 1e-3
+    # the fused path takes the sampled positions (gaps: an expanded layout, rerope_train._Gaps); the composite
+    # (an L x L mask) is never called, and its step is the fused one's
+    from ropescale import ops, rerope_train
+
+    assert rerope_train.training_layout(positions, positions) is False
+    assert rerope_train.training_layout(positions, positions, window=8) is False
+    assert rerope_train.training_layout(positions[:, :8], positions[:, :8]) is False  # consecutive (seed 3)
+    assert not (positions.diff(dim=-1) == 1).all()  # gaps
+    composite_step = None
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "rerope_attention_train", ops.rerope_attention_composite)
+        composite_step = loss_and_grads(WithPositions(model, positions), x)
+
+    def composite(*args, **kwargs):
+        raise AssertionError("rerope_attention_train took the composite")
+
+    monkeypatch.setattr(rerope_train, "rerope_attention_composite", composite)
+    step = loss_and_grads(WithPositions(model, positions), x)
+    for got, want in zip(step, composite_step):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     native = tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2).train()
     for dtype in (torch.bfloat16, torch.float16):
-        assert_autocast_as_close_as_native(WithPositions(model, positions), WithPositions(native, positions), x, dtype)
-    # KNOWN (training.py's docstring): the fused training kernel takes consecutive positions only, so sampled ones run
-    # the composite (correct, an L x L mask)
-    from ropescale import rerope_train
-
-    assert rerope_train.training_layout(positions, positions) is None
-    assert rerope_train.training_layout(positions[:, :8], positions[:, :8]) is False  # consecutive (seed 3: the skip is later)
+        assert_autocast_as_close_as_native(WithPositions(model, positions), WithPositions(native, positions), x, dtype,
+                                           step=step)

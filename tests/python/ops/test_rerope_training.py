@@ -539,3 +539,349 @@ def test_other_layouts_take_the_composite_with_a_warning():
     assert len(messages[0]) == 1 and "not the training layout" in messages[0][0] and not messages[1], messages
     with pytest.raises(RuntimeError, match="window must be > 0"):
         rerope_attention_train(q, k, v, qp, kp, inv_freq, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gapped positions (PoSE / CREAM position sampling: ropescale.training): strictly increasing positions with
+# gaps take the fused path on an expanded layout (rerope_train._Gaps), equal to the composite and to the
+# float64 two-matrix reference in out, lse and both gradients, for every method of the family.
+
+
+def gapped(rows):
+    """Key positions ``[B, L]`` from per-row specs ``(left padding, [(first position, count), ...], right padding)``
+    (or an explicit list of positions), every row the same length; with the query positions: as the keys', but where
+    the right padding is given as ``+n`` the queries there count on past the last key (``-n``: at -1 too)."""
+    keys, queries = [], []
+    for row in rows:
+        if isinstance(row, list):
+            keys.append(torch.tensor(row))
+            queries.append(keys[-1])
+            continue
+        left, segments, right = row
+        body = torch.cat([torch.full((left,), -1)] + [torch.arange(s, s + n) for s, n in segments])
+        keys.append(torch.cat([body, torch.full((abs(right),), -1)]))
+        after = torch.arange(1, right + 1) + body.max() if right > 0 else torch.full((-right,), -1)
+        queries.append(torch.cat([body, after]))
+    assert len({len(r) for r in keys}) == 1, [len(r) for r in keys]
+    return torch.stack(keys), torch.stack(queries)
+
+
+METHODS = {  # the family's methods through the training path (Dual Chunk Attention has none)
+    "rerope": lambda w: {},
+    "leaky-logn": lambda w: dict(leaky_k=4.0, logn_length=12),
+    "self-extend": lambda w: dict(group=3),
+    "string": lambda w: dict(leaky_k=1.0, far_start=max(1, w // 2)),
+}
+
+# name: (key position rows, q heads, kv heads, q_len (0: every key), dim, window, interleaved, rotary_dim)
+GAP_CASES = {
+    # PoSE: two chunks, the second one shifted by a skip (row 1: another split and skip)
+    "pose": ([(0, [(0, 11), (40, 14)], 0), (0, [(0, 5), (70, 20)], 0)], 4, 2, 0, 16, 8, False, 0),
+    # CREAM: head, middle, tail (row 1: other gaps, one smaller than the window)
+    "cream": ([(0, [(0, 7), (30, 9), (60, 7)], 0), (0, [(0, 7), (10, 9), (100, 7)], 0)], 4, 1, 0, 12, 6, False, 0),
+    # gaps (missing positions) smaller than, one less than, equal to and larger than the window, a gap of 1
+    "gap<window": ([(0, [(0, 10), (14, 12)], 0)], 2, 2, 0, 8, 9, False, 0),
+    "gap=window-1": ([(0, [(0, 10), (18, 12)], 0)], 2, 1, 0, 8, 9, False, 0),
+    "gap=window": ([(0, [(0, 10), (19, 12)], 0)], 2, 1, 0, 8, 9, False, 0),
+    "gap>window": ([(0, [(0, 10), (40, 12)], 0)], 2, 1, 0, 8, 9, False, 0),
+    "gap-1": ([(0, [(0, 6), (7, 15)], 0), (0, [(3, 4), (8, 1), (10, 16)], 0)], 2, 1, 0, 8, 5, False, 0),
+    # left padding and gaps; a consecutive row with an offset next to a gapped one; odd sizes
+    "left-pad": ([(3, [(0, 8), (20, 10)], 0), (0, [(5, 21)], 0), (7, [(2, 3), (9, 11)], 0)], 3, 1, 0, 10, 4,
+                 False, 0),
+    # right padding (row 0: the queries there count on, as transformers' position ids; row 2: at -1); padding rows
+    # in the middle (the positions go on past them); interleaved, partial rotary
+    "right-pad": ([(0, [(0, 9), (25, 8)], 4), [0, 1, 2, -1, 3, 4, 30, 31, -1, -1, 32] + list(range(40, 50)),
+                   (2, [(0, 9), (12, 6)], -4)], 4, 2, 0, 12, 5, True, 8),
+    # fewer queries than keys (a cache): the last 13 queries of 24 keys, gaps among both
+    "cache": ([(0, [(0, 6), (20, 6), (50, 12)], 0), (4, [(0, 3), (9, 17)], 0)], 4, 2, 13, 16, 4, False, 0),
+    # a window past the training length with a far pair across the gap; and every pair near (no expansion)
+    "wide-window": ([(0, [(0, 7), (40, 9)], 0)], 2, 1, 0, 8, 12, False, 0),
+    "all-near": ([(0, [(0, 5), (9, 6)], 0)], 2, 1, 0, 8, 20, False, 0),
+    # a row of padding only next to a gapped one
+    "padded-row": ([(0, [(0, 7), (30, 9)], 0), [-1] * 16], 2, 1, 0, 8, 4, False, 0),
+}
+
+
+def gap_inputs(name, dtype, seed=0):
+    rows, q_heads, kv_heads, q_len, dim, window, interleaved, rotary = GAP_CASES[name]
+    kp, qp = gapped(rows)
+    batch, k_len = kp.shape
+    q_len = q_len or k_len
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g).to(dtype)
+               for h, n in ((q_heads, q_len), (kv_heads, k_len), (kv_heads, k_len)))
+    qp = qp[:, k_len - q_len :].clone()
+    inv_freq = ops.default_inv_freq(rotary or dim, BASE)
+    return q, k, v, qp, kp, inv_freq.to(dtype if dtype == torch.float64 else torch.float32), window, interleaved
+
+
+def no_composite(monkeypatch):
+    """The composite raises if called: the fused path ran."""
+    def composite(*args, **kwargs):
+        raise AssertionError("rerope_attention_train took the composite")
+    monkeypatch.setattr(rerope_train, "rerope_attention_composite", composite)
+
+
+def test_training_layout_gapped():
+    """Strictly increasing positions with gaps take the fused path (padding keys anywhere, padding queries at
+    negative positions anywhere, queries at padding keys' rows if their positions go on increasing); not:
+    repeated or decreasing positions, a query at another position than its key's, the authors' collator's
+    padding (queries at position 0 after the text); with the window, not where the expansion would cost more
+    than twice the composite's scores."""
+    pose, _ = gapped([(0, [(0, 11), (40, 14)], 0), (0, [(0, 5), (70, 20)], 0)])
+    assert training_layout(pose, pose) is False
+    assert training_layout(pose, pose, window=8) is False
+    assert training_layout(pose[:, 5:], pose) is False
+    keys, queries = gapped([(3, [(0, 8), (20, 10)], 0), (0, [(0, 8), (30, 10)], 3), (0, [(0, 8), (30, 10)], -3)])
+    assert training_layout(queries, keys) is True
+    assert training_layout(pose, pose, causal=False) is None
+    assert training_layout(torch.tensor([[0, 1, 2, 2, 5]]), torch.tensor([[0, 1, 2, 2, 5]])) is None  # repeated
+    assert training_layout(torch.tensor([[0, 1, 9, 5, 6]]), torch.tensor([[0, 1, 9, 5, 6]])) is None  # decreasing
+    assert training_layout(torch.tensor([[0, 1, 5, 6]]), torch.tensor([[0, 1, 4, 6]])) is None  # query elsewhere
+    assert training_layout(torch.tensor([[0, -1, 5, 6]]), torch.tensor([[0, 1, 5, 6]])) is False  # padding query
+    assert training_layout(torch.tensor([[0, 1, 5, 6]]), torch.tensor([[0, 1, -1, 6]])) is True  # a padding key
+    assert training_layout(torch.tensor([[0, 1, 5, 3]]), torch.tensor([[0, 1, 5, -1]])) is None  # ... going back
+    collated = torch.tensor([[0, 1, 5, 6, 0, 0]]), torch.tensor([[0, 1, 5, 6, -1, -1]])
+    assert training_layout(*collated) is None
+    sparse = torch.arange(0, 160, 10)[None]  # 15 gaps of 9 (16 keys)
+    assert training_layout(sparse, sparse) is False
+    assert training_layout(sparse, sparse, window=8) is None  # 16 + 15 * 7 rows
+    assert training_layout(sparse, sparse, window=40) is None  # gaps of 9 < 40 kept whole: 151 rows
+    assert training_layout(sparse, sparse, window=151) is False  # every pair near: 16 rows
+
+
+@pytest.mark.parametrize("method", METHODS, ids=str)
+@pytest.mark.parametrize("name", GAP_CASES, ids=str)
+def test_gapped_float64_equals_composite_and_reference(monkeypatch, name, method):
+    """float64: out, lse, dq, dk, dv (through out and lse) of the fused path on gapped positions equal the
+    composite's and the two-matrix reference's, to float64 rounding; the composite is never called."""
+    q, k, v, qp, kp, inv_freq, window, interleaved = gap_inputs(name, torch.float64, seed=len(name))
+    kw = dict(interleaved=interleaved, **METHODS[method](window))
+    gen = torch.Generator().manual_seed(7)
+    g_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64)
+    composite = rerope_train.rerope_attention_composite
+    expected = [grads_of(lambda q, k, v: fn(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v, g_out, g_lse)
+                for fn in (composite, rerope.rerope_attention_naive)]
+    no_composite(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
+                                     q, k, v, g_out, g_lse)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    for (ref_out, ref_lse), ref_grads in expected:
+        torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+        assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+        torch.testing.assert_close(lse[lse.isfinite()], ref_lse[ref_lse.isfinite()], atol=1e-12, rtol=1e-12)
+        for n, g, r in zip("qkv", grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-11, msg=f"d{n}")
+    if method in ("rerope", "leaky-logn"):  # the attention suite's own reference (Su's definition)
+        ref = reference(q, k, v, qp, kp, inv_freq, window, kw.get("leaky_k", 0.0), None, kw.get("logn_length", 0),
+                        True, interleaved)
+        torch.testing.assert_close(out, ref[0], atol=1e-12, rtol=1e-12)
+
+
+def test_gapped_cases_cross_the_window():
+    """The grid exercises what it is meant to: in each case but "all-near", some pair at index distance < window
+    is far by its positions (the misclassification the expansion prevents), and "gap=window-1" has pairs at
+    position distance exactly the window."""
+    for name, case in GAP_CASES.items():
+        kp, window = gapped(case[0])[0], case[5]
+        real = (kp[:, :, None] >= 0) & (kp[:, None, :] >= 0)
+        index = torch.arange(kp.shape[1])
+        by_index = (index[:, None] - index[None, :]).abs() < window
+        by_position = (kp[:, :, None] - kp[:, None, :]).abs() < window
+        assert (real & by_index & ~by_position).any() == (name != "all-near"), name
+    kp = gapped(GAP_CASES["gap=window-1"][0])[0]
+    assert ((kp[:, :, None] - kp[:, None, :]) == GAP_CASES["gap=window-1"][5]).any()
+
+
+@pytest.mark.parametrize("name,method", [("left-pad", "leaky-logn"), ("cache", "rerope"), ("right-pad", "self-extend"),
+                                         ("cream", "string")])
+def test_gapped_gradcheck(name, method):
+    """Both outputs on gapped positions, through the gathers, both sides of the window and the padding column."""
+    q, k, v, qp, kp, inv_freq, window, interleaved = gap_inputs(name, torch.float64, seed=3)
+    q, k, v = (t[..., :6].contiguous().requires_grad_() for t in (q, k, v))
+    inv_freq = ops.default_inv_freq(6, BASE).double()
+    kw = dict(interleaved=interleaved, **METHODS[method](window))
+
+    def f(q, k, v):
+        out, lse = rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw)
+        return out, torch.where(torch.isfinite(lse), lse, 0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("kernel", [EmulatedFlash(), EmulatedEfficient()], ids=["flash", "efficient"])
+@pytest.mark.parametrize("name", ["pose", "cache", "right-pad"])
+def test_gapped_cuda_kernel_conventions_emulated(monkeypatch, kernel, name):
+    """The expanded layout's calls meet the CUDA kernels' conventions (emulated); float64 equals the reference."""
+    monkeypatch.setattr(rerope_train, "_kernel_for", lambda q, head_dim: kernel)
+    q, k, v, qp, kp, inv_freq, window, interleaved = gap_inputs(name, torch.float64, seed=4)
+    kw = dict(leaky_k=4.0, interleaved=interleaved)
+    gen = torch.Generator().manual_seed(1)
+    g_out, g_lse = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(q.shape[:3], generator=gen,
+                                                                                        dtype=torch.float64)
+    no_composite(monkeypatch)
+    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
+                                 q, k, v, g_out, g_lse)
+    (ref_out, ref_lse), ref_grads = grads_of(
+        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v, g_out, g_lse)
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.where(ref_lse.isfinite(), lse, 0), torch.where(ref_lse.isfinite(), ref_lse, 0),
+                               atol=1e-12, rtol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-11)
+
+
+# name: (key position rows, q heads, kv heads, dim, window, method); at least 64 rows (SDPA_ERROR_FACTOR's rule)
+GAP_LOW_PRECISION_CASES = {
+    "pose": ([(0, [(0, 30), (200, 37)], 0), (0, [(0, 9), (90, 58)], 0)], 4, 2, 32, 9, "rerope"),
+    "cream": ([(0, [(0, 22), (60, 26), (300, 22)], 0), (5, [(0, 20), (25, 20), (47, 25)], 0)], 4, 2, 32, 16,
+              "leaky-logn"),
+    "self-extend": ([(0, [(0, 35), (120, 35)], 0), (3, [(0, 12), (13, 30), (200, 25)], 0)], 8, 2, 64, 12,
+                    "self-extend"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", GAP_LOW_PRECISION_CASES, ids=str)
+def test_gapped_low_precision_within_sdpa_error(monkeypatch, dtype, name):
+    """Gapped positions in low precision: out, lse, dq, dk, dv against float64 within SDPA_ERROR_FACTOR x the larger
+    of the error of PyTorch's SDPA (RoPE attention, same visibility) and of the composite in the dtype, as the
+    consecutive grid above (float32 there takes the larger of the two too)."""
+    rows, q_heads, kv_heads, dim, window, method = GAP_LOW_PRECISION_CASES[name]
+    kp, qp = gapped(rows)
+    g = torch.Generator().manual_seed(len(name))
+    q, k, v = (torch.randn(kp.shape[0], h, kp.shape[1], dim, generator=g).to(dtype)
+               for h in (q_heads, kv_heads, kv_heads))
+    inv_freq = ops.default_inv_freq(dim, BASE)
+    kw = METHODS[method](window)
+    g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    zero_lse = torch.zeros(q.shape[:3], dtype=torch.float64)
+    (ref_out, ref_lse), ref_grads = grads_of(
+        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq.double(), window, **kw),
+        q.double(), k.double(), v.double(), g_out, zero_lse)
+    rows = torch.isfinite(ref_lse)
+
+    def errors(fn):
+        (out, lse), grads = grads_of(lambda q, k, v: fn(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v,
+                                     g_out.to(dtype), zero_lse)
+        assert out.dtype == dtype and lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), rows)
+        found = [(out.double() - ref_out).abs()[rows].max().item()]
+        found += [(g.double() - r).abs().max().item() for g, r in zip(grads, ref_grads)]
+        return found + [(lse.double() - ref_lse).abs()[rows].max().item()]
+
+    composite = errors(rerope_train.rerope_attention_composite)
+    no_composite(monkeypatch)
+    ours = errors(rerope_attention_train)
+    logn = kw.get("logn_length", 0)
+    pytorch = sdpa_errors(q, k, v, qp, kp, inv_freq, g_out, logn, False)
+    pytorch.append(sdpa_error(q, k, v, qp, kp, inv_freq, logn_length=logn)[1])
+    for what, e, p, c in zip(("out", "dq", "dk", "dv", "lse"), ours, pytorch, composite):
+        bound = max(p, c)
+        assert 0 < bound and e <= SDPA_ERROR_FACTOR * bound, f"{what}: {e:.3g}, SDPA {p:.3g}, composite {c:.3g}"
+
+
+@pytest.mark.parametrize("where", ["q", "v", "masked"])
+def test_gapped_non_finite_inputs_as_the_composite(where):
+    """NaN / inf in q or v, or in padding keys only, on gapped positions: the same finite pattern and values as the
+    composite (non-finite k differs by design: see test_non_finite_inputs_follow_the_rule)."""
+    q, k, v, qp, kp, inv_freq, window, _ = gap_inputs("left-pad", torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(len(where))
+    clean_out, _ = rerope_attention_train(q, k, v, qp, kp, inv_freq, window, 4.0)
+    if where == "masked":
+        k, v = k.clone(), v.clone()
+        k[0, :, :3], v[0, :, :3] = math.nan, math.inf
+    else:
+        t = poison({"q": q, "v": v}[where], gen, 3)
+        q, v = (t if where == "q" else q), (t if where == "v" else v)
+    out, lse = rerope_attention_train(q, k, v, qp, kp, inv_freq, window, 4.0)
+    c_out, c_lse = rerope.rerope_attention_composite(q, k, v, qp, kp, inv_freq, window, 4.0)
+    assert torch.equal(out.isfinite(), c_out.isfinite()) and torch.equal(lse.isfinite(), c_lse.isfinite())
+    assert torch.equal(lse.isneginf(), c_lse.isneginf()) and out.isfinite().all() == (where == "masked")
+    finite = out.isfinite()
+    torch.testing.assert_close(out[finite], c_out[finite], atol=2e-5, rtol=1e-4)
+    if where == "masked":
+        torch.testing.assert_close(out, clean_out, atol=0, rtol=0)
+
+
+def test_gapped_too_many_gaps_take_the_composite_with_a_warning():
+    """Where the expansion (up to window rows per gap) would cost more than twice the composite's scores, the
+    composite runs, and says why."""
+    kp = torch.arange(0, 400, 10)[None]  # 39 gaps of 9 missing positions, window 8: 40 + 39 * 7 rows
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    inv_freq = ops.default_inv_freq(8, BASE)
+    rerope_train._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = rerope_attention_train(q.requires_grad_(), k, v, kp, kp, inv_freq, 8)
+    assert len(caught) == 1 and "gaps between these positions" in str(caught[0].message), caught
+    c_out, c_lse = rerope.rerope_attention_composite(q, k, v, kp, kp, inv_freq, 8)
+    torch.testing.assert_close(out, c_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, c_lse, atol=0, rtol=0)
+
+
+def test_gapped_no_tensor_grows_with_l_squared():
+    """PoSE at L = 512 (window 32, Leaky, GQA, padding, one skip of 3000 positions): no aten op output has two
+    dimensions >= L / 4, and the largest one is a few times q at the expanded length (512 + 31 rows)."""
+    q, k, v, _, _ = make_inputs(1, 4, 2, 512, 512, 32, pad=0, seed=1)
+    kp, _ = gapped([(100, [(0, 200), (3200, 212)], 0)])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    recorder = KernelArguments(128)
+    largest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            largest.extend(t.numel() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+            return out
+
+    with recorder, Sizes():
+        recorder.watch = True
+        out, lse = rerope_attention_train(q, k, v, kp, kp, ops.default_inv_freq(32, BASE), 32, leaky_k=8.0)
+        (out.float().sum() + lse.sum()).backward()
+    assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
+    assert recorder.calls
+    expanded = 412 + 31  # the left padding dropped, one gap of more than the window: window - 1 more rows
+    assert max(largest) <= 4 * q.numel() * 40 // 32 * expanded // 512 + 1, max(largest)
+
+
+def gapped_batch():
+    """Two rows of LENGTH tokens at PoSE-like positions (row 1: two skips, CREAM-like)."""
+    ids = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(5))
+    positions, _ = gapped([(0, [(0, 100), (700, LENGTH - 100)], 0),
+                           (0, [(0, 60), (300, 90), (900, LENGTH - 150)], 0)])
+    return ids, positions
+
+
+class WithPositions(torch.nn.Module):
+    def __init__(self, model, positions):
+        super().__init__()
+        self.model, self.positions = model, positions
+
+    def forward(self, ids, attention_mask=None, labels=None):
+        return self.model(ids, attention_mask=attention_mask, labels=labels, position_ids=self.positions)
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gapped_training_step_hands_kernels_what_fused_cuda_kernels_take(monkeypatch, autocast_dtype):
+    """A training step of a ReRoPE-patched Llama on PoSE / CREAM-like position ids (plain fp32, CPU autocast bf16 /
+    fp16) runs the fused path (never the composite): the kernels get what a fused CUDA kernel takes, nothing has two
+    dimensions >= L, gradients are finite, and under autocast the loss is the fp32 one to the dtype."""
+    model = hf.patch(tiny("llama", layers=1, mpe=4 * LENGTH), None, attention="rerope", window=16, leaky_k=8.0,
+                     logn_length=64).train()
+    ids, positions = gapped_batch()
+    wrapped = WithPositions(model, positions)
+    no_composite(monkeypatch)
+    recorder = KernelArguments(LENGTH // 2)
+    loss = training_step(wrapped, ids, None, autocast_dtype, recorder)
+    assert recorder.calls, "no attention kernel ran"
+    assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    if autocast_dtype is not None:
+        with torch.no_grad():
+            reference_loss = wrapped(ids, labels=ids).loss
+        assert abs(loss.item() - reference_loss.item()) <= 0.05 * reference_loss.item()
