@@ -275,12 +275,17 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
                          "soft-capped logits")
     softmax_scale = kwargs.get("scaling")
     softmax_scale = module.scaling if softmax_scale is None else softmax_scale
-    pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
-    if pad is not None and bool(pad.any()):
-        key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
     # The fused op has no backward: when gradients are wanted (fine-tuning), the training path computes
     # the same attention differentiably from PyTorch's fused attention kernels (no L x L tensor).
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    pad = _padding_keys(attention_mask, query.shape[0], query.shape[-2], key.shape[-2])
+    if pad is not None and bool(pad.any()):
+        key_positions = torch.where(pad, torch.full_like(key_positions, _PADDING_POSITION), key_positions)
+        if wants_grad and positions.shape == pad.shape:
+            # A training forward's padding queries too (a collator pads position ids with 0, which breaks the
+            # increasing positions the training path's fused layout takes): their outputs reach no real token
+            # (their keys are padding), so the loss and its gradients stay those of the real tokens.
+            positions = torch.where(pad, torch.full_like(positions, _PADDING_POSITION), positions)
     if wants_grad and state.attention == "dual_chunk":
         raise ValueError("ropescale: Dual Chunk Attention has no training path (ops.rerope_attention_train takes "
                          "ReRoPE, Self-Extend and STRING): run the model under torch.no_grad() (generate does), or "

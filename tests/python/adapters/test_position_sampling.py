@@ -240,3 +240,38 @@ def test_rerope_training_takes_the_sampled_positions(monkeypatch, sampler):
     for dtype in (torch.bfloat16, torch.float16):
         assert_autocast_as_close_as_native(WithPositions(model, positions), WithPositions(native, positions), x, dtype,
                                            step=step)
+
+
+def test_rerope_training_on_a_padded_collator_batch_runs_fused(monkeypatch):
+    """A text shorter than the window: the collator pads it (position ids 0, labels -100, attention mask 0). The
+    padding queries are set aside too (their outputs reach no real token), so the batch keeps the fused path and
+    its loss and gradients are the composite's."""
+    from ropescale import ops, rerope_train
+
+    collator = PositionSamplingCollator(PoSE(32, 128), seed=5)
+    batch = collator([{"input_ids": text(96, seed=0)}, {"input_ids": text(20, seed=1)}])
+    assert (batch["attention_mask"] == 0).any() and (batch["position_ids"][1, 20:] == 0).all()
+    batch["input_ids"] = batch["input_ids"] % 256
+    batch["labels"] = torch.where(batch["labels"] < 0, batch["labels"], batch["labels"] % 256)
+    model = tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2)
+    hf.patch(model, scaling.Default(), attention="rerope", window=8)
+    model.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "rerope_attention_train", ops.rerope_attention_composite)
+        composite_loss, composite_grads = step()
+
+    def composite(*args, **kwargs):
+        raise AssertionError("rerope_attention_train took the composite")
+
+    monkeypatch.setattr(rerope_train, "rerope_attention_composite", composite)
+    loss, grads = step()
+    torch.testing.assert_close(loss, composite_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, composite_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
