@@ -211,6 +211,54 @@ def test_demo_text(capsys, tmp_path):
     assert "raise --steps" in text  # 5 steps cannot learn anything, and the demo says so
 
 
+@pytest.fixture
+def small_sampling_data(monkeypatch):
+    """The demo's position sampling on 200 training and 20 test sequences (the CLI takes neither)."""
+    from ropescale import tstl
+
+    real = tstl.run_position_sampling
+
+    def small(*args, **kwargs):
+        return real(*args, **{**kwargs, "n_train": 200, "n_test": 20})
+
+    monkeypatch.setattr(tstl, "run_position_sampling", small)
+
+
+@pytest.mark.usefixtures("small_sampling_data")
+def test_demo_position_sampling(capsys, tmp_path):
+    # --position-sampling: 8 models (RoPE and YaRN x trained at W, W + PoSE, W + CREAM, trained at 4W), the table
+    # computed from them, the PNG (CREAM at 4W needs an even W >= 34: a head and a tail of 16 and a middle).
+    path = tmp_path / "sampling.png"
+    out = run_json(capsys, "demo", "--position-sampling", "--train-length", "36", "--steps", "2", "--plot", str(path),
+                   "--quiet")
+    assert (out["train_length"], out["test_length"], out["steps"]) == (36, 144, 2)
+    assert [(r["table_name"], r["label"]) for r in out["results"]] == [
+        (t, label) for t in ("RoPE", "YaRN (s=4)")
+        for label in ("trained at W", "W + PoSE", "W + CREAM", "trained at 4W")]
+    for r in out["results"]:
+        assert len(r["accuracy_by_position"]) == 144 and r["accuracy_by_position"][0] is None
+        assert r["ood_accuracy"] == pytest.approx(sum(r["accuracy_by_position"][36:]) / 108)
+    ood = {(r["table"], r["training"]): r["ood_accuracy"] for r in out["results"]}
+    for row in out["table"]:
+        if row["training"] in ("pose", "cream"):
+            gap = ood[row["table"], "long"] - ood[row["table"], "short"]
+            assert row["recovered"] == (pytest.approx((ood[row["table"], row["training"]] - ood[row["table"], "short"])
+                                                      / gap) if gap >= 0.02 else None)
+    assert_png(path)
+
+
+@pytest.mark.usefixtures("small_sampling_data")
+def test_demo_position_sampling_text_and_errors(capsys, tmp_path):
+    text = run(capsys, "demo", "--position-sampling", "--train-length", "36", "--steps", "1", "--plot",
+               str(tmp_path / "s.png"), "--quiet")
+    assert "trained at W = 36" in text and "recovered = (OOD(sampled) - OOD(trained at W))" in text
+    assert "W + PoSE" in text and "W + CREAM" in text and "raise --steps" in text
+    assert "CREAM: a window of 32 leaves no middle" in usage_error(capsys, "demo", "--position-sampling",
+                                                                    "--train-length", "32")
+    assert "--test-length (30) must be > --train-length (48)" in usage_error(capsys, "demo", "--position-sampling",
+                                                                              "--test-length", "30")
+
+
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     pytest.importorskip("tokenizers")
