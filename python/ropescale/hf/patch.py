@@ -565,8 +565,9 @@ def _check_position_jumps(state: _PatchState, module, kwargs, bound) -> None:
                            "gaps (ropescale supplies the all-ones mask that keeps them one sequence)")
     inputs = bound.get("input_ids")
     if inputs is None:
-        inputs = bound["inputs_embeds"]
-    kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=positions.device)
+        inputs = bound.get("inputs_embeds")
+    if inputs is not None:  # neither: the model's own error says so
+        kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=positions.device)
 
 
 def _check_context_parallel(state: _PatchState, bound: dict) -> None:

@@ -186,3 +186,13 @@ def test_with_a_mask_or_a_cache_nothing_is_read():
     tokens, positions = _packed()
     model(input_ids=tokens, position_ids=positions, attention_mask=torch.ones_like(tokens), use_cache=False)
     model(input_ids=tokens, position_ids=positions, use_cache=True)
+
+
+def test_sampled_positions_with_inputs_embeds_are_one_sequence():
+    model = hf.patch(tiny(mpe=ORIGINAL).train(), _method(scaling.YaRN))
+    embeds = model.get_input_embeddings()(ids(1, SAMPLED.shape[1]))
+    with torch.no_grad():
+        ours = model(inputs_embeds=embeds, position_ids=SAMPLED, use_cache=False).logits
+        masked = model(inputs_embeds=embeds, position_ids=SAMPLED, use_cache=False,
+                       attention_mask=torch.ones(SAMPLED.shape, dtype=torch.long)).logits
+    torch.testing.assert_close(ours, masked, rtol=0, atol=0)
