@@ -196,3 +196,19 @@ def test_sampled_positions_with_inputs_embeds_are_one_sequence():
         masked = model(inputs_embeds=embeds, position_ids=SAMPLED, use_cache=False,
                        attention_mask=torch.ones(SAMPLED.shape, dtype=torch.long)).logits
     torch.testing.assert_close(ours, masked, rtol=0, atol=0)
+
+
+def test_sampled_positions_reach_sdpa_without_a_mask(monkeypatch):
+    """What a fused CUDA kernel takes: the all-ones mask ropescale passes is dropped by transformers, SDPA runs
+    ``is_causal`` without an L x L mask (a packed row's mask, the alternative, is dense)."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        seen.append((attn_mask is None, is_causal, q.shape[-1] % 8 == 0))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = hf.patch(tiny(mpe=ORIGINAL).train(), _method(scaling.YaRN))
+    _sampled_logits(model, mask=False)
+    assert seen and all(s == (True, True, True) for s in seen), seen
