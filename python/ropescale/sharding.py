@@ -50,7 +50,7 @@ _registered = False
 # ---------------------------------------------------------------------------------------------
 # Context parallelism (torch.distributed.tensor.experimental.context_parallel): the sequence of q, k, v and of the
 # user's buffers (input ids, labels, position ids) split over ranks, F.scaled_dot_product_attention turned into ring
-# attention. PyTorch keeps it in private modules; their names moved once (2.10), so both are looked up.
+# attention. PyTorch keeps it in private modules, whose path has moved once, so both paths are looked up.
 
 _CONTEXT_PARALLEL_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
                              "torch.distributed.tensor.experimental._attention")

@@ -82,8 +82,8 @@ from .. import config as config_lib, scaling as scaling_lib, serving, sharding
 from . import architectures, checkpoint
 from .cache import PreRopeCache, PreRopeLayer
 # request (public), REROPE_IMPLEMENTATIONS and the raw-key attention stay importable from here
-from .pre_rope import (REROPE_IMPLEMENTATIONS, _base_implementation, _check_rerope_implementation, _pre_rope_attention,  # noqa: F401
-                       _pre_rope_layers, _rerope, _wrap_implementations)
+from .pre_rope import (REROPE_IMPLEMENTATIONS, _base_implementation, _check_rerope_implementation,  # noqa: F401
+                       _pre_rope_attention, _pre_rope_layers, _rerope, _wrap_implementations)
 from .requests import (_GENERATED_LENGTH, _Request, _end_request_step, _generate, _prepare_generated_length,
                        _start_request_step, request)
 from .rotary import _own_layout_rotary_forward, _rotary_forward, _set_rotary_buffers
