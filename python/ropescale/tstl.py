@@ -189,6 +189,21 @@ def train(
     """Next-token training on ``sequences`` ``[n, length]``, loss on the targets ``x_l`` with
     ``l >= first_target`` (the ``j + k`` free tokens are unpredictable). Returns the final loss."""
     device = next(model.parameters()).device
+
+    def step_loss(rows):
+        batch = rows.to(device)
+        logits = model(input_ids=batch[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, first_target - 1 :].flatten(0, 1).float(), batch[:, first_target:].flatten()
+        )
+
+    return _optimise(model, sequences, config, seed, progress, desc, step_loss)
+
+
+def _optimise(model, sequences, config: TrainConfig, seed: int, progress: bool, desc: str, step_loss) -> float:
+    """The loop :func:`train` and :func:`train_sampled` share: AdamW with the one-cycle schedule, ``config.steps``
+    batches of ``sequences`` rows drawn by a generator seeded with ``seed``; ``step_loss(rows)`` is the loss on a
+    batch, or None when it has nothing to learn (the schedule still steps). Returns the last loss."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -203,11 +218,12 @@ def train(
         steps = bar = tqdm(steps, desc=desc, leave=False)
     loss = torch.tensor(float("nan"))
     for _ in steps:
-        batch = sequences[torch.randint(sequences.shape[0], (config.batch_size,), generator=generator)].to(device)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, first_target - 1 :].flatten(0, 1).float(), batch[:, first_target:].flatten()
-        )
+        rows = sequences[torch.randint(sequences.shape[0], (config.batch_size,), generator=generator)]
+        step = step_loss(rows)
+        if step is None:
+            schedule.step()
+            continue
+        loss = step
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -219,7 +235,6 @@ def train(
     return float(loss.detach())
 
 
-@torch.no_grad()
 def position_accuracy(
     model: torch.nn.Module, sequences: torch.Tensor, batch_size: int = 250, incremental: bool = False
 ) -> torch.Tensor:
@@ -445,41 +460,21 @@ def train_sampled(
     sequence), the loss on the defined targets only. ``random.Random(seed)`` and ``numpy.random.RandomState(seed)``
     drive the sampler. Returns the final loss and the fraction of targets that carried the loss."""
     device = next(model.parameters()).device
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=config.steps, pct_start=config.warmup_fraction
-    )
-    generator = torch.Generator().manual_seed(seed)
     rng, np_rng = random.Random(seed), np.random.RandomState(seed)
-    steps = range(config.steps)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    counts = [0, 0]  # targets scored, targets
 
-        steps = bar = tqdm(steps, desc=desc, leave=False)
-    loss = torch.tensor(float("nan"))
-    scored = total = 0
-    for _ in steps:
-        rows = sequences[torch.randint(sequences.shape[0], (config.batch_size,), generator=generator)]
+    def step_loss(rows):
         batch = {name: t.to(device) for name, t in sampled_batch(rows, sampler, task, j, k, rng, np_rng).items()}
         targets = batch["labels"][:, 1:]
-        scored += int((targets != -100).sum())
-        total += targets.numel()
+        counts[0] += int((targets != -100).sum())
+        counts[1] += targets.numel()
         if not bool((targets != -100).any()):
-            schedule.step()
-            continue
+            return None
         logits = model(input_ids=batch["input_ids"][:, :-1], position_ids=batch["position_ids"][:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        schedule.step()
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    model.eval()
-    return float(loss.detach()), (scored / total if total else math.nan)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+    loss = _optimise(model, sequences, config, seed, progress, desc, step_loss)
+    return loss, (counts[0] / counts[1] if counts[1] else math.nan)
 
 
 @dataclass(frozen=True)
