@@ -8,19 +8,14 @@ runs here with the CPU kernel at each step. The batch is split as users split it
 buffers=[input_ids, position_ids, shifted labels], buffer_seq_dims=[1, 1, 1])``, the loss summed over each rank's
 tokens and all-reduced, the gradients all-reduced (what a data-parallel step does on top of the CP mesh).
 
-One pair of spawned ranks runs every check (as tests/python/ops/test_distributed.py, whose notes on spawning apply);
-each check's outcome per rank comes back in a file. With ``ROPESCALE_CP_DEVICE=cuda`` (scripts/gpu_check.sh) the
-ranks run on CUDA with NCCL and PyTorch's own CUDA ring attention, one GPU each: it needs 2 GPUs.
+One pair of spawned ranks runs every check (``support.two_ranks``); each test reads its check's outcome. With
+``ROPESCALE_CP_DEVICE=cuda`` (scripts/gpu_check.sh) the ranks run on CUDA with NCCL and PyTorch's own CUDA ring
+attention, one GPU each: it needs 2 GPUs.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
-import traceback
-import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -33,10 +28,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ropescale import hf, scaling, sharding  # noqa: E402
-from support import methods  # noqa: E402
+from support import methods, two_ranks  # noqa: E402
 from support.tiny_lm import ids, tiny  # noqa: E402
 
-WORLD, BATCH, LENGTH, ORIGINAL = 2, 2, 48, 16  # LENGTH: a multiple of 2 x WORLD (head-tail load balancing)
+WORLD, BATCH, LENGTH, ORIGINAL = two_ranks.WORLD, 2, 48, 16  # LENGTH: a multiple of 2 x WORLD (head-tail load balancing)
 DEVICE = os.environ.get("ROPESCALE_CP_DEVICE", "cpu")
 if DEVICE == "cuda" and torch.cuda.device_count() < WORLD:
     pytest.skip(f"context parallelism on CUDA needs {WORLD} GPUs, this machine has {torch.cuda.device_count()}",
@@ -293,73 +288,17 @@ CHECKS = {f.__name__: f for f in (
 )}
 
 
-# ---------------------------------------------------------------------------------------------
-# The ranks
-
-
-def _rank(rank, init_file, out_dir, names):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    backend = "nccl" if DEVICE == "cuda" else "gloo"
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh(DEVICE, (WORLD,))
-        results = {}
-        for name in names:
-            start = time.perf_counter()
-            try:
-                results[name] = {"error": None, "figures": CHECKS[name](mesh, rank)}
-            except BaseException:  # noqa: B036  (reported to the test, which fails with it)
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["seconds"] = round(time.perf_counter() - start, 2)
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump(results, f)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(tmp_path, names, timeout=400):
-    """Runs the named checks on two spawned ranks; {check: [rank 0's outcome, rank 1's]}."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path), names), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not finish in {timeout} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    outcomes = {}
-    for rank in range(WORLD):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            for name, outcome in json.load(f).items():
-                outcomes.setdefault(name, []).append(outcome)
-    return outcomes
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("cp_ranks"), list(CHECKS))
+    return two_ranks.run(tmp_path_factory.mktemp("cp_ranks"), __name__, CHECKS, device=DEVICE, timeout=400)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_on_two_ranks(ranks, name):
-    outcomes = ranks.get(name, [])
-    assert len(outcomes) == WORLD, f"{name} did not run on every rank: {ranks}"
-    errors = [f"rank {r}:\n{o['error']}" for r, o in enumerate(outcomes) if o["error"]]
-    assert not errors, "\n".join(errors)
-    if outcomes[0].get("figures"):
-        print(name, outcomes[0]["figures"])  # shown with pytest -s
+    figures = two_ranks.assert_passed(ranks, name)
+    if figures:
+        print(name, figures)  # shown with pytest -s
 
 
 def test_not_active_outside_context_parallel():

@@ -4,23 +4,15 @@ differentiable rotations), in-place ops refuse a layout they cannot keep, a ReRo
 Llama under tensor parallelism (DTensor q/k/v) gives the single-process logits, and one FSDP2 training step
 of every patch kind equals the single-process step.
 
-One pair of spawned processes runs every check (spawned, not forked: a fork of a pytest process in which an
-earlier test ran autograd cannot run autograd itself, "Unable to handle autograd's threading in combination
-with fork-based multiprocessing"); each check's outcome per rank comes back in a file, and each test below
-reads its own. Checks run in the same order on both ranks, so a failing one fails alike on both.
+One pair of spawned processes runs every check (``support.two_ranks``); each test below reads its check's outcome.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
-import time
-import traceback
-import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -33,9 +25,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import ropescale  # noqa: E402
 from ropescale import hf, ops, scaling  # noqa: E402
+from support import two_ranks  # noqa: E402
 from support.tiny_lm import STATIC, ids, tiny  # noqa: E402
 
-WORLD = 2
+WORLD = two_ranks.WORLD
 R = Replicate()
 
 
@@ -368,68 +361,14 @@ CHECKS = {f.__name__: f for f in (
 )}
 
 
-def _rank(rank, init_file, out_dir, names):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=90))
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        results = {}
-        for name in names:
-            start = time.perf_counter()
-            try:
-                CHECKS[name](mesh, rank)
-                results[name] = {"error": None}
-            except BaseException:  # noqa: B036  (reported to the test, which fails with it)
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["seconds"] = round(time.perf_counter() - start, 2)
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump(results, f)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(tmp_path, names, timeout=300):
-    """Runs the named checks on two spawned ranks; {check: [rank 0's outcome, rank 1's]}."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path), names), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not finish in {timeout} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    outcomes = {}
-    for rank in range(WORLD):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            for name, outcome in json.load(f).items():
-                outcomes.setdefault(name, []).append(outcome)
-    return outcomes
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ranks"), list(CHECKS))
-
-
-def _assert_passed(outcomes, name):
-    assert name in outcomes and len(outcomes[name]) == WORLD, f"{name} did not run on every rank: {outcomes}"
-    errors = [f"rank {r}:\n{o['error']}" for r, o in enumerate(outcomes[name]) if o["error"]]
-    assert not errors, "\n".join(errors)
+    return two_ranks.run(tmp_path_factory.mktemp("ranks"), __name__, CHECKS)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_on_two_ranks(ranks, name):
-    _assert_passed(ranks, name)
+    two_ranks.assert_passed(ranks, name)
 
 
 # ---------------------------------------------------------------------------------------------

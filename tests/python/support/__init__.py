@@ -8,6 +8,8 @@ another test module: a helper two of them need lives here.
 - ``bad_input``: the runner of the table-driven bad-input suites
 - ``vllm_testing``: the vLLM leg's import rule, the tiny Llama it serves (``served_llama``, a ``tiny_llama``), the
   comparison with transformers
+- ``two_ranks``: the one runner of checks on two spawned ranks (gloo on CPU; NCCL on CUDA)
+- ``cpu_ring_attention``: PyTorch's context-parallel ring attention with CPU SDPA's kernel
 - ``vllm_engine``: the one vLLM engine runner (``run_engines``: engines in one subprocess, outputs as JSON)
 """
 
