@@ -1,10 +1,13 @@
-"""Shared timing helpers for the benchmarks: medians of repeated runs, synchronised on GPUs."""
+"""Shared helpers for the benchmarks: medians of repeated runs (synchronised on GPUs), and the results file of a
+long run that writes each cell as it ends and resumes from it."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -55,3 +58,30 @@ def device_name(device: str = "cpu") -> str:
     import platform
 
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def read_cells(path: Path, key: Callable[[dict], tuple], keep: Callable[[dict], bool] = lambda row: True) -> dict:
+    """A resumable run's results file (one JSON object per line) by ``key(row)``, the rows ``keep`` accepts; a line
+    cut short by an interrupted write is skipped (its cell is measured again)."""
+    cells = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if keep(row):
+                cells[key(row)] = row
+    return cells
+
+
+def append_cell(path: Path, row: dict) -> None:
+    """``row`` as the last line of ``path`` (made with its folder), on a line of its own after one cut short."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torn = False
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+    with open(path, "a") as f:
+        f.write(("\n" if torn else "") + json.dumps(row) + "\n")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_cell, read_cells  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "llamacpp_smollm2.jsonl"
 ORIGINAL = 8192
@@ -44,19 +45,11 @@ def methods(length: int) -> dict:
 
 
 def done_cells(path: Path) -> dict:
-    cells = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                cells[(row["engine"], row["method"], row["measure"], row["length"])] = row
-    return cells
+    return read_cells(path, key=lambda row: (row["engine"], row["method"], row["measure"], row["length"]))
 
 
 def record(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_cell(path, row)
     print(json.dumps(row), flush=True)
 
 

@@ -16,39 +16,24 @@ JSON line) and skipped on the next run with the same settings, so an interrupted
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ropescale import posgen, tstl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_cell, read_cells  # noqa: E402
+from ropescale import posgen, tstl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "position_sampling_tstl.jsonl"
 SETTINGS = ("window", "target", "steps", "batch_size", "lr", "n_train", "n_test", "sigma")
 
 
 def done_cells(path: Path, settings: dict) -> dict:
-    """The cells of ``path`` measured with ``settings``, by (task, seed, table, training); a torn last line (a run
-    killed while writing) is ignored."""
-    cells = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if all(row.get(k) == v for k, v in settings.items()):
-                cells[(row["task"], row["seed"], row["table"], row["training"])] = row
-    return cells
-
-
-def record(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-    with open(path, "a") as f:
-        f.write(("\n" if torn else "") + json.dumps(row) + "\n")  # a torn last line stays on a line of its own
+    """The cells of ``path`` measured with ``settings``, by (task, seed, table, training)."""
+    return read_cells(path, key=lambda row: (row["task"], row["seed"], row["table"], row["training"]),
+                      keep=lambda row: all(row.get(k) == v for k, v in settings.items()))
 
 
 def main(argv=None) -> int:
@@ -101,7 +86,7 @@ def main(argv=None) -> int:
                     now = time.perf_counter()
                     row = {**result.as_dict(), **settings, "cell_seconds": now - clock[0]}
                     clock[0] = now
-                    record(args.results, row)
+                    append_cell(args.results, row)
                     done[(task, seed, result.table, result.training)] = row
                     print(f"  {task} seed {seed} {row['table_name']:<10} {row['label']:<14} in-dist. "
                           f"{100 * row['id_accuracy']:5.1f}%  OOD {100 * row['ood_accuracy']:5.1f}%  "

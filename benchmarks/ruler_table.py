@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import append_cell, read_cells  # noqa: E402
 from real_model import METHODS as REAL_MODEL_METHODS, Method, patched  # noqa: E402
 
 from ropescale import ruler  # noqa: E402
@@ -50,18 +50,10 @@ DEFAULT_RESULTS = Path(__file__).parent / "results" / "ruler_smollm2.jsonl"
 
 
 def read_results(path: Path) -> dict[tuple, dict]:
-    """The answers already in the results file, by (method, task, length, seed, prompt sha256). A line cut short by
-    an interrupted write is skipped (and answered again)."""
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("model") == MODEL:
-                done[(row["method"], row["task"], row["length"], row["seed"], row["prompt_sha256"])] = row
-    return done
+    """The answers already in the results file, by (method, task, length, seed, prompt sha256)."""
+    return read_cells(path, key=lambda row: (row["method"], row["task"], row["length"], row["seed"],
+                                             row["prompt_sha256"]),
+                      keep=lambda row: row.get("model") == MODEL)
 
 
 def prompt_sha(sample: ruler.Sample) -> str:
@@ -96,33 +88,30 @@ def measure(args) -> None:
             for length in args.lengths for name in args.methods for task in args.tasks
             if (name, task, length, args.seed, prompt_sha(prompts[(task, length)][index])) not in done]
     print(f"ruler_table: {len(done)} answers in {args.results}, {len(todo)} to measure", flush=True)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="ruler", unit="answer", disable=args.quiet)
     started = time.perf_counter()
     try:
-        with args.results.open("a") as out:
-            for name, task, length, sample in todo:
-                if args.max_seconds and time.perf_counter() - started > args.max_seconds:
-                    print(f"ruler_table: --max-seconds {args.max_seconds} reached; the next run resumes", flush=True)
-                    break
-                bar.set_description(f"{name} {task}@{length}")
-                key = (task, length, args.seed, prompt_sha(sample))
-                native = done.get(("native", *key))
-                if METHODS[name].patch_args(length) is None and native is not None:
-                    # the native model at this length (Leaky's k = 1, Self-Extend's G = 1 up to L): its answer
-                    row = {**native, "method": name, "same_as": "native"}
-                else:
-                    with patched(model, METHODS[name], length):
-                        start = time.perf_counter()
-                        prediction, score, tokens = answer(model, tokenizer, sample)
-                    row = {"model": MODEL, "method": name, "task": task, "length": length, "seed": args.seed,
-                           "index": sample.index, "prompt_sha256": prompt_sha(sample), "score": score,
-                           "prediction": prediction, "references": list(sample.references), "prompt_tokens": tokens,
-                           "seconds": round(time.perf_counter() - start, 2)}
-                done[(name, *key)] = row
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                bar.update()
+        for name, task, length, sample in todo:
+            if args.max_seconds and time.perf_counter() - started > args.max_seconds:
+                print(f"ruler_table: --max-seconds {args.max_seconds} reached; the next run resumes", flush=True)
+                break
+            bar.set_description(f"{name} {task}@{length}")
+            key = (task, length, args.seed, prompt_sha(sample))
+            native = done.get(("native", *key))
+            if METHODS[name].patch_args(length) is None and native is not None:
+                # the native model at this length (Leaky's k = 1, Self-Extend's G = 1 up to L): its answer
+                row = {**native, "method": name, "same_as": "native"}
+            else:
+                with patched(model, METHODS[name], length):
+                    start = time.perf_counter()
+                    prediction, score, tokens = answer(model, tokenizer, sample)
+                row = {"model": MODEL, "method": name, "task": task, "length": length, "seed": args.seed,
+                       "index": sample.index, "prompt_sha256": prompt_sha(sample), "score": score,
+                       "prediction": prediction, "references": list(sample.references), "prompt_tokens": tokens,
+                       "seconds": round(time.perf_counter() - start, 2)}
+            done[(name, *key)] = row
+            append_cell(args.results, row)
+            bar.update()
     except KeyboardInterrupt:
         print("\nruler_table: interrupted; every finished answer is in the results file", file=sys.stderr)
     finally:
