@@ -17,7 +17,7 @@ import torch
 from ropescale import hf, scaling
 from ropescale.training import CREAM, PoSE, PositionSamplingCollator, sample_positions
 from support import tiny_lm
-from support.training import assert_autocast_as_close_as_native, loss_and_grads
+from support.training import WithPositions, assert_autocast_as_close_as_native, loss_and_grads
 
 
 def pose_as_the_code_draws(ids, window, target):
@@ -140,18 +140,6 @@ def test_the_collator_pads_as_the_authors_collator():
                        batch["position_ids"])
     assert not torch.equal(collator([{"input_ids": text(40)}, {"input_ids": text(10, seed=1)}])["position_ids"],
                            batch["position_ids"])
-
-
-class WithPositions(torch.nn.Module):
-    """The model with fixed position ids: what a PoSE/CREAM batch feeds it (``support.training``'s step calls
-    ``model(x, use_cache=False)``)."""
-
-    def __init__(self, model, position_ids):
-        super().__init__()
-        self.model, self.position_ids = model, position_ids
-
-    def forward(self, x, use_cache=False):
-        return self.model(x, position_ids=self.position_ids, use_cache=use_cache)
 
 
 YARN = scaling.YaRN(factor=4.0, original_max_position=32)

@@ -20,6 +20,7 @@ from support.attention import (BASE, SDPA_ERROR_FACTOR, as_layout, logn_factor, 
 
 transformers = pytest.importorskip("transformers")
 from support.tiny_lm import VOCAB, tiny  # noqa: E402
+from support.training import WithPositions  # noqa: E402
 
 from ropescale import hf  # noqa: E402
 
@@ -359,12 +360,9 @@ def test_patched_model_gradients_equal_float64_reference(monkeypatch):
         torch.testing.assert_close(grad, results[1][1][name], atol=1e-10, rtol=1e-10, msg=name)
 
 
-def test_no_tensor_grows_with_l_squared():
-    """The op alone at L = 512 (window 32, Leaky, GQA, padding): no aten op output in forward or
-    backward has two dimensions >= L / 4, and the largest one is a few times q."""
-    q, k, v, qp, kp = make_inputs(1, 4, 2, 512, 512, 32, pad=0, seed=1)
-    kp = kp.clone()
-    kp[0, :100] = -1
+def largest_output_of_a_step(q, k, v, qp, kp):
+    """A Leaky (window 32) forward + backward of the op: (the largest aten op output, in elements, of forward and
+    backward; the kernels' calls and their violations of what fused CUDA kernels take)."""
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     recorder = KernelArguments(128)
     largest = []
@@ -379,8 +377,18 @@ def test_no_tensor_grows_with_l_squared():
         recorder.watch = True
         out, lse = rerope_attention_train(q, k, v, qp, kp, ops.default_inv_freq(32, BASE), 32, leaky_k=8.0)
         (out.float().sum() + lse.sum()).backward()
+    return max(largest), recorder
+
+
+def test_no_tensor_grows_with_l_squared():
+    """The op alone at L = 512 (window 32, Leaky, GQA, padding): no aten op output in forward or
+    backward has two dimensions >= L / 4, and the largest one is a few times q."""
+    q, k, v, qp, kp = make_inputs(1, 4, 2, 512, 512, 32, pad=0, seed=1)
+    kp = kp.clone()
+    kp[0, :100] = -1
+    largest, recorder = largest_output_of_a_step(q, k, v, qp, kp)
     assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
-    assert max(largest) <= 4 * q.numel() * 40 // 32, max(largest)  # fp32 copies of q with a padded head dim
+    assert largest <= 4 * q.numel() * 40 // 32, largest  # fp32 copies of q with a padded head dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,24 +835,11 @@ def test_gapped_no_tensor_grows_with_l_squared():
     dimensions >= L / 4, and the largest one is a few times q at the expanded length (512 + 31 rows)."""
     q, k, v, _, _ = make_inputs(1, 4, 2, 512, 512, 32, pad=0, seed=1)
     kp, _ = gapped([(100, [(0, 200), (3200, 212)], 0)])
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    recorder = KernelArguments(128)
-    largest = []
-
-    class Sizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            largest.extend(t.numel() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
-            return out
-
-    with recorder, Sizes():
-        recorder.watch = True
-        out, lse = rerope_attention_train(q, k, v, kp, kp, ops.default_inv_freq(32, BASE), 32, leaky_k=8.0)
-        (out.float().sum() + lse.sum()).backward()
+    largest, recorder = largest_output_of_a_step(q, k, v, kp, kp)
     assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
     assert recorder.calls
     expanded = 412 + 31  # the left padding dropped, one gap of more than the window: window - 1 more rows
-    assert max(largest) <= 4 * q.numel() * 40 // 32 * expanded // 512 + 1, max(largest)
+    assert largest <= 4 * q.numel() * 40 // 32 * expanded // 512 + 1, largest
 
 
 def gapped_batch():
@@ -853,15 +848,6 @@ def gapped_batch():
     positions, _ = gapped([(0, [(0, 100), (700, LENGTH - 100)], 0),
                            (0, [(0, 60), (300, 90), (900, LENGTH - 150)], 0)])
     return ids, positions
-
-
-class WithPositions(torch.nn.Module):
-    def __init__(self, model, positions):
-        super().__init__()
-        self.model, self.positions = model, positions
-
-    def forward(self, ids, attention_mask=None, labels=None):
-        return self.model(ids, attention_mask=attention_mask, labels=labels, position_ids=self.positions)
 
 
 @pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -31,3 +31,14 @@ def assert_autocast_as_close_as_native(model, native, x, dtype, step=None, nativ
         error = (got - want).norm() / want.norm()
         native_error = (native_got - native_want).norm() / native_want.norm()
         assert error <= 2 * native_error + 1e-6, f"{what}: {float(error):.2e}, transformers' {float(native_error):.2e}"
+
+
+class WithPositions(torch.nn.Module):
+    """The model with fixed position ids (what a PoSE/CREAM batch feeds it), called as the model is otherwise."""
+
+    def __init__(self, model, position_ids):
+        super().__init__()
+        self.model, self.position_ids = model, position_ids
+
+    def forward(self, x, **kwargs):
+        return self.model(x, position_ids=self.position_ids, **kwargs)
