@@ -11,6 +11,7 @@ models trained at W and at 4W without sampling, with RoPE and with YaRN's table 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -26,6 +27,22 @@ __all__ = ["run", "run_position_sampling", "SAMPLING_WINDOW", "SAMPLING_STEPS"]
 SAMPLING_WINDOW = 48
 #: --position-sampling's default steps per model (8 models, one of them at 4W).
 SAMPLING_STEPS = 300
+
+
+@contextlib.contextmanager
+def _threads(threads: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _report(task, train_length, test_length, steps, seed, elapsed, plot, **results) -> dict:
+    """The JSON-ready dict both demos return: the settings, then their results."""
+    return {"task": task, "train_length": train_length, "test_length": test_length, "steps": steps, "seed": seed,
+            "seconds": elapsed, "plot": plot, **results}
 
 
 def run(
@@ -47,9 +64,7 @@ def run(
     started = time.perf_counter()
     test_length = test_length or 4 * train_length
     factor = test_length / train_length
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         data = posgen.splits(task, n_train, 0, n_test, train_length, test_length, seed=seed)
         methods = tstl.paper_methods(train_length, factor=factor) + tstl.inference_methods(train_length)
         say(f"PosGen {task} (j=1, k=3, h = sum mod 17): tiny Llama ({tstl.TINY.layers} layers, "
@@ -57,8 +72,6 @@ def run(
             f"({steps} steps each), tested at {test_length}.")
         results = tstl.run_task(data, methods, tstl.TINY, tstl.TrainConfig(steps=steps), seed=seed,
                                 progress=progress)
-    finally:
-        torch.set_num_threads(previous_threads)
     elapsed = time.perf_counter() - started
 
     trained_with = {m.name: ("Resonance RoPE" if m.train.resonance else "RoPE") for m in methods}
@@ -87,19 +100,8 @@ def run(
         )
         say(f"wrote {plot}")
     say(f"done in {elapsed:.0f} s")
-    return {
-        "task": task,
-        "train_length": train_length,
-        "test_length": test_length,
-        "steps": steps,
-        "seed": seed,
-        "seconds": elapsed,
-        "plot": plot,
-        "results": [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.as_dict().items()}
-            for r in results
-        ],
-    }
+    return _report(task, train_length, test_length, steps, seed, elapsed, plot, results=[
+        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.as_dict().items()} for r in results])
 
 
 def run_position_sampling(
@@ -122,9 +124,7 @@ def run_position_sampling(
     say = log or (lambda _line: None)
     started = time.perf_counter()
     test_length = test_length or 4 * train_length
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         cells = tstl.sampling_cells()
         say(f"PosGen {task} (j=1, k=3, h = sum mod 17): tiny Llama ({tstl.TINY.layers} layers, "
             f"d={tstl.TINY.hidden_size}), RoPE and YaRN (s={test_length / train_length:g}, original length "
@@ -133,8 +133,6 @@ def run_position_sampling(
             f"{test_length}.")
         results = tstl.run_position_sampling(task, train_length, test_length, train_config=tstl.TrainConfig(steps=steps),
                                              seed=seed, n_train=n_train, n_test=n_test, progress=progress)
-    finally:
-        torch.set_num_threads(previous_threads)
     elapsed = time.perf_counter() - started
     rows = tstl.summarize_sampling(results)
     say("")
@@ -157,14 +155,5 @@ def run_position_sampling(
         )
         say(f"wrote {plot}")
     say(f"done in {elapsed:.0f} s")
-    return {
-        "task": task,
-        "train_length": train_length,
-        "test_length": test_length,
-        "steps": steps,
-        "seed": seed,
-        "seconds": elapsed,
-        "plot": plot,
-        "table": [{k: v for k, v in row.items()} for row in rows],
-        "results": [r.as_dict() for r in results],
-    }
+    return _report(task, train_length, test_length, steps, seed, elapsed, plot, table=[dict(row) for row in rows],
+                   results=[r.as_dict() for r in results])
