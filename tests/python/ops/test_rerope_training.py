@@ -91,6 +91,22 @@ def grads_of(fn, q, k, v, g_out, g_lse):
     return (out, lse), torch.autograd.grad(loss, (q, k, v))
 
 
+def assert_float64_equals_naive(q, k, v, qp, kp, inv_freq, window, kw):
+    """The training op's out, lse and gradients (through both, seeded cotangents) equal the naive reference's."""
+    gen = torch.Generator().manual_seed(1)
+    g_out, g_lse = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(q.shape[:3], generator=gen,
+                                                                                        dtype=torch.float64)
+    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
+                                 q, k, v, g_out, g_lse)
+    (ref_out, ref_lse), ref_grads = grads_of(
+        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v, g_out, g_lse)
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.where(ref_lse.isfinite(), lse, 0), torch.where(ref_lse.isfinite(), ref_lse, 0),
+                               atol=1e-12, rtol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-11)
+
+
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_float64_equals_two_matrix_reference(case):
     q, k, v, qp, kp, inv_freq, window, kw, layout = case_inputs(case, torch.float64, seed=CASES.index(case))
@@ -459,18 +475,7 @@ def test_cuda_kernel_conventions_emulated(monkeypatch, kernel, case):
     monkeypatch.setattr(rerope_train, "_kernel_for", lambda q, head_dim: kernel)
     q, k, v, qp, kp, inv_freq, window, kw, layout = case_inputs(case, torch.float64, seed=4)
     inv_freq = inv_freq.double()
-    gen = torch.Generator().manual_seed(1)
-    g_out, g_lse = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(q.shape[:3], generator=gen,
-                                                                                        dtype=torch.float64)
-    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
-                                 q, k, v, g_out, g_lse)
-    (ref_out, ref_lse), ref_grads = grads_of(
-        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v, g_out, g_lse)
-    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(torch.where(ref_lse.isfinite(), lse, 0), torch.where(ref_lse.isfinite(), ref_lse, 0),
-                               atol=1e-12, rtol=1e-12)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-11)
+    assert_float64_equals_naive(q, k, v, qp, kp, inv_freq, window, kw)
 
 
 def test_cuda_kernel_calls_on_meta_tensors():
@@ -727,19 +732,8 @@ def test_gapped_cuda_kernel_conventions_emulated(monkeypatch, kernel, name):
     monkeypatch.setattr(rerope_train, "_kernel_for", lambda q, head_dim: kernel)
     q, k, v, qp, kp, inv_freq, window, interleaved = gap_inputs(name, torch.float64, seed=4)
     kw = dict(leaky_k=4.0, interleaved=interleaved)
-    gen = torch.Generator().manual_seed(1)
-    g_out, g_lse = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(q.shape[:3], generator=gen,
-                                                                                        dtype=torch.float64)
     no_composite(monkeypatch)
-    (out, lse), grads = grads_of(lambda q, k, v: rerope_attention_train(q, k, v, qp, kp, inv_freq, window, **kw),
-                                 q, k, v, g_out, g_lse)
-    (ref_out, ref_lse), ref_grads = grads_of(
-        lambda q, k, v: rerope.rerope_attention_naive(q, k, v, qp, kp, inv_freq, window, **kw), q, k, v, g_out, g_lse)
-    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(torch.where(ref_lse.isfinite(), lse, 0), torch.where(ref_lse.isfinite(), ref_lse, 0),
-                               atol=1e-12, rtol=1e-12)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-11)
+    assert_float64_equals_naive(q, k, v, qp, kp, inv_freq, window, kw)
 
 
 # name: (key position rows, q heads, kv heads, dim, window, method); at least 64 rows (SDPA_ERROR_FACTOR's rule)
