@@ -329,8 +329,14 @@ def test_training_step_hands_kernels_what_fused_cuda_kernels_take(autocast_dtype
     model = hf.patch(tiny("llama", layers=1, mpe=4 * LENGTH), None, attention="rerope", window=16, leaky_k=8.0,
                      logn_length=64).train()
     ids, mask = padded_batch() if padding else (padded_batch()[0], None)
+    assert_step_takes_fused_kernels(model, model, ids, mask, autocast_dtype)
+
+
+def assert_step_takes_fused_kernels(model, call, ids, mask, autocast_dtype):
+    """A training step of ``call`` (``model``, or it with fixed positions): every attention kernel call is what a fused
+    CUDA kernel takes, gradients finite, and under autocast the loss the fp32 one to the dtype."""
     recorder = KernelArguments(LENGTH // 2)
-    loss = training_step(model, ids, mask, autocast_dtype, recorder)
+    loss = training_step(call, ids, mask, autocast_dtype, recorder)
     assert recorder.calls, "no attention kernel ran"
     assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
     assert torch.isfinite(loss)
@@ -338,7 +344,7 @@ def test_training_step_hands_kernels_what_fused_cuda_kernels_take(autocast_dtype
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     if autocast_dtype is not None:
         with torch.no_grad():
-            reference_loss = model(ids, attention_mask=mask, labels=ids).loss
+            reference_loss = call(ids, attention_mask=mask, labels=ids).loss
         assert abs(loss.item() - reference_loss.item()) <= 0.05 * reference_loss.item()
 
 
@@ -852,16 +858,5 @@ def test_gapped_training_step_hands_kernels_what_fused_cuda_kernels_take(monkeyp
     model = hf.patch(tiny("llama", layers=1, mpe=4 * LENGTH), None, attention="rerope", window=16, leaky_k=8.0,
                      logn_length=64).train()
     ids, positions = gapped_batch()
-    wrapped = WithPositions(model, positions)
     no_composite(monkeypatch)
-    recorder = KernelArguments(LENGTH // 2)
-    loss = training_step(wrapped, ids, None, autocast_dtype, recorder)
-    assert recorder.calls, "no attention kernel ran"
-    assert not recorder.violations, "\n".join(sorted(set(recorder.violations)))
-    assert torch.isfinite(loss)
-    for name, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    if autocast_dtype is not None:
-        with torch.no_grad():
-            reference_loss = wrapped(ids, labels=ids).loss
-        assert abs(loss.item() - reference_loss.item()) <= 0.05 * reference_loss.item()
+    assert_step_takes_fused_kernels(model, WithPositions(model, positions), ids, None, autocast_dtype)
