@@ -58,7 +58,8 @@ def text(length, seed=0):
 
 
 @pytest.mark.parametrize("window, target, lengths", [(16, 64, (80, 64, 17)), (32, 256, (160, 300)),
-                                                     (7, 50, (7, 9)), (100, 100, (300,)), (64, 1024, (320,))])
+                                                     (7, 50, (7, 9)), (100, 100, (300,)), (64, 1024, (320,)),
+                                                     (16, 64, (1, 2, 40, 1))])  # 1 token: one chunk, at 0
 @pytest.mark.parametrize("seed", range(5))
 def test_pose_gives_the_authors_sequences(window, target, lengths, seed):
     texts = [text(n, seed=i) for i, n in enumerate(lengths)]
@@ -115,10 +116,23 @@ BAD = [
     (lambda: CREAM(48, 192, sigma=math.nan), "sigma must be a finite number > 0"),
     (lambda: CREAM(49, 196), "the window must be even"),
     (lambda: CREAM(24, 480), "leaves no middle"),
-    (lambda: PoSE(16, 64).sample([1], random.Random(0)), "cannot be split into two chunks"),
+    (lambda: PoSE(16, 64).sample([0], random.Random(0)), "a text of 0 tokens has nothing to sample"),
     (lambda: CREAM(48, 192).sample([40], random.Random(0), np.random.RandomState(0)), "shorter than the window"),
     (lambda: CREAM(48, 192).sample([100], random.Random(0)), "np_rng"),
     (lambda: PositionSamplingCollator("pose"), "must be PoSE or CREAM"),
+    (lambda: PositionSamplingCollator(PoSE(16, 64), pad_token_id=-1), "pad_token_id must be a token id"),
+    (lambda: PositionSamplingCollator(PoSE(16, 64))([]), "PositionSamplingCollator: an empty batch"),
+    (lambda: sample_positions([], PoSE(16, 64), random.Random(0)), "sample_positions: an empty batch"),
+    # longer than the authors' texts (PoSE: 5 x window; CREAM: target // window x window): refused, naming the fixes
+    (lambda: PositionSamplingCollator(PoSE(16, 64))([{"input_ids": text(81)}]),
+     "text 0 has 81 tokens, more than PoSE's texts (80: 5 x window"),
+    (lambda: sample_positions([text(48), text(200)], CREAM(48, 192), random.Random(0), np.random.RandomState(0)),
+     "text 1 has 200 tokens, more than CREAM's texts (192: target // window x window"),
+    (lambda: PositionSamplingCollator(PoSE(16, 64))([{"input_ids": text(81)}]), "or pass truncate=True"),
+    (lambda: PositionSamplingCollator(PoSE(16, 64))([{"input_ids": text(20), "labels": text(19)}]),
+     "feature 0's labels (19) and input_ids (20) differ in length"),
+    (lambda: PositionSamplingCollator(PoSE(16, 64))([{"input_ids": text(20), "attention_mask": [1] * 18 + [0, 0]}]),
+     "feature 0's attention_mask has zeros"),
 ]
 
 
@@ -140,6 +154,58 @@ def test_the_collator_pads_as_the_authors_collator():
                        batch["position_ids"])
     assert not torch.equal(collator([{"input_ids": text(40)}, {"input_ids": text(10, seed=1)}])["position_ids"],
                            batch["position_ids"])
+
+
+def test_the_collator_keeps_a_features_own_labels():
+    """A prompt masked with -100 in the feature's labels stays masked: the labels are sampled with the tokens'
+    indices (PoSE and CREAM); a feature without labels is scored on its tokens (the authors' labels = input_ids)."""
+    for sampler in (PoSE(16, 64), CREAM(48, 192)):
+        ids = text(sampler.text_length)
+        labels = [-100] * 30 + [t + 1 for t in ids[30:]]
+        batch = PositionSamplingCollator(sampler, seed=2)([{"input_ids": ids, "labels": labels},
+                                                           {"input_ids": ids}])
+        indices, _ = sampler.sample([len(ids)] * 2, random.Random(2), np.random.RandomState(2))[0]
+        assert batch["input_ids"][0].tolist() == [ids[i] for i in indices]
+        assert batch["labels"][0].tolist() == [labels[i] for i in indices]
+        assert (batch["labels"][0] == -100).sum() == sum(i < 30 for i in indices) > 0
+        assert torch.equal(batch["labels"][1], batch["input_ids"][1])
+
+
+def test_truncate_cuts_each_text_to_the_authors_length():
+    """truncate=True: a text longer than the sampler's text_length is sampled as its first text_length tokens (a
+    tokenizer's truncation), labels alike; the same draws as the text truncated beforehand."""
+    long, cut = text(500), text(500)[:80]
+    got = PositionSamplingCollator(PoSE(16, 64), seed=4, truncate=True)([{"input_ids": long, "labels": long}])
+    want = PositionSamplingCollator(PoSE(16, 64), seed=4)([{"input_ids": cut}])
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    got = sample_positions([text(300)], CREAM(48, 192), random.Random(1), np.random.RandomState(1), truncate=True)
+    want = sample_positions([text(300)[:192]], CREAM(48, 192), random.Random(1), np.random.RandomState(1))
+    assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["position_ids"], want["position_ids"])
+
+
+def test_a_tokenizer_without_a_pad_token_pads_and_no_real_token_sees_it():
+    """pad_token_id=None (Llama's and Mistral's tokenizers: README's own line) pads with id 0. Padding is after the
+    text, masked and unscored, so the loss and the real tokens' logits are those of any other pad id and of each
+    row alone: no real token reads the padding's id."""
+    features = [{"input_ids": text(40)}, {"input_ids": text(9, seed=1)}, {"input_ids": text(1, seed=2)}]
+    batch = PositionSamplingCollator(PoSE(16, 64), pad_token_id=None, seed=6)(features)
+    other = PositionSamplingCollator(PoSE(16, 64), pad_token_id=201, seed=6)(features)
+    mask = batch["attention_mask"].bool()
+    assert (batch["input_ids"][~mask] == 0).all() and (other["input_ids"][~mask] == 201).all()
+    assert mask.sum(-1).tolist() == [16, 9, 1] and (batch["labels"][~mask] == -100).all()
+    model = hf.patch(tiny_lm.tiny_llama(256, max_position=32, layers=2, initializer_range=0.2), YARN)
+    with torch.no_grad():
+        results = []
+        for b in (batch, other):
+            b = {**b, "input_ids": b["input_ids"] % 256, "labels": b["labels"].where(b["labels"] < 0,
+                                                                                     b["labels"] % 256)}
+            results.append(model(**b, use_cache=False))
+        alone = [model(batch["input_ids"][r:r + 1, :n] % 256, position_ids=batch["position_ids"][r:r + 1, :n]).logits
+                 for r, n in enumerate(mask.sum(-1).tolist())]
+    torch.testing.assert_close(results[0].loss, results[1].loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].logits[mask], results[1].logits[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0].logits[mask], torch.cat([a[0] for a in alone]), rtol=1e-5, atol=1e-5)
 
 
 YARN = scaling.YaRN(factor=4.0, original_max_position=32)
