@@ -38,9 +38,13 @@ How a sample is made, as RULER's ``scripts/data`` does it (read from RULER's sou
 
 Where this differs from RULER, knowingly:
 
-- vt's variable names: RULER keeps appending random names while two of a chain's names coincide but builds
-  the chain from the first names, duplicates included (and fails with an IndexError); here the chain takes
-  the first distinct names. RULER's prompts differ only where RULER itself breaks (a name drawn twice).
+- vt's variable names: when a draw names a variable twice, RULER appends names until enough are distinct,
+  then cuts all of them, the duplicate kept, into chains and fails with an IndexError on the short last one.
+  Its sample loops catch that and draw again one step smaller (the one-shot example with 5 noise lines fewer),
+  as here (the prompts stay RULER's); where RULER sizes the haystack (its estimate and binary search, outside
+  any ``try``) the IndexError crashes its script, which writes nothing: here a ``ValueError`` says so. With
+  SmolLM2's tokenizer 4 of seeds 0-399 repeat a name in the one-shot example (sized to 500 tokens whatever the
+  length): seed 128 in its sample loop (redrawn, equal to RULER's output), 35, 140 and 396 in its sizing (refused).
 - A length too short for a task: RULER loops forever (it retries the smallest size without end); here a
   ``ValueError`` says so after a bounded number of draws.
 - cwe past the 8,166 words of wonderwords' lists (past about 180k tokens with SmolLM2's tokenizer; 128k
@@ -65,17 +69,18 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import re
 import string
-import tempfile
 import uuid
+import warnings
 import weakref
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .files import atomic_file, check_writable_directory
 
 __all__ = [
     "THRESHOLD",
@@ -102,7 +107,7 @@ __all__ = [
 THRESHOLD = 85.6
 
 #: Bumped whenever a generator changes what it writes: cached prompts of another version are not read.
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2  # 2: vt redraws or refuses where RULER's name draw repeats
 
 WONDERWORDS_INSTALL = "pip install wonderwords==3.0.1"
 
@@ -286,14 +291,23 @@ def _search(fits: Callable[[int], bool], lower: int, upper: int) -> int | None:
 _RETRIES_AT_FLOOR = 50
 
 
+class _RulerIndexError(Exception):
+    """Where RULER's own generator raises (vt: a variable name drawn twice makes its chain loop read past a short
+    slice of names). Its sample loops catch every exception and redraw with one step less; anywhere else RULER's
+    script crashes."""
+
+
 def _draw_fitting(draw: Callable[[int], Any], fits: Callable[[Any], bool], size: int, step: int, what: str,
                   too_short: str = "the length is too short for even the smallest prompt"):
-    """RULER's sample loop: draw at ``size``; while the draw does not fit, shrink by ``step`` (never below
-    ``step``) and draw again."""
+    """RULER's sample loop: draw at ``size``; while the draw does not fit, or RULER's generator raises in it
+    (``_RulerIndexError``: RULER's bare ``except``), shrink by ``step`` (never below ``step``) and draw again."""
     floor_tries = 0
     while True:
-        out = draw(size)
-        if fits(out):
+        try:
+            out = draw(size)
+        except _RulerIndexError:
+            out = None
+        if out is not None and fits(out):
             return out
         if size > step:
             size -= step
@@ -528,13 +542,14 @@ def _vt(task: Task, count, length: int, samples: int, seed: int, haystack: str |
             return "".join(rng.py.choices(string.ascii_uppercase, k=letters)).upper()
 
         names = [name() for _ in range(need)]
-        while len(set(names)) < need:  # RULER draws more names until enough are distinct
+        while len(set(names)) < need:  # RULER draws more names until enough are distinct...
             names.append(name())
-        names = list(dict.fromkeys(names))[:need]  # (RULER would keep the duplicate and fail)
         names_out, chains_out = [], []
-        for c in range(chains_n):
-            these = names[c * (n_hops + 1):(c + 1) * (n_hops + 1)]
+        for c in range(0, len(names), n_hops + 1):  # ...then cuts all of them, duplicates kept, into chains
+            these = names[c:c + n_hops + 1]
             value = "12345" if example else str(rng.np.randint(10000, 99999))
+            if len(these) < n_hops + 1:  # RULER's IndexError, after the value's draw
+                raise _RulerIndexError(f"{task.name}: a variable name was drawn twice (seed {seed})")
             chain = [f"VAR {these[0]} = {value}"] + [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(n_hops)]
             names_out.append(these)
             chains_out.append(chain)
@@ -557,11 +572,20 @@ def _vt(task: Task, count, length: int, samples: int, seed: int, haystack: str |
             example = example.replace(old, "".join(rng.py.choices(string.ascii_uppercase, k=len(old))).upper())
         return example.replace("12345", str(rng.np.randint(10000, 99999)))
 
+    def crashes(where: str):
+        return ValueError(
+            f"{task.name}: with seed {seed} RULER's script draws a variable name twice while it sizes {where} "
+            "(an IndexError in its generate_chains, outside the sample loop that would catch it): RULER crashes "
+            "there and writes no prompts, so none are made here; pick another seed")
+
     # The one-shot example: the same task with 3-letter names and value 12345, fitted to 500 tokens.
     ex_step, ex_len = 5, 500
-    per_unit = count(make(ex_step, True)[0]) / ex_step
-    upper = max(int((ex_len / per_unit) * 3), ex_step * 2)
-    ex_size = _search(lambda n: count(make(n, True)[0]) <= ex_len, ex_step, upper) or ex_step
+    try:
+        per_unit = count(make(ex_step, True)[0]) / ex_step
+        upper = max(int((ex_len / per_unit) * 3), ex_step * 2)
+        ex_size = _search(lambda n: count(make(n, True)[0]) <= ex_len, ex_step, upper) or ex_step
+    except _RulerIndexError:
+        raise crashes("the one-shot example") from None
     ex_text, ex_names = _draw_fitting(lambda n: make(n, True), lambda made: count(made[0]) <= ex_len, ex_size,
                                       ex_step, task.name, f"RULER's one-shot example does not fit its {ex_len} "
                                       "tokens with this tokenizer (a character-level one, say)")
@@ -569,9 +593,12 @@ def _vt(task: Task, count, length: int, samples: int, seed: int, haystack: str |
     example_tokens = count(example)
 
     step = 5 if length < 4096 else 10
-    per_unit = count(make(step, False)[0]) / step
-    upper = max(int((length / per_unit) * 3), step * 2)
-    size = _search(lambda n: count(make(n, False)[0]) + example_tokens + ttg <= length, step, upper) or step
+    try:
+        per_unit = count(make(step, False)[0]) / step
+        upper = max(int((length / per_unit) * 3), step * 2)
+        size = _search(lambda n: count(make(n, False)[0]) + example_tokens + ttg <= length, step, upper) or step
+    except _RulerIndexError:
+        raise crashes(f"the haystack at {length} tokens") from None
     cut_at = task.template[:20]
 
     def draw(n: int) -> tuple[str, list[str]]:
@@ -764,17 +791,12 @@ def _read_cached(path: Path, key: str) -> list[Sample] | None:
 
 
 def _write_cached(path: Path, key: str, samples: list[Sample]) -> None:
+    """The prompts as one JSONL file, whole or not at all (even if interrupted), with the user's umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"key": key, "samples": len(samples)}) + "\n")
-            for s in samples:
-                f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
-        os.replace(tmp, path)  # whole or not at all, even if interrupted
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path) as part, open(part, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"key": key, "samples": len(samples)}) + "\n")
+        for s in samples:
+            f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
 
 
 def _generate_uncached(task: Task, tokenizer: Any, length: int, samples: int, seed: int,
@@ -806,7 +828,11 @@ def generate(task: str, tokenizer: Any, length: int, samples: int = 5, seed: int
     if made is None:
         made = _generate_uncached(spec, tokenizer, length, samples, seed, haystack if spec.needs_haystack else None)
         if path is not None:
-            _write_cached(path, key, made)
+            try:
+                _write_cached(path, key, made)
+            except OSError as err:  # a full disk, say: the prompts are made, the run goes on without keeping them
+                warnings.warn(f"RULER prompt cache: cannot write {path}: {err.strerror or err}; the prompts are "
+                              "used, not kept", RuntimeWarning, stacklevel=2)
     _MEMORY[key] = made
     return list(made)
 
@@ -934,6 +960,8 @@ def run(model: Any, tokenizer: Any, tasks: Sequence[str] = DEFAULT_TASKS, length
     lengths = tuple(dict.fromkeys(int(n) for n in lengths))
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be positive, got {list(lengths)}")
+    if cache_dir is not None:  # before any work, not after the first task's prompts
+        check_writable_directory(cache_dir, "cache_dir")
     eos = getattr(tokenizer, "eos_token_id", None)
     bar = None
     if progress:

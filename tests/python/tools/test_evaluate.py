@@ -317,3 +317,50 @@ def test_passkey_bad_input(tokenizer):
         evaluate.passkey_retrieval(stub, tokenizer, context_length=5)
     with pytest.raises(ValueError, match="trials must be >= 1"):
         evaluate.passkey_retrieval(stub, tokenizer, context_length=1000, trials=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command's model argument, one check for every evaluator
+
+
+@pytest.fixture(scope="module")
+def model_without_tokenizer(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("no_tokenizer")
+    tiny_llama(len(tokenizer), max_position=64).save_pretrained(path)
+    return path
+
+
+EVALUATORS = {"passkey": ["--context-length", "200"], "perplexity": ["--text", "book.txt"],
+              "ruler": ["--lengths", "1000", "--tasks", "fwe"]}
+
+
+@pytest.mark.parametrize("evaluator", sorted(EVALUATORS))
+def test_eval_model_argument_errors_say_what_is_needed_before_any_loading(evaluator, capsys, tmp_path, monkeypatch,
+                                                                          model_without_tokenizer):
+    from ropescale import cli
+    from ropescale.cli import cmd_eval
+
+    monkeypatch.setattr(cmd_eval, "_load_model", lambda args: pytest.fail("a model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "weights.gguf").write_text("")
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["eval", evaluator, *argv, *EVALUATORS[evaluator]])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"usage: ropescale eval {evaluator}" in err and "Traceback" not in err
+        return err.strip().splitlines()[-1]
+
+    assert "no model to evaluate: give a model directory (or hub name), or --gguf FILE" in error()
+    assert "not both" in error("some/model", "--gguf")
+    # a path that is no local directory: said so, no hub lookup (a hub name has no "./", and models/ is a folder)
+    for missing in ("./models/nothere", "models/nothere", str(tmp_path / "nothere"), "~/nothere-ropescale"):
+        assert f"MODEL: {missing} is not a local model directory" in error(missing)
+    assert "weights.gguf is a file, not a model directory (a GGUF file: --gguf FILE)" in error("weights.gguf")
+    # a model directory without its tokenizer: said before the weights load
+    message = error(str(model_without_tokenizer))
+    assert f"{model_without_tokenizer} has no tokenizer files (tokenizer.json / tokenizer.model / ...)" in message
+    assert "--tokenizer" in message
+    assert "--tokenizer: ./nothere is not a local model directory" in error(str(model_without_tokenizer),
+                                                                            "--tokenizer", "./nothere")

@@ -331,6 +331,31 @@ def test_prompts_are_pinned(tok, length, task):
     assert digest(ruler.generate(task, tok, length, 3, seed=42)) == PINNED[length, task]
 
 
+def example_noise_lines(s):
+    """The noise lines of a vt sample's one-shot example."""
+    head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    example, _ = s.input[len(head):].split(head)
+    return example.split("\n").count(NOISE)
+
+
+def test_vt_follows_rulers_redraw_where_a_name_repeats_and_refuses_where_ruler_crashes(tok):
+    # RULER's generate_chains draws names with replacement; a name drawn twice makes it append names and cut all of
+    # them into chains, the last one short: an IndexError. Its sample loop catches it and draws again with 5 noise
+    # lines fewer; its haystack sizing does not, and the script crashes. With this tokenizer at 1024 tokens, the
+    # one-shot example's sample draw repeats a name at seed 1050, its size estimate at seed 35, its binary search at
+    # seed 237 (whatever the length: the example is sized to 500 tokens). Every draw of the example has the same
+    # token count here, so without the IndexError it keeps the searched size: 17 noise lines (seed 42).
+    assert {example_noise_lines(s) for s in ruler.generate("vt", tok, 1024, 2, seed=42)} == {17}
+    redrawn = ruler.generate("vt", tok, 1024, 2, seed=1050)
+    assert {example_noise_lines(s) for s in redrawn} == {12}
+    # RULER's own output (c3f5e3b's variable_tracking.py, this tokenizer, 1024, 2 samples, seed 1050), as pinned above
+    assert digest(redrawn) == "fe66789e27580a5ce42f8468e3955be7edd75fc3a9c5940084ca5f6e31d7eb1d"
+    for seed in (35, 237):
+        with pytest.raises(ValueError, match=rf"seed {seed} RULER's script draws a variable name twice while it "
+                                             "sizes the one-shot example .* RULER crashes there"):
+            ruler.generate("vt", tok, 1024, 2, seed=seed)
+
+
 def test_a_seed_gives_the_same_prompts_and_another_seed_others(tok):
     first = ruler.generate("niah_multikey_3", tok, 1000, 2, seed=7)
     ruler.clear_cache()
@@ -513,7 +538,7 @@ def test_runner_end_to_end_on_a_tiny_llama_and_its_prompt_cache(tok, tmp_path, m
     assert data["effective_length"] is None and data["threshold"] == 85.6 and data["template"] == "base"
     assert len(data["results"]) == 4 and set(data["results"][0]["samples"][0]) == {
         "index", "prompt_tokens", "references", "prediction", "score"}
-    assert len(list(tmp_path.glob("*.jsonl"))) == 4 and not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".jsonl"] * 4  # no temporary left
 
     # again in this process: the prompts come from memory (no files named); in a new one (memory cleared) from
     # the files
@@ -672,4 +697,93 @@ def test_cli_ctrl_c_ends_cleanly(capsys, tmp_path, saved_model, monkeypatch):
     assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     # the prompts made before the interrupt are kept whole for the next run
     (cached,) = tmp_path.glob("fwe-1000-*.jsonl")
-    assert len(cached.read_text().splitlines()) == 2 and not list(tmp_path.glob("*.tmp"))
+    assert len(cached.read_text().splitlines()) == 2 and list(tmp_path.iterdir()) == [cached]
+
+
+def test_the_cache_files_have_the_users_umask_and_a_cache_dir_that_is_a_file_is_refused_first(tok, tmp_path):
+    import os
+
+    for umask, mode in ((0o022, 0o644), (0o002, 0o664)):
+        ruler.clear_cache()
+        folder = tmp_path / f"cache{umask:o}"
+        old = os.umask(umask)
+        try:
+            ruler.generate("fwe", tok, 1000, 1, cache_dir=folder)
+        finally:
+            os.umask(old)
+        (written,) = folder.iterdir()  # the file alone: no temporary left
+        assert written.name.startswith("fwe-1000-") and written.stat().st_mode & 0o777 == mode
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="cache_dir: .*not-a-folder is a file, not a folder"):
+        ruler.run(None, tok, ["fwe"], [1000], cache_dir=a_file)  # before any work (no model needed to see it)
+
+
+def fake_run(calls):
+    """ruler.run's stand-in: records the tasks and returns a score of 50 for each (no model work)."""
+    def run(model, tokenizer, tasks, lengths, samples=5, seed=42, **kwargs):
+        calls.append((list(tasks), kwargs))
+        return ruler.RulerResult(tuple(tasks), tuple(lengths), samples, seed,
+                                 tuple(ruler.TaskScore(t, n, 50.0) for n in lengths for t in tasks))
+    return run
+
+
+def test_cli_haystack_adds_the_essay_tasks(capsys, tmp_path, saved_model, monkeypatch):
+    pytest.importorskip("wonderwords")
+    calls = []
+    monkeypatch.setattr(ruler, "run", fake_run(calls))
+    essays = tmp_path / "essays.txt"
+    essays.write_text("An essay. It has sentences. " * 50)
+    base = ["eval", "ruler", str(saved_model), "--lengths", "1000", "--samples", "1", "--device", "cpu", "--json"]
+    data = json.loads(run_cli(capsys, *base, "--haystack", str(essays)).out)
+    assert calls[-1][0] == data["tasks"] == [*ruler.DEFAULT_TASKS, *ruler.ESSAY_TASKS]
+    assert calls[-1][1]["haystack"] == essays.read_text()
+    run_cli(capsys, *base)
+    assert calls[-1][0] == list(ruler.DEFAULT_TASKS)
+    out = run_cli(capsys, *base, "--haystack", str(essays), "--tasks", "fwe")  # chosen tasks: those alone
+    assert calls[-1][0] == ["fwe"] and "--haystack is not used" in out.err
+
+
+def test_cli_outputs_are_checked_before_the_model_loads(capsys, tmp_path, saved_model, monkeypatch):
+    from ropescale.cli import cmd_eval
+
+    monkeypatch.setattr(cmd_eval, "_load_model", lambda args: pytest.fail("the model was loaded"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    base = ["eval", "ruler", str(saved_model), "--lengths", "1000", "--tasks", "fwe"]
+    err = usage_error(capsys, *base, "--plot", str(a_file / "ruler.png"))
+    assert "--plot: " in err and "a-file is a file" in err
+    (tmp_path / "folder.png").mkdir()
+    assert "folder.png is a folder, not a file" in usage_error(capsys, *base, "--plot", str(tmp_path / "folder.png"))
+    err = usage_error(capsys, *base, "--cache-dir", str(a_file))
+    assert "--cache-dir: " in err and "is a file, not a folder" in err
+    assert "--cache-dir: " in usage_error(capsys, *base, "--cache-dir", str(a_file / "cache"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "folder.png"]  # nothing made
+
+
+def test_cli_prints_the_scores_before_the_plot_and_a_failed_plot_loses_nothing(capsys, tmp_path, saved_model,
+                                                                                  monkeypatch):
+    import errno
+
+    from ropescale import plots
+
+    monkeypatch.setattr(ruler, "run", fake_run([]))
+
+    def full_disk(scores, path, **kwargs):  # the disk fills while the PNG is written
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots, "ruler_scores", full_disk)
+    argv = ["eval", "ruler", str(saved_model), "--lengths", "1000", "--tasks", "fwe", "--device", "cpu",
+            "--plot", str(tmp_path / "plots" / "ruler.png")]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and "Traceback" not in out.err
+    assert "--plot: cannot write" in out.err and "No space left on device" in out.err and "printed above" in out.err
+    assert "fwe" in out.out and "50.00" in out.out and "effective length: none" in out.out  # the table, printed
+    assert list((tmp_path / "plots").iterdir()) == []  # no half-written PNG
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--json"])
+    assert json.loads(capsys.readouterr().out)["scores"] == {"fwe": {"1000": 50.0}}
