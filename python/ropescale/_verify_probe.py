@@ -64,6 +64,13 @@ def transformers_probe(job):
                       "(transformers serves any length)"]}
 
 
+def _is_mla(folder):
+    """Whether the checkpoint's attention is DeepSeek's multi-head latent attention (its config has a KV latent)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return bool(config.get("kv_lora_rank") or (config.get("text_config") or {}).get("kv_lora_rank"))
+
+
 def vllm_probe(job):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the probe's
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -80,8 +87,17 @@ def vllm_probe(job):
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         notes.append(f"vLLM derives max_model_len {derived}: the probe ran at {length} with "
                      "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    options = {}
+    if _is_mla(job["target"]):
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM picks its AMX_MLA backend on a CPU with AMX whatever the dtype, and it refuses float32 weights
+            # (bfloat16 only): CPU_MLA takes them, on every CPU
+            options["attention_backend"] = "CPU_MLA"
+            notes.append("MLA on vLLM's CPU backend: attention_backend CPU_MLA (float32)")
     llm = LLM(model=job["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=max(length, derived),
-              enforce_eager=True, seed=0)
+              enforce_eager=True, seed=0, **options)
     out = llm.generate([TokensPrompt(prompt_token_ids=job["tokens"])],
                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]

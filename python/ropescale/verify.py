@@ -21,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +79,9 @@ class Declared:
     parameters: dict = field(default_factory=dict)
     vocab_size: int = 0
     config_length: int = 0  # max_position_embeddings (or the GGUF's context_length): a key's fallback
+    # the model derives more than the rope from rope_parameters when it is built (DeepSeek's MLA: its softmax scale
+    # from mscale_all_dim): two formulas that rotate alike may still differ there
+    built_from_config: bool = False
 
     def describe(self) -> str:
         parts = [type(self.method).__name__ + (" with Resonance" if self.method.resonance else "")]
@@ -99,12 +104,23 @@ def _target_kind(target: Path) -> str:
             if f.read(4) == b"GGUF":
                 return "gguf"
         raise ValueError(f"{target}: not a GGUF file (no GGUF magic) nor a checkpoint directory")
-    raise ValueError(f"{target}: no such file or directory")
+    raise ValueError(f"{target}: neither a checkpoint directory nor a GGUF file")
+
+
+def _local(path: str | Path, what: str = "") -> Path:
+    """``path`` made absolute, and required to exist: every path ``verify`` reads goes through here. The engine's
+    process runs in a folder of its own, where a relative path would name nothing (transformers then reads it as a
+    hub repository id, and with network access would probe a hub model of that name instead of the user's)."""
+    local = Path(os.path.abspath(os.path.expanduser(str(path))))  # not resolve(): a symlinked GGUF keeps its name
+    if not local.exists():
+        raise ValueError(f"{what}{path}: no such file or directory: verify reads a local checkpoint directory or GGUF "
+                         "file, never a hub repository id (download it first, e.g. `hf download ID --local-dir DIR`)")
+    return local
 
 
 def declared(target: str | Path) -> Declared:
-    """What ``target`` (a transformers checkpoint directory or a GGUF file) declares."""
-    target = Path(target)
+    """What ``target`` (a local transformers checkpoint directory or GGUF file) declares."""
+    target = _local(target)
     return (_declared_dir if _target_kind(target) == "dir" else _declared_gguf)(target)
 
 
@@ -112,6 +128,7 @@ def _declared_dir(target: Path) -> Declared:
     from transformers import AutoConfig
 
     from . import hf  # noqa: F401  (ropescale's rope types, so that the config reads)
+    from .hf import architectures
 
     try:
         cfg = AutoConfig.from_pretrained(target)
@@ -123,7 +140,8 @@ def _declared_dir(target: Path) -> Declared:
     original = int(getattr(method, "original_max_position", None) or mpe)
     return Declared(method, read.base, config_lib.rotary_dim_of(cfg), original, config_lib.max_model_len_of(cfg),
                     f"{target.name}/config.json" + (" (ropescale's entry)" if read.recorded else ""),
-                    read.attention, dict(read.parameters), int(cfg.vocab_size), mpe)
+                    read.attention, dict(read.parameters), int(cfg.vocab_size), mpe,
+                    bool(getattr(architectures.find(cfg), "fixed_method", None)))
 
 
 def _declared_gguf(target: Path) -> Declared:
@@ -250,11 +268,12 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("parameter", "applied with a different formula: a scaled table", scaling.Linear(
             factor=2.0), d.attention, d.parameters, "table", "default", "linear x2"))
     unique, seen, same = [], [], []
-    for h in out:  # hypotheses that are the same rotation at this length are one
+    for h in out:  # hypotheses that are the same rotation at this length are one (the same method, where the model
+        # is built from it: Declared.built_from_config)
         key = (h.method.inv_freq(d.rotary_dim, d.base, seq_len=length, dtype=torch.float64),
-               h.method.attention_factor_for(length), h.attention)
+               h.method.attention_factor_for(length), h.attention, h.method if d.built_from_config else None)
         twin = next((i for i, k in enumerate(seen)
-                     if torch.equal(key[0], k[0]) and key[1] == k[1] and key[2] == k[2]), None)
+                     if torch.equal(key[0], k[0]) and key[1:] == k[1:]), None)
         if twin == 0:
             same.append(_label(h))
         elif twin is not None:  # two wrong formulas, one rotation: the verdict names both
@@ -291,13 +310,40 @@ def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
     """ropescale's forward of ``model`` under hypothesis ``h``: float64 log-probability of each token after the
     first, scored by the same function as the transformers engine's (``_verify_probe.transformers_logprobs``)."""
     from . import _verify_probe, hf
+    from .hf import architectures
 
+    arch = architectures.find(model.config)
+    if arch is not None and arch.fixed_method:
+        # the family derives more than the rope from rope_parameters when it is built (DeepSeek's MLA: its softmax
+        # scale from mscale_all_dim and the factor), so patch takes only the config's own method: the model of each
+        # formula is built from a config that holds it, on the same weights, and serves it as a reload would
+        with warnings.catch_warnings():  # what a wrong formula's config would warn a user of is no news here
+            warnings.filterwarnings("ignore", message="ropescale: ", category=UserWarning)
+            model = _built_with(model, h)
+            hf.patch(model, attention=h.attention, **h.parameters)
+        return torch.tensor(_verify_probe.transformers_logprobs(model, tokens), dtype=torch.float64)
     # the attention always named: None would keep the checkpoint's own (a ReRoPE checkpoint's "plain" hypothesis)
     hf.patch(model, h.method, attention=h.attention, **h.parameters)
     try:
         return torch.tensor(_verify_probe.transformers_logprobs(model, tokens), dtype=torch.float64)
     finally:
         hf.unpatch(model)
+
+
+def _built_with(model, h: Hypothesis):
+    """``model``'s class built from its config with ``h``'s method written in (as ``extend`` writes it), holding
+    ``model``'s parameters (the same tensors, not copies: only the new model's own initial ones are allocated, for
+    the time the class takes to build)."""
+    import copy
+
+    from .hf import checkpoint
+
+    config = copy.deepcopy(model.config)
+    checkpoint.record(config, h.method, h.attention, h.parameters)
+    with torch.no_grad():
+        built = type(model)(config).eval()
+        built.load_state_dict(model.state_dict(), strict=True, assign=True)
+    return built
 
 
 @dataclass(frozen=True)
@@ -427,7 +473,9 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; verify knows {', '.join(ENGINES)}")
     spec = ENGINES[engine]
-    target = Path(target)
+    shown = str(target)
+    target = _local(target)  # every path absolute, here, before any engine or reference reads one
+    source = _local(declared_by, "declared_by (--declared-by) ") if declared_by is not None else target
     kind = _target_kind(target)
     if kind not in spec.targets:
         raise ValueError(f"{engine} does not run a {'GGUF file' if kind == 'gguf' else 'checkpoint directory'}: "
@@ -435,12 +483,16 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if not _installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     say = progress or (lambda message: None)
-    source = Path(declared_by) if declared_by is not None else target
     d = declared(source)
     if length is None:
         length = min(d.served, 2 * d.original) if d.served > d.original else d.served
     if length < 2:
         raise ValueError(f"the probe needs at least 2 tokens, got {length}")
+    if length > d.served:
+        raise ValueError(f"--length {length}: the probe runs {length} tokens through the model in one forward (in the "
+                         f"engine, and in ropescale's float32 reference once per formula it checks), and "
+                         f"{source.name} is served to {d.served} tokens ({d.source}): past that it declares nothing "
+                         f"to check, so the probe takes at most {d.served} tokens")
     notes = [] if length > d.original else [f"the probe ({length} tokens) does not pass the original length "
                                             f"{d.original}: what happens past it is not seen"]
     tokens = probe_tokens(d.vocab_size, length)
@@ -457,7 +509,7 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                     "registers them, then `ropescale.hf.patch(model)` serves it)")
         check = (Check("scaling", "inconclusive", answer["error"]) if answer.get("crashed") else
                  Check("scaling", "refused", f"the engine refused the target: {answer['error']}{hint}"))
-        return Report(str(target), engine, engine, d.describe(), length, [check], {}, notes)
+        return Report(shown, engine, engine, d.describe(), length, [check], {}, notes)
     engine_logprobs = torch.tensor([math.nan if v is None else v for v in answer["logprobs"]], dtype=torch.float64)
     if engine_logprobs.shape != (length - 1,):
         raise RuntimeError(f"{engine} answered {len(engine_logprobs)} log-probabilities for {length - 1} prompt tokens")
@@ -469,7 +521,7 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                                                   f"are not finite from position {usable} on ({len(bad)} of "
                                                   f"{length - 1}); it reads {answer.get('max_length')}")
         if usable == 0:
-            return Report(str(target), engine, answer.get("version", engine), d.describe(), length,
+            return Report(shown, engine, answer.get("version", engine), d.describe(), length,
                           [served, Check("scaling", "inconclusive", "no finite log-probability to compare")], {},
                           notes + list(answer.get("notes", [])))
         notes.append(f"the scaling is judged on the first {usable} positions (the finite ones)")
@@ -489,5 +541,5 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     hs, logprobs = [hs[i] for i in keep], {j: logprobs[i] for j, i in enumerate(keep)}
     distances = {_label(h): _distance(engine_logprobs, logprobs[i]) for i, h in enumerate(hs)}
     checks = [served, _scaling_check(hs, logprobs, engine_logprobs, distances)]
-    return Report(str(target), engine, answer.get("version", engine), d.describe(), length, checks, distances,
+    return Report(shown, engine, answer.get("version", engine), d.describe(), length, checks, distances,
                   notes + list(answer.get("notes", [])))

@@ -35,14 +35,16 @@ def add_parser(sub) -> None:
                     "ropescale verify converted.gguf --engine llama.cpp --declared-by ./llama-yarn"
                     "   # a GGUF another tool made from ./llama-yarn",
                     "ropescale verify ./llama-yarn --engine transformers --length 16384 --json"])
-    p.add_argument("target", metavar="TARGET", help="a transformers checkpoint directory, or a GGUF file")
+    p.add_argument("target", metavar="TARGET", help="a local transformers checkpoint directory, or a GGUF file (a hub "
+                                                    "repository id is not looked up)")
     p.add_argument("--engine", required=True, choices=list(verify.ENGINES), help="the engine to probe")
     p.add_argument("--declared-by", metavar="DIR", type=Path,
                    help="hold the engine to this checkpoint's declaration and weights (TARGET was made from it by "
                         "another tool: a GGUF llama.cpp's convert_hf_to_gguf.py wrote from a directory ropescale "
                         "extended)")
     p.add_argument("--length", type=positive_int, metavar="N",
-                   help="the probe's prompt length (default: twice the original length, at most the served length)")
+                   help="the probe's prompt length, at most the served length (default: twice the original length, or "
+                        "the served length where that is shorter)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, metavar="S",
                    help="seconds the engine may take (default 1800)")
     add_json(p)

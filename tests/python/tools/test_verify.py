@@ -10,6 +10,8 @@ import importlib.util
 import json
 import math
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,12 +103,39 @@ def test_log_probabilities_that_stop_being_finite_are_a_length_not_served(yarn_c
     assert scaled.verdict == "ignored", report.text()  # judged on the finite positions
 
 
-def test_transformers_applies_a_checkpoint_ropescale_wrote(yarn_checkpoint, capsys):
-    assert cli.main(["verify", str(yarn_checkpoint), "--engine", "transformers", "--json"]) == 0
+def test_transformers_applies_a_checkpoint_ropescale_wrote(yarn_checkpoint, capsys, monkeypatch):
+    """README's form, a path relative to the working directory: the engine's process (which runs in a folder of its
+    own) probes the user's checkpoint (it once took the name for a hub repository id: refused, exit 1)."""
+    monkeypatch.chdir(yarn_checkpoint.parent)
+    assert cli.main(["verify", f"./{yarn_checkpoint.name}", "--engine", "transformers", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [c["verdict"] for c in out["checks"]] == ["exact", "exact"], out
     others = [v for k, v in out["distances"].items() if k != "declared"]
     assert out["distances"]["declared"] < 1e-5 and min(others) > 1e-2, out["distances"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
+def test_every_engines_process_gets_absolute_paths(engine, yarn_checkpoint, tmp_path, monkeypatch):
+    """Relative TARGET and --declared-by (from the working directory): the job the engine's process reads names
+    them absolutely (it runs in a folder of its own). No engine starts: the process is replaced by one that records
+    its job and refuses."""
+    monkeypatch.setattr(verify, "_installed", lambda module: True)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00")  # only its magic is read before the engine's process
+    (tmp_path / "yarn").symlink_to(yarn_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    jobs = []
+
+    def run(argv, cwd, **kwargs):
+        jobs.append(json.loads(Path(argv[-1]).read_text()))
+        assert Path(cwd).resolve() != tmp_path.resolve()
+        return subprocess.CompletedProcess(argv, 0, 'PROBE {"error": "no engine in this test"}\n', "")
+
+    monkeypatch.setattr(verify.subprocess, "run", run)
+    target, declared_by = ("yarn", None) if engine == "vllm" else ("model.gguf", "./yarn")
+    report = verify.verify(target, engine, declared_by=declared_by)
+    assert report.checks[-1].verdict == "refused" and report.target == target, report.text()
+    assert [job["target"] for job in jobs] == [str(tmp_path / target)]
+    assert "yarn/config.json" in report.declared  # --declared-by read from the working directory
 
 
 def test_transformers_ignores_the_rope_scaling_of_a_llama_gguf(tmp_path):
@@ -136,6 +165,7 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
     (tmp_path / "trunc.gguf").write_bytes(b"GGUF\x03\x00")
     rows = [
         (tmp_path / "missing", "transformers", "no such file or directory"),
+        ("meta-llama/Llama-3.1-8B", "transformers", "never a hub repository id"),
         (tmp_path / "empty", "transformers", "needs a config.json"),
         (tmp_path / "notes.txt", "transformers", "not a GGUF file"),
         (yarn_checkpoint, "llama.cpp", "convert_hf_to_gguf.py"),
@@ -152,6 +182,16 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
         verify.verify(yarn_checkpoint, "vllm")
     with pytest.raises(ValueError, match="at least 2 tokens"):
         verify.verify(yarn_checkpoint, "transformers", length=1)
+    with pytest.raises(ValueError, match="declared_by .*missing: no such file"):
+        verify.verify(yarn_checkpoint, "transformers", declared_by=tmp_path / "missing")
+    # a probe longer than the served length (256): refused before any allocation (it was the allocator's error)
+    for length in (4 * ORIGINAL + 1, 10**12):
+        with pytest.raises(ValueError, match=f"--length {length}: the probe runs {length} tokens through the model"
+                                             f".* served to {4 * ORIGINAL} tokens .*at most {4 * ORIGINAL} tokens"):
+            verify.verify(yarn_checkpoint, "transformers", length=length)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["verify", str(yarn_checkpoint), "--engine", "transformers", "--length", str(10**12)])
+    assert exit_.value.code == 2 and f"at most {4 * ORIGINAL} tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         cli.main(["verify", str(yarn_checkpoint), "--engine", "sglang"])
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
@@ -207,6 +247,7 @@ def test_a_raw_key_attention_ignored_is_named(tmp_path, monkeypatch):
 
     model = served_llama()
     hf.patch(model, scaling.Default(), attention="rerope", window=16)
+    model.config.model_max_length = 4 * ORIGINAL  # served past the probe's length
     model.save_pretrained(tmp_path / "rerope")
     path = tmp_path / "rerope"
     d = verify.declared(path)
@@ -217,3 +258,60 @@ def test_a_raw_key_attention_ignored_is_named(tmp_path, monkeypatch):
         fake_engine(monkeypatch, runs)
         assert verify.verify(path, "transformers", length=3 * ORIGINAL).checks[-1].verdict == want
         monkeypatch.undo()
+
+
+# DeepSeek-V3 (MLA): the model sets its softmax scale from rope_parameters' mscale_all_dim when it is built, so
+# ropescale's reference of each formula is the model built from a config holding it (``hf.patch`` takes only the
+# config's own method there). Its checkpoints as shipped: YaRN with the mscale pair.
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+                 "mscale_all_dim": 1.0}
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory):
+    from support import families
+
+    path = tmp_path_factory.mktemp("verify-deepseek") / "deepseek"
+    families.build("DeepSeek-V3", DEEPSEEK_YARN).save_pretrained(path)
+    return path
+
+
+def test_transformers_applies_a_deepseek_v3_checkpoint(deepseek_checkpoint, capsys):
+    """verify gives a verdict on DeepSeek-V3 (it once stopped with exit 2: "takes only the method its config
+    holds ... ropescale extend"), with its rope keys: the mscale pair, the rope head (qk_rope_head_dim)."""
+    d = verify.declared(deepseek_checkpoint)
+    assert d.rotary_dim == 8 and d.method.mscale == 0.707 and d.method.mscale_all_dim == 1.0
+    assert cli.main(["verify", str(deepseek_checkpoint), "--engine", "transformers", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["verdict"] for c in out["checks"]] == ["exact", "exact"], out
+    assert {"mscale_all_dim=None", "mscale=None", "attention factor=1.0"} <= set(out["distances"]), out["distances"]
+    assert out["distances"]["declared"] < 1e-5 < 1e-3 < min(v for k, v in out["distances"].items() if k != "declared")
+
+
+def test_a_deepseek_formula_is_transformers_own_model_of_it(deepseek_checkpoint):
+    """The reference of a wrong formula (mscale_all_dim not read) is transformers' own DeepSeek-V3 built with that
+    config: its MLA softmax scale too, not only its cos/sin."""
+    from ropescale import _verify_probe
+    from support import families
+
+    d = verify.declared(deepseek_checkpoint)
+    hs, _ = verify.hypotheses(d, 32)
+    h = next(h for h in hs if h.key == "mscale_all_dim")
+    model = verify._reference_model(deepseek_checkpoint)
+    tokens = verify.probe_tokens(d.vocab_size, 32)
+    own = families.build("DeepSeek-V3", {k: v for k, v in DEEPSEEK_YARN.items() if k != "mscale_all_dim"})
+    own.load_state_dict(model.state_dict())
+    want = torch.tensor(_verify_probe.transformers_logprobs(own, tokens), dtype=torch.float64)
+    got = verify.reference_logprobs(model, h, tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (got - verify.reference_logprobs(model, hs[0], tokens)).abs().max() > 1e-3  # the formula matters
+
+
+@pytest.mark.parametrize("planted", ["ignored", "mscale_all_dim", "attention factor"])
+def test_the_verdict_names_the_formula_a_deepseek_engine_runs(deepseek_checkpoint, monkeypatch, planted):
+    d = verify.declared(deepseek_checkpoint)
+    runs = next(h for h in verify.hypotheses(d, 32)[0] if h.kind == planted or h.key == planted)
+    fake_engine(monkeypatch, runs)
+    check = verify.verify(deepseek_checkpoint, "transformers").checks[-1]
+    assert check.verdict == ("ignored" if planted == "ignored" else "different"), check.detail
+    assert planted in check.detail or planted == "ignored", check.detail
