@@ -84,8 +84,8 @@ from .cache import PreRopeCache, PreRopeLayer
 # request (public), REROPE_IMPLEMENTATIONS and the raw-key attention stay importable from here
 from .pre_rope import (REROPE_IMPLEMENTATIONS, _base_implementation, _check_rerope_implementation,  # noqa: F401
                        _pre_rope_attention, _pre_rope_layers, _rerope, _wrap_implementations)
-from .requests import (_GENERATED_LENGTH, _Request, _end_request_step, _generate, _prepare_generated_length,
-                       _start_request_step, request)
+from .requests import (_GENERATED_LENGTH, _PREFILL, _Request, _end_request_step, _generate, _prefill,
+                       _prepare_generated_length, _start_request_step, request)
 from .rotary import _own_layout_rotary_forward, _rotary_forward, _set_rotary_buffers
 
 #: The families ``patch`` knows (``ropescale.hf.architectures``), by name.
@@ -374,6 +374,8 @@ def patch(
                             f"transformers' {type(model).__name__} lacks")
         model.generate = types.MethodType(_generate, model)
         setattr(model, _GENERATED_LENGTH, types.MethodType(_prepare_generated_length, model))
+        if hasattr(model, _PREFILL):  # a continued cache of another table is prefilled again (else refused)
+            setattr(model, _PREFILL, types.MethodType(_prefill, model))
     model._ropescale_patch = state
     return model
 
@@ -470,7 +472,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         config._attn_implementation_internal = implementation
     for hook in state.hooks:
         hook.remove()
-    for name in ("generate", _GENERATED_LENGTH):
+    for name in ("generate", _GENERATED_LENGTH, _PREFILL):
         if name in vars(model):
             delattr(model, name)
     checkpoint.restore(state.config, state.saved_config)
@@ -505,7 +507,7 @@ def _base_model_pre_hook(module, args, kwargs):
     state.step_pre_rope = state.pre_rope or isinstance(cache, PreRopeCache)
     state.step_cache, state.step_positions, state.step_planned = None, None, None
     if not state.step_pre_rope:
-        if state.rotated_at_write and not state.in_request:
+        if state.rotated_at_write:
             _start_request_step(state, cache)
         return args, kwargs
     if cache is None and _uses_cache(module, bound.get("use_cache")):

@@ -4,6 +4,11 @@
   where transformers resolves it (``_prepare_generated_length``); :func:`request` states it around a manual loop;
 - :func:`_planned_lengths`: each row's planned length (prompt + budget), fixed at the request's first forward and
   kept with the request (or, outside ``generate`` and :func:`request`, with the cache), a step past it refused;
+- a request given a cache that holds tokens (a conversation's next turn): its keys were rotated with the table of the
+  request that wrote them, and every later layer's keys and values of those tokens were computed under it, so it is
+  continued only where the new request's table is the same (:func:`_check_continuation`); else ``generate``
+  prefills the whole conversation again under the new plan (:func:`_prefill`, as vLLM recomputes a continued
+  conversation), and any other forward refuses by name;
 - each row's length (largest position + 1) and the rows grouped by it, for the tables that follow the length.
 
 Reading a length off the data is a graph break under ``torch.compile`` (:data:`_DATA_DEPENDENT` says why).
@@ -76,6 +81,8 @@ def _groups(state: _PatchState, positions: torch.Tensor, planned: torch.Tensor |
 # transformers' GenerationMixin resolves how long a generate call may run here (max_new_tokens, max_length, the
 # generation config, their defaults): ropescale reads the result rather than re-deriving the rule.
 _GENERATED_LENGTH = "_prepare_generated_length"
+# ... and runs a call's first forward here (with the whole input: a continued cache's tokens among them)
+_PREFILL = "_prefill"
 
 
 def _generate(self, *args, **kwargs):
@@ -135,7 +142,7 @@ class _Request:
         state.planned, state.request_rows = None, None
 
 
-_PLANNED = "_ropescale_planned"  # a cache's per-request planned lengths, fixed at its first forward
+_PLANNED = "_ropescale_planned"  # the planned lengths of the request that wrote a cache's keys (their tables)
 
 
 @torch.compiler.disable(reason=_DATA_DEPENDENT)
@@ -152,10 +159,15 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torc
                                "the call in `with ropescale.hf.request(model, max_new_tokens=N):` instead")
         planned = state.planned
         if planned is None or planned.shape[0] != current.shape[0]:
-            planned = state.planned = current + state.new_tokens
+            planned = current + state.new_tokens
+            if cache is not None:
+                _check_continuation(state, cache, planned, positions.shape[-1])
+                setattr(cache, _PLANNED, planned)
+            state.planned = planned
     elif cache is not None:
         planned = getattr(cache, _PLANNED, None)
         if planned is None or planned.shape[0] != current.shape[0]:
+            _check_continuation(state, cache, current, positions.shape[-1])
             planned = current
             setattr(cache, _PLANNED, planned)
     else:
@@ -171,18 +183,108 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torc
 
 
 def _start_request_step(state: _PatchState, cache) -> None:
-    """A per-request forward outside ``generate`` and :func:`request`: it continues ``cache``'s request (the planned
-    lengths its first forward fixed, kept with it); an emptied cache starts a new one."""
-    if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
+    """A per-request forward given ``cache``: outside ``generate`` and :func:`request` it continues the cache's
+    request (the planned lengths its first forward fixed, kept with it); a request's first forward checks that the
+    cache's keys were written with its tables (:func:`_check_continuation`). An emptied cache starts anew. Inside a
+    request nothing is read here (a compiled decode step keeps its graph whole)."""
+    if not state.in_request and cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
         vars(cache).pop(_PLANNED, None)
     state.step_cache = cache
 
 
 def _end_request_step(state: _PatchState, output) -> None:
-    """After a per-request forward outside a request that was given no cache: the cache the model made for it
-    keeps the planned lengths it fixed (the next forward given that cache continues the request)."""
-    if state.in_request or state.step_cache is not None:
+    """After a per-request forward that was given no cache: the cache the model made for it keeps the planned
+    lengths it fixed (the next forward given that cache continues the request, or checks that its table is the
+    same: :func:`_check_continuation`)."""
+    if state.step_cache is not None:
         return
     cache = getattr(output, "past_key_values", None)
     if cache is not None and getattr(cache, _PLANNED, None) is None:
         setattr(cache, _PLANNED, state.step_planned)
+
+
+# ---------------------------------------------------------------------------------------------
+# A request that continues a cache (a conversation's next turn)
+
+
+class _CacheOfAnotherTable(ValueError):
+    """A request's first forward given a cache whose keys were written under another table (or an unknown one):
+    raised before any layer writes, so the cache is as it was. ``generate`` prefills the whole sequence again when
+    its inputs hold the cached tokens (:func:`_prefill`); elsewhere it is the user's error."""
+
+    def __init__(self, message: str, cached: int, tokens: int) -> None:
+        super().__init__(message)
+        self.cached, self.tokens = cached, tokens  # the cache's tokens, the refused forward's
+
+
+def _same_tables(state: _PatchState, written: torch.Tensor, planned: torch.Tensor) -> torch.Tensor:
+    """``[B]``: whether each row's table (inv_freq and attention factor, hence also whether it is the native one) at
+    its planned length is the one its cached keys were written with (two lengths within the trained length, or
+    under a dynamic method's floor ``factor``, share a table)."""
+    same = {}
+    for old, new in dict.fromkeys(zip(written.tolist(), planned.tolist())):
+        (old_freq, old_factor), (new_freq, new_factor) = (state.table(n, torch.device("cpu")) for n in (old, new))
+        same[old, new] = old == new or (old_factor == new_factor and torch.equal(old_freq, new_freq))
+    return torch.tensor([same[pair] for pair in zip(written.tolist(), planned.tolist())], dtype=torch.bool)
+
+
+def _check_continuation(state: _PatchState, cache, planned: torch.Tensor, tokens: int) -> None:
+    """A request's first forward (planned lengths ``planned``, ``tokens`` new tokens) given a cache that holds tokens:
+    continued where each row's table is the one the cache's keys were written with (the request that wrote them is
+    this one's prefix under the same static model: exact, and nothing recomputed); else refused before any layer
+    writes. Re-rotating the cached keys would not do: it redoes the first layer only (its keys are a rotation of its
+    input, its values do not depend on the table), while every later layer's keys and values come from hidden states
+    that attention under the old table computed."""
+    cached = cache.get_seq_length(state.extended_layers[0])
+    if cached == 0:
+        return
+    written = getattr(cache, _PLANNED, None)
+    method = f"{type(state.method).__name__}(per='request')"
+    advice = ("Pass the whole conversation (the cached tokens and the new ones) without past_key_values, or with "
+              "an emptied cache: generate does this itself when its input_ids hold the cached tokens, as vLLM "
+              "recomputes a continued conversation under the new request's plan")
+    if written is None or written.shape != planned.shape:
+        why = ("was not written by this patched model's requests" if written is None else
+               f"was written for {written.shape[0]} rows, this request has {planned.shape[0]}")
+        raise _CacheOfAnotherTable(
+            f"ropescale: {method}: this request continues a cache of {cached} tokens that {why}, so the table its "
+            f"keys were rotated with is unknown. {advice}", cached, tokens)
+    same = _same_tables(state, written.cpu(), planned.cpu())
+    if bool(same.all()):
+        return
+    row = int(torch.nonzero(~same)[0, 0])
+    old, new = int(written[row]), int(planned[row])
+    raise _CacheOfAnotherTable(
+        f"ropescale: {method}: this request (row {row} planned at {new} tokens) continues a cache of {cached} tokens "
+        f"written by a request planned at {old}, whose table differs: its keys were rotated with that table and every "
+        f"later layer's keys and values computed under it, so the continuation would be neither request's model "
+        f"(re-rotating the keys redoes the first layer only). {advice}", cached, tokens)
+
+
+def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
+    """transformers' own prefill of a ``generate`` call; if its first forward refused the cache it was given (written
+    under another table: :func:`_check_continuation`, before any layer wrote), the cache is emptied and the whole
+    sequence prefilled under this request's plan, exactly the request without a cache (what vLLM does with a
+    continued conversation). That needs the cached tokens among the inputs (transformers' standard multi-turn
+    form ``generate(full_ids, past_key_values=cache)``); a call given only the new tokens is refused."""
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        raise ValueError(
+            f"ropescale: {type(self._ropescale_patch.method).__name__}(per='request') fixes each request's table at "
+            "its first forward, from the prompt it sees: with prefill_chunk_size that is the first chunk only, and "
+            "the rest of the prompt would run at a table planned for a shorter request. Generate without "
+            "prefill_chunk_size")
+    given = dict(model_kwargs)
+    try:
+        return getattr(type(self), _PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
+                                             *args, **kwargs)
+    except _CacheOfAnotherTable as refused:
+        embeds = given.get("inputs_embeds")
+        held = embeds.shape[1] if embeds is not None and is_first_iteration else input_ids.shape[1]
+        if refused.cached + refused.tokens != held:
+            raise ValueError(f"{refused} (this generate call's inputs hold {held} tokens, not the cache's "
+                             f"{refused.cached} and the {refused.tokens} new ones, so it cannot)") from None
+        model_kwargs.clear()
+        model_kwargs.update(given)
+        given["past_key_values"].reset()
+        return getattr(type(self), _PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
+                                             *args, **kwargs)

@@ -250,3 +250,100 @@ def test_a_request_within_the_trained_length_is_the_native_model_bit_for_bit_at_
         long_row = yarn(x[1:], position_ids=positions[1:]).logits
     assert torch.equal(got[:1], want)
     torch.testing.assert_close(got[1:], long_row, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 55: a conversation's next turn, a generate call continuing the previous one's cache
+
+
+def forwarded_tokens(model):
+    """The number of tokens each forward of ``model`` embeds (a list that fills as it runs)."""
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+    return seen
+
+
+def two_turns(first, new_prompt):
+    """A 1-row conversation: the first turn's prompt (``first`` tokens) and the second turn's new prompt tokens
+    (``new_prompt``), which follow the first turn's generated ones."""
+    x = ids(1, 300, seed=11)
+    return x[:, :first], x[:, 200:200 + new_prompt]
+
+
+def test_a_turn_continuing_a_cache_of_another_table_is_prefilled_again_under_its_plan():
+    """Turn 1 (40 + 8 tokens: within L, the native table) leaves native keys in the cache; turn 2 continues it to
+    120 + 8 tokens (s = 2). Its cached keys, and the first turn's values and later layers' keys (computed under the
+    native table), are not the request's: generate drops them and prefills the whole conversation under s = 2, so
+    the turn equals the same request without a cache and the static YaRN(2) model (issue 55: 0.1-0.25 from both)."""
+    model = llama(PER_REQUEST)
+    prompt, more = two_turns(40, 72)
+    seen = forwarded_tokens(model)
+    with torch.no_grad():
+        _, first, cache = generate(model, prompt, 8)
+        turn = torch.cat([first, more], 1)  # 48 + 72 = 120
+        seen.clear()
+        got, tokens, continued = generate(model, turn, 8, past_key_values=cache)
+        # the first forward (its new tokens) refused before any layer ran, then the whole conversation, in place
+        assert seen[:2] == [73, 120] and continued is cache and cache.get_seq_length() == 127
+        fresh, fresh_tokens, _ = generate(model, turn, 8)
+        static, _, _ = generate(llama(static_equivalent(128)), turn, 8)
+    assert torch.equal(tokens, fresh_tokens)
+    torch.testing.assert_close(got, fresh, **TOL)
+    torch.testing.assert_close(got, static, **TOL)
+
+
+@pytest.mark.parametrize("method, first, new_prompt", [
+    (PER_REQUEST, 12, 20),  # planned 20 then 48: both within L, the native table
+    (scaling.DynamicYaRN(factor=2.0, original_max_position=L, per="request"), 40, 72),  # 48 and 128: s = 2 both
+], ids=("native", "floor"))
+def test_a_turn_whose_table_is_the_caches_continues_it(method, first, new_prompt):
+    """Where each row's table is the one its cached keys were written with, the cache is continued as it is (only
+    the new tokens are forwarded) and the turn equals the request without a cache."""
+    model = llama(method)
+    prompt, more = two_turns(first, new_prompt)
+    seen = forwarded_tokens(model)
+    with torch.no_grad():
+        _, tokens, cache = generate(model, prompt, 8)
+        turn = torch.cat([tokens, more], 1)
+        seen.clear()
+        got, _, _ = generate(model, turn, 8, past_key_values=cache)
+        assert seen[0] == new_prompt + 1  # not prefilled again: the last generated token and the new ones
+        fresh, _, _ = generate(model, turn, 8)
+    torch.testing.assert_close(got, fresh, **TOL)
+
+
+def test_a_continuation_that_cannot_be_prefilled_again_is_refused_by_name():
+    """Nothing continues a cache under another table silently: generate given only the new tokens (transformers
+    takes them with the whole conversation's mask), a manual forward in hf.request, a cache the patched model did
+    not write. Each refusal leaves the cache as it was; generate over the latter prefills again."""
+    model = llama(PER_REQUEST)
+    prompt, more = two_turns(40, 72)
+    with torch.no_grad():
+        _, first, cache = generate(model, prompt, 8)
+        turn = torch.cat([first, more], 1)
+        with pytest.raises(ValueError, match=r"planned at 128 tokens\) continues a cache of 47 tokens written by a "
+                                             r"request planned at 48.*hold 73 tokens"):
+            model.generate(turn[:, 47:], attention_mask=torch.ones_like(turn), past_key_values=cache,
+                           max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert cache.get_seq_length() == 47
+        with hf.request(model, max_new_tokens=8), pytest.raises(ValueError, match="Pass the whole conversation"):
+            model(turn[:, 47:], past_key_values=cache, position_ids=torch.arange(47, 120)[None])
+        assert cache.get_seq_length() == 47
+        # outside a request the cache's request goes on, to its plan and no further
+        with pytest.raises(ValueError, match="past its planned 48"):
+            model(turn[:, 47:49], past_key_values=cache, position_ids=torch.arange(47, 49)[None])
+        foreign = DynamicCache(config=model.config)
+        llama()(prompt, past_key_values=foreign, use_cache=True)  # the unpatched model's keys
+        with pytest.raises(ValueError, match="not written by this patched model's requests"):
+            model(turn[:, 40:41], past_key_values=foreign, position_ids=torch.tensor([[40]]))
+        got, _, _ = generate(model, turn, 8, past_key_values=foreign)
+        fresh, _, _ = generate(model, turn, 8)
+    torch.testing.assert_close(got, fresh, **TOL)
+
+
+def test_a_chunked_prefill_is_refused_by_name():
+    """generate's prefill_chunk_size: the request's first forward would see the first chunk only and plan a shorter
+    request (0.37 from the whole prefill on this model, silently, before issue 55's fix): refused."""
+    model = llama(PER_REQUEST)
+    with torch.no_grad(), pytest.raises(ValueError, match="first chunk only.*without prefill_chunk_size"):
+        generate(model, ids(1, 100, seed=3), 8, prefill_chunk_size=32)
