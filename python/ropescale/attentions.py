@@ -163,8 +163,23 @@ def _dual_chunk_check(values: Mapping[str, Any]) -> str | None:
 
 
 def _string_local_value(values: Mapping[str, Any], max_position_embeddings: int | None = None) -> int:
-    """STRING's local value W when not given: its authors' 128 (S where S is smaller: W <= S)."""
+    """STRING's local value W when not given: its authors' 128 (S where S is smaller: W <= S, and :func:`_string_check`
+    refuses W = S, which moves no distance)."""
     return min(STRING_LOCAL_VALUE, values["shifted_offset"])
+
+
+def _string_check(values: Mapping[str, Any]) -> str | None:
+    """W = S shifts every far distance by ``W - S = 0``: plain RoPE attention with STRING's attention factor, not
+    STRING. Its authors never meet it (``S = 0.33 L`` of models trained to 8k-128k, ``W = 128``); a small S with the
+    default W does, silently, so it is refused by name."""
+    offset, local = values["shifted_offset"], values["local_value"]
+    if local is None or local != offset:
+        return None
+    defaulted = (f" (local_value defaults to min({STRING_LOCAL_VALUE}, shifted_offset), its authors' "
+                 f"{STRING_LOCAL_VALUE} with S = 0.33 L > {STRING_LOCAL_VALUE})" if offset <= STRING_LOCAL_VALUE else "")
+    return (f"attention='string': local_value ({local}) equals shifted_offset ({offset}), so no distance moves "
+            f"(d - S + W = d): that is plain RoPE attention with STRING's attention factor, not STRING{defaulted}. "
+            "Give local_value below shifted_offset (--local-value W < S)")
 
 
 def _describe_rerope(plan) -> str:
@@ -236,6 +251,7 @@ STRING = Attention(
     plan={"window": "shifted_offset", "leaky_k": Fixed(STRING_SLOPE), "far_start": "local_value"},
     describe=lambda plan: (f"STRING shifted_offset {plan.window}, local_value {plan.far_start}, attention factor "
                            f"{STRING_ATTENTION_FACTOR:.4f} on q and k"),
+    check=_string_check,
     score_factor=STRING_ATTENTION_FACTOR ** 2,
     summary="string (STRING: distances past an offset shifted down onto well-trained ones)")
 

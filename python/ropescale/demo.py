@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,6 +38,12 @@ def _threads(threads: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _make_folder(plot: str) -> None:
+    """The plot's folder, made when the plot is written (after training): a run refused before it (a usage error,
+    Ctrl-C) leaves no folder behind."""
+    Path(plot).absolute().parent.mkdir(parents=True, exist_ok=True)
 
 
 def _report(task, train_length, test_length, steps, seed, elapsed, plot, **results) -> dict:
@@ -93,6 +100,7 @@ def run(
     if plot:
         from . import plots
 
+        _make_folder(plot)
         curves = {r.method: r.accuracy for r in results}
         plots.accuracy_by_position(
             curves, plot, train_length, first_position=data.j + data.k,
@@ -145,6 +153,7 @@ def run_position_sampling(
     if plot:
         from . import plots
 
+        _make_folder(plot)
         curves = {f"{tstl.sampling_table_for(r.table, train_length, test_length)[0]}, "
                   f"{tstl.SamplingCell(r.table, r.training).label(train_length, test_length)}": r.accuracy
                   for r in results}

@@ -33,6 +33,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
@@ -87,6 +88,15 @@ def _check_float(obj, name: str, *, minimum: float | None = None, above: float |
         _fail(obj, name, expected)
     if (minimum is not None and value < minimum) or (above is not None and value <= above):
         _fail(obj, name, expected)
+
+
+def _check_greater(obj, name: str, other: str, why: str) -> None:
+    """``obj.name`` (a finite number) is greater than ``obj.other`` (checked before): the message names the relation
+    and both values, not a bound the user never typed."""
+    _check_float(obj, name)
+    value, bound = getattr(obj, name), getattr(obj, other)
+    if value <= bound:
+        raise ValueError(f"{type(obj).__name__}: {name} ({value:g}) must be greater than {other} ({bound:g}) ({why})")
 
 
 def _check_int(obj, name: str, minimum: int, why: str = "") -> None:
@@ -647,11 +657,26 @@ class YaRN(RopeScaling):
         _check_float(self, "factor", minimum=1.0)
         _check_int(self, "original_max_position", 1)
         _check_float(self, "beta_slow", above=0.0)
-        _check_float(self, "beta_fast", above=self.beta_slow)
+        _check_greater(self, "beta_fast", "beta_slow", "the ramp runs from pairs turning beta_slow times over the "
+                       "original length, interpolated, to those turning beta_fast times, kept")
         _check_bool(self, "truncate")
         _check_float(self, "mscale", optional=True)
         _check_float(self, "mscale_all_dim", optional=True)
         _check_float(self, "attention_factor_override", above=0.0, optional=True)
+
+    @property
+    def unread_mscale(self) -> str | None:
+        """Why this method's ``mscale`` changes nothing, or None (not set, or it counts): transformers' YaRN
+        (``_compute_yarn_parameters``) reads ``mscale`` only beside a non-zero ``mscale_all_dim``, taking
+        ``0.1 ln s + 1`` whatever ``mscale`` alone is, and so does ropescale (``attention_factor_for``) and vLLM's YaRN
+        rotary. The command line refuses it (a flag that does nothing); ``from_hf`` reads a config that carries it as
+        transformers does, with a warning (checkpoints do)."""
+        if not self.mscale or self.mscale_all_dim:
+            return None
+        return (f"mscale {self.mscale:g} without mscale_all_dim changes nothing: transformers' YaRN reads mscale only "
+                "beside mscale_all_dim (the attention factor is then (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s "
+                "+ 1)), else 0.1 ln s + 1 whatever mscale is, as vLLM's YaRN does (only vLLM's DeepSeek model reads "
+                "mscale alone)")
 
     def _scale(self, seq_len: int | None) -> float:
         return self.factor
@@ -713,7 +738,8 @@ class Llama3(RopeScaling):
         super().__post_init__()
         _check_float(self, "factor", minimum=1.0)
         _check_float(self, "low_freq_factor", above=0.0)
-        _check_float(self, "high_freq_factor", above=self.low_freq_factor)
+        _check_greater(self, "high_freq_factor", "low_freq_factor", "the ramp runs from wavelengths L / "
+                       "low_freq_factor, divided by factor, to L / high_freq_factor, kept")
         _check_int(self, "original_max_position", 1)
 
     def _table(self, dim, base, seq_len, dtype):
@@ -870,9 +896,23 @@ def from_hf(
     if not isinstance(resonance, bool):
         raise ValueError(f"from_hf: resonance must be true or false, got {resonance!r}")
     try:
-        return cls(**cls.read_hf(params, max_position_embeddings), resonance=resonance)
+        method = cls(**cls.read_hf(params, max_position_embeddings), resonance=resonance)
     except ValueError as err:
         message = str(err)
         if message.startswith("from_hf"):
             raise
         raise ValueError(f"from_hf: rope_type {cls.rope_type!r}: {message}") from None
+    unread = getattr(method, "unread_mscale", None)
+    if unread:  # a checkpoint may carry it: read as transformers reads it (exact), and said once
+        _warn_once(f"ropescale: rope_type {cls.rope_type!r}: {unread}; read as transformers reads it (attention "
+                   f"factor {method.attention_factor:.6g})")
+    return method
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -120,7 +120,12 @@ class PreRopePlan:
         longest a checkpoint may be served to), or None (not Self-Extend, a length it extends, or none known).
         Distances there are ``0 .. max_length - 1``: a window ``W >= max_length`` leaves every pair in the neighbour
         region (plain RoPE attention); a group ``G >= max_length`` puts every position in group 0, so every grouped
-        pair sits at ``W`` (ReRoPE with window W); ``G = 1`` is RoPE attention at every length."""
+        pair sits at ``W`` (ReRoPE with window W); ``G = 1`` is RoPE attention at every length. STRING likewise: a
+        shifted offset ``S >= max_length`` shifts no distance there (plain RoPE attention with STRING's factor)."""
+        if self.attention == "string" and max_length is not None and self.window >= int(max_length):
+            return (f"STRING with shifted_offset {self.window}, served up to {int(max_length)} tokens, is plain RoPE "
+                    f"attention (times STRING's attention factor) there: every distance is below the shifted offset "
+                    "(its authors take S = 0.33 of the length the model is served to)")
         if not self.group or max_length is None:
             return None
         window, group, length = self.window, self.group, int(max_length)

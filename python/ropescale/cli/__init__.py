@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 
+from .. import __version__
 from . import cmd_demo, cmd_eval, cmd_extend, cmd_inspect, cmd_posgen, cmd_verify
 from .cmd_demo import DEMO_OUTPUT
 from .common import Interrupted, UsageError
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ropescale", description="RoPE context extension: inspect and evaluate methods.",
         epilog="Run `ropescale COMMAND --help` for a command's options and examples.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print ropescale's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module adds its own subcommands; this order is the one --help lists them in.
     for commands in (cmd_inspect, cmd_posgen, cmd_demo, cmd_extend, cmd_verify, check, cmd_eval):

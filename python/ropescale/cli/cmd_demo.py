@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from .. import files
 from .common import (UsageError, add_json, add_quiet, dump, non_negative_int, png, positive_int, show_progress,
                      subcommand)
 
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
     dm.add_argument("--threads", type=positive_int, default=1,
                     help="torch threads (default 1: fastest for a model this small on a busy machine)")
     dm.add_argument("--output", metavar="DIR", default=None,
-                    help=f"folder for the PNG (default {DEMO_OUTPUT}; created if missing)")
+                    help=f"folder for the PNG (default {DEMO_OUTPUT}; created, when the PNG is written, if missing)")
     dm.add_argument("--plot", type=png, metavar="FILE.png", default=None,
                     help="the PNG of accuracy by position (default DIR/ropescale_demo.png; "
                          "DIR/ropescale_demo_position_sampling.png with --position-sampling)")
@@ -65,14 +66,15 @@ def _cmd_demo(args) -> int:
     if args.plot is not None and args.output is not None:
         raise UsageError("give --output DIR or --plot FILE.png, not both")
     plot = args.plot
-    if plot is None:
-        # Never the current directory (a repository checkout, say): a folder of its own, printed.
-        folder = args.output or DEMO_OUTPUT
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as err:
-            raise UsageError(f"--output: cannot create {folder}: {err.strerror}") from None
-        plot = os.path.join(folder, "ropescale_demo_position_sampling.png" if sampling else "ropescale_demo.png")
+    try:  # checked now, made only when the plot is written (demo.run): a refused run leaves no folder behind
+        if plot is None:
+            # Never the current directory (a repository checkout, say): a folder of its own, printed.
+            folder = files.check_writable_directory(args.output or DEMO_OUTPUT, "--output")
+            plot = os.path.join(folder, "ropescale_demo_position_sampling.png" if sampling else "ropescale_demo.png")
+        else:
+            files.check_writable_file(plot, "--plot")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     report = (demo.run_position_sampling if sampling else demo.run)(
         task=args.task, train_length=args.train_length, test_length=args.test_length, steps=args.steps,
         seed=args.seed, threads=args.threads, plot=plot, progress=show_progress(args),

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
 
-from .. import scaling
+from .. import files, scaling
 from . import methods
 from .common import UsageError, positive_int, subcommand
 
@@ -138,16 +139,21 @@ def _dequantise_hint(gguf: Path, dst: Path) -> str:
 
 
 def _check_extend_paths(src, dst) -> None:
+    """SRC a model directory; DST a new directory that can be made, outside SRC: usage errors before any work."""
     if not (src / "config.json").is_file():
         ggufs = sorted(src.glob("*.gguf")) if src.is_dir() else []
         if ggufs:
             raise UsageError(_dequantise_hint(ggufs[0], dst))
         raise UsageError(f"{src} is not a transformers model directory (no config.json)")
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():
         raise UsageError(f"{dst} already exists: extend writes a new directory and never overwrites")
     if dst.resolve().is_relative_to(src.resolve()):
         raise UsageError(f"{dst} is inside {src}: extend writes a new directory beside SRC, never in it (a later copy "
                          "of SRC would take DST's weights along)")
+    try:  # its folder exists and is writable (a read-only or missing one is said now, not as a traceback later)
+        files.check_new_path(dst, "DST")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _source_method(config) -> scaling.RopeScaling | None:
@@ -356,9 +362,32 @@ def _write_gguf(args, dst: Path, method, write) -> int:
     return 0
 
 
-def _cmd_extend(args) -> int:
-    import shutil
+def _place(source: Path, target: Path) -> bool:
+    """One file of SRC into DST: a weights file hard-linked (True) where a link can be made, else copied (False)."""
+    if source.name.endswith(_WEIGHT_SUFFIXES):
+        try:
+            os.link(source.resolve(), target)
+            return True
+        except OSError:  # another file system, or links not allowed
+            pass
+    shutil.copy2(source, target)
+    return False
 
+
+def _copy_source(src: Path, dst: Path) -> tuple[list[str], list[str], list[str]]:
+    """SRC's files but config.json into the folder ``dst``: (linked, copied, skipped directories)."""
+    linked, copied, skipped = [], [], []
+    for f in sorted(src.iterdir()):
+        if f.name == "config.json":
+            continue
+        if not f.is_file():
+            skipped.append(f.name)
+        else:
+            (linked if _place(f, dst / f.name) else copied).append(f.name)
+    return linked, copied, skipped
+
+
+def _cmd_extend(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if src.is_file() and src.suffix.lower() == ".gguf":
         return _cmd_extend_gguf(args, src, dst)
@@ -383,13 +412,14 @@ def _cmd_extend(args) -> int:
     if not isinstance(params, dict) or "rope_theta" not in params:
         raise UsageError(f"{src}: its config ({config.model_type}) has no RoPE parameters to extend "
                          "(or one set per layer type, which extend does not write)")
-    args.original_max_position = (args.original_max_position or params.get("original_max_position_embeddings")
-                                  or config.max_position_embeddings)
-    method = methods.build(args) if args.method is not None else None  # None: SRC's own table
+    # SRC's ORIGINAL length, not the one a scaled SRC's max_position_embeddings holds (checkpoint.original_length)
+    args.original_max_position = args.original_max_position or checkpoint.original_length(config)
+    method = methods.build(args, inherit=True) if args.method is not None else None  # None: SRC's own table
     kept: dict[str, object] = {}
     if method is not None:
         method, kept = _inherit(method, _source_method(config),
                                 methods.given_fields(args, methods.NAMES[args.method].rope_type))
+        methods.check_built(args, method)
     arch = architectures.find(config)
     if args.target == "vllm" and arch is not None and arch.vllm_yarn_keys:
         raise UsageError(f"--target vllm writes a longrope table for stock vLLM, but stock vLLM's {arch.name} model "
@@ -423,6 +453,12 @@ def _cmd_extend(args) -> int:
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}" if args.method else f"--attention {attention}: {err}") \
             from None
+    if arch is not None:  # what hf.patch(model) would refuse on the reload, refused before it is written
+        rotated_at_write = serving.rotated_at_write(written)
+        refusal = arch.method_refusal(type(written.method).__name__, written.length_free and not rotated_at_write,
+                                      rotated_at_write)
+        if refusal:
+            raise UsageError(f"SRC: {refusal}")
     misread = architectures.stock_vllm_misreads(config)
     if misread is not None:
         print(f"warning: {misread}", file=sys.stderr)
@@ -440,26 +476,17 @@ def _cmd_extend(args) -> int:
         print(text, end="")
         return 0
 
-    dst.mkdir(parents=True)
-    linked, copied, skipped = [], [], []
-    for f in sorted(src.iterdir()):
-        if f.name == "config.json":
-            continue
-        if not f.is_file():
-            skipped.append(f.name)
-        elif f.name.endswith(_WEIGHT_SUFFIXES):
-            try:
-                os.link(f.resolve(), dst / f.name)
-                linked.append(f.name)
-            except OSError:  # another file system, or links not allowed
-                shutil.copy2(f, dst / f.name)
-                copied.append(f.name)
-        else:
-            shutil.copy2(f, dst / f.name)
-            copied.append(f.name)
-    (dst / "config.json").write_text(text)
-    if budget is not None:
-        _write_planning_budget(src, dst, budget)
+    try:  # written whole or not at all: a temporary folder beside DST, renamed at the end (Ctrl-C, a full disk)
+        with files.atomic_directory(dst) as part:
+            linked, copied, skipped = _copy_source(src, part)
+            (part / "config.json").write_text(text)
+            if budget is not None:
+                _write_planning_budget(src, part, budget)
+    except FileExistsError as err:
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        print(f"ropescale extend: error: writing {dst} failed, nothing written: {err}", file=sys.stderr)
+        return 1
     new = config.rope_parameters
     served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
     print(f"wrote {dst}: rope_type {new['rope_type']}"

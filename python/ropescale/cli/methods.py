@@ -17,6 +17,8 @@ shrink the context), --original-max-position and --window > 0 (within int64, and
 before a model is loaded), --leaky-k > 1 (``config.check_attention`` takes 1: plain RoPE past the window),
 --mscale and --mscale-all-dim > 0 (the dataclass takes any finite number, and transformers reads 0 as unset),
 --attention-factor > 0 or ``auto``, and the attentions' sizes (``config.check_attention`` checks them again).
+``check_built`` refuses a method a given flag does nothing in (--mscale without mscale_all_dim), after ``extend``
+took SRC's values.
 """
 
 from __future__ import annotations
@@ -232,9 +234,9 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--shifted-offset", "STRING: the shifted offset S: distances d >= S count as d - S + W, so the model "
            "reads the last S positions it was trained on no more (its authors: S = 0.25 to 0.4 of the trained length)",
            type=positive_int, metavar="S"),
-    Option("--local-value", f"STRING: the local value W <= S, where the shifted distances start (default "
-           f"{attentions.STRING_LOCAL_VALUE}, its authors', or S if smaller; they suggest 128 to 512)", type=non_negative_int,
-           metavar="W"),
+    Option("--local-value", f"STRING: the local value W < S, where the shifted distances start (default "
+           f"{attentions.STRING_LOCAL_VALUE}, its authors', or S if smaller, which W = S refuses: it moves no "
+           "distance; they suggest 128 to 512)", type=non_negative_int, metavar="W"),
 )}
 
 # What a table method reads and an attention over the model's own table refuses: every option that fills a field but
@@ -440,10 +442,13 @@ def attention_arguments(args, max_position_embeddings: int | None = None) -> dic
     return {"attention": attention, **values}
 
 
-def build(args, name: str | None = None, *, factor: float | None = None) -> scaling.RopeScaling | None:
+def build(args, name: str | None = None, *, factor: float | None = None,
+          inherit: bool = False) -> scaling.RopeScaling | None:
     """The scaling method the options describe: --method's, or ``name``'s (``table --compare``: the options are
     the main method's, so only it is refused those it does not read). ``factor``: the one a method that scales
-    gets without --factor (default: the command's). None for --method rerope (the model's own table)."""
+    gets without --factor (default: the command's). None for --method rerope (the model's own table).
+    ``inherit``: the command fills the fields no flag gave from elsewhere (``extend``: SRC's) and calls
+    :func:`check_built` on the method it ends with; otherwise ``build`` does."""
     taken: MethodOptions = args.method_options
     main = name is None or name == args.method
     name = name or args.method
@@ -477,7 +482,20 @@ def build(args, name: str | None = None, *, factor: float | None = None) -> scal
         # The dataclasses default to s = 1 (the table unchanged): on the command line that is never meant.
         raise UsageError(f"--method {name} needs --factor")
     # The dataclass checks every value; its ValueError is the usage error.
-    return scaling.METHODS[rope_type](**kwargs)
+    method = scaling.METHODS[rope_type](**kwargs)
+    if main and not inherit:
+        check_built(args, method)
+    return method
+
+
+def check_built(args, method: scaling.RopeScaling | None) -> None:
+    """What the final method of the command line must not be, beyond the dataclass's checks: a flag given that the
+    method never reads (--mscale without mscale_all_dim: ``YaRN.unread_mscale``). A value a command takes from
+    elsewhere (``extend``: SRC's) is that source's, and not refused here."""
+    unread = getattr(method, "unread_mscale", None)
+    if unread and _given(args, "--mscale"):
+        raise UsageError(f"--mscale: {unread}. Give --mscale-all-dim M' with it (DeepSeek's checkpoints carry both), "
+                         "or leave it out (--attention-factor A fixes the factor on cos and sin)")
 
 
 def _refuse_unread(args, rope_type: str) -> None:

@@ -73,6 +73,16 @@ class Architecture:
     vllm_yarn_keys: tuple[str, ...] | None = None
     vllm_yarn_defaulted: tuple[str, ...] = ()
 
+    def method_refusal(self, method: str, pre_rope: bool, rotated_at_write: bool) -> str | None:
+        """Why the family's layers cannot take the method named ``method``: one that caches raw keys (``pre_rope``)
+        or keeps one table per request (``rotated_at_write``); None where they can. ``hf.patch`` and ``ropescale
+        extend`` (before it writes a checkpoint ``hf.patch`` would refuse) both refuse with it."""
+        if pre_rope and self.pre_rope:
+            return f"pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {self.name}: {self.pre_rope}"
+        if rotated_at_write and self.per_request:
+            return f"per-request methods ({method}(per='request')) cannot patch {self.name}: {self.per_request}"
+        return None
+
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Llama", ("llama",)),

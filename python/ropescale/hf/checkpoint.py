@@ -19,6 +19,7 @@ model reads all of it back (``ropescale.config.read_config``).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Mapping
 
 from .. import config as config_lib, scaling
@@ -95,13 +96,16 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
             entry = {**(entry or {}), METHOD_KEY: saved_method}
     else:
         base, rotary_dim = config_lib.base_of(config, layer_type), config_lib.rotary_dim_of(config, old, layer_type)
+        # A method with no original length of its own (linear, ntk) is set from the model's, never from the length a
+        # scaled config already carries (vLLM would multiply SRC's extension by the new factor).
+        trained = original_length(config, layer_type)
         if target == "vllm" and attention == "sdpa":
-            written = config_lib.write_longrope(method, base, rotary_dim, config.max_position_embeddings)
+            written = config_lib.write_longrope(method, base, rotary_dim, trained)
             if "partial_rotary_factor" in old:
                 written.rope_parameters["partial_rotary_factor"] = old["partial_rotary_factor"]
         else:
             written = config_lib.write(
-                method, base, rotary_dim, config.max_position_embeddings, attention=attention, parameters=parameters,
+                method, base, rotary_dim, trained, attention=attention, parameters=parameters,
                 partial_rotary_factor=old.get("partial_rotary_factor"))
         params, entry, length = written.rope_parameters, written.entry, written.max_position_embeddings
         params.update({key: old[key] for key in scaling.LAYOUT_KEYS if key in old and key not in params})
@@ -136,6 +140,32 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
     else:  # Qwen's own keys kept (vLLM's sparse settings), ropescale's values over them
         previous = config.__dict__.get(config_lib.DUAL_CHUNK_KEY)
         setattr(config, config_lib.DUAL_CHUNK_KEY, {**(previous if isinstance(previous, dict) else {}), **dual_chunk})
+
+
+def original_length(config, layer_type: str | None = None) -> int:
+    """The length the model of ``config`` was trained to (its ORIGINAL length), whatever method the config holds:
+    what a new method with no original length of its own (linear, ntk) is set from, and ``extend``'s default
+    ``--original-max-position``. A scaled config's ``max_position_embeddings`` is the length its method was set for,
+    not this one: the method's own original length (YaRN, Llama 3, LongRoPE, the dynamic methods; transformers has
+    copied a Phi-3-style top-level ``original_max_position_embeddings`` into their rope parameters), else the length
+    the config's ``max_position_embeddings`` was written from (``config.write``: NTK-aware as ``default`` carries
+    ``ceil(s x L)``; linear, whose length vLLM multiplies by its factor, ``L``). A config ropescale cannot read: its
+    ``original_max_position_embeddings``, else its ``max_position_embeddings``."""
+    length = int(config.max_position_embeddings)
+    params = config_lib.layer_type_parameters(config, layer_type)
+    try:
+        method = config_lib.read_config(config, layer_type).method
+    except ValueError:
+        own = params.get("original_max_position_embeddings") if isinstance(params, Mapping) else None
+        return own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else length
+    own = getattr(method, "original_max_position", None)
+    if own is not None:
+        return int(own)
+    factor = float(getattr(method, "factor", None) or 1.0)
+    if config_lib.vllm_length_factor(table_parameters(params)[0]) != 1.0 or factor <= 1.0:
+        return length  # vLLM multiplies it by the written factor: the original length itself
+    # written as ceil(s x L): L is the largest integer with s x L <= length (float noise rounded away first)
+    return max(1, int(math.floor(round(length / factor, 6))))
 
 
 def _served_length(config, params, entry, length: int, keep: bool, max_length: int | None,

@@ -407,11 +407,9 @@ def _check_layers(state: _PatchState, scaling) -> None:
     arch, name = state.architecture, state.architecture.name
     if scaling is not None and arch.fixed_method:
         raise ValueError(f"patch: {name} takes only the method its config holds (patch(model)): {arch.fixed_method}")
-    if state.pre_rope and arch.pre_rope:
-        raise ValueError(f"patch: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch {name}: {arch.pre_rope}")
-    if state.rotated_at_write and arch.per_request:
-        raise ValueError(f"patch: per-request methods ({type(state.method).__name__}(per='request')) cannot patch "
-                         f"{name}: {arch.per_request}")
+    refusal = arch.method_refusal(type(state.method).__name__, state.pre_rope, state.rotated_at_write)
+    if refusal:
+        raise ValueError(f"patch: {refusal}")
     if state.raw_keys:
         what = config_lib.ATTENTION_NAMES[state.attention]
         if arch.rerope:

@@ -446,7 +446,7 @@ def test_extend_refusals(tmp_path, capsys):
     assert "argument --factor: the scale factor s must be >= 1" in err
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", "4",
                       "--beta-fast", "1", "--beta-slow", "2")
-    assert "YaRN: beta_fast must be a finite number > 2, got 1.0" in err
+    assert "YaRN: beta_fast (1) must be greater than beta_slow (2)" in err
     assert not (tmp_path / "d").exists()
 
 
@@ -619,3 +619,25 @@ def test_extend_help_shows_an_example(capsys):
     text = " ".join(out.split())
     assert "Two lengths, not to be confused" in text and "applied at EVERY length" in text
     assert "--max-length N is then the length it may be served to" in text
+
+
+@pytest.mark.parametrize("method, length", [(scaling.Linear(factor=4.0), 64), (scaling.NTK(factor=2.0), 32),
+                                            (scaling.YaRN(factor=2.0, original_max_position=ORIGINAL), 32)],
+                         ids=["linear", "ntk", "yarn"])
+def test_a_method_patched_over_a_scaled_checkpoint_records_s_times_its_original_length(tmp_path, method, length):
+    # issue 55: over a model loaded from a YaRN x4 checkpoint (original 16, max_position_embeddings 64), Linear(4)
+    # recorded max_position_embeddings 64, which vLLM multiplies by 4: served to 256 with a table set for 64.
+    from ropescale import config as config_lib
+
+    tiny("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+         mpe=4 * ORIGINAL).save_pretrained(tmp_path / "yarn")
+    model, _ = load(tmp_path / "yarn")
+    before = model.config.to_json_string()
+    hf.patch(model, method)
+    assert config_lib.max_model_len_of(model.config) == length
+    # what the same patch records on the unscaled model of the original length
+    plain = hf.patch(tiny("llama", mpe=ORIGINAL), method)
+    for key in ("rope_parameters", "max_position_embeddings"):
+        assert getattr(model.config, key) == getattr(plain.config, key), key
+    hf.unpatch(model)
+    assert model.config.to_json_string() == before

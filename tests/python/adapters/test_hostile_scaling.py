@@ -35,8 +35,12 @@ BAD_FIELDS = [
     (scaling.YaRN, {"factor": 4.0, "original_max_position": 4096.5}, "original_max_position must be an integer >= 1, got 4096.5"),
     (scaling.YaRN, {"factor": 4.0, "original_max_position": True}, "original_max_position must be an integer >= 1, got True"),
     (scaling.YaRN, {"factor": 4.0, "beta_slow": 0.0}, "YaRN: beta_slow must be a finite number > 0, got 0.0"),
-    (scaling.YaRN, {"factor": 4.0, "beta_fast": 1.0, "beta_slow": 2.0}, "YaRN: beta_fast must be a finite number > 2, got 1.0"),
-    (scaling.YaRN, {"factor": 4.0, "beta_fast": INF}, "YaRN: beta_fast must be a finite number > 1, got inf"),
+    # issue 55: the relation and both values, not a bound the user never typed ("must be a finite number > 2")
+    (scaling.YaRN, {"factor": 4.0, "beta_fast": 1.0, "beta_slow": 2.0},
+     "YaRN: beta_fast (1) must be greater than beta_slow (2) (the ramp runs from pairs turning beta_slow times"),
+    (scaling.YaRN, {"factor": 4.0, "beta_fast": 2.0, "beta_slow": 2.0},
+     "YaRN: beta_fast (2) must be greater than beta_slow (2)"),
+    (scaling.YaRN, {"factor": 4.0, "beta_fast": INF}, "YaRN: beta_fast must be a finite number, got inf"),
     (scaling.YaRN, {"factor": 4.0, "truncate": "no"}, "YaRN: truncate must be True or False, got 'no'"),
     (scaling.YaRN, {"factor": 4.0, "mscale": NAN}, "YaRN: mscale must be a finite number, got nan"),
     (scaling.YaRN, {"factor": 4.0, "attention_factor_override": 0.0},
@@ -46,7 +50,7 @@ BAD_FIELDS = [
     (scaling.Llama3, {"factor": 0.9}, "Llama3: factor must be a finite number >= 1, got 0.9"),
     (scaling.Llama3, {"low_freq_factor": 0.0}, "Llama3: low_freq_factor must be a finite number > 0, got 0.0"),
     (scaling.Llama3, {"low_freq_factor": 4.0, "high_freq_factor": 2.0},
-     "Llama3: high_freq_factor must be a finite number > 4, got 2.0"),
+     "Llama3: high_freq_factor (2) must be greater than low_freq_factor (4) (the ramp runs from wavelengths"),
     (scaling.Llama3, {"original_max_position": 0}, "Llama3: original_max_position must be an integer >= 1, got 0"),
     (scaling.LongRoPE, {"short_factor": (), "long_factor": LONG}, "LongRoPE: short_factor must be a non-empty sequence"),
     (scaling.LongRoPE, {"short_factor": SHORT, "long_factor": (1.0, -2.0)}, "LongRoPE: long_factor must be a non-empty"),
@@ -140,3 +144,27 @@ def test_from_hf_accepts_what_transformers_writes():
     assert longrope.factor == 4.0 and math.isclose(longrope.attention_factor, math.sqrt(1 + math.log(4) / math.log(16)))
     for rope_type, (required, optional) in scaling.HF_KEYS.items():
         assert rope_type in scaling.METHODS and not required & optional
+
+
+def test_a_config_with_mscale_alone_reads_as_transformers_reads_it_with_a_warning(monkeypatch):
+    """transformers' ``_compute_yarn_parameters`` reads ``mscale`` only beside a non-zero ``mscale_all_dim`` (else
+    the attention factor is ``0.1 ln s + 1`` whatever ``mscale`` is), and so does vLLM's YaRN. The command line
+    refuses ``--mscale`` alone (test_extend, test_cli); a checkpoint may carry it, so ``from_hf`` reads it as
+    transformers does and says once that it changes nothing (issue 55)."""
+    monkeypatch.setattr(scaling, "_warned", set())
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707}
+    with pytest.warns(UserWarning, match=r"rope_type 'yarn': mscale 0.707 without mscale_all_dim changes nothing: "
+                                         r"transformers' YaRN reads mscale only beside mscale_all_dim"):
+        method = scaling.from_hf(params)
+    assert method.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1) == \
+        scaling.YaRN(factor=4.0, original_max_position=16).attention_factor
+    assert method.unread_mscale is not None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaling.from_hf(params)  # said once
+        for pair in ({"mscale": 0.707, "mscale_all_dim": 1.0}, {"mscale_all_dim": 1.0}, {}):
+            method = scaling.from_hf({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      **pair})
+            assert method.unread_mscale is None

@@ -421,7 +421,8 @@ def test_top_level_help_lists_every_command(capsys):
     (["base-bound", "1000", "--dim", "2"], "base_lower_bound: no base up to 1e15 supports this context"),
     (["table", "--method", "ntk", "--factor", "2", "--dim", "2"], "ntk_inv_freq: dim must be > 2"),
     (["table", "--seq-len", "99999999999999999999999"], "argument --seq-len: must be at most 2^62"),
-    (["table", "--beta-fast", "1", "--beta-slow", "2"], "YaRN: beta_fast must be a finite number > 2, got 1.0"),
+    # issue 55: the relation, with both values
+    (["table", "--beta-fast", "1", "--beta-slow", "2"], "YaRN: beta_fast (1) must be greater than beta_slow (2)"),
     # The range of a value only a method reads is its dataclass's to check (issue 28): that message, as a usage error.
     (["table", "--beta-slow", "-1"], "YaRN: beta_slow must be a finite number > 0, got -1.0"),
     (["table", "--beta-fast", "x"], "argument --beta-fast: expected a number, got 'x'"),
@@ -661,3 +662,35 @@ def test_python_dash_m_and_console_entry():
     bad = subprocess.run([sys.executable, "-m", "ropescale", "table", "--dim", "odd"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "usage: ropescale table" in bad.stderr
+
+
+def test_version(capsys):
+    # issue 55: `ropescale --version` was not an option
+    import ropescale
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"ropescale {ropescale.__version__}\n"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'\nversion = "{ropescale.__version__}"\n' in pyproject  # one version, said the same in both places
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--position-sampling", "--train-length", "32"], "CREAM: a window of 32 leaves no middle"),
+    (["--train-length", "1", "--steps", "1"], "splits: length must be >= j + k = 4, got 1"),
+])
+def test_a_refused_demo_makes_no_folder(capsys, tmp_path, monkeypatch, argv, message):
+    # issue 55: the default output folder (or --output's) was made before the run refused its settings
+    from ropescale.cli import cmd_demo
+
+    monkeypatch.setattr(cmd_demo, "DEMO_OUTPUT", str(tmp_path / "default" / "ropescale-demo"))
+    assert message in usage_error(capsys, "demo", *argv)
+    assert message in usage_error(capsys, "demo", *argv, "--output", str(tmp_path / "out" / "deeper"))
+    assert list(tmp_path.iterdir()) == []
+    # a folder that cannot be made is said before the run
+    (tmp_path / "file").write_text("")
+    err = usage_error(capsys, "demo", "--output", str(tmp_path / "file" / "out"))
+    assert f"--output: {tmp_path / 'file'} is a file, so {tmp_path / 'file' / 'out'} cannot be made" in err
+    err = usage_error(capsys, "demo", "--plot", str(tmp_path / "missing" / "demo.png"))
+    assert f"--plot: the folder {tmp_path / 'missing'} does not exist" in err

@@ -11,6 +11,7 @@ SRC's own table or --method's, each reloading as ``hf.patch(model, attention=...
 written config)."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -194,7 +195,8 @@ def test_a_fixed_attention_factor_is_kept_at_its_own_scale_and_refused_at_anothe
 def test_a_kept_value_the_new_flags_contradict_is_named(tmp_path, capsys):
     src, _ = source(tmp_path, "Llama", {**YARN_4, "beta_fast": 8.0, "beta_slow": 2.0})
     err = usage_error(capsys, "extend", src, tmp_path / "d", "--method", "yarn", "--factor", 8, "--beta-slow", 10)
-    assert "YaRN: beta_fast must be a finite number > 10, got 8.0, with SRC's beta_fast=8 kept" in err
+    assert "YaRN: beta_fast (8) must be greater than beta_slow (10) (the ramp runs from" in err
+    assert "with SRC's beta_fast=8 kept" in err
     assert not (tmp_path / "d").exists()
 
 
@@ -212,7 +214,14 @@ HOSTILE = [
     (["--attention-factor", "-1.5"], "argument --attention-factor: must be a finite number > 0, or auto"),
     (["--attention-factor", "Auto"], "argument --attention-factor: must be a finite number > 0, or auto (the method's "
                                      "own rule), got 'Auto'"),
-    (["--beta-fast", "nan"], "YaRN: beta_fast must be a finite number > 1, got nan"),
+    (["--beta-fast", "nan"], "YaRN: beta_fast must be a finite number, got nan"),
+    # issue 55: the relation, not a bound the user never typed ("beta_fast must be a finite number > 2, got 1.0")
+    (["--beta-fast", "1", "--beta-slow", "2"], "YaRN: beta_fast (1) must be greater than beta_slow (2)"),
+    # issue 55: transformers reads mscale only beside mscale_all_dim: alone it was written and changed nothing
+    (["--mscale", "0.707"], "--mscale: mscale 0.707 without mscale_all_dim changes nothing: transformers' YaRN reads "
+                            "mscale only beside mscale_all_dim"),
+    (["--mscale", "0.707", "--attention-factor", "1.2"], "--mscale: mscale 0.707 without mscale_all_dim changes "
+                                                         "nothing"),
     (["--beta-slow", "inf"], "YaRN: beta_slow must be a finite number > 0, got inf"),
     (["--beta-slow", "-1"], "YaRN: beta_slow must be a finite number > 0, got -1.0"),
     (["--beta-slow", "0"], "YaRN: beta_slow must be a finite number > 0, got 0.0"),
@@ -276,10 +285,6 @@ ATTENTIONS = {
                                    dict(attention="string", shifted_offset=200),
                                    "STRING shifted_offset 200, local_value 128, attention factor 1.0693 on q "
                                    "and k"),
-    "string_default_local_value_below": (["--attention", "string", "--shifted-offset", 6], None,
-                                         dict(attention="string", shifted_offset=6),
-                                         "STRING shifted_offset 6, local_value 6, attention factor 1.0693 on q "
-                                         "and k"),
     "self_extend_over_yarn": (["--method", "yarn", "--factor", 4, "--original-max-position", ORIGINAL, "--attention",
                                "self_extend", "--window", 4, "--group", 3],
                               scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), SE,
@@ -363,10 +368,17 @@ ATTENTION_REFUSALS = [
     (["--attention", "string", "--shifted-offset", 4, "--local-value", 5],
      "--attention string: attention='string' needs local_value (W: where the shifted distances start), an integer "
      "with 0 <= local_value <= shifted_offset"),
+    # issue 55: W = S (the default W = min(128, S) for S <= 128) moves no distance: plain RoPE with STRING's factor
+    (["--attention", "string", "--shifted-offset", 6],
+     "--attention string: attention='string': local_value (6) equals shifted_offset (6), so no distance moves (d - S + "
+     "W = d): that is plain RoPE attention with STRING's attention factor, not STRING (local_value defaults to "
+     "min(128, shifted_offset)"),
+    (["--attention", "string", "--shifted-offset", 200, "--local-value", 200, "--max-length", 1000],
+     "local_value (200) equals shifted_offset (200), so no distance moves"),
     (["--attention", "string", "--shifted-offset", 4, "--window", 4],
      "--window belongs to ReRoPE attention (--attention rerope --window W [--leaky-k K] [--logn]) or Self-Extend"),
     (["--attention", "rerope", "--window", 4, "--local-value", 2], "--local-value belongs to STRING attention"),
-    (["--attention", "string", "--shifted-offset", 4, "--target", "vllm"],
+    (["--attention", "string", "--shifted-offset", 4, "--local-value", 2, "--target", "vllm"],
      "STRING attention needs ropescale's plugin: leave --target out"),
     (["--attention", "self_extend", "--window", 4, "--group", 0], "argument --group: must be > 0, got 0"),
     (["--attention", "dual_chunk", "--chunk-size", 0, "--local-size", 0], "argument --chunk-size: must be > 0, got 0"),
@@ -488,3 +500,174 @@ def test_gpt_oss_longrope_export_for_stock_vllm_is_refused(tmp_path, capsys):
     err = usage_error(capsys, "extend", src, tmp_path / "dst", "--method", "yarn", "--factor", 8, "--target", "vllm")
     assert "builds YaRN whatever rope_type says" in err and "--method yarn (no --target)" in err
     assert not (tmp_path / "dst").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 55: the length a new table is set for, STRING's no-op settings, what hf.patch would refuse on the reload, and
+# DST written whole or not at all
+
+def served(written):
+    return config_lib.vllm_max_model_len(written["rope_parameters"], written["max_position_embeddings"],
+                                         written.get("model_max_length"))
+
+
+# SRC scaled x4 (original 16, max_position_embeddings 64): --method M --factor s is set for s x 16, as from the
+# unscaled model of length 16, never for s x 64 (vLLM multiplied SRC's extended length by the new factor).
+SCALED_SOURCES = {
+    "Llama YaRN x4": ("Llama", YARN_4),
+    "DeepSeek-V3-like YaRN x4": ("DeepSeek-V3", {**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0}),
+}
+
+
+@pytest.mark.parametrize("options, length", [(["--method", "linear", "--factor", 4], 64),
+                                             (["--method", "linear", "--factor", 8], 128),
+                                             (["--method", "ntk", "--factor", 2], 32)],
+                         ids=["linear4", "linear8", "ntk2"])
+@pytest.mark.parametrize("name", sorted(SCALED_SOURCES))
+def test_a_table_over_a_scaled_src_is_set_for_s_times_srcs_original_length(tmp_path, capsys, name, options, length):
+    family, rope = SCALED_SOURCES[name]
+    src, _ = source(tmp_path, family, rope)
+    written, out = extend(capsys, src, tmp_path / "dst", *options)
+    assert served(written) == length, written
+    assert f"vLLM serves it up to {length} tokens" in out
+    # the same config as the command writes from the unscaled model of length 16
+    plain = build(family, None, max_position_embeddings=ORIGINAL)
+    plain.save_pretrained(tmp_path / "plain")
+    want, _ = extend(capsys, tmp_path / "plain", tmp_path / "from_plain", *options)
+    for key in ("rope_parameters", "max_position_embeddings"):
+        assert written[key] == want[key], key
+
+
+def test_an_ntk_src_keeps_its_original_length_for_the_next_method(tmp_path, capsys):
+    # NTK-aware is written as default RoPE with ceil(s x L) as max_position_embeddings: L is found back from it
+    build("Llama", None, max_position_embeddings=ORIGINAL).save_pretrained(tmp_path / "plain")
+    ntk, _ = extend(capsys, tmp_path / "plain", tmp_path / "ntk", "--method", "ntk", "--factor", 3)
+    assert ntk["max_position_embeddings"] == 3 * ORIGINAL
+    written, _ = extend(capsys, tmp_path / "ntk", tmp_path / "linear", "--method", "linear", "--factor", 2)
+    assert served(written) == 2 * ORIGINAL
+    written, _ = extend(capsys, tmp_path / "ntk", tmp_path / "yarn", "--method", "yarn", "--factor", 2)
+    assert written["rope_parameters"]["original_max_position_embeddings"] == ORIGINAL and served(written) == 32
+
+
+def test_string_past_every_served_length_is_warned_about(tmp_path, capsys):
+    """STRING whose shifted offset S reaches past the length it is served to shifts no distance there: plain RoPE
+    attention with STRING's factor. extend and hf.patch say so, as for Self-Extend's window."""
+    src, _ = source(tmp_path)
+    expected = ("STRING with shifted_offset 200, served up to 64 tokens, is plain RoPE attention (times STRING's "
+                "attention factor) there")
+    assert cli.main(["extend", str(src), str(tmp_path / "dst"), "--attention", "string", "--shifted-offset",
+                     "200"]) == 0
+    assert f"warning: {expected}" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.patch(load(src), attention="string", shifted_offset=200)
+    assert [str(w.message) for w in caught if "STRING" in str(w.message)] == [f"patch: {expected}: every distance is "
+                                                                               "below the shifted offset (its authors "
+                                                                               "take S = 0.33 of the length the model "
+                                                                               "is served to)"]
+    # served past S: no warning
+    assert cli.main(["extend", str(src), str(tmp_path / "long"), "--attention", "string", "--shifted-offset",
+                     "200", "--max-length", "1000"]) == 0
+    assert "STRING" not in capsys.readouterr().err
+
+
+def test_string_whose_local_value_is_its_offset_is_refused_on_every_path(tmp_path):
+    from ropescale import config as config
+
+    for arguments in (dict(shifted_offset=6), dict(shifted_offset=300, local_value=300)):
+        with pytest.raises(ValueError, match=r"equals shifted_offset .* so no distance moves"):
+            hf.patch(build("Llama"), attention="string", **arguments)
+        with pytest.raises(ValueError, match="so no distance moves"):
+            config.check_attention("string", arguments)
+    assert config.check_attention("string", dict(shifted_offset=300)) == dict(shifted_offset=300, local_value=128)
+
+
+def test_a_src_mscale_completed_by_srcs_mscale_all_dim_is_written(tmp_path, capsys):
+    # --mscale alone is refused where nothing completes it (HOSTILE); over a DeepSeek-style SRC, its mscale_all_dim
+    # does, and the pair is read
+    src, _ = source(tmp_path, "DeepSeek-V3", {**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0})
+    written, out = extend(capsys, src, tmp_path / "dst", "--method", "yarn", "--factor", 8, "--mscale", 0.5)
+    assert kept_line(out) == "kept from SRC (a flag overrides each): mscale_all_dim=1"
+    params = written["rope_parameters"]
+    assert (params["mscale"], params["mscale_all_dim"]) == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("options, refusal", [
+    (["--method", "dynamic_yarn", "--per", "request", "--max-length", 256], "per-request methods (DynamicYaRN(per='"
+                                                                            "request')) cannot patch DeepSeek-V3"),
+    (["--method", "dynamic_yarn", "--max-length", 256], "pre-RoPE methods (dynamic methods, ReRoPE) cannot patch "
+                                                        "DeepSeek-V3"),
+    (["--attention", "rerope", "--window", 8], "pre-RoPE methods (dynamic methods, ReRoPE) cannot patch DeepSeek-V3"),
+])
+def test_what_hf_patch_refuses_on_the_reload_is_refused_before_it_is_written(tmp_path, capsys, options, refusal):
+    # issue 55: DeepSeek-V3 --method dynamic_yarn --per request was written (exit 0), and hf.patch refused the reload
+    from ropescale.hf import architectures
+
+    src, _ = source(tmp_path, "DeepSeek-V3", YARN_4)
+    err = usage_error(capsys, "extend", src, tmp_path / "dst", *options)
+    arch = architectures.find(load(src).config)
+    reason = arch.per_request if "per-request" in refusal else arch.pre_rope
+    assert f"SRC: {refusal}: {reason}" in " ".join(err.split()), err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_an_interrupted_or_failed_copy_leaves_nothing_and_the_rerun_works(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the copy of the weights, or a full disk there, left DST with a truncated weights file and no
+    config.json, and the rerun refused (DST exists). DST is written in a temporary folder beside it, renamed at the
+    end: nothing is left behind."""
+    import errno
+    import shutil
+
+    from ropescale.cli import cmd_extend
+
+    src, _ = source(tmp_path)
+    (src / "tokenizer.json").write_text("{}")
+    real = cmd_extend._place
+    argv = ["extend", str(src), str(tmp_path / "dst"), "--method", "yarn", "--factor", "4"]
+
+    def failing(error):
+        def place(source, target):
+            if not source.name.endswith(".safetensors"):
+                return real(source, target)
+            with open(source, "rb") as f, open(target, "wb") as out:  # a truncated copy, then the failure
+                out.write(f.read(100))
+            raise error
+        return place
+
+    for error, code in ((KeyboardInterrupt(), 130), (OSError(errno.ENOSPC, "No space left on device"), 1)):
+        monkeypatch.setattr(cmd_extend, "_place", failing(error))
+        assert cli.main(argv) == code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        if code == 1:
+            assert f"writing {tmp_path / 'dst'} failed, nothing written: [Errno 28] No space left on device" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], list(tmp_path.iterdir())
+    monkeypatch.setattr(cmd_extend, "_place", real)
+    assert cli.main(argv) == 0
+    assert (tmp_path / "dst" / "config.json").is_file()
+    assert os.path.samefile(src / "model.safetensors", tmp_path / "dst" / "model.safetensors")
+    assert (tmp_path / "dst" / "tokenizer.json").read_text() == "{}"
+    # the weights are copied where a link cannot be made (another file system): the same end
+    monkeypatch.setattr(cmd_extend.os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device")))
+    assert cli.main([*argv[:2], str(tmp_path / "copied"), *argv[3:]]) == 0
+    assert (tmp_path / "copied" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert "copied 3 file(s)" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "copied")
+
+
+def test_a_dst_that_cannot_be_made_is_a_usage_error_before_the_work(tmp_path, capsys, monkeypatch):
+    src, _ = source(tmp_path)
+    err = usage_error(capsys, "extend", src, tmp_path / "missing" / "dst", "--method", "yarn", "--factor", 4)
+    assert f"DST: the folder {tmp_path / 'missing'} does not exist" in err
+    (tmp_path / "file").write_text("")
+    err = usage_error(capsys, "extend", src, tmp_path / "file" / "dst", "--method", "yarn", "--factor", 4)
+    assert f"DST: {tmp_path / 'file'} is not a folder" in err
+    # a read-only folder (os.access answers for it: root may write anywhere, so this test cannot chmod it)
+    (tmp_path / "ro").mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(tmp_path / "ro")
+                        else real(path, mode, **kw))
+    err = usage_error(capsys, "extend", src, tmp_path / "ro" / "dst", "--method", "yarn", "--factor", 4,
+                      "--dry-run")
+    assert f"DST: the folder {tmp_path / 'ro'} is not writable" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro", "src"]
