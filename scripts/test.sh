@@ -29,13 +29,23 @@ if [ $# -eq 0 ]; then
 fi
 if [ $# -eq 0 ] && grep -q -m1 -w avx512f /proc/cpuinfo; then
   # The other CPU kind (CONTRIBUTING, "Before you stop"): on an AVX-512 (Intel) CPU, torch's and ropescale's
-  # kernels at AVX2 and oneDNN's GEMMs capped at AVX2 are what an AVX2-only (AMD) CPU runs. (On an AVX2 CPU the
-  # AVX-512/AMX paths cannot run at all: scripts/gpu_check.sh runs these suites on the lent machine's AMX host.)
-  echo "== Op suites as an AVX2-only CPU runs them (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)"
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    "${PARALLEL[@]}" \
+  # kernels at AVX2, oneDNN's GEMMs capped at AVX2 and numpy without its AVX-512 loops (NPY_DISABLE_CPU_FEATURES:
+  # numpy's float32/float64 power, exp, log differ by an ulp there, issue 55) are what an AVX2-only (AMD) CPU runs.
+  # The adapter suites whose claims are float32-exact run too (the GGUF factors against llama.cpp's chain). (On an
+  # AVX2 CPU the AVX-512/AMX paths cannot run at all: scripts/gpu_check.sh runs these suites on the lent machine's
+  # AMX host.)
+  # numpy's own names for its AVX-512 dispatch targets (numpy 2.4: X86_V4 AVX512_ICL AVX512_SPR; 1.x: AVX512F ...):
+  # a name numpy does not dispatch is not disabled (a warning), so they are read from numpy itself.
+  NPY_AVX512=$("$VENV/bin/python" -c 'import numpy
+core = getattr(numpy, "_core", None) or numpy.core
+print(" ".join(f for f in core._multiarray_umath.__cpu_dispatch__ if f.startswith("AVX512") or f == "X86_V4"))')
+  echo "== Op suites as an AVX2-only CPU runs them (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" \
+    "NPY_DISABLE_CPU_FEATURES=\"$NPY_AVX512\")"
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 NPY_DISABLE_CPU_FEATURES="$NPY_AVX512" \
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" "${PARALLEL[@]}" \
     tests/python/ops/test_rotary.py tests/python/ops/test_rotary_per_request.py tests/python/ops/test_rerope_attention.py \
-    tests/python/ops/test_rerope_paged.py tests/python/ops/test_self_extend_dca_ops.py || status=1
+    tests/python/ops/test_rerope_paged.py tests/python/ops/test_self_extend_dca_ops.py \
+    tests/python/adapters/test_llamacpp.py || status=1
 fi
 if [ $# -eq 0 ] && [ "$COMPAT_TORCH" != none ]; then
   echo "== Core suite and vLLM leg against torch $COMPAT_TORCH (installed with pip into .venv-torch$COMPAT_TORCH)"

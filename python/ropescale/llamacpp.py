@@ -24,6 +24,7 @@ into place, so it is never left half-written.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import os
@@ -38,11 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import scaling
+from . import files, scaling
 
 __all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "NATIVE_ONLY_ARCHITECTURES",
            "CONVERTER_ENV", "find_converter",
-           "from_transformers", "GGUFWritten", "chain", "effective_inv_freq", "extend", "rope_freqs_for",
+           "from_transformers", "GGUFWritten", "GGUFPlan", "chain", "check_from_transformers", "plan_extend", "powf",
+           "theta_scale", "effective_inv_freq", "extend", "rope_freqs_for",
            "read_rope", "rewrite"]
 
 #: The tensor llama.cpp divides each pair's angle by (``LLM_TENSOR_ROPE_FREQS``), float32, ``n_rot / 2`` values.
@@ -136,10 +138,48 @@ def read_rope(path: str | Path):
     return reader, rope
 
 
+def powf(base: float, exponent: float) -> np.float32:
+    """C's ``powf`` correctly rounded: ``base ** exponent`` for the float32 ``base`` and ``exponent``, rounded once to
+    the nearest float32, the same on every CPU and platform.
+
+    llama.cpp's kernel calls the C library's ``powf``. numpy's float32 ``power`` is not that function: on a CPU where
+    numpy dispatches its AVX-512 loops (Intel, AMD Zen 4) ``10000 ** (-1/32)`` is one ulp off (0.74989426 against
+    0.7498942), on an AVX2-only CPU it is the C library's, so the factors ropescale wrote followed the CPU that wrote
+    them (issue 55). The nearest float32 is what glibc's ``powf`` (2.28 and later) returns but for rare inputs within
+    its 0.82-ulp bound (measured, glibc 2.36: 0.07% of random bases and dimensions, none at the common bases, 1e4
+    to 1.5e8, and n_rot 64 to 256); it is what every file ropescale writes uses, whatever machine writes it.
+
+    The float64 ``pow`` (any libm's error is far below 2^-40) rounded to float32 is that nearest value unless it lies
+    within 2^-40 of a float32 midpoint; there (about one input in 30000) the power is taken in decimal arithmetic at
+    60 digits and the nearest of the three candidates picked exactly."""
+    b, e = float(np.float32(base)), float(np.float32(exponent))
+    if not (math.isfinite(b) and math.isfinite(e) and b > 0):
+        raise ValueError(f"powf: the base must be a finite float32 > 0 and the exponent finite, got {base}, "
+                         f"{exponent}")
+    wide = math.pow(b, e)
+    guess = np.float32(wide)
+    if not np.isfinite(guess) or guess == 0:
+        raise ValueError(f"powf: {base} ** {exponent} is outside float32's normal range")
+    neighbours = (np.nextafter(guess, np.float32(0)), np.nextafter(guess, np.float32(np.inf)))
+    if all(abs(wide - (float(guess) + float(n)) / 2) > wide * 2.0 ** -40 for n in neighbours):
+        return guess
+    with decimal.localcontext() as context:
+        context.prec = 60
+        exact = decimal.Decimal(b) ** decimal.Decimal(e)
+        return min((neighbours[0], guess, neighbours[1]), key=lambda c: abs(decimal.Decimal(float(c)) - exact))
+
+
+def theta_scale(base: float, rotary_dim: int) -> np.float32:
+    """llama.cpp's ``theta_scale = powf(freq_base, -2.0f/n_dims)`` (``ggml_compute_forward_rope``): the exponent a
+    float32 quotient, the power C's ``powf`` (:func:`powf`)."""
+    return powf(base, np.float32(-2.0) / np.float32(rotary_dim))
+
+
 def chain(base: float, rotary_dim: int) -> np.ndarray:
     """llama.cpp's per-pair frequencies ``ts^i`` as its kernel forms them: ``ts = powf(base, -2 / n_rot)`` and a float32
-    product from 1 (``theta *= theta_scale``)."""
-    ts = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(rotary_dim)))
+    product from 1 (``theta *= theta_scale``). Only IEEE float32 products besides :func:`powf`: the same bits on every
+    CPU."""
+    ts = theta_scale(base, rotary_dim)
     out = np.empty(rotary_dim // 2, dtype=np.float32)
     value = np.float32(1.0)
     for i in range(rotary_dim // 2):
@@ -166,7 +206,7 @@ def effective_inv_freq(base: float, rotary_dim: int, rope_freqs: np.ndarray | No
     """The frequencies llama.cpp's CPU kernel turns position ``position`` by under ``rope.scaling.type = none``:
     its float32 chain from ``position`` divided by the factors, over ``position`` (float64). For tests: the same
     arithmetic as ``ggml_rope_cache_init``."""
-    ts = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(rotary_dim)))
+    ts = theta_scale(base, rotary_dim)
     theta = np.float32(position)
     out = np.empty(rotary_dim // 2, dtype=np.float64)
     for i in range(rotary_dim // 2):
@@ -186,22 +226,31 @@ def _refusal(method: scaling.RopeScaling) -> str | None:
     return None
 
 
-def _atomic_destination(dst: Path) -> tuple[int, Path]:
-    return tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
+def _check_destination(dst: Path) -> None:
+    """``dst`` is a new file in a writable folder: FileExistsError (never overwritten) or ValueError."""
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(f"{dst} exists: ropescale never overwrites a model (remove it, or pick another name)")
+    files.check_new_path(dst, "the GGUF to write")
 
 
-def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, context_length: int | None = None,
-           progress: bool = False) -> GGUFWritten:
-    """Writes ``dst``: the GGUF ``src`` with ``method``'s table as llama.cpp reads it (module docstring).
-    ``context_length``: the served length written as ``{arch}.context_length`` (default: the method's length,
-    ``factor x`` the source's). Everything is checked before a byte is written; ``dst`` appears whole or not at
-    all. Raises ValueError (a file, an architecture or a method llama.cpp cannot take) and FileExistsError."""
+@dataclass(frozen=True)
+class GGUFPlan:
+    """What :func:`extend` would write (:func:`plan_extend`): every check made, nothing written."""
+
+    reader: Any  # the source's gguf.GGUFReader
+    replaced: dict  # key -> (value, GGUFValueType), as rewrite() takes them
+    dropped: frozenset
+    tensors: dict  # the factor tensors added (name -> float32 array)
+    written: GGUFWritten  # what extend() returns once the file is written
+
+
+def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, context_length: int | None = None
+                ) -> GGUFPlan:
+    """Every check :func:`extend` makes and everything it computes, nothing written (``extend --dry-run`` runs
+    this, so that a dry run refuses what the run refuses). Raises ValueError and FileExistsError as extend does."""
     gguf = _import_gguf()
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists: ropescale never overwrites a model (remove it, or pick another name)")
-    if not dst.parent.is_dir():
-        raise ValueError(f"{dst.parent} is not a directory")
+    _check_destination(dst)
     reader, rope = read_rope(src)
     if rope.architecture not in ARCHITECTURES + NATIVE_ONLY_ARCHITECTURES:
         raise ValueError(f"{src}: architecture {rope.architecture!r}: ropescale writes llama.cpp's per-pair rope "
@@ -257,9 +306,21 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
         del replaced[f"{arch}.rope.scaling.attn_factor"]
         replaced.update({f"{arch}.{key}": value for key, value in keys.items()})
         tensors = {}
-    rewrite(reader, dst, replaced, dropped, tensors, progress=progress)
     scaling_type = keys["rope.scaling.type"][0] if native else "longrope" if two_tables else "none"
-    return GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), scaling_type, tuple(tensors))
+    return GGUFPlan(reader, replaced, frozenset(dropped), tensors,
+                    GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), scaling_type, tuple(tensors)))
+
+
+def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, context_length: int | None = None,
+           progress: bool = False) -> GGUFWritten:
+    """Writes ``dst``: the GGUF ``src`` with ``method``'s table as llama.cpp reads it (module docstring).
+    ``context_length``: the served length written as ``{arch}.context_length`` (default: the method's length,
+    ``factor x`` the source's). Everything is checked (:func:`plan_extend`) before a byte is written; ``dst`` appears
+    whole or not at all, with the mode a plain ``open`` gives (0666 less the umask). Raises ValueError (a file, an
+    architecture or a method llama.cpp cannot take, a destination that cannot be written) and FileExistsError."""
+    plan = plan_extend(src, dst, method, context_length=context_length)
+    rewrite(plan.reader, dst, plan.replaced, plan.dropped, plan.tensors, progress=progress)
+    return plan.written
 
 
 def _native(method: scaling.RopeScaling, rope: GGUFRope) -> dict[str, tuple[Any, Any]]:
@@ -287,14 +348,13 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
             added: dict[str, np.ndarray] | None = None, *, progress: bool = False) -> Path:
     """Writes ``dst``: the GGUF ``reader`` reads with the keys ``replaced`` (key -> (value, GGUFValueType)) set,
     ``dropped`` left out and the float32 tensors ``added`` appended; every other key and tensor byte for byte (the
-    quantised tensors as they are). Written beside ``dst`` and renamed into place: never half-written."""
+    quantised tensors as they are). Written beside ``dst`` and renamed into place (:func:`files.atomic_file`):
+    never half-written, mode 0666 less the umask."""
     gguf = _import_gguf()
     dst = Path(dst)
     added = added or {}
     arch = _field(reader, "general.architecture")
-    handle, part = _atomic_destination(dst)
-    os.close(handle)
-    try:
+    with files.atomic_file(dst) as part:  # removed on any exception, Ctrl-C included; 0666 less the umask
         writer = gguf.GGUFWriter(part, arch, endianess=reader.endianess)
         alignment = _field(reader, "general.alignment")
         if isinstance(alignment, int):
@@ -326,10 +386,6 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
         for array in added.values():
             writer.write_tensor_data(array)
         writer.close()
-        os.replace(part, dst)
-    except BaseException:  # Ctrl-C included: nothing half-written stays
-        Path(part).unlink(missing_ok=True)
-        raise
     return dst
 
 
@@ -349,18 +405,14 @@ def find_converter(given: str | Path | None = None) -> Path:
     return Path(found)
 
 
-def from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
-                      converter: str | Path | None = None, outtype: str = "f16", context_length: int | None = None,
-                      progress: bool = False) -> GGUFWritten:
-    """Writes ``dst`` from the transformers directory ``src``: llama.cpp's own converter writes the UNSCALED model
-    (weights and tokenizer, ``outtype``) beside ``dst``, then :func:`extend` writes ``method`` into it. ``src`` must
-    carry no rope scaling: the converter writes only the rope keys it knows (Resonance, YaRN's betas for llama and
-    ropescale's types are lost), so a scaled directory is refused, never converted."""
+def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
+                            converter: str | Path | None = None) -> Path:
+    """Every check :func:`from_transformers` makes before the converter runs (``extend DIR DST.gguf --dry-run``
+    runs this): ``dst`` new in a writable folder, ``src`` an unscaled Llama directory, ``method`` one llama.cpp can
+    run, the converter found. Returns the converter's path. What only the converted file tells (its rotary
+    dimension) is checked by :func:`extend` once it is written. Raises ValueError and FileExistsError."""
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists: ropescale never overwrites a model (remove it, or pick another name)")
-    if not dst.parent.is_dir():
-        raise ValueError(f"{dst.parent} is not a directory")
+    _check_destination(dst)
     try:
         config = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as err:
@@ -375,7 +427,23 @@ def from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScal
         raise ValueError(f"{src} already carries a rope scaling (rope_type {rope_type!r}): convert the model it was "
                          "scaled from (llama.cpp's converter writes only the rope keys it knows), or check a converted "
                          "file with `ropescale verify FILE.gguf --engine llama.cpp --declared-by DIR`")
-    script = find_converter(converter)
+    refusal = _refusal(method)
+    if refusal is not None:
+        raise ValueError(f"llama.cpp cannot run this method: {refusal}")
+    return find_converter(converter)
+
+
+def from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
+                      converter: str | Path | None = None, outtype: str = "f16", context_length: int | None = None,
+                      progress: bool = False) -> GGUFWritten:
+    """Writes ``dst`` from the transformers directory ``src``: llama.cpp's own converter writes the UNSCALED model
+    (weights and tokenizer, ``outtype``) beside ``dst``, then :func:`extend` writes ``method`` into it. ``src`` must
+    carry no rope scaling: the converter writes only the rope keys it knows (Resonance, YaRN's betas for llama and
+    ropescale's types are lost), so a scaled directory is refused, never converted (:func:`check_from_transformers`,
+    before the converter runs). The unscaled intermediate is a private temporary (``tempfile``'s 0600), removed
+    whatever happens; ``dst`` gets the umask's mode (:func:`extend`)."""
+    src, dst = Path(src), Path(dst)
+    script = check_from_transformers(src, dst, method, converter=converter)
     handle, part = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".unscaled.gguf", dir=dst.parent)
     os.close(handle)
     try:

@@ -293,7 +293,7 @@ def _attention_summary(plan) -> str:
 def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -> int:
     """SRC a GGUF file, or a transformers directory llama.cpp's converter turns into one: DST the GGUF llama.cpp
     reads the method from (``ropescale.llamacpp``)."""
-    from .. import llamacpp
+    from .. import files, llamacpp
 
     attention = methods.attention_of(args)
     if attention is not None:
@@ -311,6 +311,7 @@ def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -
                              "(llama-server -c N)")
     if dst.suffix.lower() != ".gguf":
         raise UsageError(f"{dst}: a GGUF SRC writes a GGUF file: name DST *.gguf")
+    files.check_new_path(dst, "DST")  # the run's and --dry-run's first check (a ValueError: a usage error)
     if from_directory:
         return _cmd_extend_directory_to_gguf(args, src, dst)
     try:
@@ -319,9 +320,11 @@ def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -
         raise UsageError(str(err)) from None
     args.original_max_position = args.original_max_position or rope.context_length
     method = methods.build(args)
-    if args.dry_run:
+    if args.dry_run:  # every check the run makes (llamacpp.plan_extend), nothing written
+        plan = _gguf_refusals(args, lambda: llamacpp.plan_extend(src, dst, method)).written
         print(f"would write {dst}: {type(method).__name__} over {rope.architecture} (base {rope.base:g}, n_rot "
-              f"{rope.rotary_dim}, context_length {rope.context_length})")
+              f"{rope.rotary_dim}, context_length {rope.context_length}): rope.scaling.type {plan.scaling_type}, "
+              f"attn_factor {plan.attn_factor:.6g}, served with llama-server -m {dst} -c {plan.context_length}")
         return 0
     return _write_gguf(args, dst, method, lambda: llamacpp.extend(src, dst, method, progress=sys.stderr.isatty()))
 
@@ -334,7 +337,8 @@ def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
     config = json.loads((src / "config.json").read_text())
     args.original_max_position = args.original_max_position or config.get("max_position_embeddings")
     method = methods.build(args)
-    if args.dry_run:
+    if args.dry_run:  # the checks made before the converter runs (llamacpp.check_from_transformers)
+        _gguf_refusals(args, lambda: llamacpp.check_from_transformers(src, dst, method, converter=args.converter))
         print(f"would convert {src} with llama.cpp's converter ({args.outtype}) and write {dst}: "
               f"{type(method).__name__}")
         return 0
@@ -342,15 +346,20 @@ def _cmd_extend_directory_to_gguf(args, src: Path, dst: Path) -> int:
         src, dst, method, converter=args.converter, outtype=args.outtype, progress=sys.stderr.isatty()))
 
 
-def _write_gguf(args, dst: Path, method, write) -> int:
-    """Runs ``write`` (``llamacpp.extend`` or ``from_transformers``), its refusals as usage errors, and says what it
-    wrote and how to serve it."""
+def _gguf_refusals(args, run):
+    """``run()``, its refusals (FileExistsError, ValueError) as usage errors: the same for the run and --dry-run."""
     try:
-        written = write()
+        return run()
     except FileExistsError as err:
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}") from None
+
+
+def _write_gguf(args, dst: Path, method, write) -> int:
+    """Runs ``write`` (``llamacpp.extend`` or ``from_transformers``), its refusals as usage errors, and says what it
+    wrote and how to serve it."""
+    written = _gguf_refusals(args, write)
     factors = (f"{' and '.join(written.tensors)} ({len(written.rope_freqs)} factors)" if written.tensors else
                "llama.cpp's own keys (no factor tensor)")
     print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {factors}, attn_factor {written.attn_factor:.6g}, "
