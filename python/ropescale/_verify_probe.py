@@ -4,8 +4,9 @@ Run as a script (``python _verify_probe.py JOB.json``), never imported by ropesc
 only what a user's would (transformers without ropescale's rope types; vLLM with the plugins vLLM itself loads;
 llama.cpp). The job: {"engine", "target" (a checkpoint directory or a GGUF file), "tokens", "length"}. Output: one
 line ``PROBE {json}`` with "logprobs" (the log-probability of each prompt token after the first, float64), "version",
-"max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "notes", or
-"error" (the engine refused the target or the prompt: its message).
+"max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "notes",
+"config" (what the engine parsed of the target's rope: :func:`config_view`), or "error" (the engine refused the target
+or the prompt: its message).
 """
 
 import json
@@ -48,6 +49,52 @@ def transformers_logprobs(model, tokens):
         return _log_probs_of(chunks(), tokens)
 
 
+def config_view(config):
+    """What an engine's parsed transformers config holds of the rope, for ``verify``'s raw-key scan (issue 60): its
+    class, its rope parameters as the model reads them (``rope_parameters``; transformers 4's ``rope_scaling`` with
+    ``rope_theta``), the fields its class declares, and the same of each sub-config (a multimodal model's
+    ``text_config``), and which of them the model runs (``text``: ``get_text_config()``)."""
+    import dataclasses
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    def get(cfg, name):
+        try:
+            return getattr(cfg, name, None)
+        except Exception:  # noqa: BLE001 (an attribute the config computes and refuses: Gemma 4's per layer)
+            return None
+
+    def view(cfg):
+        cls = type(cfg)
+        fields = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", None) or {})
+        if dataclasses.is_dataclass(cls):
+            fields |= {f.name for f in dataclasses.fields(cls)}
+        rope, theta = get(cfg, "rope_parameters"), get(cfg, "rope_theta")
+        if rope is None and "rope_parameters" not in fields and get(cfg, "rope_scaling") is not None:
+            rope = dict(cfg.rope_scaling)  # transformers 4
+        if theta is not None and isinstance(rope, dict) and "rope_theta" not in rope \
+                and not any(isinstance(v, dict) for v in rope.values()):
+            rope = {**rope, "rope_theta": theta}
+        elif rope is None and theta is not None:
+            rope = {"rope_theta": theta}
+        subs = {}
+        for name in sorted(set(getattr(cls, "sub_configs", None) or {}) | set(vars(cfg))):
+            try:
+                sub = vars(cfg)[name] if name in vars(cfg) else getattr(cfg, name, None)
+            except Exception:  # noqa: BLE001 (an attribute the config computes and refuses: Gemma 4's per layer)
+                continue
+            if isinstance(sub, PretrainedConfig) and sub is not cfg:
+                subs[name] = view(sub)
+        return {"class": cls.__name__, "rope": json.loads(json.dumps(rope, default=str)),
+                "fields": sorted(fields - {"self", "kwargs"}), "sub": subs}
+
+    out = view(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out["text"] = next((name for name in out["sub"] if getattr(config, name, None) is text), "")
+    return out
+
+
 def transformers_probe(job):
     from pathlib import Path
 
@@ -59,9 +106,14 @@ def transformers_probe(job):
     folder = target.parent if target.is_file() else target
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
     logprobs = transformers_logprobs(model, job["tokens"])
+    config = config_view(model.config)
+    if target.is_file():  # the GGUF keys transformers' loader reads (into the config), per architecture
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        config["gguf_read"] = {arch: sorted(keys) for arch, keys in GGUF_CONFIG_MAPPING.items()}
     return {"logprobs": logprobs, "version": f"transformers {transformers.__version__}", "max_length": None,
             "notes": [f"max_position_embeddings {getattr(model.config, 'max_position_embeddings', None)} "
-                      "(transformers serves any length)"]}
+                      "(transformers serves any length)"], "config": config}
 
 
 def _is_mla(folder):
@@ -80,7 +132,9 @@ def vllm_probe(job):
     from vllm.inputs import TokensPrompt
 
     length = job["length"]
-    derived = ModelConfig(model=job["target"], skip_tokenizer_init=True).max_model_len
+    overrides = job.get("hf_overrides") or {}
+    model_config = ModelConfig(model=job["target"], skip_tokenizer_init=True, hf_overrides=overrides)
+    derived = model_config.max_model_len
     notes = []
     if derived < length:
         # vLLM refuses a max_model_len past the one it derives unless told: the probe still measures the formula
@@ -97,13 +151,15 @@ def vllm_probe(job):
             options["attention_backend"] = "CPU_MLA"
             notes.append("MLA on vLLM's CPU backend: attention_backend CPU_MLA (float32)")
     llm = LLM(model=job["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=max(length, derived),
-              enforce_eager=True, seed=0, **options)
+              enforce_eager=True, seed=0, hf_overrides=overrides, **options)
     out = llm.generate([TokensPrompt(prompt_token_ids=job["tokens"])],
                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
     plugin = "ropescale.vllm.rotary" in sys.modules  # imported by the plugin only when it is active
     notes.append("ropescale's vLLM plugin loaded" if plugin else "ropescale's vLLM plugin not loaded (stock vLLM)")
-    return {"logprobs": logprobs, "version": f"vLLM {vllm.__version__}", "max_length": derived, "notes": notes}
+    served = getattr(getattr(llm, "llm_engine", None), "model_config", None) or model_config
+    return {"logprobs": logprobs, "version": f"vLLM {vllm.__version__}", "max_length": derived, "notes": notes,
+            "config": config_view(served.hf_config)}
 
 
 def llama_cpp_probe(job):

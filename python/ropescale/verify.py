@@ -13,7 +13,9 @@ The verdict is the hypothesis the engine is nearest, when it is clearly nearest:
 over the prompt) at most a quarter of that hypothesis's distance to every other; else the engine computes something
 none of them explains, which is said with the distances. Per check: ``exact``, ``different`` (the parameter, the
 engine's and the declared value, the size of the difference), ``ignored``, ``short`` (not served past length N),
-``refused`` (the engine said so: not silent) or ``inconclusive``. Exit code 0 when every check is exact.
+``refused`` (the engine said so: not silent) or ``inconclusive``. A rope-like key of the target (or of the overrides
+passed to the engine) that the engine did not take is a ``rope keys`` check, ``ignored``, naming it
+(``_verify_keys``). Exit code 0 when every check is exact.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import _verify_keys
 from . import config as config_lib
 from . import ops, scaling
 
@@ -391,13 +394,15 @@ class Report:
                 "distances": self.distances, "notes": self.notes, "exit_code": self.exit_code}
 
 
-def _run_probe(engine: str, target: Path, tokens: list[int], length: int, timeout: float) -> dict:
+def _run_probe(engine: str, target: Path, tokens: list[int], length: int, timeout: float,
+               hf_overrides: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ropescale-verify-") as folder:
         # a copy outside the package: run from its own folder, the script's sys.path[0] would make ropescale's
         # subpackages (ropescale/vllm) shadow the engines
         script, job = Path(folder) / "probe.py", Path(folder) / "job.json"
         script.write_text(Path(__file__).with_name("_verify_probe.py").read_text())
-        job.write_text(json.dumps({"engine": engine, "target": str(target), "tokens": tokens, "length": length}))
+        job.write_text(json.dumps({"engine": engine, "target": str(target), "tokens": tokens, "length": length,
+                                   **({"hf_overrides": hf_overrides} if hf_overrides else {})}))
         try:
             run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True,
                                  timeout=timeout, cwd=folder)
@@ -464,12 +469,14 @@ def _installed(module: str) -> bool:
 
 
 def verify(target: str | Path, engine: str, *, length: int | None = None, timeout: float = 1800.0,
-           declared_by: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Report:
+           declared_by: str | Path | None = None, progress: Callable[[str], None] | None = None,
+           hf_overrides: dict | None = None) -> Report:
     """Probes ``engine`` on ``target`` (module docstring). ``length``: the probe's prompt length (default: twice the
     original length, at most the served length). ``declared_by``: the checkpoint whose declaration and weights the
     engine is held to, when ``target`` was made from it by another tool (a GGUF that llama.cpp's
     convert_hf_to_gguf.py wrote from a directory ropescale extended: the converter writes only the rope keys it
-    knows)."""
+    knows). ``hf_overrides``: vLLM's, passed to the engine and written into the declaration (a key the engine does
+    not take is named: ``_verify_keys``)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; verify knows {', '.join(ENGINES)}")
     spec = ENGINES[engine]
@@ -482,8 +489,10 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                          f"{spec.refusal}")
     if not _installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
+    if hf_overrides and engine != "vllm":
+        raise ValueError(f"hf_overrides (--hf-overrides) are vLLM's: {engine} takes none")
     say = progress or (lambda message: None)
-    d = declared(source)
+    d = declared(source) if not hf_overrides else _verify_keys.declared_with(source, hf_overrides)
     if length is None:
         length = min(d.served, 2 * d.original) if d.served > d.original else d.served
     if length < 2:
@@ -500,7 +509,8 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if same:
         notes.append(f"at {length} tokens these rotate as the declared method does (not checked): {', '.join(same)}")
     say(f"{engine}: {length} tokens")
-    answer = _run_probe(engine, target, tokens, length, timeout)
+    answer = _run_probe(engine, target, tokens, length, timeout, **({"hf_overrides": hf_overrides} if hf_overrides
+                                                                      else {}))
     if "error" in answer:
         hint = ""
         named = [t for t in scaling.ropescale_rope_types() if f"'{t}'" in answer["error"]]
@@ -509,7 +519,8 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                     "registers them, then `ropescale.hf.patch(model)` serves it)")
         check = (Check("scaling", "inconclusive", answer["error"]) if answer.get("crashed") else
                  Check("scaling", "refused", f"the engine refused the target: {answer['error']}{hint}"))
-        return Report(shown, engine, engine, d.describe(), length, [check], {}, notes)
+        keys = _verify_keys.check(target, engine, answer, hf_overrides)
+        return Report(shown, engine, engine, d.describe(), length, [check] + ([keys] if keys else []), {}, notes)
     engine_logprobs = torch.tensor([math.nan if v is None else v for v in answer["logprobs"]], dtype=torch.float64)
     if engine_logprobs.shape != (length - 1,):
         raise RuntimeError(f"{engine} answered {len(engine_logprobs)} log-probabilities for {length - 1} prompt tokens")
@@ -541,5 +552,6 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     hs, logprobs = [hs[i] for i in keep], {j: logprobs[i] for j, i in enumerate(keep)}
     distances = {_label(h): _distance(engine_logprobs, logprobs[i]) for i, h in enumerate(hs)}
     checks = [served, _scaling_check(hs, logprobs, engine_logprobs, distances)]
+    checks += filter(None, [_verify_keys.check(target, engine, answer, hf_overrides)])
     return Report(shown, engine, answer.get("version", engine), d.describe(), length, checks, distances,
                   notes + list(answer.get("notes", [])))

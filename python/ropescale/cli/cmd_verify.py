@@ -17,7 +17,9 @@ _DESCRIPTION = (
     "dropped, a dynamic scale fixed at one length, a raw-key attention ignored.",
     "Per check (served length, scaling): exact; different (the parameter, the engine's and the declared value, the "
     "size of the difference in nats); ignored; short (not served past length N, or not finite past it); refused "
-    "(the engine said so); inconclusive (no known formula explains the engine). Exit 0 when every check is exact, "
+    "(the engine said so); inconclusive (no known formula explains the engine); and, when TARGET (or --hf-overrides) holds "
+    "a rope-like key the engine did not take (a misspelled key, one at a place the engine does not read, one its "
+    "version no longer reads), rope keys: ignored, naming each. Exit 0 when every check is exact, "
     "1 otherwise, 2 for a bad argument.",
     "Each engine is imported only when asked for: transformers (plain, as from_pretrained loads the target), vllm "
     "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), llama.cpp (llama-cpp-python, a GGUF).",
@@ -45,6 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--length", type=positive_int, metavar="N",
                    help="the probe's prompt length, at most the served length (default: twice the original length, or "
                         "the served length where that is shorter)")
+    p.add_argument("--hf-overrides", metavar="JSON", type=_json_object,
+                   help="vLLM's hf_overrides, passed to the engine as `vllm serve --hf-overrides` takes them and "
+                        "written into the declaration; a rope key vLLM does not take is named")
     p.add_argument("--timeout", type=positive_float, default=1800.0, metavar="S",
                    help="seconds the engine may take (default 1800)")
     add_json(p)
@@ -52,12 +57,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_cmd_verify)
 
 
+def _json_object(text: str) -> dict:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text}")
+    return value
+
+
 def _cmd_verify(args) -> int:
     from .. import verify
 
     say = (lambda message: print(f"... {message}", file=sys.stderr, flush=True)) if show_progress(args) else None
     report = verify.verify(args.target, args.engine, length=args.length, timeout=args.timeout,
-                           declared_by=args.declared_by, progress=say)
+                           declared_by=args.declared_by, progress=say, hf_overrides=args.hf_overrides)
     if args.json:
         dump(report.to_json())
     else:

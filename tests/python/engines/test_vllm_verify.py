@@ -100,3 +100,25 @@ def test_vllm_gives_a_deepseek_v3_checkpoint_a_verdict(folder):
     assert served.verdict == "exact", report.text()
     assert scaled.verdict not in ("refused", "short") and "no answer" not in scaled.detail, report.text()
     assert len(report.distances) > 2 and all(v < 1.0 for v in report.distances.values()), report.text()
+
+
+def test_vllm_names_a_rope_key_and_an_override_it_does_not_take(folder):
+    """Issue 60 on vLLM: a YaRN x4 under a misspelled key in config.json and a top-level rope_theta beside
+    rope_parameters (vLLM reads the config through transformers 5: neither taken), and an hf_overrides key vLLM
+    stores on the config but never reads. Each named, exit 1 (the probe alone: plain RoPE declared, plain RoPE run,
+    exact). One engine start."""
+    import json
+
+    path = saved_llama(folder / "planted", rope_type="default", max_position_embeddings=4 * ORIGINAL)
+    config = json.loads((path / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0}
+    config.update(rope_scalings=yarn, rope_theta=500000.0)
+    (path / "config.json").write_text(json.dumps(config))
+    # (length below the served 256: vLLM refuses a prompt of max_model_len tokens plus the one it generates)
+    report = verify.verify(path, "vllm", hf_overrides={"rope_scalinq": yarn}, length=2 * ORIGINAL)
+    print(report.text())
+    assert [(c.name, c.verdict) for c in report.checks] == [
+        ("served length", "exact"), ("scaling", "exact"), ("rope keys", "ignored")], report.text()
+    for named in ("rope_scalings (config.json)", "rope_theta (config.json)", "rope_scalinq (hf_overrides)"):
+        assert named in report.checks[-1].detail, report.text()
+    assert report.exit_code == 1

@@ -315,3 +315,140 @@ def test_the_verdict_names_the_formula_a_deepseek_engine_runs(deepseek_checkpoin
     check = verify.verify(deepseek_checkpoint, "transformers").checks[-1]
     assert check.verdict == ("ignored" if planted == "ignored" else "different"), check.detail
     assert planted in check.detail or planted == "ignored", check.detail
+
+
+# Issue 60: a rope scaling written where the engine does not look. verify reads the raw config.json (a GGUF's raw
+# keys) beside the engine's parsed config and names each rope-like key the engine did not take: "rope keys" ignored.
+PLANTED_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0}
+PLANTED = {  # name: (edit of a plain tiny Llama's config.json, the key the report names)
+    "misspelled": (lambda c: c.update(rope_scalings=dict(PLANTED_YARN)), "rope_scalings"),
+    # transformers 5 lets rope_scaling win: the plain rope_parameters beside it is the key not taken
+    "beside": (lambda c: c.update(rope_scaling=dict(PLANTED_YARN)), "rope_parameters"),
+    "text_config": (lambda c: c.update(text_config={"rope_scaling": dict(PLANTED_YARN)}), "text_config.rope_scaling"),
+    # transformers 5 reads rope_theta inside rope_parameters only: a top-level one beside it is dropped
+    "no_longer_read": (lambda c: c.update(rope_theta=500000.0), "rope_theta"),
+}
+
+
+def planted_llama(folder, *edits):
+    path = saved_llama(folder, rope_type="default")
+    config = json.loads((path / "config.json").read_text())
+    for edit in edits:
+        edit(config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def parsed_view(path):
+    from ropescale import _verify_probe
+
+    return _verify_probe.config_view(transformers.AutoConfig.from_pretrained(path))
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_rope_key_transformers_does_not_take_is_named(tmp_path, case):
+    from ropescale import _verify_keys
+
+    edit, key = PLANTED[case]
+    path = planted_llama(tmp_path / case, edit)
+    unread = _verify_keys.unread(path, "transformers", parsed_view(path))
+    assert [u.key for u in unread] == [key] and unread[0].where == "config.json", [u.text() for u in unread]
+
+
+def test_a_rope_scaling_outside_a_multimodal_models_text_config_is_named(tmp_path):
+    """Gemma 3 (vision-language): its language model's rope is text_config's; a rope_scaling on the outer config is
+    read by no one."""
+    from ropescale import _verify_keys
+
+    path = tmp_path / "gemma3"
+    path.mkdir()
+    config = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "rope_theta": 1000000.0,
+                                                      "rope_local_base_freq": 10000.0},
+              "vision_config": {"model_type": "siglip_vision_model"}}
+    (path / "config.json").write_text(json.dumps(config))
+    assert _verify_keys.unread(path, "transformers", parsed_view(path)) == []  # as shipped: every key taken
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    (path / "config.json").write_text(json.dumps(config))
+    assert [u.key for u in _verify_keys.unread(path, "transformers", parsed_view(path))] == ["rope_scaling"]
+    config["text_config"]["rope_scaling"] = config.pop("rope_scaling")  # where Gemma 3's own checkpoints put it
+    (path / "config.json").write_text(json.dumps(config))
+    assert _verify_keys.unread(path, "transformers", parsed_view(path)) == []
+
+
+def test_overrides_the_engine_does_not_take_are_named():
+    """vLLM's hf_overrides, held against what the engine parsed (here a Llama config with the overrides applied as
+    vLLM applies a dict one: set on the config)."""
+    from ropescale import _verify_keys
+
+    config = transformers.LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.rope_scalings = dict(PLANTED_YARN)  # stored, read by no one
+    from ropescale import _verify_probe
+
+    view = _verify_probe.config_view(config)
+    unread = _verify_keys.unread_config({"rope_scalings": dict(PLANTED_YARN), "rope_parameters": dict(
+        rope_type="default", rope_theta=10000.0)}, view, "hf_overrides")
+    assert [(u.key, u.where) for u in unread] == [("rope_scalings", "hf_overrides")], [u.text() for u in unread]
+
+
+def test_a_rope_scaling_transformers_does_not_read_never_exits_0(tmp_path, capsys):
+    """The issue's case: YaRN x4 under a misspelled key, no ropescale record. Declared and engine both read plain RoPE
+    (the same config class): the probe alone called it exact, exit 0. With a dropped top-level rope_theta: both named."""
+    cases = ["misspelled", "no_longer_read"]  # (beside: the yarn rope_scaling taken would hold rope_scalings' value)
+    path = planted_llama(tmp_path / "planted", *(PLANTED[c][0] for c in cases))
+    assert cli.main(["verify", str(path), "--engine", "transformers", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [(c["name"], c["verdict"]) for c in out["checks"]] == [
+        ("served length", "exact"), ("scaling", "exact"), ("rope keys", "ignored")], json.dumps(out, indent=1)
+    for case in cases:
+        assert f"{PLANTED[case][1]} (config.json)" in out["checks"][-1]["detail"], out["checks"][-1]["detail"]
+    # a text_config on a Llama: transformers refuses the model (its config is a dict there); the key is named too
+    report = verify.verify(planted_llama(tmp_path / "text", PLANTED["text_config"][0]), "transformers")
+    assert [c.verdict for c in report.checks] == ["refused", "ignored"], report.text()
+    assert "text_config.rope_scaling (config.json)" in report.checks[-1].detail and report.exit_code == 1
+
+
+def test_a_clean_checkpoint_has_no_unread_rope_key(yarn_checkpoint):
+    from ropescale import _verify_keys
+
+    assert _verify_keys.unread(yarn_checkpoint, "transformers", parsed_view(yarn_checkpoint)) == []
+
+
+def tiny_gguf(path, **keys):
+    """A GGUF of a llama's keys only (no tensors): what the raw-key scan reads."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(4 * ORIGINAL)
+    writer.add_embedding_length(64)
+    writer.add_head_count(1)
+    writer.add_rope_dimension_count(64)
+    writer.add_rope_freq_base(10000.0)
+    for key, value in keys.items():
+        kind = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT32,
+                bool: gguf.GGUFValueType.BOOL}[type(value)]
+        writer.add_key_value(key, value, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_rope_keys_an_engine_does_not_read_are_named(tmp_path):
+    """llama.cpp reads {arch}.rope.* under LLM_KV's names (LLAMA_CPP_KEYS); transformers' GGUF loader the keys of its
+    GGUF_CONFIG_MAPPING (no rope scaling for llama). A misspelled key, one under another architecture: named."""
+    from ropescale import _verify_keys
+
+    clean = tiny_gguf(tmp_path / "clean.gguf", **{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                                 "llama.rope.scaling.original_context_length": ORIGINAL})
+    assert _verify_keys.unread_gguf(clean, "llama.cpp") == []
+    # transformers reads no rope scaling from a llama GGUF: each scaling key is named, rope.freq_base is read
+    assert {u.key for u in _verify_keys.unread_gguf(clean, "transformers")} == {
+        "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scaling.original_context_length"}
+    planted = tiny_gguf(tmp_path / "planted.gguf", **{"llama.rope.scaling.type": "yarn",
+                                                     "llama.rope.scaling.factors": 4.0,
+                                                     "qwen2.rope.scaling.factor": 4.0,
+                                                     "llama.rope.scaling.attn_factor": 1.0})  # neutral: not named
+    unread = {u.key: u for u in _verify_keys.unread_gguf(planted, "llama.cpp")}
+    assert set(unread) == {"llama.rope.scaling.factors", "qwen2.rope.scaling.factor"}, [u.text() for u in unread.values()]
+    assert "did you mean llama.rope.scaling.factor" in unread["llama.rope.scaling.factors"].why
+    assert "architecture 'llama'" in unread["qwen2.rope.scaling.factor"].why
