@@ -4,9 +4,11 @@ Run as a script (``python _verify_probe.py JOB.json``), never imported by ropesc
 only what a user's would (transformers without ropescale's rope types; vLLM with the plugins vLLM itself loads;
 llama.cpp). The job: {"engine", "target" (a checkpoint directory or a GGUF file), "tokens", "length"}. Output: one
 line ``PROBE {json}`` with "logprobs" (the log-probability of each prompt token after the first, float64), "version",
-"max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "notes",
-"config" (what the engine parsed of the target's rope: :func:`config_view`), or "error" (the engine refused the target
-or the prompt: its message).
+"max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "planned"
+(the request's planned length as the engine counts it, prompt + the tokens it asks for: a per-request method's table
+is the one of that length; every probe plans the probe's own length, and runs no position past it), "dtype" (what
+the engine computes in: ``verify.BOUNDS``), "notes", "config" (what the engine parsed of the target's rope:
+:func:`config_view`), or "error" (the engine refused the target or the prompt: its message).
 """
 
 import json
@@ -112,6 +114,7 @@ def transformers_probe(job):
 
         config["gguf_read"] = {arch: sorted(keys) for arch, keys in GGUF_CONFIG_MAPPING.items()}
     return {"logprobs": logprobs, "version": f"transformers {transformers.__version__}", "max_length": None,
+            "planned": len(job["tokens"]), "dtype": "float32",
             "notes": [f"max_position_embeddings {getattr(model.config, 'max_position_embeddings', None)} "
                       "(transformers serves any length)"], "config": config}
 
@@ -152,14 +155,24 @@ def vllm_probe(job):
             notes.append("MLA on vLLM's CPU backend: attention_backend CPU_MLA (float32)")
     llm = LLM(model=job["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=max(length, derived),
               enforce_eager=True, seed=0, hf_overrides=overrides, **options)
-    out = llm.generate([TokensPrompt(prompt_token_ids=job["tokens"])],
-                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    # vLLM serves a prompt shorter than max_model_len only (prompt + the token it asks for): the prompt is the probe
+    # less its last token, which the one generated step scores (its logits are the last prompt row's; the raw
+    # log-probability, taken before allowed_token_ids masks the rest). The request's planned length (prompt +
+    # max_tokens, a per-request method's table) is then the probe's length, and no position past it runs.
+    tokens = job["tokens"]
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens[:-1])],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0,
+                                      allowed_token_ids=[tokens[-1]]), use_tqdm=False)[0]
     logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    step = out.outputs[0]
+    if list(step.token_ids) != [tokens[-1]] or tokens[-1] not in step.logprobs[0]:
+        raise RuntimeError(f"vLLM generated {list(step.token_ids)}, not the probe's last token {tokens[-1]}")
+    logprobs.append(step.logprobs[0][tokens[-1]].logprob)
     plugin = "ropescale.vllm.rotary" in sys.modules  # imported by the plugin only when it is active
     notes.append("ropescale's vLLM plugin loaded" if plugin else "ropescale's vLLM plugin not loaded (stock vLLM)")
     served = getattr(getattr(llm, "llm_engine", None), "model_config", None) or model_config
     return {"logprobs": logprobs, "version": f"vLLM {vllm.__version__}", "max_length": derived, "notes": notes,
-            "config": config_view(served.hf_config)}
+            "planned": len(tokens[:-1]) + 1, "dtype": "float32", "config": config_view(served.hf_config)}
 
 
 def llama_cpp_probe(job):
@@ -176,7 +189,15 @@ def llama_cpp_probe(job):
     logprobs = _log_probs_of(((start, scores[start: start + CHUNK]) for start in range(0, len(scores), CHUNK)),
                              tokens)
     return {"logprobs": logprobs, "version": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
-            "max_length": int(llm._model.n_ctx_train()), "notes": ["K and V cache in float32"]}
+            "max_length": int(llm._model.n_ctx_train()), "notes": ["K and V cache in float32"],
+            "planned": len(tokens), "dtype": _gguf_dtype(llm)}
+
+
+def _gguf_dtype(llm):
+    """"float32" for a GGUF of float32 weights (general.file_type 0, ALL_F32), else its file type: llama.cpp computes
+    a quantised or float16 weight's products from activations rounded to that type."""
+    file_type = str((getattr(llm, "metadata", None) or {}).get("general.file_type", ""))
+    return "float32" if file_type == "0" else f"GGUF file type {file_type or 'unknown'}"
 
 
 PROBES = {"transformers": transformers_probe, "vllm": vllm_probe, "llama.cpp": llama_cpp_probe}

@@ -9,13 +9,14 @@ float32) under the declared method and under each way an engine is known to get 
 scaling ignored, one parameter at the value an engine takes when it does not read the key, the attention factor 1
 (mscale lost), Resonance's rounding dropped, a dynamic scale fixed at the served length, a raw-key attention ignored.
 
-The verdict is the hypothesis the engine is nearest, when it is clearly nearest: its distance (mean |delta log p|
-over the prompt) at most a quarter of that hypothesis's distance to every other; else the engine computes something
-none of them explains, which is said with the distances. Per check: ``exact``, ``different`` (the parameter, the
-engine's and the declared value, the size of the difference), ``ignored``, ``short`` (not served past length N),
-``refused`` (the engine said so: not silent) or ``inconclusive``. A rope-like key of the target (or of the overrides
-passed to the engine) that the engine did not take is a ``rope keys`` check, ``ignored``, naming it
-(``_verify_keys``). Exit code 0 when every check is exact.
+The verdict has an absolute bound (:data:`BOUNDS`, :func:`bound_for`: the engine's own float32 noise): ``exact``
+only when the engine's distance to the declared method (mean |delta log p| over the prompt) is within it; else the
+wrong formula within the bound of the engine: ``different`` (the parameter, the engine's and the declared value, the
+size of the difference) or ``ignored``; else ``unexplained``, with the size. Also ``short`` (not served past length
+N), ``refused`` (the engine said so: not silent) or ``inconclusive`` (no answer, nothing to tell apart). Each check
+carries its distance and bound. A rope-like key of the target (or of the overrides passed to the engine) that the
+engine did not take is a ``rope keys`` check, ``ignored``, naming it (``_verify_keys``). Exit code 0 when every check
+is exact.
 """
 
 from __future__ import annotations
@@ -63,9 +64,15 @@ ENGINES = {e.name: e for e in (
            "method into it with `ropescale extend SRC.gguf DST.gguf --method ...`, and verify DST.gguf"),
 )}
 
-VERDICTS = ("exact", "different", "ignored", "short", "refused", "inconclusive")
-CLEAR = 4.0  # the engine must be this many times nearer its hypothesis than that hypothesis is to any other
+VERDICTS = ("exact", "different", "ignored", "unexplained", "short", "refused", "inconclusive")
 SAME = 1e-6  # hypotheses whose log-probabilities differ by less (mean nats) cannot be told apart: merged
+#: The absolute bound (mean |delta log p|, nats) of an engine's own numerical noise, per engine and the dtype it
+#: computes in (the probe's answer "dtype"): "exact" only within it. Measured (docs/DESIGN.md, "Verifying an engine"):
+#: float32 engines are 0.5e-6 to 1.4e-6 nats from ropescale's float64 forward of the same formula on the tiny models
+#: of the tests; the bound leaves a margin of about 8. A probe's bound is also at least NOISE_MARGIN times its own
+#: float32 reference's distance to the float64 one (a deeper model, a longer probe: more float32 noise).
+BOUNDS = {("transformers", "float32"): 1e-5, ("vllm", "float32"): 1e-5, ("llama.cpp", "float32"): 1e-5}
+NOISE_MARGIN = 4.0
 
 
 @dataclass(frozen=True)
@@ -240,7 +247,10 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
                                            f"{d.attention} attention", m, key="attention",
                               declared_value=d.attention, engine_value="sdpa"))
     for p in type(m).parameters():
-        if p.hf_key is None or p.required:
+        # every key the config carries, a required one too (Llama 3's low/high_freq_factor at Meta's values); a
+        # factor ignored is the "ignored" hypothesis, and a key without a default an engine could take is skipped
+        # (the replace below refuses it)
+        if p.hf_key is None or p.name == "factor" and p.required:
             continue
         value = getattr(m, p.name)
         unread = d.config_length if p.fallback == scaling.FROM_CONFIG_LENGTH else p.default
@@ -256,6 +266,12 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("attention_factor", "applied with a different formula: the attention factor (mscale) "
                                                   "lost", dataclasses.replace(m, attention_factor_override=1.0),
                               d.attention, d.parameters, "attention factor", m.attention_factor, 1.0))
+    if isinstance(m, scaling.LongRoPE) and m.short_factor != m.long_factor:
+        # vLLM's own longrope takes the long factors at every length once max_model_len passes the original length
+        out.append(Hypothesis("parameter", "applied with a different formula: the short table ignored (the long "
+                                           "factors at every length)",
+                              dataclasses.replace(m, short_factor=m.long_factor),
+                              d.attention, d.parameters, "short_factor", "declared", "long_factor"))
     if m.resonance:
         out.append(Hypothesis("parameter", "applied with a different formula: Resonance's rounding lost",
                               dataclasses.replace(m, resonance=False), d.attention, d.parameters, "resonance", True,
@@ -309,10 +325,28 @@ def _reference_model(target: Path):
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
 
-def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
+def reference_logprobs(model, h: Hypothesis, tokens: list[int], planned: int | None = None) -> torch.Tensor:
     """ropescale's forward of ``model`` under hypothesis ``h``: float64 log-probability of each token after the
-    first, scored by the same function as the transformers engine's (``_verify_probe.transformers_logprobs``)."""
-    from . import _verify_probe, hf
+    first, scored by the same function as the transformers engine's (``_verify_probe.transformers_logprobs``).
+    ``planned``: the request's planned length as the engine counted it (prompt + the tokens it asked for; default
+    the prompt's): a per-request method's table is that length's (``hf.request``)."""
+    from . import hf
+
+    planned = len(tokens) if planned is None else int(planned)
+    if planned < len(tokens):
+        raise ValueError(f"a planned length {planned} shorter than the probe's {len(tokens)} tokens")
+
+    def score(patched):
+        from . import _verify_probe
+
+        with hf.request(patched, max_new_tokens=planned - len(tokens)):
+            return torch.tensor(_verify_probe.transformers_logprobs(patched, tokens), dtype=torch.float64)
+
+    return _reference_forward(model, h, score)
+
+
+def _reference_forward(model, h: Hypothesis, score) -> torch.Tensor:
+    from . import hf
     from .hf import architectures
 
     arch = architectures.find(model.config)
@@ -324,13 +358,23 @@ def reference_logprobs(model, h: Hypothesis, tokens: list[int]) -> torch.Tensor:
             warnings.filterwarnings("ignore", message="ropescale: ", category=UserWarning)
             model = _built_with(model, h)
             hf.patch(model, attention=h.attention, **h.parameters)
-        return torch.tensor(_verify_probe.transformers_logprobs(model, tokens), dtype=torch.float64)
+        return score(model)
     # the attention always named: None would keep the checkpoint's own (a ReRoPE checkpoint's "plain" hypothesis)
     hf.patch(model, h.method, attention=h.attention, **h.parameters)
     try:
-        return torch.tensor(_verify_probe.transformers_logprobs(model, tokens), dtype=torch.float64)
+        return score(model)
     finally:
         hf.unpatch(model)
+
+
+def _float64_reference(model, h: Hypothesis, tokens: list[int], planned: int | None = None) -> torch.Tensor:
+    """:func:`reference_logprobs` with ``model`` in float64 (converted in place and back: float32 -> float64 ->
+    float32 is exact), which measures the float32 reference's own noise."""
+    torch.nn.Module.double(model)  # nn.Module's: transformers refuses .float() of a model a GGUF was dequantised to
+    try:
+        return reference_logprobs(model, h, tokens, planned)
+    finally:
+        torch.nn.Module.float(model)
 
 
 def _built_with(model, h: Hypothesis):
@@ -354,6 +398,14 @@ class Check:
     name: str  # "served length", "scaling"
     verdict: str  # one of VERDICTS
     detail: str
+    distance: float | None = None  # the engine's from the declared (scaling: mean |delta log p| nats; length: tokens)
+    bound: float | None = None  # "exact" only when distance <= bound
+
+    def measured(self) -> str:
+        if self.distance is None:
+            return ""
+        bound = "none stated" if self.bound is None else f"{self.bound:.3g}"
+        return f" [distance {self.distance:.3g}, bound {bound}]"
 
     @property
     def ok(self) -> bool:
@@ -382,7 +434,8 @@ class Report:
                  "of the same weights"]
         lines += [f"  note: {n}" for n in self.notes]
         width = max(len(c.name) for c in self.checks)
-        lines += [f"  {c.name:<{width}}  {c.verdict.upper() if not c.ok else 'exact'}: {c.detail}" for c in self.checks]
+        lines += [f"  {c.name:<{width}}  {c.verdict.upper() if not c.ok else 'exact'}: {c.detail}{c.measured()}"
+                  for c in self.checks]
         failed = sum(not c.ok for c in self.checks)
         lines.append(f"{'every check passed' if not failed else f'{failed} of {len(self.checks)} checks failed'} "
                      f"(exit {self.exit_code})")
@@ -423,38 +476,70 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 def _served_check(d: Declared, engine: str, max_length: int | None) -> Check:
     if max_length is None:
         return Check("served length", "exact", f"{engine} bounds no length; the target is served to {d.served}")
+    gap = dict(distance=float(abs(max_length - d.served)), bound=0.0)
     if max_length < d.served:
         return Check("served length", "short", f"not served past length {max_length}: the engine reads "
-                                                f"{max_length}, the target declares {d.served}")
+                                                f"{max_length}, the target declares {d.served}", **gap)
     if max_length > d.served:
         return Check("served length", "different", f"the engine serves {max_length} tokens, the target declares "
-                                                    f"{d.served}: past {d.served} the table is not the one declared")
-    return Check("served length", "exact", f"{max_length} tokens, as declared")
+                                                    f"{d.served}: past {d.served} the table is not the one declared",
+                     **gap)
+    return Check("served length", "exact", f"{max_length} tokens, as declared", **gap)
+
+
+def bound_for(engine: str, dtype: str, noise: float) -> float | None:
+    """The absolute bound of an ``exact`` verdict (:data:`BOUNDS`): the stated one of ``engine`` computing in
+    ``dtype``, at least :data:`NOISE_MARGIN` x ``noise`` (the float32 reference's distance to the float64 one on
+    this probe); None where no bound is stated (no verdict is then ``exact``)."""
+    stated = BOUNDS.get((engine, dtype))
+    return None if stated is None else max(stated, NOISE_MARGIN * noise)
 
 
 def _scaling_check(hs: list[Hypothesis], logprobs: dict[int, torch.Tensor], engine: torch.Tensor,
-                   distances: dict[str, float]) -> Check:
+                   distances: dict[str, float], bound: float | None, dtype: str = "float32") -> Check:
+    """The verdict (module docstring): ``exact`` when the engine is within ``bound`` of the declared method; else the
+    wrong formula within ``bound`` of the engine (``different`` naming the key, ``ignored``); else ``unexplained``,
+    with the size and the nearest formulas."""
+    d_declared = _distance(engine, logprobs[0])
+    size = (f"mean |delta log p| {d_declared:.3g} nats against the declared "
+            f"(max {(engine - logprobs[0]).abs().max():.3g})")
     if len(hs) == 1:  # nothing to tell the declared method from: no verdict
         return Check("scaling", "inconclusive", "at this length every checked formula gives the declared "
-                                                "log-probabilities: probe past the original length (--length)")
+                                                "log-probabilities: probe past the original length (--length)",
+                     d_declared, bound)
+    if bound is None:
+        return Check("scaling", "inconclusive", f"no bound is stated for this engine computing in {dtype} "
+                                                f"(verify.BOUNDS): {size}", d_declared, bound)
     near = sorted(range(len(hs)), key=lambda i: _distance(engine, logprobs[i]))
-    best = near[0]
-    d_best = _distance(engine, logprobs[best])
-    neighbour = min((i for i in range(len(hs)) if i != best), key=lambda i: _distance(logprobs[best], logprobs[i]))
-    separation = _distance(logprobs[best], logprobs[neighbour])
-    h, d_declared = hs[best], _distance(engine, logprobs[0])
-    size = f"mean |delta log p| {d_declared:.3g} nats against the declared (max {(engine - logprobs[0]).abs().max():.3g})"
-    if d_best * CLEAR > separation:
+    if d_declared <= bound:
+        neighbour = min(range(1, len(hs)), key=lambda i: _distance(logprobs[0], logprobs[i]))
+        return Check("scaling", "exact", f"mean |delta log p| {d_declared:.3g} nats (the nearest other formula, "
+                                         f"{_label(hs[neighbour])}, is "
+                                         f"{_distance(logprobs[0], logprobs[neighbour]):.3g} away)", d_declared, bound)
+    within = [i for i in near if i != 0 and _distance(engine, logprobs[i]) <= bound]
+    if not within:
         nearest = ", ".join(f"{_label(hs[i])} {distances[_label(hs[i])]:.3g}" for i in near[:3])
-        return Check("scaling", "inconclusive", f"no checked formula explains the engine: mean |delta log p| to "
-                                                f"{nearest} nats; {size}")
-    if h.kind == "declared":
-        return Check("scaling", "exact", f"mean |delta log p| {d_best:.3g} nats (the nearest other formula, "
-                                         f"{_label(hs[neighbour])}, is {separation:.3g} away)")
+        return Check("scaling", "unexplained", f"no checked formula explains the engine within the bound "
+                                               f"{bound:.3g}: mean |delta log p| to {nearest} nats; {size}",
+                     d_declared, bound)
+    h = hs[within[0]]
+    also = "".join(f"; as near (within the bound), {_label(hs[i])}" for i in within[1:])
+    at = f" (the engine is {_distance(engine, logprobs[within[0]]):.3g} from it)"
     if h.kind == "ignored":
-        return Check("scaling", "ignored", f"{h.says}; {size}")
-    detail = f"{h.says}: {h.names()}; {size}"
-    return Check("scaling", "different", detail)
+        return Check("scaling", "ignored", f"{h.says}{at}{also}; {size}", d_declared, bound)
+    return Check("scaling", "different", f"{h.says}: {h.names()}{at}{also}; {size}", d_declared, bound)
+
+
+def _planned(answer: dict, d: Declared, length: int, notes: list[str]) -> int:
+    """The request's planned length as the engine counted it (prompt + the tokens it asked for), which the reference
+    of a per-request method plans too: the probe's own length when the engine does not say."""
+    planned = int(answer.get("planned") or length)
+    if planned < length:
+        raise RuntimeError(f"the engine planned {planned} tokens for a probe of {length}: a probe bug, please report")
+    if planned != length and d.method.per_request:
+        notes.append(f"the engine planned the request at {planned} tokens (prompt + the tokens it asked for): the "
+                     f"reference's per-request table is that length's")
+    return planned
 
 
 def _label(h: Hypothesis) -> str:
@@ -537,21 +622,33 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                           notes + list(answer.get("notes", [])))
         notes.append(f"the scaling is judged on the first {usable} positions (the finite ones)")
     engine_logprobs = engine_logprobs[:usable]
+    planned = _planned(answer, d, length, notes)
     model = _reference_model(source)
     logprobs = {}
     for i, h in enumerate(hs):
         say(f"ropescale: {_label(h)} ({i + 1} of {len(hs)})")
-        logprobs[i] = reference_logprobs(model, h, tokens)[:usable]
+        logprobs[i] = reference_logprobs(model, h, tokens, planned)[:usable]
         if not torch.isfinite(logprobs[i]).all():
             raise RuntimeError(f"ropescale's forward under {_label(h)} is not finite: a ropescale bug, please report")
-    keep = [i for i in range(len(hs)) if i == 0 or _distance(logprobs[i], logprobs[0]) > SAME]
+    say("ropescale: the declared method in float64 (the float32 reference's own noise)")
+    try:
+        noise = _distance(logprobs[0], _float64_reference(model, hs[0], tokens, planned)[:usable])
+        measured = f"ropescale's float32 reference is {noise:.3g} from its float64 one"
+    except (RuntimeError, TypeError, NotImplementedError) as err:  # a kernel without float64 (grouped_mm's MoE)
+        noise, measured = 0.0, f"the float64 reference did not run ({str(err).splitlines()[0][:80]}): the stated bound"
+    dtype = str(answer.get("dtype", "float32"))
+    bound = bound_for(engine, dtype, noise)
+    apart = max(SAME, 2 * bound) if bound is not None else SAME  # nearer: the probe cannot tell them apart
+    keep = [i for i in range(len(hs)) if i == 0 or _distance(logprobs[i], logprobs[0]) > apart]
     merged = [_label(hs[i]) for i in range(len(hs)) if i not in keep]
     if merged:
-        notes.append(f"at {length} tokens these give the declared log-probabilities (not checked): "
-                     f"{', '.join(merged)}")
+        notes.append(f"at {length} tokens these give the declared log-probabilities within {apart:.3g} nats (not "
+                     f"checked: the probe cannot tell them apart): {', '.join(merged)}")
+    notes.append(f"bound of an exact verdict {'none stated' if bound is None else f'{bound:.3g}'} nats ({engine} in "
+                 f"{dtype}; {measured})")
     hs, logprobs = [hs[i] for i in keep], {j: logprobs[i] for j, i in enumerate(keep)}
     distances = {_label(h): _distance(engine_logprobs, logprobs[i]) for i, h in enumerate(hs)}
-    checks = [served, _scaling_check(hs, logprobs, engine_logprobs, distances)]
+    checks = [served, _scaling_check(hs, logprobs, engine_logprobs, distances, bound, dtype)]
     checks += filter(None, [_verify_keys.check(target, engine, answer, hf_overrides)])
     return Report(shown, engine, answer.get("version", engine), d.describe(), length, checks, distances,
                   notes + list(answer.get("notes", [])))

@@ -15,12 +15,14 @@ _DESCRIPTION = (
     "same weights under the declared method and under each known way of getting it wrong: the scaling ignored, a "
     "key the engine does not read (its default instead), the attention factor (mscale) lost, Resonance's rounding "
     "dropped, a dynamic scale fixed at one length, a raw-key attention ignored.",
-    "Per check (served length, scaling): exact; different (the parameter, the engine's and the declared value, the "
-    "size of the difference in nats); ignored; short (not served past length N, or not finite past it); refused "
-    "(the engine said so); inconclusive (no known formula explains the engine); and, when TARGET (or --hf-overrides) holds "
-    "a rope-like key the engine did not take (a misspelled key, one at a place the engine does not read, one its "
-    "version no longer reads), rope keys: ignored, naming each. Exit 0 when every check is exact, "
-    "1 otherwise, 2 for a bad argument.",
+    "Per check (served length, scaling), with its distance and the bound of an exact verdict (the engine's own "
+    "float32 noise: 1e-5 nats, more where the float32 reference is noisier): exact (within the bound); different "
+    "(the parameter, the engine's and the declared value, the size of the difference in nats); ignored; "
+    "unexplained (no known formula within the bound of the engine, with the size); short (not served past length "
+    "N, or not finite past it); refused (the engine said so); inconclusive (no answer, or nothing to tell apart); "
+    "and, when TARGET (or --hf-overrides) holds a rope-like key the engine did not take (a misspelled key, one at a "
+    "place the engine does not read, one its version no longer reads), rope keys: ignored, naming each. Exit 0 when "
+    "every check is exact, 1 otherwise, 2 for a bad argument.",
     "Each engine is imported only when asked for: transformers (plain, as from_pretrained loads the target), vllm "
     "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), llama.cpp (llama-cpp-python, a GGUF).",
 )

@@ -122,3 +122,33 @@ def test_vllm_names_a_rope_key_and_an_override_it_does_not_take(folder):
     for named in ("rope_scalings (config.json)", "rope_theta (config.json)", "rope_scalinq (hf_overrides)"):
         assert named in report.checks[-1].detail, report.text()
     assert report.exit_code == 1
+@pytest.mark.parametrize("length", [None, 4 * ORIGINAL])
+def test_vllm_probes_fit_the_served_length_and_a_per_request_table_is_the_probes_own(folder, length):
+    """Issue 59: a per-request Dynamic-YaRN checkpoint served by the plugin is exact at the default probe length and
+    at the served length. The probe once asked vLLM for a token past a prompt as long as max_model_len (refused at the
+    served length), and the reference planned the prompt alone while vLLM planned prompt + 1 (0.0151 nats, read as
+    "exact")."""
+    from ropescale import hf
+    from support.vllm_testing import served_llama
+
+    path = folder / "per-request"
+    if not path.exists():
+        model = served_llama()
+        hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+        model.config.model_max_length = 4 * ORIGINAL
+        model.save_pretrained(path)
+    report = verify.verify(path, "vllm", length=length)
+    print(report.text())
+    assert report.length == (length or 2 * ORIGINAL)
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+    assert report.checks[-1].distance <= report.checks[-1].bound <= 1e-5, report.text()
+
+
+def test_stock_vllm_is_exact_on_a_yarn_checkpoint_at_its_served_length(folder, monkeypatch):
+    path = folder / "yarn"
+    if not path.exists():
+        saved_llama(path, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    monkeypatch.setenv("ROPESCALE_VLLM", "0")
+    report = verify.verify(path, "vllm", length=4 * ORIGINAL)
+    print(report.text())
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()

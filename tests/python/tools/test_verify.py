@@ -7,6 +7,7 @@ it): verify must name each, and pass the declared one. The real transformers run
 (exact), and a GGUF with a YaRN table (transformers' GGUF loader reads no rope scaling for llama: ignored)."""
 
 import importlib.util
+import os
 import json
 import math
 import re
@@ -30,16 +31,19 @@ def yarn_checkpoint(tmp_path_factory):
     return saved_llama(tmp_path_factory.mktemp("verify") / "yarn", YARN)
 
 
-def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0):
+def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0, plans=0, says=None):
     """Replaces the engine's process by ropescale's own forward under ``runs`` (a Hypothesis-like object with
-    method, attention, parameters): an engine that computes exactly that formula."""
+    method, attention, parameters): an engine that computes exactly that formula. ``plans``: the tokens it asks for
+    past the prompt (a per-request method's table is the one of prompt + plans); ``says``: the planned length it
+    answers (default: the one it used)."""
     def probe(engine, target, tokens, length, timeout):
         model = verify._reference_model(target)
-        lp = verify.reference_logprobs(model, runs, tokens)
+        lp = verify.reference_logprobs(model, runs, tokens, len(tokens) + plans)
         lp = lp + noise * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         if nan_from is not None:
             lp[nan_from:] = math.nan
-        return {"logprobs": lp.tolist(), "version": "fake", "max_length": None, "notes": []}
+        return {"logprobs": lp.tolist(), "version": "fake", "max_length": None, "notes": [],
+                "planned": len(tokens) + plans if says is None else says, "dtype": "float32"}
 
     monkeypatch.setattr(verify, "_run_probe", probe)
 
@@ -66,6 +70,15 @@ def test_hypotheses_are_every_key_an_engine_may_not_read():
     assert {None, "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "original_max_position_embeddings",
             "attention factor", "resonance"} <= named, named
     assert hs[0].kind == "declared" and hs[1].kind == "ignored"
+    # issue 59: the required keys with an engine's value too (Llama 3's at Meta's), LongRoPE's short table
+    llama3 = scaling.Llama3(factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position=64)
+    d = verify.Declared(llama3, 10000.0, 64, 64, 512, "test", vocab_size=256, config_length=512)
+    assert {"low_freq_factor", "high_freq_factor"} <= {h.key for h in verify.hypotheses(d, 128)[0]}
+    longrope = scaling.LongRoPE(short_factor=(1.0,) * 32, long_factor=(2.0,) * 32, original_max_position=64,
+                                factor=4.0)
+    d = verify.Declared(longrope, 10000.0, 64, 64, 256, "test", vocab_size=256, config_length=256)
+    short = next(h for h in verify.hypotheses(d, 32)[0] if h.key == "short_factor")
+    assert short.method.short_factor == longrope.long_factor
     # a dynamic method: also its table fixed at the served length
     dyn = verify.Declared(scaling.DynamicNTK(factor=4.0, original_max_position=ORIGINAL), 10000.0, 64, ORIGINAL,
                           4 * ORIGINAL, "test", vocab_size=256, config_length=ORIGINAL)
@@ -87,11 +100,63 @@ def test_the_verdict_names_the_formula_the_engine_runs(yarn_checkpoint, monkeypa
         assert planted in check.detail, check.detail
 
 
-def test_an_engine_no_formula_explains_is_inconclusive(yarn_checkpoint, monkeypatch):
+def test_an_engine_no_formula_explains_is_unexplained(yarn_checkpoint, monkeypatch):
     d = verify.declared(yarn_checkpoint)
     fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0], noise=0.5)
     report = verify.verify(yarn_checkpoint, "transformers")
-    assert report.checks[-1].verdict == "inconclusive" and report.exit_code == 1, report.text()
+    assert report.checks[-1].verdict == "unexplained" and report.exit_code == 1, report.text()
+
+
+@pytest.mark.parametrize("noise", [2e-4, 2e-5])
+def test_exact_only_within_the_bound(yarn_checkpoint, monkeypatch, noise):
+    """An engine nearest the declared method, far nearer than any other formula, but farther from it than the
+    bound (float32 noise: 1e-5 nats): not exact (issue 59; the rule "clearly nearest" called it exact). The report
+    prints the distance and the bound of every check."""
+    d = verify.declared(yarn_checkpoint)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0], noise=noise)
+    report = verify.verify(yarn_checkpoint, "transformers")
+    check = report.checks[-1]
+    assert check.distance > check.bound == verify.BOUNDS["transformers", "float32"], report.text()
+    assert check.verdict == "unexplained" and report.exit_code == 1, report.text()
+    assert f"[distance {check.distance:.3g}, bound 1e-05]" in report.text()
+    assert "[distance 0, bound 0]" not in report.text()  # the transformers engine bounds no length: none printed
+
+
+def test_every_exact_verdict_is_within_the_bound(yarn_checkpoint, monkeypatch):
+    d = verify.declared(yarn_checkpoint)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0])
+    check = verify.verify(yarn_checkpoint, "transformers").checks[-1]
+    assert check.verdict == "exact" and check.distance <= check.bound <= 1e-5, check
+
+
+@pytest.fixture(scope="module")
+def per_request_checkpoint(tmp_path_factory):
+    from ropescale import hf
+    from support.vllm_testing import served_llama
+
+    model = served_llama()
+    hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+    model.config.model_max_length = 4 * ORIGINAL
+    path = tmp_path_factory.mktemp("verify-per-request") / "dyn"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("length", [None, 4 * ORIGINAL])
+def test_a_per_request_reference_plans_the_probes_own_length(per_request_checkpoint, monkeypatch, length):
+    """A per-request method's table is the one of the request's planned length, prompt + the tokens it asks for: an
+    engine that plans the probe at its length + 1 (vLLM's prompt + max_tokens) is exact when it says so (issue 59: the
+    reference planned the prompt alone, 0.0151 nats from such an engine, and the verdict still read "exact"), and
+    one that says it planned the prompt alone is not (at the default length and at the served length)."""
+    d = verify.declared(per_request_checkpoint)
+    declared = verify.hypotheses(d, 2 * ORIGINAL)[0][0]
+    fake_engine(monkeypatch, declared, plans=1)
+    report = verify.verify(per_request_checkpoint, "transformers", length=length)
+    assert report.checks[-1].verdict == "exact" and report.distances["declared"] < 1e-5, report.text()
+    assert "the engine planned the request at" in report.text()
+    fake_engine(monkeypatch, declared, plans=1, says=report.length)
+    report = verify.verify(per_request_checkpoint, "transformers", length=length)
+    assert report.checks[-1].verdict == "unexplained" and report.distances["declared"] > 1e-3, report.text()
 
 
 def test_log_probabilities_that_stop_being_finite_are_a_length_not_served(yarn_checkpoint, monkeypatch):
@@ -452,3 +517,58 @@ def test_gguf_rope_keys_an_engine_does_not_read_are_named(tmp_path):
     assert set(unread) == {"llama.rope.scaling.factors", "qwen2.rope.scaling.factor"}, [u.text() for u in unread.values()]
     assert "did you mean llama.rope.scaling.factor" in unread["llama.rope.scaling.factors"].why
     assert "architecture 'llama'" in unread["qwen2.rope.scaling.factor"].why
+# Issue 59, planted engines: transformers itself (the engine's own process, plain transformers) with its YaRN made
+# to drop one key of rope_parameters (a sitecustomize on the process's path wraps ROPE_INIT_FUNCTIONS["yarn"]): the
+# verdict names that key. A key without a default in transformers (original_max_position_embeddings) takes the one
+# an engine falls back to, max_position_embeddings.
+PLANT = '''
+import os
+import transformers.modeling_rope_utils as rope
+
+KEY, YARN = os.environ["ROPESCALE_TEST_DROP"], rope.ROPE_INIT_FUNCTIONS["yarn"]
+
+
+def dropped(config, *args, **kwargs):
+    params = dict(config.rope_parameters)
+    if KEY == "original_max_position_embeddings":
+        params[KEY] = config.max_position_embeddings
+    else:
+        params.pop(KEY, None)  # called again on the same config (the weights' init): already dropped
+    config.rope_parameters = params
+    return YARN(config, *args, **kwargs)
+
+
+rope.ROPE_INIT_FUNCTIONS["yarn"] = dropped
+'''
+EVERY_KEY = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, beta_fast=4.0, beta_slow=2.0, truncate=False,
+                         mscale=0.707, mscale_all_dim=1.0)
+FACTOR_KEY = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.3)
+
+
+@pytest.fixture(scope="module")
+def planted_checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("verify-planted")
+    (folder / "site").mkdir()
+    (folder / "site" / "sitecustomize.py").write_text(PLANT)
+    return folder, {"every": saved_llama(folder / "every", EVERY_KEY), "factor": saved_llama(folder / "factor",
+                                                                                            FACTOR_KEY)}
+
+
+@pytest.mark.parametrize("key", [None, "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim",
+                                 "original_max_position_embeddings", "attention_factor"])
+def test_a_planted_transformers_that_drops_one_key_is_named(planted_checkpoints, monkeypatch, key):
+    folder, paths = planted_checkpoints
+    path = paths["factor" if key == "attention_factor" else "every"]
+    if key is not None:
+        monkeypatch.setenv("ROPESCALE_TEST_DROP", key)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder / "site"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    report = verify.verify(path, "transformers")
+    print(report.text())
+    check = report.checks[-1]
+    if key is None:
+        assert check.verdict == "exact" and check.distance <= check.bound, report.text()
+        return
+    assert check.verdict == "different" and report.exit_code == 1, report.text()
+    assert check.distance >= 1e-4, report.text()  # the key matters on this model
+    assert f"{key} " in check.detail, check.detail
