@@ -6,7 +6,8 @@ llama.cpp). The job: {"engine", "target" (a checkpoint directory or a GGUF file)
 line ``PROBE {json}`` with "logprobs" (the log-probability of each prompt token after the first, float64), "version",
 "max_length" (the longest prompt the engine serves by its own reading of the target, None: unbounded), "planned"
 (the request's planned length as the engine counts it, prompt + the tokens it asks for: a per-request method's table
-is the one of that length; every probe plans the probe's own length, and runs no position past it), "dtype" (what
+is the one of that length; every probe plans the probe's own length, and runs no position past it), "prompt" (the
+tokens of the engine's one forward, when not all of them: vLLM's, the probe less its last token), "dtype" (what
 the engine computes in: ``verify.BOUNDS``), "notes", "config" (what the engine parsed of the target's rope:
 :func:`config_view`), or "error" (the engine refused the target or the prompt: its message).
 """
@@ -32,13 +33,16 @@ def _log_probs_of(logits_rows, tokens):
     return out
 
 
-def transformers_logprobs(model, tokens):
+def transformers_logprobs(model, tokens, prompt=None):
     """A transformers causal LM's log-probabilities of ``tokens[1:]`` (the logits a chunk of rows at a time; Gemma's
-    final soft cap applied). ``ropescale.verify`` scores its reference with this function too."""
+    final soft cap applied), from one forward of ``tokens[:prompt]`` (default all; at least ``len(tokens) - 1``: a
+    length-dependent table is the one of the forward's length, as the engine's prefill had it). ``ropescale.verify``
+    scores its reference with this function too."""
     import torch
 
+    prompt = len(tokens) if prompt is None else prompt
     with torch.no_grad():
-        hidden = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]
+        hidden = model.get_decoder()(torch.tensor([tokens[:prompt]])).last_hidden_state[0]
         head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
 
         def chunks():
@@ -172,7 +176,8 @@ def vllm_probe(job):
     notes.append("ropescale's vLLM plugin loaded" if plugin else "ropescale's vLLM plugin not loaded (stock vLLM)")
     served = getattr(getattr(llm, "llm_engine", None), "model_config", None) or model_config
     return {"logprobs": logprobs, "version": f"vLLM {vllm.__version__}", "max_length": derived, "notes": notes,
-            "planned": len(tokens[:-1]) + 1, "dtype": "float32", "config": config_view(served.hf_config)}
+            "prompt": len(tokens) - 1, "planned": len(tokens[:-1]) + 1, "dtype": "float32",
+            "config": config_view(served.hf_config)}
 
 
 def llama_cpp_probe(job):

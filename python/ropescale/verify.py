@@ -325,22 +325,25 @@ def _reference_model(target: Path):
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
 
-def reference_logprobs(model, h: Hypothesis, tokens: list[int], planned: int | None = None) -> torch.Tensor:
+def reference_logprobs(model, h: Hypothesis, tokens: list[int], planned: int | None = None,
+                       prompt: int | None = None) -> torch.Tensor:
     """ropescale's forward of ``model`` under hypothesis ``h``: float64 log-probability of each token after the
     first, scored by the same function as the transformers engine's (``_verify_probe.transformers_logprobs``).
     ``planned``: the request's planned length as the engine counted it (prompt + the tokens it asked for; default
-    the prompt's): a per-request method's table is that length's (``hf.request``)."""
+    the prompt's): a per-request method's table is that length's (``hf.request``). ``prompt``: the tokens of the
+    engine's one forward (default all; vLLM's is the probe less its last token): a per-step table is that length's."""
     from . import hf
 
+    prompt = len(tokens) if prompt is None else int(prompt)
     planned = len(tokens) if planned is None else int(planned)
-    if planned < len(tokens):
-        raise ValueError(f"a planned length {planned} shorter than the probe's {len(tokens)} tokens")
+    if not len(tokens) - 1 <= prompt <= len(tokens) or planned < len(tokens):
+        raise ValueError(f"a forward of {prompt} tokens planned at {planned} for a probe of {len(tokens)}")
 
     def score(patched):
         from . import _verify_probe
 
-        with hf.request(patched, max_new_tokens=planned - len(tokens)):
-            return torch.tensor(_verify_probe.transformers_logprobs(patched, tokens), dtype=torch.float64)
+        with hf.request(patched, max_new_tokens=planned - prompt):
+            return torch.tensor(_verify_probe.transformers_logprobs(patched, tokens, prompt), dtype=torch.float64)
 
     return _reference_forward(model, h, score)
 
@@ -367,12 +370,13 @@ def _reference_forward(model, h: Hypothesis, score) -> torch.Tensor:
         hf.unpatch(model)
 
 
-def _float64_reference(model, h: Hypothesis, tokens: list[int], planned: int | None = None) -> torch.Tensor:
+def _float64_reference(model, h: Hypothesis, tokens: list[int], planned: int | None = None,
+                       prompt: int | None = None) -> torch.Tensor:
     """:func:`reference_logprobs` with ``model`` in float64 (converted in place and back: float32 -> float64 ->
     float32 is exact), which measures the float32 reference's own noise."""
     torch.nn.Module.double(model)  # nn.Module's: transformers refuses .float() of a model a GGUF was dequantised to
     try:
-        return reference_logprobs(model, h, tokens, planned)
+        return reference_logprobs(model, h, tokens, planned, prompt)
     finally:
         torch.nn.Module.float(model)
 
@@ -622,17 +626,17 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                           notes + list(answer.get("notes", [])))
         notes.append(f"the scaling is judged on the first {usable} positions (the finite ones)")
     engine_logprobs = engine_logprobs[:usable]
-    planned = _planned(answer, d, length, notes)
+    planned, prompt = _planned(answer, d, length, notes), int(answer.get("prompt") or length)
     model = _reference_model(source)
     logprobs = {}
     for i, h in enumerate(hs):
         say(f"ropescale: {_label(h)} ({i + 1} of {len(hs)})")
-        logprobs[i] = reference_logprobs(model, h, tokens, planned)[:usable]
+        logprobs[i] = reference_logprobs(model, h, tokens, planned, prompt)[:usable]
         if not torch.isfinite(logprobs[i]).all():
             raise RuntimeError(f"ropescale's forward under {_label(h)} is not finite: a ropescale bug, please report")
     say("ropescale: the declared method in float64 (the float32 reference's own noise)")
     try:
-        noise = _distance(logprobs[0], _float64_reference(model, hs[0], tokens, planned)[:usable])
+        noise = _distance(logprobs[0], _float64_reference(model, hs[0], tokens, planned, prompt)[:usable])
         measured = f"ropescale's float32 reference is {noise:.3g} from its float64 one"
     except (RuntimeError, TypeError, NotImplementedError) as err:  # a kernel without float64 (grouped_mm's MoE)
         noise, measured = 0.0, f"the float64 reference did not run ({str(err).splitlines()[0][:80]}): the stated bound"

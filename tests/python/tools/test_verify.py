@@ -31,19 +31,20 @@ def yarn_checkpoint(tmp_path_factory):
     return saved_llama(tmp_path_factory.mktemp("verify") / "yarn", YARN)
 
 
-def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0, plans=0, says=None):
+def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0, plans=0, says=None, short=False):
     """Replaces the engine's process by ropescale's own forward under ``runs`` (a Hypothesis-like object with
     method, attention, parameters): an engine that computes exactly that formula. ``plans``: the tokens it asks for
     past the prompt (a per-request method's table is the one of prompt + plans); ``says``: the planned length it
     answers (default: the one it used)."""
     def probe(engine, target, tokens, length, timeout):
         model = verify._reference_model(target)
-        lp = verify.reference_logprobs(model, runs, tokens, len(tokens) + plans)
+        prompt = len(tokens) - short  # short: vLLM's probe, a forward of all but the last token
+        lp = verify.reference_logprobs(model, runs, tokens, prompt + plans, prompt)
         lp = lp + noise * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         if nan_from is not None:
             lp[nan_from:] = math.nan
         return {"logprobs": lp.tolist(), "version": "fake", "max_length": None, "notes": [],
-                "planned": len(tokens) + plans if says is None else says, "dtype": "float32"}
+                "planned": prompt + plans if says is None else says, "prompt": prompt, "dtype": "float32"}
 
     monkeypatch.setattr(verify, "_run_probe", probe)
 
@@ -572,3 +573,14 @@ def test_a_planted_transformers_that_drops_one_key_is_named(planted_checkpoints,
     assert check.verdict == "different" and report.exit_code == 1, report.text()
     assert check.distance >= 1e-4, report.text()  # the key matters on this model
     assert f"{key} " in check.detail, check.detail
+
+
+def test_a_per_step_reference_runs_the_engines_own_forward(tmp_path, monkeypatch):
+    """vLLM's probe is a forward of all but the last token (its prompt fits max_model_len): a per-step dynamic
+    table is the one of that length, and so is the reference's (it was 0.0091 nats off: the table of the whole
+    probe)."""
+    path = saved_llama(tmp_path / "dynamic", rope_type="dynamic", factor=4.0)
+    d = verify.declared(path)
+    fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0], short=True, plans=1)
+    report = verify.verify(path, "transformers", length=2 * ORIGINAL)
+    assert report.checks[-1].verdict == "exact" and report.distances["declared"] < 1e-5, report.text()
