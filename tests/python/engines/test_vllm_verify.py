@@ -4,6 +4,8 @@ are named: a LongRoPE ``attention_factor`` it does not read (its own rule instea
 ``dynamic`` type, which it serves as plain RoPE up to ``max_position_embeddings`` and as NaN past it while deriving
 a max_model_len ``factor`` times longer (the plugin serves that one exactly)."""
 
+import os
+
 import pytest
 
 from support.vllm_testing import HEAD, ORIGINAL, require_vllm, saved_llama
@@ -152,3 +154,100 @@ def test_stock_vllm_is_exact_on_a_yarn_checkpoint_at_its_served_length(folder, m
     report = verify.verify(path, "vllm", length=4 * ORIGINAL)
     print(report.text())
     assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+# Issue 59, planted engines: stock vLLM (ROPESCALE_VLLM=0) with its YaRN rotary made to drop one key it reads. The
+# sitecustomize on the probe's PYTHONPATH (a Python process runs it at start: the probe's, and any process vLLM would
+# spawn) wraps YaRNScalingRotaryEmbedding.__init__ once vLLM's module defines it (a sys.meta_path finder: vLLM is not
+# imported early) and records each rotary it built in ROPESCALE_TEST_PLANTED, so the test sees it ran where the model
+# was built. original_max_position_embeddings takes the value an engine falls back to, max_position_embeddings.
+PLANT = '''
+import importlib.abc
+import json
+import os
+import sys
+
+KEY, LOG = os.environ["ROPESCALE_TEST_DROP"], os.environ["ROPESCALE_TEST_PLANTED"]
+MODULE = "vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope"
+
+
+def plant(cls):
+    init = cls.__init__
+
+    def dropped(self, head_size, rotary_dim, max_position, base, neox, factor, dtype, **keys):
+        if KEY == "original_max_position_embeddings":
+            from vllm.config import get_current_vllm_config
+
+            max_position = get_current_vllm_config().model_config.hf_config.max_position_embeddings
+        else:
+            keys.pop(KEY, None)
+        with open(LOG, "a") as log:
+            log.write(json.dumps({"pid": os.getpid(), "dropped": KEY, "original": max_position, "keys": sorted(keys)})
+                      + "\\n")
+        init(self, head_size, rotary_dim, max_position, base, neox, factor, dtype, **keys)
+
+    cls.__init__ = dropped
+
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            plant(module.YaRNScalingRotaryEmbedding)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Finder())
+'''
+PLANTED_YARN = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, beta_fast=4.0, beta_slow=2.0, truncate=False,
+                            mscale=0.707, mscale_all_dim=1.0)
+
+
+@pytest.mark.parametrize("key", [None, "beta_fast", "truncate", "mscale", "original_max_position_embeddings"])
+def test_a_planted_stock_vllm_that_drops_one_yarn_key_is_named(folder, monkeypatch, key):
+    """Each key vLLM 0.32's YaRN reads, dropped by its rotary: ``different`` naming it (distance >= 1e-4 nats); the
+    unplanted stock vLLM: ``exact``. One checkpoint (every key away from its default: beta_fast 4, beta_slow 2,
+    truncate False, the mscale pair 0.707 / 1.0), one engine start per key. Not run here, to keep the leg short:
+    beta_slow (the same ramp as beta_fast), mscale_all_dim (the same mscale rule as mscale) and attention_factor
+    (vLLM's first mscale rule: tools/test_verify.py plants it in transformers)."""
+    import json
+
+    path = folder / "planted-yarn"
+    if not path.exists():
+        saved_llama(path, PLANTED_YARN)
+    monkeypatch.setenv("ROPESCALE_VLLM", "0")
+    log = folder / f"planted-{key}.log"
+    if key is not None:
+        (folder / "site").mkdir(exist_ok=True)
+        (folder / "site" / "sitecustomize.py").write_text(PLANT)
+        monkeypatch.setenv("ROPESCALE_TEST_DROP", key)
+        monkeypatch.setenv("ROPESCALE_TEST_PLANTED", str(log))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder / "site"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    report = verify.verify(path, "vllm")
+    print(report.text())
+    checks = {c.name: c for c in report.checks}
+    check = checks["scaling"]
+    assert "plugin not loaded" in " ".join(report.notes), report.text()
+    if key is None:
+        assert check.verdict == "exact" and check.distance <= check.bound <= 1e-5, report.text()
+        return
+    built = [json.loads(line) for line in log.read_text().splitlines()]  # the plant ran where the rotary was built
+    assert built and all(b["dropped"] == key and key not in b["keys"] for b in built), built
+    assert check.verdict == "different" and report.exit_code == 1, report.text()
+    assert check.distance >= 1e-4, report.text()  # the key matters on this model
+    assert f"{key} " in check.detail, check.detail
+    assert "rope keys" not in checks, report.text()  # the parsed config holds the key: only the rotary dropped it
