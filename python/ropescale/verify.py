@@ -92,6 +92,9 @@ class Declared:
     # the model derives more than the rope from rope_parameters when it is built (DeepSeek's MLA: its softmax scale
     # from mscale_all_dim): two formulas that rotate alike may still differ there
     built_from_config: bool = False
+    # the config's partial_rotary_factor (a layout key of the model, not of the method: the rotary dim); 1.0 when it
+    # has none, or when the method's own table spans the head (proportional: its own parameter)
+    partial_rotary_factor: float = 1.0
 
     def describe(self) -> str:
         parts = [type(self.method).__name__ + (" with Resonance" if self.method.resonance else "")]
@@ -151,7 +154,17 @@ def _declared_dir(target: Path) -> Declared:
     return Declared(method, read.base, config_lib.rotary_dim_of(cfg), original, config_lib.max_model_len_of(cfg),
                     f"{target.name}/config.json" + (" (ropescale's entry)" if read.recorded else ""),
                     read.attention, dict(read.parameters), int(cfg.vocab_size), mpe,
-                    bool(getattr(architectures.find(cfg), "fixed_method", None)))
+                    bool(getattr(architectures.find(cfg), "fixed_method", None)), _layout_partial(cfg, method))
+
+
+def _layout_partial(cfg, method: scaling.RopeScaling) -> float:
+    """The config's ``partial_rotary_factor`` where it narrows the method's table (1.0 otherwise: none, a
+    per-layer-type config, or a method whose table spans the head, whose own parameter it is)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    value = params.get("partial_rotary_factor") if not config_lib.per_layer_type(cfg) else None
+    if value is None or type(method).head_dim_table:
+        return 1.0
+    return float(value)
 
 
 def _declared_gguf(target: Path) -> Declared:
@@ -215,6 +228,9 @@ class Hypothesis:
     declared_value: Any = None
     engine_value: Any = None
     alternatives: tuple["Hypothesis", ...] = ()  # other wrong formulas that rotate the same at the probe's length
+    # rope_parameters edits of the model's own layout (partial_rotary_factor): the reference is the model built from
+    # a config that holds them (:func:`_built_with`), on the same weights
+    layout: tuple[tuple[str, Any], ...] = ()
 
     def names(self) -> str:
         """``key engine_value in the engine, declared_value declared`` (and its alternatives')."""
@@ -276,6 +292,11 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("parameter", "applied with a different formula: Resonance's rounding lost",
                               dataclasses.replace(m, resonance=False), d.attention, d.parameters, "resonance", True,
                               False))
+    if d.partial_rotary_factor != 1.0:
+        # the config's partial_rotary_factor not read: the method's table over the whole head dim
+        out.append(Hypothesis("parameter", "applied with a different formula: the rotary over the whole head dim",
+                              m, d.attention, d.parameters, "partial_rotary_factor", d.partial_rotary_factor, 1.0,
+                              layout=(("partial_rotary_factor", 1.0),)))
     if m.dynamic and d.served != length:
         fixed = _fixed_table(m.inv_freq(d.rotary_dim, d.base, seq_len=d.served, dtype=torch.float64),
                              m.attention_factor_for(d.served), d.rotary_dim, d.base, d.original)
@@ -290,7 +311,8 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
     for h in out:  # hypotheses that are the same rotation at this length are one (the same method, where the model
         # is built from it: Declared.built_from_config)
         key = (h.method.inv_freq(d.rotary_dim, d.base, seq_len=length, dtype=torch.float64),
-               h.method.attention_factor_for(length), h.attention, h.method if d.built_from_config else None)
+               h.method.attention_factor_for(length), h.attention, h.method if d.built_from_config else None,
+               h.layout)
         twin = next((i for i, k in enumerate(seen)
                      if torch.equal(key[0], k[0]) and key[1:] == k[1:]), None)
         if twin == 0:
@@ -353,7 +375,7 @@ def _reference_forward(model, h: Hypothesis, score) -> torch.Tensor:
     from .hf import architectures
 
     arch = architectures.find(model.config)
-    if arch is not None and arch.fixed_method:
+    if h.layout or arch is not None and arch.fixed_method:
         # the family derives more than the rope from rope_parameters when it is built (DeepSeek's MLA: its softmax
         # scale from mscale_all_dim and the factor), so patch takes only the config's own method: the model of each
         # formula is built from a config that holds it, on the same weights, and serves it as a reload would
@@ -390,6 +412,8 @@ def _built_with(model, h: Hypothesis):
     from .hf import checkpoint
 
     config = copy.deepcopy(model.config)
+    if h.layout:
+        config.rope_parameters = {**config.rope_parameters, **dict(h.layout)}
     checkpoint.record(config, h.method, h.attention, h.parameters)
     with torch.no_grad():
         built = type(model)(config).eval()

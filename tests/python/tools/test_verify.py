@@ -589,3 +589,38 @@ def test_a_per_step_reference_runs_the_engines_own_forward(tmp_path, monkeypatch
     fake_engine(monkeypatch, verify.hypotheses(d, 2 * ORIGINAL)[0][0], short=True, plans=1)
     report = verify.verify(path, "transformers", length=2 * ORIGINAL)
     assert report.checks[-1].verdict == "exact" and report.distances["declared"] < 1e-5, report.text()
+
+
+@pytest.mark.parametrize("engine_runs", ["declared", "partial_rotary_factor"])
+def test_a_partial_rotary_factor_the_engine_ignores_is_named(tmp_path, monkeypatch, engine_runs):
+    """Issue 59: a config's partial_rotary_factor (GLM-4's 0.5, a layout key beside the method's) is a hypothesis
+    too: the engine's rotary over the whole head dim, the reference a model built from a config with the key at 1.0
+    on the same weights. transformers itself is exact; an engine that reads the table but not the key is named."""
+    from support import families
+
+    path = tmp_path / "glm"
+    families.build("GLM-4", {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": families.ORIGINAL}).save_pretrained(path)
+    d = verify.declared(path)
+    assert d.partial_rotary_factor == 0.5 and d.rotary_dim == 8
+    if engine_runs != "declared":
+        hs, _ = verify.hypotheses(d, 2 * families.ORIGINAL)
+        fake_engine(monkeypatch, next(h for h in hs if h.key == engine_runs))
+    report = verify.verify(path, "transformers")
+    print(report.text())
+    check = report.checks[-1]
+    if engine_runs == "declared":
+        assert check.verdict == "exact" and check.distance <= check.bound, report.text()
+        return
+    assert check.verdict == "different" and check.distance >= 1e-4, report.text()
+    assert "partial_rotary_factor 1.0 in the engine, 0.5 declared" in check.detail, check.detail
+
+
+def test_proportionals_own_keys_are_hypotheses_and_its_partial_factor_no_layout_one():
+    """proportional's factor and partial_rotary_factor are the method's own keys: each ignored is a hypothesis (its
+    table over the whole head dim already: no layout hypothesis beside them)."""
+    d = verify.Declared(scaling.Proportional(factor=2.0, partial_rotary_factor=0.5), 10000.0, 64, 64, 128, "test",
+                        vocab_size=256, config_length=128)
+    hs, same = verify.hypotheses(d, 128)
+    assert [(h.key, h.declared_value, h.engine_value, h.layout) for h in hs[2:]] == [
+        ("factor", 2.0, 1.0, ()), ("partial_rotary_factor", 0.5, 1.0, ())] and not same
