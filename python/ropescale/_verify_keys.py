@@ -79,6 +79,11 @@ def _same(a, b) -> bool:
     return a == b
 
 
+# The names an engine's model gives a rope type it runs, written into its own parsed config: vLLM's DeepSeek-V2/V3
+# (models/deepseek_v2.py) renames yarn to its YaRN rotary's, deepseek_llama_scaling where attention_factor is 1.0.
+ENGINE_TYPES = {"yarn": ("deepseek_yarn", "deepseek_llama_scaling")}
+
+
 def _layered(rope) -> bool:
     return isinstance(rope, dict) and bool(rope) and all(isinstance(v, dict) for v in rope.values())
 
@@ -103,7 +108,8 @@ def _dict_differences(raw: dict, rope) -> list[str]:
             name = "rope_type" if k == "type" and "type" not in candidate else k
             if name not in candidate:
                 diffs.append(f"{k} {v!r} (the engine's rope parameters have no {name})")
-            elif not _same(v, candidate[name]):
+            elif not _same(v, candidate[name]) and not (
+                    name == "rope_type" and candidate[name] in ENGINE_TYPES.get(v, ())):
                 diffs.append(f"{k} {v!r} (the engine: {candidate[name]!r})")
         if best is None or len(diffs) < len(best):
             best = diffs

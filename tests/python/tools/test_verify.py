@@ -456,6 +456,19 @@ def test_overrides_the_engine_does_not_take_are_named():
     assert [(u.key, u.where) for u in unread] == [("rope_scalings", "hf_overrides")], [u.text() for u in unread]
 
 
+def test_an_engines_own_name_of_the_rope_type_is_taken():
+    """vLLM's DeepSeek-V3 model writes its YaRN rotary's name into its parsed config (rope_type deepseek_yarn): the
+    config's yarn is taken (it was named as not taken on vLLM); another type in the engine is still named."""
+    from ropescale import _verify_keys, _verify_probe
+
+    raw = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0}
+    for engine_type, named in (("deepseek_yarn", []), ("deepseek_llama_scaling", []), ("linear", ["rope_parameters"])):
+        config = transformers.LlamaConfig(rope_parameters=dict(raw))
+        config.rope_parameters = {**raw, "rope_type": engine_type}  # as vLLM's model rewrites it
+        unread = _verify_keys.unread_config({"rope_parameters": dict(raw)}, _verify_probe.config_view(config))
+        assert [u.key for u in unread] == named, (engine_type, [u.text() for u in unread])
+
+
 def test_a_rope_scaling_transformers_does_not_read_never_exits_0(tmp_path, capsys):
     """The issue's case: YaRN x4 under a misspelled key, no ropescale record. Declared and engine both read plain RoPE
     (the same config class): the probe alone called it exact, exit 0. With a dropped top-level rope_theta: both named."""
