@@ -4,10 +4,9 @@ are named: a LongRoPE ``attention_factor`` it does not read (its own rule instea
 ``dynamic`` type, which it serves as plain RoPE up to ``max_position_embeddings`` and as NaN past it while deriving
 a max_model_len ``factor`` times longer (the plugin serves that one exactly)."""
 
-import os
-
 import pytest
 
+from support.planted import verify_planted
 from support.vllm_testing import HEAD, ORIGINAL, require_vllm, saved_llama
 
 require_vllm()
@@ -230,16 +229,8 @@ def test_a_planted_stock_vllm_that_drops_one_yarn_key_is_named(folder, monkeypat
         saved_llama(path, PLANTED_YARN)
     monkeypatch.setenv("ROPESCALE_VLLM", "0")
     log = folder / f"planted-{key}.log"
-    if key is not None:
-        (folder / "site").mkdir(exist_ok=True)
-        (folder / "site" / "sitecustomize.py").write_text(PLANT)
-        monkeypatch.setenv("ROPESCALE_TEST_DROP", key)
-        monkeypatch.setenv("ROPESCALE_TEST_PLANTED", str(log))
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder / "site"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    report = verify.verify(path, "vllm")
-    print(report.text())
-    checks = {c.name: c for c in report.checks}
+    report, checks = verify_planted(path, "vllm", folder / "site", PLANT, key, monkeypatch,
+                                    ROPESCALE_TEST_PLANTED=str(log))
     check = checks["scaling"]
     assert "plugin not loaded" in " ".join(report.notes), report.text()
     if key is None:

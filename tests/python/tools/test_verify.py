@@ -7,7 +7,6 @@ it): verify must name each, and pass the declared one. The real transformers run
 (exact), and a GGUF with a YaRN table (transformers' GGUF loader reads no rope scaling for llama: ignored)."""
 
 import importlib.util
-import os
 import json
 import math
 import re
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from ropescale import cli, scaling, verify
+from support.planted import verify_planted
 from support.vllm_testing import saved_llama
 
 transformers = pytest.importorskip("transformers")
@@ -562,8 +562,6 @@ FACTOR_KEY = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_
 @pytest.fixture(scope="module")
 def planted_checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("verify-planted")
-    (folder / "site").mkdir()
-    (folder / "site" / "sitecustomize.py").write_text(PLANT)
     return folder, {"every": saved_llama(folder / "every", EVERY_KEY), "factor": saved_llama(folder / "factor",
                                                                                             FACTOR_KEY)}
 
@@ -573,13 +571,7 @@ def planted_checkpoints(tmp_path_factory):
 def test_a_planted_transformers_that_drops_one_key_is_named(planted_checkpoints, monkeypatch, key):
     folder, paths = planted_checkpoints
     path = paths["factor" if key == "attention_factor" else "every"]
-    if key is not None:
-        monkeypatch.setenv("ROPESCALE_TEST_DROP", key)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder / "site"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    report = verify.verify(path, "transformers")
-    print(report.text())
-    checks = {c.name: c for c in report.checks}
+    report, checks = verify_planted(path, "transformers", folder / "site", PLANT, key, monkeypatch)
     check = checks["scaling"]
     if key is None:
         assert check.verdict == "exact" and check.distance <= check.bound, report.text()
