@@ -629,3 +629,16 @@ def test_proportionals_own_keys_are_hypotheses_and_its_partial_factor_no_layout_
     hs, same = verify.hypotheses(d, 128)
     assert [(h.key, h.declared_value, h.engine_value, h.layout) for h in hs[2:]] == [
         ("factor", 2.0, 1.0, ()), ("partial_rotary_factor", 0.5, 1.0, ())] and not same
+
+
+def test_a_proportional_checkpoint_gets_a_verdict_and_the_formulas_it_cannot_run_are_noted(tmp_path):
+    """A proportional table (Gemma 4's) over half the head on a Llama: the plain-RoPE hypothesis is a table half the
+    head wide, which the model cannot run (verify crashed with the attention's shape error); such a formula is no
+    engine's reading either, so it is noted and left out, and the verdict stands on the rest (factor ignored: 0.84
+    nats away, checked)."""
+    path = saved_llama(tmp_path / "proportional", scaling.Proportional(factor=2.0, partial_rotary_factor=0.5))
+    report = verify.verify(path, "transformers")
+    print(report.text())
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+    assert any(n.startswith("not checked, this model cannot run them: plain RoPE") for n in report.notes), report.text()
+    assert report.distances["factor=1.0"] > 1e-2, report.text()
