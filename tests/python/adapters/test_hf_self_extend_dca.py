@@ -224,13 +224,14 @@ def test_float32_error_is_the_plain_models_own():
     0.8x to 1.5x that; at the op (dense, paged, training path, AVX512/AVX2/default kernels) STRING is 1.3x to 1.5x
     plain RoPE attention, of which ~1.2x is its factor m^2 = 1.14 on every score (a sharper softmax; plain RoPE
     attention with the same factor errs as much), the rest its far side's rotation, as Self-Extend's. Each within
-    twice the plain model's error, on the same inputs."""
+    2.5x the plain model's error on the same inputs: below the issue's 3.5x, with room for the other CPU kind's
+    GEMMs (a max over logits is a noisy statistic; a 3e-6 relative error planted in STRING's factor gives 3.4x-4.4x)."""
     for seed in (1, 2):
         plain = float32_error(None, seed)
         assert plain < 2e-6, plain
         for arguments in (SE, DCA, STRING, dict(attention="string", shifted_offset=21, local_value=8)):
             error = float32_error(arguments, seed)
-            assert error <= 2 * plain, (arguments, error, plain)
+            assert error <= 2.5 * plain, (arguments, error, plain)
 
 
 @pytest.mark.parametrize("case", ["self_extend", "dual_chunk", "string"])
