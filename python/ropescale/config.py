@@ -51,7 +51,6 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -312,10 +311,6 @@ def check_attention(attention: Any, parameters: Mapping[str, Any] | None = None,
     return attentions.RAW_KEY[attention].checked(parameters, max_position_embeddings)
 
 
-# Messages warned once per process (the sparse DCA note).
-_warned: set[str] = set()
-
-
 def checked_dual_chunk(dual_chunk: Any) -> dict[str, int] | None:
     """Qwen's ``dual_chunk_attention_config`` as vLLM, the engine Qwen validated its models with, reads it, checked:
     ``{"chunk_size", "local_size", "original_max_position_embeddings"}`` with vLLM's defaults (None when there is
@@ -352,9 +347,7 @@ def checked_dual_chunk(dual_chunk: Any) -> dict[str, int] | None:
                    "ropescale computes dense Dual Chunk Attention, which vLLM's sparse kernel (vertical-and-slash) "
                    f"approximates for prompts past sparse_attention_threshold ({threshold} tokens); there the outputs "
                    "differ from vLLM's by that approximation")
-        if message not in _warned:
-            _warned.add(message)
-            warnings.warn(message, stacklevel=3)
+        scaling.warn_once(message, stacklevel=3)
     return values
 
 

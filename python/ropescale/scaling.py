@@ -904,15 +904,17 @@ def from_hf(
         raise ValueError(f"from_hf: rope_type {cls.rope_type!r}: {message}") from None
     unread = getattr(method, "unread_mscale", None)
     if unread:  # a checkpoint may carry it: read as transformers reads it (exact), and said once
-        _warn_once(f"ropescale: rope_type {cls.rope_type!r}: {unread}; read as transformers reads it (attention "
-                   f"factor {method.attention_factor:.6g})")
+        warn_once(f"ropescale: rope_type {cls.rope_type!r}: {unread}; read as transformers reads it (attention "
+                  f"factor {method.attention_factor:.6g})")
     return method
 
 
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn(message)`` the first time this process sees ``message`` (``stacklevel`` counted from the
+    caller, as ``warnings.warn``'s from its own)."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=stacklevel + 1)

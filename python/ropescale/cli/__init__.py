@@ -29,7 +29,7 @@ import sys
 from .. import __version__
 from . import cmd_demo, cmd_eval, cmd_extend, cmd_inspect, cmd_posgen, cmd_verify
 from .cmd_demo import DEMO_OUTPUT
-from .common import Interrupted, UsageError
+from .common import Interrupted, UsageError, first_line
 
 __all__ = ["main", "build_parser", "UsageError", "DEMO_OUTPUT"]
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             # arguments were bad, so a usage error with the message's first line, never a traceback.
             if isinstance(err, _out_of_memory()):
                 raise
-            raise UsageError(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__) from None
+            raise UsageError(first_line(err)) from None
     except UsageError as err:
         _subparser(parser, argv).error(str(err))  # prints usage, exits 2
     except BrokenPipeError:  # `ropescale ... | head`: the reader left; exit quietly (Python docs' recipe)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .. import files
 from . import methods
-from .common import (UsageError, add_json, add_plot, add_quiet, dump, non_negative_int, note, positive_int,
-                     progress, show_progress, subcommand)
+from .common import (UsageError, add_json, add_plot, add_quiet, dump, first_line, non_negative_int, note,
+                     positive_int, progress, show_progress, subcommand)
 
 _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
@@ -245,17 +245,12 @@ def _load_model(args):
     try:  # the tokenizer first: cheap, and one that cannot be loaded is found before the weights load
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, TypeError) as err:  # no such hub name, no network, unreadable files
-        raise UsageError(f"cannot load the tokenizer of {name}{hub(name)}: {_first_line(err)}") from None
+        raise UsageError(f"cannot load the tokenizer of {name}{hub(name)}: {first_line(err)}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     except OSError as err:  # no such hub name, no network, no weights
-        raise UsageError(f"cannot load {args.model}{hub(args.model)}: {_first_line(err)}") from None
+        raise UsageError(f"cannot load {args.model}{hub(args.model)}: {first_line(err)}") from None
     return model, tokenizer
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _model_name(args) -> str:

@@ -293,7 +293,7 @@ def _attention_summary(plan) -> str:
 def _cmd_extend_gguf(args, src: Path, dst: Path, from_directory: bool = False) -> int:
     """SRC a GGUF file, or a transformers directory llama.cpp's converter turns into one: DST the GGUF llama.cpp
     reads the method from (``ropescale.llamacpp``)."""
-    from .. import files, llamacpp
+    from .. import llamacpp
 
     attention = methods.attention_of(args)
     if attention is not None:

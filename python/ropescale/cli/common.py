@@ -19,6 +19,12 @@ class UsageError(Exception):
     """A bad argument found after parsing (reported like argparse's own errors: usage, exit 2)."""
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name where it has none): what a usage error shows."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class Interrupted(Exception):
     """Ctrl-C while a native call ran (its worker thread cannot be stopped: the process exits)."""
 
