@@ -337,7 +337,7 @@ def test_a_qwen_checkpoint_runs_its_dual_chunk_attention():
 
 
 def test_qwens_sparse_attention_is_accepted_with_a_warning(monkeypatch):
-    monkeypatch.setattr(config_lib, "_warned", set())
+    monkeypatch.setattr(scaling, "_warned", set())
     sparse = {**QWEN_DCA, "sparse_attention_enabled": True, "sparse_attention_threshold": 32768,
               "sparse_attention_last_q": 64}
     with pytest.warns(UserWarning, match="ropescale computes dense Dual Chunk Attention, which vLLM's sparse kernel"):
@@ -346,7 +346,7 @@ def test_qwens_sparse_attention_is_accepted_with_a_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         config_lib.read({"rope_type": "default"}, 64, None, None, sparse)
-    monkeypatch.setattr(config_lib, "_warned", set())
+    monkeypatch.setattr(scaling, "_warned", set())
     with pytest.warns(UserWarning, match="sparse_attention_enabled"):  # enabled by default with a sparse config
         config_lib.read({"rope_type": "default"}, 64, None, None, {**QWEN_DCA, "sparse_attention_config": {}})
 
