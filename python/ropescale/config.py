@@ -242,6 +242,48 @@ def dual_chunk_entry(attention: str, parameters: Mapping[str, Any]) -> dict[str,
     return {key: int(parameters[key]) for key in DUAL_CHUNK_DEFAULTS}
 
 
+#: The engines ``checkpoint.record(target=...)`` and ``ropescale extend --target`` write for: stock builds (no plugin)
+#: that serve a ``longrope`` with equal short and long factors exactly (vLLM 0.32, SGLang 0.5: the factors' table, the attention
+#: factor read from ``short_mscale``/``long_mscale``), which no other static type is in both (stock SGLang drops
+#: YaRN's ``attention_factor``).
+STOCK_TARGETS = ("vllm", "sglang")
+
+
+def stock_sglang_misreads(rope_parameters: Mapping[str, Any] | None,
+                          max_position_embeddings: int | None = None) -> str | None:
+    """Why stock SGLang (0.5, no plugin) would serve this rope other than as transformers does, silently, or None:
+    its YaRN takes the attention factor from ``factor`` (and ``mscale``/``mscale_all_dim`` when both are set) times
+    ``attn_factor``, never from ``attention_factor``; its ``proportional`` (Gemma 4) ignores ``factor``. A type it
+    does not know, it refuses. ``rope_parameters`` of one layer type (a per-layer-type config: each in turn)."""
+    params = dict(rope_parameters or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "proportional" and float(params.get("factor", 1.0) or 1.0) != 1.0:
+        return (f"stock SGLang ignores the proportional rope's factor ({params['factor']}): without ropescale's "
+                "plugin it serves the table at factor 1")
+    if rope_type != "yarn":
+        return None
+    try:
+        method = scaling.from_hf(params, max_position_embeddings)
+    except (ValueError, TypeError, KeyError):
+        return None  # not a table transformers reads either: refused everywhere
+    factor = float(params.get("factor", 1.0) or 1.0)
+
+    def mscale_of(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if params.get("mscale") is not None and params.get("mscale_all_dim") is not None:
+        served = mscale_of(float(params["mscale"])) / mscale_of(float(params["mscale_all_dim"]))
+    else:
+        served = mscale_of(1.0)
+    served *= float(params.get("attn_factor", 1.0))
+    meant = float(method.attention_factor)
+    if abs(served - meant) <= 1e-6 * abs(meant):
+        return None
+    return (f"stock SGLang drops YaRN's attention_factor: without ropescale's plugin it serves this table with "
+            f"attention factor {served:.6g}, not {meant:.6g} (`ropescale extend --target sglang` writes one it serves "
+            "exactly; with the plugin installed it is exact)")
+
+
 def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int) -> Written:
     """``method``'s static table as a ``longrope`` with ``short_factor == long_factor`` (``theta_i /
     inv_freq_i``, in float64) and its attention factor in every field an engine reads it from

@@ -31,9 +31,10 @@ import torch
 
 from . import attentions, config as config_lib, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "dual_chunk_temperature", "needs_pre_rope",
+__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "cos_sin_cache", "dual_chunk_temperature",
+           "needs_pre_rope", "written_by_ropescale",
            "rotated_at_write", "ropescale_rotary", "Segments",
-           "StepTables", "cut_segments", "TableCache"]
+           "StepTables", "cut_segments", "extended_layer_type", "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -262,19 +263,54 @@ class PreRopePlan:
         return prompt_len + max(int(max_new_tokens), 0) if self.per_request else prompt_len
 
 
-def ropescale_rotary(rope_parameters, entry) -> bool:
-    """Whether an engine adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
-    rather than the engine's own: its rope type is one of ropescale's (but a name the engine has with another
-    formula, vLLM's ``ntk``: ``RopeScaling.vllm_owns_name``), a transformers type vLLM serves wrong
-    (``RopeScaling.vllm_stock_wrong``: its stock ``dynamic``), or the ``ropescale`` entry records the method (a
-    stock type ropescale wrote: its table is served as ropescale computes it)."""
+def written_by_ropescale(rope_parameters, entry) -> bool:
+    """Whether a layer's config is one ropescale wrote: its rope type is one of ropescale's (but a name the engine has
+    with another formula, vLLM's ``ntk``: ``RopeScaling.vllm_owns_name``), or the ``ropescale`` entry records the
+    method (a stock type ropescale wrote: its table is served as ropescale computes it). Every engine adapter serves
+    such a layer with ropescale's rotary (or refuses it by name), and leaves every other layer to the engine."""
     rope_type = (rope_parameters or {}).get("rope_type", "default")
     parsed = scaling.RopeType.parse(rope_type)
     ours = rope_type in scaling.ropescale_rope_types() and not (parsed.plain and parsed.method.vllm_owns_name)
-    # a transformers type vLLM serves wrong (its stock `dynamic`), with no key ropescale does not read
+    return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+
+
+def ropescale_rotary(rope_parameters, entry) -> bool:
+    """Whether the vLLM adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
+    rather than vLLM's own: :func:`written_by_ropescale`, or a transformers type vLLM serves wrong
+    (``RopeScaling.vllm_stock_wrong``: its stock ``dynamic``) with no key ropescale does not read."""
+    parsed = scaling.RopeType.parse((rope_parameters or {}).get("rope_type", "default"))
     wrong_in_vllm = (parsed.method is not None and parsed.plain and bool(parsed.method.vllm_stock_wrong)
                      and scaling.reads_every_key(rope_parameters))
-    return ours or wrong_in_vllm or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+    return written_by_ropescale(rope_parameters, entry) or wrong_in_vllm
+
+
+def extended_layer_type(params, hf_config, entry, max_position: int, engine: str) -> bool:
+    """For a config with rope parameters per layer type (Gemma 3), whether this layer's are the ones ropescale
+    extended: ``hf.patch`` writes its method into some layer types only (``checkpoint.record(layer_types=)``)
+    beside the model's one ``ropescale`` entry, so a layer is ropescale's when its parameters read with that
+    entry, and the engine's own (a sliding layer's table) when they do not. Pre-RoPE methods are refused: ropescale's
+    attention backend serves one plan for every layer of a model."""
+    def reads(layer_type, layer_params) -> bool:  # at that type's own rotary dim (Gemma 4's differ by type)
+        try:
+            config_lib.read(layer_params, max_position, entry,
+                            config_lib.rotary_dim_of(hf_config, layer_params, layer_type))
+        except ValueError:
+            return False
+        return True
+
+    extended = [dict(p) for t, p in hf_config.rope_parameters.items() if reads(t, p)]
+    if not extended:
+        raise ValueError(f"ropescale.{engine.lower()}: no layer type's rope_parameters match the config's ropescale "
+                         "entry (the config was edited by hand?): rewrite it with hf.patch + save_pretrained")
+    if dict(params) not in extended:
+        return False
+    if needs_pre_rope(config_lib.read(params, max_position, entry)):
+        raise NotImplementedError(
+            f"ropescale.{engine.lower()}: a pre-RoPE method (dynamic, ReRoPE) on some layer types of a per-layer-type "
+            f"config (Gemma 3, Gemma 4) is not served by {engine}: ropescale's attention backend serves one plan for "
+            "every layer, and the other types' layers are rotated at the model. Serve a static table (YaRN, linear, "
+            "Llama 3), or use transformers + ropescale.hf")
+    return True
 
 
 def dual_chunk_temperature(lengths: torch.Tensor, temperature_length: int, coefficient: float = 0.1) -> torch.Tensor:
@@ -293,6 +329,16 @@ def native_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     default rope): ``1 / base ** (2i / d)`` in float32 arithmetic, which differs from ropescale's correctly rounded
     ``default_inv_freq`` in the last bit of about a third of the entries."""
     return 1.0 / (float(base) ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim))
+
+
+def cos_sin_cache(method, rotary_dim: int, base: float, rows: int) -> torch.Tensor:
+    """An engine's ``cos_sin_cache`` ``[rows, rotary_dim]`` (``[cos | sin]``, half-width per pair: vLLM's and SGLang's
+    layout) of a static method: ropescale's float32 inv_freq, angles in double, the attention factor on cos and sin
+    (what ``hf.patch`` feeds transformers)."""
+    inv_freq = method.inv_freq(rotary_dim, base).to(torch.float64)
+    factor = method.attention_factor
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
 
 
 def rotated_at_write(parsed: config_lib.RopeConfig) -> bool:

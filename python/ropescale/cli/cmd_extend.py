@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .. import files, scaling
+from .. import config as config_lib, files, scaling
 from . import methods
 from .common import UsageError, positive_int, subcommand
 
@@ -117,9 +117,10 @@ def add_parser(sub) -> None:
                        help="pre-RoPE checkpoints (dynamic_yarn, dynamic_ntk, an --attention): the length it may be "
                             "served to, vLLM's max_model_len (default: the length it records, L or s x L). The table "
                             "keeps L")
-    ex.add_argument("--target", choices=("any", "vllm"), default="any",
-                    help="vllm: write the table as a longrope (short == long factors) that stock vLLM serves "
-                         "exactly with no plugin (static methods only)")
+    ex.add_argument("--target", choices=("any", *config_lib.STOCK_TARGETS), default="any",
+                    help="vllm, sglang: write the table as a longrope (short == long factors) that stock vLLM and "
+                         "stock SGLang (and transformers) serve exactly with no plugin (static methods only; stock "
+                         "SGLang drops a yarn table's attention_factor)")
     ex.add_argument("--converter", metavar="PATH", default=None,
                     help="SRC a directory, DST *.gguf: llama.cpp's convert_hf_to_gguf.py, which writes the unscaled "
                          "model (default: $LLAMA_CPP_CONVERTER, else on the PATH)")
@@ -434,8 +435,8 @@ def _cmd_extend(args) -> int:
         raise UsageError(f"--target vllm writes a longrope table for stock vLLM, but stock vLLM's {arch.name} model "
                          "builds YaRN whatever rope_type says: --method yarn (no --target) is what it serves of this "
                          "family exactly")
-    if attention is not None and args.target == "vllm":
-        raise UsageError(f"--target vllm writes a table stock vLLM serves with no plugin; "
+    if attention is not None and args.target != "any":
+        raise UsageError(f"--target {args.target} writes a table its stock engine serves with no plugin; "
                          f"{config_lib.ATTENTION_NAMES[attention]} needs ropescale's plugin: leave --target out")
     if method is not None:
         try:
@@ -471,6 +472,10 @@ def _cmd_extend(args) -> int:
     misread = architectures.stock_vllm_misreads(config)
     if misread is not None:
         print(f"warning: {misread}", file=sys.stderr)
+    layers = config.rope_parameters.values() if config_lib.per_layer_type(config) else [config.rope_parameters]
+    for misread in dict.fromkeys(config_lib.stock_sglang_misreads(p, config.max_position_embeddings) for p in layers):
+        if misread is not None:
+            print(f"warning: {misread}", file=sys.stderr)
     text = config.to_json_string(use_diff=True)
     budget = _planning_budget(args, src, written)
     plan = serving.PreRopePlan.of_config(config)

@@ -62,8 +62,8 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
            parameters: Mapping[str, Any] | None = None, target: str = "any", max_length: int | None = None,
            layer_types: tuple[str, ...] | None = None) -> None:
     """Write a patch into ``config``. ``method=None`` keeps the config's own table (only the ReRoPE
-    marker follows ``attention``). ``target="vllm"`` writes a static table as a ``longrope`` that stock
-    vLLM serves exactly with no plugin (``ropescale.config.write_longrope``).
+    marker follows ``attention``). ``target="vllm"`` or ``"sglang"`` (``config.STOCK_TARGETS``) writes a static table
+    as a ``longrope`` that that engine serves exactly with no plugin (``ropescale.config.write_longrope``).
 
     ``max_length``: the length a pre-RoPE checkpoint (dynamic method, ReRoPE) may be served to, written as
     ``model_max_length`` so that vLLM derives it as ``max_model_len`` (``ropescale.config``); the table keeps
@@ -99,7 +99,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
         # A method with no original length of its own (linear, ntk) is set from the model's, never from the length a
         # scaled config already carries (vLLM would multiply SRC's extension by the new factor).
         trained = original_length(config, layer_type)
-        if target == "vllm" and attention == "sdpa":
+        if target in config_lib.STOCK_TARGETS and attention == "sdpa":
             written = config_lib.write_longrope(method, base, rotary_dim, trained)
             if "partial_rotary_factor" in old:
                 written.rope_parameters["partial_rotary_factor"] = old["partial_rotary_factor"]

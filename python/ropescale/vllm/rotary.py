@@ -75,19 +75,10 @@ class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
         super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
-        return _cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
+        return serving.cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method}"
-
-
-def _cos_sin_cache(method, rotary_dim: int, base: float, rows: int) -> torch.Tensor:
-    """vLLM's ``cos_sin_cache`` ``[rows, rotary_dim]`` of a static method: ropescale's float32 inv_freq, angles in
-    double, the attention factor on cos and sin (what ``hf.patch`` feeds transformers)."""
-    inv_freq = method.inv_freq(rotary_dim, base).to(torch.float64)
-    factor = method.attention_factor
-    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
-    return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
 
 
 class RopescaleMRotaryEmbedding(MRotaryEmbedding):
@@ -104,7 +95,7 @@ class RopescaleMRotaryEmbedding(MRotaryEmbedding):
                          positions_factor=positions_factor)
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
-        return _cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
+        return serving.cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method}"
@@ -257,7 +248,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     checkpoint_is_ours = ours or (config_lib.per_layer_type(hf_config) and any(
         serving.ropescale_rotary(p, entry) for p in hf_config.rope_parameters.values()))
     if ours and config_lib.per_layer_type(hf_config):
-        ours = _extended_layer_type(params, hf_config, entry, max_position)
+        ours = serving.extended_layer_type(params, hf_config, entry, max_position, "vLLM")
     if not ours:
         if checkpoint_is_ours:
             # A layer ropescale's checkpoint leaves to vLLM (a sliding layer's own table, Gemma 3 and 4): its table
@@ -331,35 +322,6 @@ def _config_parameters(params, hf_config, entry) -> dict:
     if serving.ropescale_rotary(params, entry) or not serving.ropescale_rotary(config_params, entry):
         return params
     return {**params, **config_params}
-
-
-def _extended_layer_type(params, hf_config, entry, max_position) -> bool:
-    """For a config with rope parameters per layer type (Gemma 3), whether this layer's are the ones ropescale
-    extended: ``hf.patch`` writes its method into some layer types only (``checkpoint.record(layer_types=)``)
-    beside the model's one ``ropescale`` entry, so a layer is ropescale's when its parameters read with that
-    entry, and vLLM's own (a sliding layer's table) when they do not. Pre-RoPE methods are refused: ropescale's
-    attention backend serves one plan for every layer of a model."""
-    def reads(layer_type, layer_params) -> bool:  # at that type's own rotary dim (Gemma 4's differ by type)
-        try:
-            config_lib.read(layer_params, max_position, entry,
-                            config_lib.rotary_dim_of(hf_config, layer_params, layer_type))
-        except ValueError:
-            return False
-        return True
-
-    extended = [dict(p) for t, p in hf_config.rope_parameters.items() if reads(t, p)]
-    if not extended:
-        raise ValueError("ropescale.vllm: no layer type's rope_parameters match the config's ropescale entry (the "
-                         "config was edited by hand?): rewrite it with hf.patch + save_pretrained")
-    if dict(params) not in extended:
-        return False
-    if serving.needs_pre_rope(config_lib.read(params, max_position, entry)):
-        raise NotImplementedError(
-            "ropescale.vllm: a pre-RoPE method (dynamic, ReRoPE) on some layer types of a per-layer-type config "
-            "(Gemma 3, Gemma 4) is not served by vLLM: ropescale's attention backend serves one plan for every "
-            "layer, and the other types' layers are rotated at the model. Serve a static table (YaRN, linear, "
-            "Llama 3), or use transformers + ropescale.hf")
-    return True
 
 
 get_rope.__wrapped__ = _stock_get_rope  # type: ignore[attr-defined]

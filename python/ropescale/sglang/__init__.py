@@ -1,0 +1,82 @@
+"""SGLang integration: serve the checkpoints ``ropescale.hf.patch`` and ``ropescale extend`` write (docs/DESIGN.md,
+"Engines").
+
+Activated by the entry point ``ropescale = "ropescale.sglang:register"`` in SGLang's group ``sglang.srt.plugins``
+(``pip install "ropescale[sglang]"``): SGLang calls :func:`register` in every process it starts (front end,
+scheduler, detokenizer), then applies the hooks it registered. What it does there, once per process:
+
+- an AROUND hook on ``sglang.srt.layers.rotary_embedding.factory.get_rope``, SGLang's one dispatch point of rope
+  types (its hook registry re-points every ``from ... import get_rope``): a layer of a checkpoint ropescale wrote
+  (:func:`ropescale.serving.written_by_ropescale`) with a static table gets
+  :class:`~ropescale.sglang.rotary.RopescaleRotaryEmbedding`, SGLang's own rotary layer over ropescale's table
+  (YaRN's ``attention_factor``, which stock SGLang drops, included); a method that needs ropescale's attention
+  (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) or a table per request is refused at engine start, by
+  name, with the reason and what serves it. Every other layer is SGLang's own, untouched;
+- an AROUND hook on ``sglang.srt.model_loader.loader._initialize_model``, so that ``get_rope`` knows the config of
+  the model being built (the ``ropescale`` entry, the served length);
+- registers ropescale's rope types in transformers (``import ropescale.hf``), so the config loads.
+
+``ROPESCALE_SGLANG=0`` switches the plugin off. Outside the tested SGLang range it warns once and does nothing.
+Tested: SGLang 0.5.23 (its CPU engine, ``scripts/test_sglang.sh``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["register", "TESTED_SGLANG", "is_active"]
+
+#: SGLang releases the plugin was tested with (``[lower, upper)``, as in pyproject's ``ropescale[sglang]``).
+TESTED_SGLANG = ((0, 5), (0, 6))
+logger = logging.getLogger("sglang.ropescale")
+_state: dict[str, bool] = {}
+
+#: Where the hooks go (SGLang's dotted paths), for :func:`register` and the tests.
+GET_ROPE = "sglang.srt.layers.rotary_embedding.factory.get_rope"
+INITIALIZE_MODEL = "sglang.srt.model_loader.loader._initialize_model"
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def is_active() -> bool:
+    """Whether :func:`register` installed the plugin in this process."""
+    return _state.get("active", False)
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: idempotent, cheap, one log line per process. SGLang logs and swallows
+    an exception raised here, so nothing here may fail for a model that does not use ropescale."""
+    if "done" in _state:
+        return
+    _state["done"] = True
+    if os.environ.get("ROPESCALE_SGLANG", "1").strip() == "0":
+        logger.info("ropescale: SGLang plugin off (ROPESCALE_SGLANG=0)")
+        return
+    try:
+        import sglang
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:
+        return
+    version = getattr(sglang, "__version__", "unknown")
+    lower, upper = TESTED_SGLANG
+    if not lower <= _version_tuple(version) < upper:
+        logger.warning(
+            "ropescale: SGLang %s is outside the range this ropescale was tested with (>=%d.%d,<%d.%d): the plugin "
+            "is NOT active; checkpoints with ropescale's rope types will be refused by SGLang", version, *lower,
+            *upper)
+        return
+    from .. import __version__ as ropescale_version, hf  # noqa: F401  (hf: ropescale's rope types in transformers)
+    from . import rotary
+
+    HookRegistry.register(GET_ROPE, rotary.get_rope, HookType.AROUND)
+    HookRegistry.register(INITIALIZE_MODEL, rotary.initialize_model, HookType.AROUND)
+    _state["active"] = True
+    logger.info("ropescale %s: SGLang %s plugin active (ropescale's static tables served; per-request and "
+                "raw-key methods refused at engine start)", ropescale_version, version)
