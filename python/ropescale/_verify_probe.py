@@ -180,6 +180,93 @@ def vllm_probe(job):
             "config": config_view(served.hf_config)}
 
 
+class _EngineStartFailed(Exception):
+    """An SGLang child process failed at engine start (it sends the probe SIGQUIT)."""
+
+
+def _start_failed(signum, frame):
+    """The probe's SIGQUIT handler while SGLang starts (its own kills this process, and the reason with it)."""
+    raise _EngineStartFailed()
+
+
+def _last_error(text):
+    """The last ``SomeError: message`` line of a traceback in ``text``, or None."""
+    import re
+
+    lines = [line.strip() for line in text.splitlines() if re.match(r"^\s*[A-Za-z_.]*(Error|Exception): ", line)]
+    return lines[-1] if lines else None
+
+
+def sglang_probe(job):
+    import signal
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():  # SGLang's CPU engine (../shared/SGLANG.md): torch_native attention
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import sglang
+    import transformers
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.utils.common import kill_process_tree
+    from sglang.srt.utils.hf_transformers import common
+
+    load_plugins()  # as the engine does first: the context length below is the one the engine derives
+
+    length, tokens = job["length"], job["tokens"]
+    overrides = job.get("hf_overrides") or {}
+    config = transformers.AutoConfig.from_pretrained(job["target"], **overrides)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    derived = common.get_context_length(text)
+    notes = []
+    # SGLang takes a prompt shorter than its context length less 6 (the token asked for, and 5 it keeps)
+    served = max(length + 8, derived)
+    if derived < served:
+        os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+        notes.append(f"SGLang derives context length {derived}: the probe ran with context length {served} "
+                     "(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
+    options = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+               "mem_fraction_static": 0.05, "max_total_tokens": max(4096, 2 * served)} \
+        if not torch.cuda.is_available() else {}
+    if overrides:
+        options["json_model_override_args"] = json.dumps(overrides)
+
+    # A child's traceback (a model SGLang refuses to build) goes to the shared stderr: kept to name the refusal
+    log = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        engine = sglang.Engine(model_path=job["target"], skip_tokenizer_init=True, dtype="float32",
+                               context_length=served, random_seed=0, log_level="error",
+                               custom_sigquit_handler=_start_failed, **options)
+    except _EngineStartFailed:
+        kill_process_tree(os.getpid(), include_parent=False)
+        log.seek(0)
+        raise _EngineStartFailed(_last_error(log.read().decode(errors="replace"))
+                                 or "SGLang's engine failed at start") from None
+    finally:
+        os.dup2(saved, 2)
+        log.seek(0)
+        sys.stderr.write(log.read().decode(errors="replace"))
+        log.close()
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    try:
+        out = engine.generate(input_ids=[list(tokens)], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                              return_logprob=True, logprob_start_len=0)[0]
+    finally:
+        engine.shutdown()
+    rows = out["meta_info"]["input_token_logprobs"]  # (logprob, token id, text) per prompt token; the first's None
+    # (SGLang 0.5 shows the ids from vocab_size - 1 up as 0: image-token padding, its comment says)
+    last = int(getattr(text, "vocab_size", 0) or 0) - 1
+    if len(rows) != len(tokens) or any(row[1] != t for row, t in zip(rows, tokens) if t < last):
+        raise RuntimeError("SGLang's prompt log-probabilities are not of the probe's tokens")
+    logprobs = [float(row[0]) for row in rows[1:]]
+    plugin = "ropescale.sglang.rotary" in sys.modules  # imported by the plugin only when it is active
+    notes.append("ropescale's SGLang plugin loaded" if plugin else "ropescale's SGLang plugin not loaded (stock SGLang)")
+    return {"logprobs": logprobs, "version": f"SGLang {sglang.__version__}", "max_length": derived, "notes": notes,
+            "planned": len(tokens) + 1, "dtype": "float32", "config": config_view(config)}
+
+
 def llama_cpp_probe(job):
     import llama_cpp
     import numpy as np
@@ -205,7 +292,8 @@ def _gguf_dtype(llm):
     return "float32" if file_type == "0" else f"GGUF file type {file_type or 'unknown'}"
 
 
-PROBES = {"transformers": transformers_probe, "vllm": vllm_probe, "llama.cpp": llama_cpp_probe}
+PROBES = {"transformers": transformers_probe, "vllm": vllm_probe, "sglang": sglang_probe,
+          "llama.cpp": llama_cpp_probe}
 
 
 def main():
@@ -213,6 +301,8 @@ def main():
         job = json.load(f)
     try:
         result = PROBES[job["engine"]](job)
+    except _EngineStartFailed as err:  # the error line of the engine's child process
+        result = {"error": str(err)}
     except Exception as err:  # noqa: BLE001 (the engine's refusal is the result)
         result = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"}
     print("PROBE " + json.dumps(result), flush=True)

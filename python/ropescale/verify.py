@@ -59,6 +59,8 @@ ENGINES = {e.name: e for e in (
            ("dir", "gguf")),
     Engine("vllm", "vllm", "pip install vllm (ropescale's plugin loads with it)", ("dir",),
            "vLLM serves the transformers directory: verify the directory the GGUF was made from"),
+    Engine("sglang", "sglang", "pip install sglang (ropescale's plugin loads with it; CPU: scripts/setup_sglang.sh)",
+           ("dir",), "SGLang serves the transformers directory: verify the directory the GGUF was made from"),
     Engine("llama.cpp", "llama_cpp", "pip install llama-cpp-python (README, llama.cpp)", ("gguf",),
            "llama.cpp runs GGUF files: convert the directory with llama.cpp's convert_hf_to_gguf.py, write the "
            "method into it with `ropescale extend SRC.gguf DST.gguf --method ...`, and verify DST.gguf"),
@@ -71,8 +73,10 @@ SAME = 1e-6  # hypotheses whose log-probabilities differ by less (mean nats) can
 #: float32 engines are 0.5e-6 to 1.4e-6 nats from ropescale's float64 forward of the same formula on the tiny models
 #: of the tests; the bound leaves a margin of about 8. A probe's bound is also at least NOISE_MARGIN times its own
 #: float32 reference's distance to the float64 one (a deeper model, a longer probe: more float32 noise).
-BOUNDS = {("transformers", "float32"): 1e-5, ("vllm", "float32"): 1e-5, ("llama.cpp", "float32"): 1e-5}
+BOUNDS = {("transformers", "float32"): 1e-5, ("vllm", "float32"): 1e-5, ("sglang", "float32"): 1e-5,
+          ("llama.cpp", "float32"): 1e-5}
 NOISE_MARGIN = 4.0
+_ROPE_DICTS = ("rope_parameters", "rope_scaling")  # config keys whose value is a plain dict in every engine
 
 
 @dataclass(frozen=True)
@@ -602,8 +606,14 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
                          f"{spec.refusal}")
     if not _installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
-    if hf_overrides and engine != "vllm":
-        raise ValueError(f"hf_overrides (--hf-overrides) are vLLM's: {engine} takes none")
+    if hf_overrides and engine not in ("vllm", "sglang"):
+        raise ValueError(f"hf_overrides (--hf-overrides) are vLLM's and SGLang's (--json-model-override-args): "
+                         f"{engine} takes none")
+    nested = sorted(k for k, v in (hf_overrides or {}).items() if isinstance(v, dict) and k not in _ROPE_DICTS)
+    if engine == "sglang" and nested:
+        raise ValueError(f"hf_overrides {', '.join(nested)}: SGLang sets a config key to the value given (a sub-config "
+                         "becomes a plain dict), where vLLM merges it: override the sub-config's own keys in its "
+                         "config.json instead")
     say = progress or (lambda message: None)
     d = declared(source) if not hf_overrides else _verify_keys.declared_with(source, hf_overrides)
     if length is None:

@@ -24,7 +24,9 @@ _DESCRIPTION = (
     "place the engine does not read, one its version no longer reads), rope keys: ignored, naming each. Exit 0 when "
     "every check is exact, 1 otherwise, 2 for a bad argument.",
     "Each engine is imported only when asked for: transformers (plain, as from_pretrained loads the target), vllm "
-    "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), llama.cpp (llama-cpp-python, a GGUF).",
+    "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), sglang (with the plugins SGLang loads: "
+    "ROPESCALE_SGLANG=0 checks stock SGLang; its CPU engine where there is no GPU), llama.cpp (llama-cpp-python, a "
+    "GGUF).",
 )
 
 
@@ -35,6 +37,7 @@ def add_parser(sub) -> None:
                    "\n\n".join(textwrap.fill(t, 108) for t in _DESCRIPTION),
                    ["ropescale verify ./llama-yarn --engine vllm",
                     "ROPESCALE_VLLM=0 ropescale verify ./llama-yarn --engine vllm   # stock vLLM",
+                    "ROPESCALE_SGLANG=0 ropescale verify ./llama-yarn --engine sglang   # stock SGLang",
                     "ropescale verify model-yarn4.gguf --engine llama.cpp",
                     "ropescale verify converted.gguf --engine llama.cpp --declared-by ./llama-yarn"
                     "   # a GGUF another tool made from ./llama-yarn",
@@ -50,8 +53,9 @@ def add_parser(sub) -> None:
                    help="the probe's prompt length, at most the served length (default: twice the original length, or "
                         "the served length where that is shorter)")
     p.add_argument("--hf-overrides", metavar="JSON", type=_json_object,
-                   help="vLLM's hf_overrides, passed to the engine as `vllm serve --hf-overrides` takes them and "
-                        "written into the declaration; a rope key vLLM does not take is named")
+                   help="vLLM's hf_overrides (SGLang's --json-model-override-args), passed to the engine as `vllm "
+                        "serve --hf-overrides` takes them and written into the declaration; a rope key the engine does "
+                        "not take is named")
     p.add_argument("--timeout", type=positive_float, default=1800.0, metavar="S",
                    help="seconds the engine may take (default 1800)")
     add_json(p)

@@ -13,7 +13,9 @@ scheduler, detokenizer), then applies the hooks it registered. What it does ther
   (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) or a table per request is refused at engine start, by
   name, with the reason and what serves it. Every other layer is SGLang's own, untouched;
 - an AROUND hook on ``sglang.srt.model_loader.loader._initialize_model``, so that ``get_rope`` knows the config of
-  the model being built (the ``ropescale`` entry, the served length);
+  the model being built (the ``ropescale`` entry, the served length), and one on SGLang's ``get_context_length``:
+  a checkpoint ropescale wrote is served to the length it was written for (SGLang's rule for deriving it from
+  ``factor`` is not vLLM's, which ropescale writes for);
 - registers ropescale's rope types in transformers (``import ropescale.hf``), so the config loads.
 
 ``ROPESCALE_SGLANG=0`` switches the plugin off. Outside the tested SGLang range it warns once and does nothing.
@@ -35,6 +37,7 @@ _state: dict[str, bool] = {}
 #: Where the hooks go (SGLang's dotted paths), for :func:`register` and the tests.
 GET_ROPE = "sglang.srt.layers.rotary_embedding.factory.get_rope"
 INITIALIZE_MODEL = "sglang.srt.model_loader.loader._initialize_model"
+CONTEXT_LENGTH = "sglang.srt.utils.hf_transformers.common.get_context_length"
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -77,6 +80,7 @@ def register() -> None:
 
     HookRegistry.register(GET_ROPE, rotary.get_rope, HookType.AROUND)
     HookRegistry.register(INITIALIZE_MODEL, rotary.initialize_model, HookType.AROUND)
+    HookRegistry.register(CONTEXT_LENGTH, rotary.context_length, HookType.AROUND)
     _state["active"] = True
     logger.info("ropescale %s: SGLang %s plugin active (ropescale's static tables served; per-request and "
                 "raw-key methods refused at engine start)", ropescale_version, version)

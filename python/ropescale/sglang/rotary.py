@@ -19,7 +19,7 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
 from .. import config as config_lib, serving
 
-__all__ = ["RopescaleRotaryEmbedding", "get_rope", "initialize_model", "refusal"]
+__all__ = ["RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model", "refusal"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
 _building: contextvars.ContextVar[Any] = contextvars.ContextVar("ropescale_sglang_model", default=None)
@@ -57,6 +57,21 @@ def initialize_model(original, model_config, *args, **kwargs):
         return original(model_config, *args, **kwargs)
     finally:
         _building.reset(token)
+
+
+def context_length(original, config):
+    """AROUND hook of SGLang's ``get_context_length`` (the length it serves a model to): for a checkpoint ropescale
+    wrote, the length ropescale wrote it for (``config.max_model_len_of``). SGLang multiplies
+    ``max_position_embeddings`` by ``factor`` only without ``original_max_position_embeddings``, where vLLM does for
+    every type but ``yarn``, ``llama3`` and ``longrope``, and ropescale writes its own types' length for vLLM's
+    rule: a Resonance-YaRN x4 trained to L would be served to L, not 4L. Every other config is SGLang's."""
+    params = getattr(config, "rope_parameters", None)
+    entry = getattr(config, config_lib.CONFIG_KEY, None)
+    per_layer = config_lib.per_layer_type(config)
+    if not isinstance(params, Mapping) or not (entry is not None or (
+            not per_layer and serving.written_by_ropescale(params, entry))):
+        return original(config)
+    return config_lib.max_model_len_of(config)
 
 
 def refusal(parsed: config_lib.RopeConfig, multimodal: bool) -> str | None:

@@ -1,0 +1,134 @@
+"""ropescale's SGLang plugin and ``ropescale verify --engine sglang`` against SGLang itself (issue 56), on the SGLang
+leg (``scripts/test_sglang.sh``: SGLang 0.5's CPU engine, torch_native attention, float32). Each case is what a user
+runs: ``verify`` starts SGLang in a process of its own (``sglang.Engine``, the plugins SGLang loads from the entry
+point; ``ROPESCALE_SGLANG=0`` is stock SGLang) and holds its prompt log-probabilities to ropescale's float64 forward
+of the same weights. One engine start per case (about 30-50 s on 2 cores)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from support.vllm_testing import ORIGINAL, saved_llama, served_llama
+
+
+def _require_sglang() -> None:
+    """Skips this module without SGLang; on the SGLang leg a missing SGLang is a failure."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        if os.environ.get("ROPESCALE_SGLANG_LEG") == "1":
+            raise
+        pytest.skip("SGLang is not installed: these tests run on the SGLang leg (scripts/test_sglang.sh)",
+                    allow_module_level=True)
+
+
+_require_sglang()
+
+from ropescale import config as config_lib, hf, scaling, verify  # noqa: E402
+from ropescale.hf import checkpoint  # noqa: E402
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang")
+
+
+def _checkpoint(path: Path, method, target: str = "any", **config) -> Path:
+    """The tiny Llama with ``method`` written into its config (``checkpoint.record``: what hf.patch and extend write),
+    saved to ``path`` once per module."""
+    if not path.exists():
+        model = served_llama()
+        checkpoint.record(model.config, method, target=target)
+        for key, value in config.items():
+            setattr(model.config, key, value)
+        model.save_pretrained(path)
+    return path
+
+
+def _verify(path, monkeypatch, plugin: str, **kwargs):
+    monkeypatch.setenv("ROPESCALE_SGLANG", plugin)
+    report = verify.verify(path, "sglang", **kwargs)
+    print(report.text())
+    assert ("plugin loaded" if plugin == "1" else "plugin not loaded") in " ".join(report.notes) \
+        or any(c.verdict == "refused" for c in report.checks), report.text()
+    return report
+
+
+@pytest.mark.parametrize("plugin", ["1", "0"])
+def test_a_yarn_attention_factor_is_exact_with_the_plugin_and_named_as_dropped_by_stock_sglang(
+        folder, monkeypatch, plugin):
+    """Stock SGLang 0.5 builds YaRN's attention factor from ``factor`` and never reads ``attention_factor``: the
+    checkpoint is served as another model, silently. verify names it; the plugin serves ropescale's table."""
+    method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
+    path = _checkpoint(folder / "yarn-attention-factor", method)
+    assert config_lib.stock_sglang_misreads(json.loads((path / "config.json").read_text())["rope_parameters"])
+    report = _verify(path, monkeypatch, plugin)
+    served, scaled = report.checks[:2]
+    if plugin == "1":
+        assert served.verdict == scaled.verdict == "exact", report.text()
+        assert report.exit_code == 0
+    else:
+        assert scaled.verdict == "different" and "attention_factor" in scaled.detail, report.text()
+        assert report.exit_code == 1
+
+
+@pytest.mark.parametrize("plugin", ["1", "0"])
+def test_a_resonance_yarn_checkpoint_is_exact_with_the_plugin_and_refused_by_stock_sglang(folder, monkeypatch, plugin):
+    path = _checkpoint(folder / "resonance-yarn", scaling.YaRN(factor=4.0, original_max_position=ORIGINAL,
+                                                              resonance=True))
+    report = _verify(path, monkeypatch, plugin)
+    if plugin == "1":
+        assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+    else:
+        assert report.checks[-1].verdict == "refused" and "resonance_yarn" in report.checks[-1].detail, report.text()
+
+
+def test_an_ntk_aware_checkpoint_is_exact_with_the_plugin(folder, monkeypatch):
+    """NTK-aware, written as ``default`` with the scaled base and the method in the ropescale entry."""
+    path = _checkpoint(folder / "ntk", scaling.NTK(factor=4.0))
+    report = _verify(path, monkeypatch, "1")
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+def test_target_sglang_is_exact_in_stock_sglang(folder, monkeypatch):
+    """``extend --target sglang``: the YaRN table with attention factor 1.0 as a longrope (short == long factors),
+    which stock SGLang serves exactly (the same method as the first test, which stock SGLang serves wrong as yarn)."""
+    method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
+    path = _checkpoint(folder / "target-sglang", method, target="sglang")
+    assert json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == "longrope"
+    report = _verify(path, monkeypatch, "0")
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+def test_a_per_request_checkpoint_is_refused_at_engine_start_by_name(folder, monkeypatch):
+    """What the plugin does not serve yet is refused when SGLang builds the model, with ropescale's reason (not as
+    SGLang's "Unknown RoPE scaling type")."""
+    path = folder / "per-request"
+    if not path.exists():
+        model = served_llama()
+        hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+        model.config.model_max_length = 4 * ORIGINAL
+        model.save_pretrained(path)
+    report = _verify(path, monkeypatch, "1")
+    refused = report.checks[-1]
+    assert refused.verdict == "refused", report.text()
+    assert "ropescale.sglang: DynamicYaRN (per='request') is not served by SGLang yet" in refused.detail, report.text()
+
+
+def _probe(path: Path, plugin: str, tokens: list[int], monkeypatch) -> list[float]:
+    """The engine's answer to verify's probe (its own process, as ``verify`` runs it)."""
+    monkeypatch.setenv("ROPESCALE_SGLANG", plugin)
+    answer = verify._run_probe("sglang", path, tokens, len(tokens), 900.0)
+    assert "error" not in answer, answer
+    assert ("plugin loaded" if plugin == "1" else "plugin not loaded") in " ".join(answer["notes"]), answer["notes"]
+    return answer["logprobs"]
+
+
+def test_a_model_ropescale_did_not_write_is_served_bit_for_bit_as_without_the_plugin(folder, monkeypatch):
+    """Stock YaRN with no ropescale entry (and so every other layer the plugin leaves to SGLang): the same
+    log-probabilities, bit for bit, with and without the plugin."""
+    path = saved_llama(folder / "third-party-yarn", rope_type="yarn", factor=4.0,
+                       original_max_position_embeddings=ORIGINAL, max_position_embeddings=4 * ORIGINAL)
+    tokens = [(7 * i + 3) % 256 for i in range(3 * ORIGINAL)]
+    assert _probe(path, "1", tokens, monkeypatch) == _probe(path, "0", tokens, monkeypatch)
