@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SGLang leg (opt-in: not in ./scripts/test.sh, see README "Serve with SGLang"): sets up .venv-sglang with
 # scripts/setup_sglang.sh (SGLang 0.5.23 on torch 2.14.1, ropescale from this checkout), then runs
-# tests/python/engines/test_sglang.py there: ropescale's SGLang plugin and `ropescale verify --engine sglang` against
+# tests/python/engines/test_sglang*.py there: ropescale's SGLang plugin and `ropescale verify --engine sglang` against
 # SGLang's own engine (its CPU engine where there is no GPU: torch_native attention, float32).
 #   ./scripts/test_sglang.sh [PYTEST ARGS...]        e.g. -k yarn
 # Needs the main build (./scripts/setup.sh) first: the leg imports ropescale's ops from this checkout.
@@ -14,6 +14,6 @@ VENV=${SGLANG_VENV:-$PWD/.venv-sglang}
 start=$SECONDS
 status=0
 ROPESCALE_SGLANG_LEG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 \
-  tests/python/engines/test_sglang.py "$@" || status=$?
+  tests/python/engines/test_sglang*.py "$@" || status=$?
 echo "sglang: leg exit $status ($((SECONDS - start)) s)"
 exit $status
