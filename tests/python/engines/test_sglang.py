@@ -6,6 +6,8 @@ of the same weights. One engine start per case (about 30-50 s on 2 cores)."""
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,46 @@ def test_a_model_ropescale_did_not_write_is_served_bit_for_bit_as_without_the_pl
                        original_max_position_embeddings=ORIGINAL, max_position_embeddings=4 * ORIGINAL)
     tokens = [(7 * i + 3) % 256 for i in range(3 * ORIGINAL)]
     assert _probe(path, "1", tokens, monkeypatch) == _probe(path, "0", tokens, monkeypatch)
+
+
+def _serve(path: Path, batches: list[list[list[int]]], context_length: int, plugin: str = "1", starts=None,
+           **engine) -> list:
+    """``support/sglang_serve.py``: SGLang's prompt log-probabilities of each batch, one engine for all."""
+    job = path.parent / f"serve-{path.name}.json"
+    job.write_text(json.dumps({"target": str(path), "context_length": context_length, "engine": engine,
+                               "batches": batches, "starts": starts}))
+    script = Path(__file__).parents[1] / "support" / "sglang_serve.py"
+    run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "ROPESCALE_SGLANG": plugin}, cwd=path.parent)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("SERVED ")), None)
+    assert line is not None, (run.stdout + run.stderr)[-4000:]
+    return json.loads(line[len("SERVED "):])
+
+
+def test_a_static_table_under_load_chunked_prefill_and_the_radix_cache_equals_transformers(folder):
+    """With the plugin, a batch of mixed requests (three lengths past the original, one sharing a prefix with
+    another), prefilled in chunks of 32 tokens, then the shared-prefix request again alone (its prefix now in the
+    radix cache): every prompt log-probability equals transformers + ropescale (float32) within 1e-5."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
+    path = _checkpoint(folder / "yarn-attention-factor", method)
+    long = [(7 * i + 3) % 256 for i in range(3 * ORIGINAL)]
+    short = [(11 * i + 5) % 256 for i in range(ORIGINAL + 19)]
+    shared = long[:2 * ORIGINAL] + [(13 * i + 1) % 256 for i in range(37)]
+    batches, starts = [[long, short, shared], [shared]], [0, 2 * ORIGINAL]
+    served = _serve(path, batches, 4 * ORIGINAL, starts=starts, chunked_prefill_size=32)
+    model = hf.patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+    worst = 0.0
+    for prompts, start, answers in zip(batches, starts, served):
+        for prompt, answer in zip(prompts, answers):
+            with torch.no_grad():
+                x = torch.tensor([prompt])
+                want = model(x).logits[0].double().log_softmax(-1)[:-1].gather(-1, x[0, 1:, None])[:, 0]
+            got = torch.tensor(answer["logprobs"][1:], dtype=torch.float64)
+            assert len(got) == len(prompt) - start - 1
+            worst = max(worst, (got - want[start:]).abs().max().item())
+    cached = served[1][0]["cached"]
+    print(f"max |delta log p| {worst:.3g}; cached tokens of the repeated request: {cached}")
+    assert worst < 1e-5 and cached >= ORIGINAL  # the repeat read its prefix from the radix cache
