@@ -29,12 +29,12 @@ from typing import Mapping
 
 import torch
 
-from . import attentions, config as config_lib, scaling
+from . import attentions, config as config_lib, ops, scaling
 
 __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "cos_sin_cache", "dual_chunk_temperature",
            "needs_pre_rope", "written_by_ropescale",
            "rotated_at_write", "ropescale_rotary", "Segments",
-           "StepTables", "cut_segments", "extended_layer_type", "TableCache"]
+           "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -586,3 +586,21 @@ class RequestRotaryTables:
             self.attention_factors[:count].copy_(host[2], non_blocking=True)
             self.native[:count].copy_(host[3], non_blocking=True)
         self._last = key
+
+
+def rotate_per_request(tables: RequestRotaryTables, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor | None, head_size: int, interleaved: bool, in_place: bool):
+    """An engine rotary layer's forward for a ``per="request"`` table (vLLM's and SGLang's contract: ``query``
+    ``[T, Hq * head_size]``, ``key`` ``[T, Hkv * head_size]`` or None): every token turned with its request's table
+    and attention factor from ``tables`` (``ops.apply_rotary_per_request``), in place or not."""
+    positions = positions.flatten()
+    tokens = positions.shape[0]
+    index = tables.request_index[:tokens]
+    q = query.view(tokens, -1, head_size)
+    k = key.view(tokens, -1, head_size) if key is not None else None
+    arguments = (positions, index, tables.inv_freq, tables.attention_factors, interleaved)
+    if in_place:
+        ops.apply_rotary_per_request_(q, k, *arguments, native_angles=tables.native)
+        return query, key
+    q, k = ops.apply_rotary_per_request(q, k, *arguments, native_angles=tables.native)
+    return q.reshape(query.shape), (k.reshape(key.shape) if key is not None else None)

@@ -38,6 +38,8 @@ _state: dict[str, bool] = {}
 GET_ROPE = "sglang.srt.layers.rotary_embedding.factory.get_rope"
 INITIALIZE_MODEL = "sglang.srt.model_loader.loader._initialize_model"
 CONTEXT_LENGTH = "sglang.srt.utils.hf_transformers.common.get_context_length"
+FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+REQUEST = "sglang.srt.managers.schedule_batch.Req.__init__"
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -81,6 +83,8 @@ def register() -> None:
     HookRegistry.register(GET_ROPE, rotary.get_rope, HookType.AROUND)
     HookRegistry.register(INITIALIZE_MODEL, rotary.initialize_model, HookType.AROUND)
     HookRegistry.register(CONTEXT_LENGTH, rotary.context_length, HookType.AROUND)
+    HookRegistry.register(FORWARD_BATCH, rotary.step_tables, HookType.AFTER)
+    HookRegistry.register(REQUEST, rotary.request_cache_key, HookType.AFTER)
     _state["active"] = True
     logger.info("ropescale %s: SGLang %s plugin active (ropescale's static tables served; per-request and "
                 "raw-key methods refused at engine start)", ropescale_version, version)

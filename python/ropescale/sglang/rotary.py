@@ -19,11 +19,16 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
 from .. import config as config_lib, serving
 
-__all__ = ["RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model", "refusal"]
+__all__ = ["RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
+           "refusal", "request_cache_key", "step_tables"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
 _building: contextvars.ContextVar[Any] = contextvars.ContextVar("ropescale_sglang_model", default=None)
 _layers: dict[tuple, RotaryEmbedding] = {}
+# The per-request rotation of each per-request plan built in this process (a model SGLang's scheduler serves): every
+# step's tables are written by :func:`step_tables`, each request's radix-cache key by :func:`request_cache_key`.
+_request_tables: dict[serving.PreRopePlan, serving.RequestRotaryTables] = {}
+_served_length: dict[str, int] = {}
 
 
 class RopescaleRotaryEmbedding(RotaryEmbedding):
@@ -48,6 +53,105 @@ class RopescaleRotaryEmbedding(RotaryEmbedding):
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, method={self.method}"
+
+
+class RequestRotaryEmbedding(RotaryEmbedding):
+    """A ``per="request"`` table rotated at write (``serving.rotated_at_write``): every token's q and k turned with
+    the table and attention factor of its request (``serving.rotate_per_request`` over the step's
+    :class:`~ropescale.serving.RequestRotaryTables`, written before the step by :func:`step_tables`), so SGLang caches
+    rotated keys and its own attention backends serve the request as the static model of its scale. A request that
+    fits the trained length takes the native table with angles formed as SGLang forms them (the native model)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method, tables: serving.RequestRotaryTables) -> None:
+        self.method, self.request_tables = method, tables
+        super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, dtype)
+
+    def _rotate(self, positions, query, key, offsets, fused_set_kv_buffer_arg, in_place: bool):
+        if offsets is not None or fused_set_kv_buffer_arg is not None:
+            raise NotImplementedError("ropescale.sglang: a per-request table takes no position offsets or fused KV "
+                                      "write (the model called its rotary with them)")
+        return serving.rotate_per_request(self.request_tables, positions, query, key, self.head_size,
+                                          not self.is_neox_style, in_place)
+
+    def forward_native(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+        return self._rotate(positions, query, key, offsets, fused_set_kv_buffer_arg, in_place=False)
+
+    def forward_cpu(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+        return self._rotate(positions, query, key, offsets, fused_set_kv_buffer_arg, in_place=True)
+
+    forward_cuda = forward_cpu
+
+    def _ensure_cos_sin_cache_length(self, needed_max_pos: int) -> None:
+        pass  # the rotation reads the request's tables, not cos_sin_cache
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, method={self.method}, a table per request"
+
+
+def _planned_length(req) -> int:
+    """A request's planned length: its prompt and the tokens it may generate (its ``max_new_tokens``; without one,
+    SGLang generates to the context length)."""
+    prompt = len(req.origin_input_ids)
+    budget = getattr(req.sampling_params, "max_new_tokens", None)
+    if budget is None:
+        return max(prompt, _served_length.get("context", prompt))
+    return prompt + int(budget)
+
+
+def step_tables(forward_batch, cls, batch, *args, **kwargs):
+    """AFTER hook of SGLang's ``ForwardBatch.init_new``: the step's per-request tables (each token's request, each
+    request's table at its planned length), written in place before the step runs."""
+    if not _request_tables or batch is None or not getattr(batch, "reqs", None):
+        return forward_batch
+    mode = forward_batch.forward_mode
+    if mode.is_idle():
+        return forward_batch
+    requests = [_planned_length(req) for req in batch.reqs]
+    if mode.is_decode():
+        query_lens = [1] * len(requests)
+    elif forward_batch.extend_seq_lens_cpu is not None:
+        query_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    else:
+        raise NotImplementedError(f"ropescale.sglang: a per-request table in an SGLang step of mode {mode}")
+    for tables in _request_tables.values():
+        tables.update(requests, query_lens)
+    return forward_batch
+
+
+def request_cache_key(result, req, *args, **kwargs):
+    """AFTER hook of SGLang's ``Req.__init__``: the request's scale joins its radix-cache key (``extra_key``), so a
+    request reads only keys rotated with its own table: the native table's requests share one key, each other
+    table length has its own."""
+    for plan, tables in _request_tables.items():
+        planned = _planned_length(req)
+        scale = "native" if tables.is_native(planned) else str(plan.table_length(planned, 0))
+        req.extra_key = f"{req.extra_key or ''}|ropescale:{scale}"
+    return result
+
+
+def _request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool, dtype: torch.dtype,
+                    parsed: config_lib.RopeConfig, model_config) -> RotaryEmbedding:
+    plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style)
+    context = int(getattr(model_config, "context_len", 0) or max_position)
+    _served_length["context"] = context
+    if plan not in _request_tables:
+        tokens, requests = context, 4096
+        try:  # the largest step SGLang schedules
+            from sglang.srt.runtime_context import get_schedule
+
+            schedule = get_schedule()
+            tokens = max(tokens, int(schedule.max_prefill_tokens or 0), int(schedule.chunked_prefill_size or 0))
+            requests = int(schedule.max_running_requests or requests)
+        except Exception:  # noqa: BLE001 (an SGLang without it: the context length bounds a prefill here)
+            pass
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        _request_tables[plan] = serving.RequestRotaryTables(plan, device, tokens, requests)
+    key = (head_size, rotary_dim, max_position, bool(is_neox_style), parsed, dtype, "request")
+    if key not in _layers:
+        _layers[key] = RequestRotaryEmbedding(head_size, rotary_dim, max_position, parsed.base, is_neox_style, dtype,
+                                              parsed.method, _request_tables[plan])
+    return _layers[key]
 
 
 def initialize_model(original, model_config, *args, **kwargs):
@@ -76,14 +180,17 @@ def context_length(original, config):
 
 def refusal(parsed: config_lib.RopeConfig, multimodal: bool) -> str | None:
     """Why ropescale's SGLang plugin does not serve a checkpoint's method (and what does), or None when it does: a
-    static table on a one-stream rope. Engine-neutral words: the same checkpoint's other engines are named."""
+    static table on a one-stream rope, or a per-request one (rotated at write). The reason names the engines that
+    serve it."""
     name = type(parsed.method).__name__ + (" with Resonance" if parsed.method.resonance else "")
     if parsed.raw_keys:
         what = f"{name} with {config_lib.ATTENTION_NAMES[parsed.attention]}"
         why = "it attends over raw (unrotated) keys, which needs ropescale's attention backend"
+    elif serving.rotated_at_write(parsed) and multimodal:
+        what = f"{name} (per='request') on a multimodal rope (mrope_section)"
+        why = "the plugin rotates a per-request table on a one-stream rope only"
     elif serving.rotated_at_write(parsed):
-        what = f"{name} (per='request')"
-        why = "each request takes the table of its planned length, which needs each request's table in the rotary"
+        return None
     elif serving.needs_pre_rope(parsed):
         what = f"{name} (its table changes with each step's length)"
         why = "each step's table needs raw keys and ropescale's attention backend"
@@ -130,6 +237,8 @@ def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base,
     if reason is not None:
         raise NotImplementedError(reason)
     dtype = dtype or torch.get_default_dtype()
+    if serving.rotated_at_write(parsed):
+        return _request_rotary(head_size, rotary_dim, max_position, is_neox_style, dtype, parsed, model_config)
     # Every position SGLang may serve (its context length); the model runner grows it further where it needs.
     rows = max(int(max_position), int(getattr(model_config, "context_len", 0) or 0))
     key = (head_size, rotary_dim, rows, bool(is_neox_style), parsed, dtype)

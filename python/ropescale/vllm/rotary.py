@@ -123,19 +123,8 @@ class RequestRotaryEmbedding(RotaryEmbedding):
         return self._rotate_per_request(positions, query, key, in_place)
 
     def _rotate_per_request(self, positions, query, key, in_place: bool):
-        tables = self.request_tables
-        positions = positions.flatten()
-        tokens = positions.shape[0]
-        index = tables.request_index[:tokens]
-        q = query.view(tokens, -1, self.head_size)
-        k = key.view(tokens, -1, self.head_size) if key is not None else None
-        interleaved = not self.is_neox_style
-        arguments = (positions, index, tables.inv_freq, tables.attention_factors, interleaved)
-        if in_place:
-            ops.apply_rotary_per_request_(q, k, *arguments, native_angles=tables.native)
-            return query, key
-        q, k = ops.apply_rotary_per_request(q, k, *arguments, native_angles=tables.native)
-        return q.reshape(query.shape), (k.reshape(key.shape) if key is not None else None)
+        return serving.rotate_per_request(self.request_tables, positions, query, key, self.head_size,
+                                          not self.is_neox_style, in_place)
 
     def forward_native(self, positions, query, key=None):
         return self._rotate(positions, query, key, in_place=False)

@@ -103,19 +103,61 @@ def test_target_sglang_is_exact_in_stock_sglang(folder, monkeypatch):
     assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
 
 
-def test_a_per_request_checkpoint_is_refused_at_engine_start_by_name(folder, monkeypatch):
-    """What the plugin does not serve yet is refused when SGLang builds the model, with ropescale's reason (not as
-    SGLang's "Unknown RoPE scaling type")."""
+def _per_request_checkpoint(folder: Path) -> Path:
     path = folder / "per-request"
     if not path.exists():
         model = served_llama()
         hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
         model.config.model_max_length = 4 * ORIGINAL
         model.save_pretrained(path)
-    report = _verify(path, monkeypatch, "1")
-    refused = report.checks[-1]
-    assert refused.verdict == "refused", report.text()
-    assert "ropescale.sglang: DynamicYaRN (per='request') is not served by SGLang yet" in refused.detail, report.text()
+    return path
+
+
+def test_a_per_request_checkpoint_is_exact_with_verify(folder, monkeypatch):
+    """verify's probe plans its own length (prompt + the one token asked for): the static model of that scale."""
+    report = _verify(_per_request_checkpoint(folder), monkeypatch, "1")
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+def _static_model(length: int):
+    """The static model of the scale a request of ``length`` planned tokens gets (native within the original)."""
+    model = served_llama().eval()
+    if length <= ORIGINAL:
+        return model
+    return hf.patch(model, scaling.YaRN(factor=length / ORIGINAL, original_max_position=ORIGINAL))
+
+
+def test_each_request_is_the_static_model_of_its_scale_however_sglang_schedules_it(folder):
+    """Per-request Dynamic YaRN: in one batch (32-token chunked prefill) a native request (prompt + budget within
+    the original length) and two long ones of different budgets; then the long prompt again with a third budget
+    (another scale: it must not read the first's cached keys) and with the first's (the same scale: it reads them).
+    Each equals transformers + ropescale's static model of its planned length (prompt + max_new_tokens)."""
+    import torch
+
+    path = _per_request_checkpoint(folder)
+    native = [(11 * i + 5) % 256 for i in range(40)]
+    long = [(7 * i + 3) % 256 for i in range(150)]
+    longer = long[:128] + [(13 * i + 1) % 256 for i in range(30)]
+    batches = [[native, long, longer], [long, long]]
+    budgets = [[10, 20, 60], [50, 20]]
+    starts = [0, 128]  # (SGLang reads a cached prefix only past logprob_start_len)
+    served = _serve(path, batches, 4 * ORIGINAL, starts=starts, budgets=budgets, chunked_prefill_size=32)
+    worst = {}
+    for prompts, plans, start, answers in zip(batches, budgets, starts, served):
+        for prompt, budget, answer in zip(prompts, plans, answers):
+            planned = len(prompt) + budget
+            with torch.no_grad():
+                x = torch.tensor([prompt])
+                want = _static_model(planned)(x).logits[0].double().log_softmax(-1)[:-1]
+                want = want.gather(-1, x[0, 1:, None])[:, 0]
+            got = torch.tensor(answer["logprobs"][1:], dtype=torch.float64)
+            assert len(got) == len(prompt) - start - 1
+            worst[planned] = max(worst.get(planned, 0.0), (got - want[start:]).abs().max().item())
+    cached = [a["cached"] for a in served[1]]
+    print(f"max |delta log p| by planned length {worst}; cached tokens of the repeats {cached}")
+    assert all(v < 1e-5 for v in worst.values()), worst
+    # the repeat at a new scale read nothing; at the first's scale, its prefix
+    assert cached[0] == 0 and cached[1] >= 128, cached
 
 
 def _probe(path: Path, plugin: str, tokens: list[int], monkeypatch) -> list[float]:
@@ -137,11 +179,11 @@ def test_a_model_ropescale_did_not_write_is_served_bit_for_bit_as_without_the_pl
 
 
 def _serve(path: Path, batches: list[list[list[int]]], context_length: int, plugin: str = "1", starts=None,
-           **engine) -> list:
+           budgets=None, **engine) -> list:
     """``support/sglang_serve.py``: SGLang's prompt log-probabilities of each batch, one engine for all."""
     job = path.parent / f"serve-{path.name}.json"
     job.write_text(json.dumps({"target": str(path), "context_length": context_length, "engine": engine,
-                               "batches": batches, "starts": starts}))
+                               "batches": batches, "starts": starts, "budgets": budgets}))
     script = Path(__file__).parents[1] / "support" / "sglang_serve.py"
     run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True, timeout=900,
                          env={**os.environ, "ROPESCALE_SGLANG": plugin}, cwd=path.parent)

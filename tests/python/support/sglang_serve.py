@@ -2,7 +2,8 @@
 
 Run as a script in its own process (SGLang spawns processes and installs signal handlers):
 ``python sglang_serve.py JOB.json``. The job: {"target", "context_length", "engine" (extra ``sglang.Engine``
-arguments), "batches": [[prompt, ...], ...], "starts": [logprob_start_len per batch] (default 0)}: each batch is sent as one ``generate`` call (SGLang schedules its
+arguments), "batches": [[prompt, ...], ...], "starts": [logprob_start_len per batch] (default 0),
+"budgets": [[max_new_tokens per prompt] per batch] (default 1)}: each batch is sent as one ``generate`` call (SGLang schedules its
 prompts together), every batch to the same engine, in order (a later batch may read the radix cache of an earlier
 one). Output: one line ``SERVED {json}``: per batch, per prompt, the prompt log-probabilities from its batch's start
 (the first token's None) and the cached-token count SGLang reports. On a machine without a GPU it is SGLang's CPU engine.
@@ -31,10 +32,12 @@ def main():
     try:
         batches = []
         starts = job.get("starts") or [0] * len(job["batches"])
-        for prompts, start in zip(job["batches"], starts):
+        budgets = job.get("budgets") or [[1] * len(prompts) for prompts in job["batches"]]
+        for prompts, start, budget in zip(job["batches"], starts, budgets):
             # (SGLang reads a cached prefix only past logprob_start_len: the log-probabilities from there on)
             outs = engine.generate(input_ids=[list(p) for p in prompts],
-                                   sampling_params={"max_new_tokens": 1, "temperature": 0},
+                                   sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+                                                    for n in budget],
                                    return_logprob=True, logprob_start_len=start)
             batches.append([{"logprobs": [row[0] for row in out["meta_info"]["input_token_logprobs"]],
                              "cached": out["meta_info"].get("cached_tokens", 0)} for out in outs])
