@@ -9,9 +9,13 @@ scheduler, detokenizer), then applies the hooks it registered. What it does ther
   types (its hook registry re-points every ``from ... import get_rope``): a layer of a checkpoint ropescale wrote
   (:func:`ropescale.serving.written_by_ropescale`) with a static table gets
   :class:`~ropescale.sglang.rotary.RopescaleRotaryEmbedding`, SGLang's own rotary layer over ropescale's table
-  (YaRN's ``attention_factor``, which stock SGLang drops, included); a method that needs ropescale's attention
-  (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) or a table per request is refused at engine start, by
-  name, with the reason and what serves it. Every other layer is SGLang's own, untouched;
+  (YaRN's ``attention_factor``, which stock SGLang drops, included); a ``per="request"`` table gets
+  :class:`~ropescale.sglang.rotary.RequestRotaryEmbedding` (each request rotated with the table of its planned
+  length when its keys are written; SGLang's own attention serves them); a method that needs ropescale's attention
+  (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) is refused at engine start, by name, with the reason
+  and what serves it. Every other layer is SGLang's own, untouched;
+- AFTER hooks on ``ForwardBatch.init_new`` (each step's per-request tables) and ``Req.__init__`` (a request's
+  scale joins its radix-cache key);
 - an AROUND hook on ``sglang.srt.model_loader.loader._initialize_model``, so that ``get_rope`` knows the config of
   the model being built (the ``ropescale`` entry, the served length), and one on SGLang's ``get_context_length``:
   a checkpoint ropescale wrote is served to the length it was written for (SGLang's rule for deriving it from
@@ -86,5 +90,5 @@ def register() -> None:
     HookRegistry.register(FORWARD_BATCH, rotary.step_tables, HookType.AFTER)
     HookRegistry.register(REQUEST, rotary.request_cache_key, HookType.AFTER)
     _state["active"] = True
-    logger.info("ropescale %s: SGLang %s plugin active (ropescale's static tables served; per-request and "
-                "raw-key methods refused at engine start)", ropescale_version, version)
+    logger.info("ropescale %s: SGLang %s plugin active (ropescale's static and per-request tables served; raw-key "
+                "and per-step methods refused at engine start)", ropescale_version, version)
