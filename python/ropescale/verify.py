@@ -604,8 +604,6 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
     if kind not in spec.targets:
         raise ValueError(f"{engine} does not run a {'GGUF file' if kind == 'gguf' else 'checkpoint directory'}: "
                          f"{spec.refusal}")
-    if not _installed(spec.module):
-        raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     if hf_overrides and engine not in ("vllm", "sglang"):
         raise ValueError(f"hf_overrides (--hf-overrides) are vLLM's and SGLang's (--json-model-override-args): "
                          f"{engine} takes none")
@@ -614,6 +612,8 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
         raise ValueError(f"hf_overrides {', '.join(nested)}: SGLang sets a config key to the value given (a sub-config "
                          "becomes a plain dict), where vLLM merges it: override the sub-config's own keys in its "
                          "config.json instead")
+    if not _installed(spec.module):
+        raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     say = progress or (lambda message: None)
     d = declared(source) if not hf_overrides else _verify_keys.declared_with(source, hf_overrides)
     if length is None:

@@ -2,6 +2,8 @@
 What each method is written as, read back as itself; old checkpoints (``ntk``, transformers' ``dynamic``)
 still read; a config edited out of step with its ``ropescale`` entry is refused."""
 
+import math
+
 import pytest
 import torch
 
@@ -253,3 +255,41 @@ def test_the_vllm_plugin_takes_the_stock_types_vllm_serves_wrong(params, ours):
 
     assert serving.ropescale_rotary(params, None) is ours
     assert bool(scaling.DynamicNTK.vllm_stock_wrong) and not scaling.YaRN.vllm_stock_wrong
+    # the SGLang plugin takes only what ropescale wrote: a third-party config is SGLang's, bit for bit
+    assert serving.written_by_ropescale(params, None) is (params["rope_type"] == "dynamic_ntk")
+    assert serving.written_by_ropescale({"rope_type": "yarn", "factor": 4.0}, {"method": {"rope_type": "yarn"}})
+
+
+YARN_4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("params, served", [
+    (YARN_4, None),  # its own factor is transformers' 0.1 ln 4 + 1
+    ({**YARN_4, "attention_factor": 0.1 * math.log(4.0) + 1.0}, None),  # the same value, written out
+    ({**YARN_4, "attention_factor": 1.0}, 1.13863),  # dropped: SGLang serves 0.1 ln 4 + 1
+    ({**YARN_4, "mscale": 0.707, "mscale_all_dim": 0.707}, None),  # both read alike (ratio 1)
+    ({**YARN_4, "mscale": 1.0, "mscale_all_dim": 0.0}, None),  # SGLang's ratio (1.139 / 1); transformers' 0.1 ln s + 1
+    ({**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0, "attention_factor": 1.0}, 0.964327),  # SGLang's ratio
+    ({**YARN_4, "attn_factor": 2.0}, None),  # a key ropescale refuses to read (never writes): not its checkpoint
+    ({"rope_type": "proportional", "factor": 2.0}, "factor"),  # Gemma 4's factor ignored
+    ({"rope_type": "proportional", "factor": 1.0}, None),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "attention_factor": 1.0}, None),
+    ({"rope_type": "resonance_yarn", "factor": 4.0}, None),  # unknown to SGLang: refused, loud
+    ({"rope_type": "yarn", "factor": "x"}, None),  # not a table transformers reads either
+    ({}, None),
+    (None, None),
+])
+def test_stock_sglang_misreads_names_what_stock_sglang_serves_silently_wrong(params, served):
+    """Issue 56: ``extend`` warns with it where it writes such a table (stock SGLang, no plugin, would serve another
+    model); every other table stock SGLang serves as written or refuses."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ropescale's own notes on a YaRN mscale without its pair
+        message = config.stock_sglang_misreads(params, 256)
+    if served is None:
+        assert message is None, message
+    elif served == "factor":
+        assert "stock SGLang ignores the proportional rope's factor (2.0)" in message, message
+    else:
+        assert f"serves this table with attention factor {served:g}" in message, message

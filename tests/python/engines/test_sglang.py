@@ -12,21 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from support.sglang_testing import require_sglang
 from support.vllm_testing import ORIGINAL, saved_llama, served_llama
 
-
-def _require_sglang() -> None:
-    """Skips this module without SGLang; on the SGLang leg a missing SGLang is a failure."""
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        if os.environ.get("ROPESCALE_SGLANG_LEG") == "1":
-            raise
-        pytest.skip("SGLang is not installed: these tests run on the SGLang leg (scripts/test_sglang.sh)",
-                    allow_module_level=True)
-
-
-_require_sglang()
+require_sglang()
 
 from ropescale import config as config_lib, hf, scaling, verify  # noqa: E402
 from ropescale.hf import checkpoint  # noqa: E402

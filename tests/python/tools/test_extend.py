@@ -380,6 +380,9 @@ ATTENTION_REFUSALS = [
     (["--attention", "rerope", "--window", 4, "--local-value", 2], "--local-value belongs to STRING attention"),
     (["--attention", "string", "--shifted-offset", 4, "--local-value", 2, "--target", "vllm"],
      "STRING attention needs ropescale's plugin: leave --target out"),
+    (["--attention", "rerope", "--window", 4, "--target", "sglang"],
+     "--target sglang writes a table its stock engine serves with no plugin; ReRoPE attention needs ropescale's "
+     "plugin: leave --target out"),
     (["--attention", "self_extend", "--window", 4, "--group", 0], "argument --group: must be > 0, got 0"),
     (["--attention", "dual_chunk", "--chunk-size", 0, "--local-size", 0], "argument --chunk-size: must be > 0, got 0"),
     (["--attention", "dual_chunk", "--chunk-size", 12, "--local-size", -1], "argument --local-size: must be >= 0"),
@@ -493,6 +496,26 @@ def test_gpt_oss_tables_stock_vllm_would_read_as_yarn_are_warned_about(tmp_path,
     assert ("stock vLLM's gpt-oss model builds YaRN" in captured.err) == warned, (written, captured.err)
     if warned:
         assert f"rope_type '{written['rope_type']}'" in captured.err and "plugin" in captured.err
+
+
+def test_target_sglang_writes_the_table_as_a_longrope_and_a_yarn_attention_factor_is_warned_about(tmp_path, capsys):
+    """Stock SGLang 0.5 drops YaRN's attention_factor (issue 56): extend says so where it writes one, and
+    ``--target sglang`` writes the same table as a longrope (equal factors, the factor in short/long_mscale), which
+    transformers reads as the same model."""
+    src, _ = source(tmp_path)
+    options = ("--method", "yarn", "--factor", 4, "--original-max-position", ORIGINAL, "--attention-factor", 1.0)
+    assert cli.main(["extend", str(src), str(tmp_path / "yarn"), *map(str, options)]) == 0
+    assert "stock SGLang drops YaRN's attention_factor: without ropescale's plugin it serves this table with " \
+           "attention factor 1.13863, not 1" in capsys.readouterr().err
+    yarn = json.loads((tmp_path / "yarn" / "config.json").read_text())
+    assert cli.main(["extend", str(src), str(tmp_path / "longrope"), *map(str, options), "--target", "sglang"]) == 0
+    assert "stock SGLang" not in capsys.readouterr().err
+    longrope = json.loads((tmp_path / "longrope" / "config.json").read_text())
+    params = longrope["rope_parameters"]
+    assert (yarn["rope_parameters"]["rope_type"], params["rope_type"]) == ("yarn", "longrope")
+    assert params["short_factor"] == params["long_factor"] and params["short_mscale"] == params["long_mscale"] == 1.0
+    want, got = logits(hf.patch(load(tmp_path / "yarn"))), logits(load(tmp_path / "longrope"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_gpt_oss_longrope_export_for_stock_vllm_is_refused(tmp_path, capsys):

@@ -180,7 +180,7 @@ def test_transformers_applies_a_checkpoint_ropescale_wrote(yarn_checkpoint, caps
     assert out["distances"]["declared"] < 1e-5 and min(others) > 1e-2, out["distances"]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llama.cpp"])
 def test_every_engines_process_gets_absolute_paths(engine, yarn_checkpoint, tmp_path, monkeypatch):
     """Relative TARGET and --declared-by (from the working directory): the job the engine's process reads names
     them absolutely (it runs in a folder of its own). No engine starts: the process is replaced by one that records
@@ -197,7 +197,7 @@ def test_every_engines_process_gets_absolute_paths(engine, yarn_checkpoint, tmp_
         return subprocess.CompletedProcess(argv, 0, 'PROBE {"error": "no engine in this test"}\n', "")
 
     monkeypatch.setattr(verify.subprocess, "run", run)
-    target, declared_by = ("yarn", None) if engine == "vllm" else ("model.gguf", "./yarn")
+    target, declared_by = ("yarn", None) if engine != "llama.cpp" else ("model.gguf", "./yarn")
     report = verify.verify(target, engine, declared_by=declared_by)
     assert report.checks[-1].verdict == "refused" and report.target == target, report.text()
     assert [job["target"] for job in jobs] == [str(tmp_path / target)]
@@ -236,16 +236,25 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
         (tmp_path / "notes.txt", "transformers", "not a GGUF file"),
         (yarn_checkpoint, "llama.cpp", "convert_hf_to_gguf.py"),
         (tmp_path / "trunc.gguf", "vllm", "vLLM serves the transformers directory"),
-        (yarn_checkpoint, "sglang", "unknown engine 'sglang'"),
+        (tmp_path / "trunc.gguf", "sglang", "SGLang serves the transformers directory"),
+        (yarn_checkpoint, "sgl", "unknown engine 'sgl'"),
     ]
     if importlib.util.find_spec("gguf") is not None:
         rows.append((tmp_path / "trunc.gguf", "transformers", "not a GGUF file the gguf package can read"))
     for target, engine, message in rows:
         with pytest.raises(ValueError, match=re.escape(message)):
             verify.verify(target, engine)
-    monkeypatch.setattr(verify, "_installed", lambda module: module != "vllm")
+    # the arguments are checked before the engine's package: the same answer with and without it installed
+    with pytest.raises(ValueError, match="hf_overrides .* are vLLM's and SGLang's .*: transformers takes none"):
+        verify.verify(yarn_checkpoint, "transformers", hf_overrides={"rope_theta": 1e5})
+    with pytest.raises(ValueError, match="hf_overrides text_config: SGLang sets a config key to the value given"):
+        verify.verify(yarn_checkpoint, "sglang", hf_overrides={"text_config": {"rope_theta": 1e5}})
+    monkeypatch.setattr(verify, "_installed", lambda module: module not in ("vllm", "sglang"))
     with pytest.raises(ValueError, match="needs the vllm package"):
         verify.verify(yarn_checkpoint, "vllm")
+    with pytest.raises(ValueError, match=re.escape("needs the sglang package: pip install sglang (ropescale's plugin "
+                                                   "loads with it; CPU: scripts/setup_sglang.sh)")):
+        verify.verify(yarn_checkpoint, "sglang", hf_overrides={"rope_parameters": {"rope_type": "default"}})
     with pytest.raises(ValueError, match="at least 2 tokens"):
         verify.verify(yarn_checkpoint, "transformers", length=1)
     with pytest.raises(ValueError, match="declared_by .*missing: no such file"):
@@ -259,7 +268,7 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
         cli.main(["verify", str(yarn_checkpoint), "--engine", "transformers", "--length", str(10**12)])
     assert exit_.value.code == 2 and f"at most {4 * ORIGINAL} tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["verify", str(yarn_checkpoint), "--engine", "sglang"])
+        cli.main(["verify", str(yarn_checkpoint), "--engine", "sgl"])
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
