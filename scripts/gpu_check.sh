@@ -8,7 +8,8 @@
 #   first-day  what a GPU user does first (issue 26): one autocast bf16/fp16 fine-tuning step of every
 #              patch kind, a ReRoPE training step at 4k-16k with its peak memory against plain SDPA, vLLM
 #              serving ReRoPE and Dynamic-YaRN checkpoints with --attention-backend CUSTOM and CUDA graphs
-#              against transformers (where vLLM is installed), chunked prefill at 32k and 96k context,
+#              against transformers (where vLLM is installed), SGLang with ropescale's plugin on its GPU backends
+#              (where SGLang is installed), chunked prefill at 32k and 96k context,
 #              context parallelism CP=2 against the unsplit step (on 2 GPUs; skipped on one);
 #   ruler      (opt-in: GPU_CHECK_PARTS=ruler) the RULER table on SmolLM2-135M (benchmarks/ruler_table.py,
 #              issue 44): every method, 4k to 32k, 50 samples a cell, resumed from and appended to
@@ -235,6 +236,15 @@ if [ "$build_ok" = 1 ] && part first-day; then
     echo "vLLM is not installed on this machine: the CUSTOM-backend engine test did not run" >"$OUT/vllm_cuda.log"
     echo "- vLLM on CUDA: not run (vLLM not installed)" >>"$OUT/steps.md"
   fi
+  if "$PYTHON" -c "import sglang" >/dev/null 2>&1; then
+    # Issue 56 on SGLang's GPU backends (FlashInfer / FlashAttention, CUDA graphs: the engine's defaults on CUDA):
+    # ropescale's plugin against transformers and stock SGLang, every case of the CPU leg (scripts/test_sglang.sh).
+    run "SGLang on CUDA: the plugin's static and per-request tables against transformers" 240 "$OUT/sglang_cuda.log" \
+      env ROPESCALE_SGLANG_LEG=1 "$PYTHON" -m pytest tests/python/engines/test_sglang.py -q -s -p no:cacheprovider -rfEs
+  else
+    echo "SGLang is not installed on this machine: the SGLang engine tests did not run" >"$OUT/sglang_cuda.log"
+    echo "- SGLang on CUDA: not run (SGLang not installed)" >>"$OUT/steps.md"
+  fi
   run "bench_chunked_prefill (GPU): 2048-token chunks at 32k and 96k context" 90 "$OUT/bench_chunked_prefill.log" \
     "$PYTHON" benchmarks/bench_chunked_prefill.py --device cuda
 fi
@@ -263,7 +273,7 @@ if [ "$build_ok" = 1 ] && part llamacpp; then
 fi
 
 section "Tests"
-for t in pytest_cuda pytest_cpu_host training context_parallel vllm_cuda; do
+for t in pytest_cuda pytest_cpu_host training context_parallel vllm_cuda sglang_cuda; do
   [ -f "$OUT/$t.log" ] && { echo "### $t"; echo; fenced <(tail -n 40 "$OUT/$t.log"); echo; } >>"$REPORT"
 done
 section "Benchmarks"
