@@ -34,7 +34,8 @@ from . import attentions, config as config_lib, ops, scaling
 __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "cos_sin_cache", "dual_chunk_temperature",
            "needs_pre_rope", "written_by_ropescale",
            "rotated_at_write", "ropescale_rotary", "Segments",
-           "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "TableCache"]
+           "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
+           "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
 NO_WINDOW = 2**31 - 1
@@ -604,3 +605,12 @@ def rotate_per_request(tables: RequestRotaryTables, positions: torch.Tensor, que
         return query, key
     q, k = ops.apply_rotary_per_request(q, k, *arguments, native_angles=tables.native)
     return q.reshape(query.shape), (k.reshape(key.shape) if key is not None else None)
+
+
+def times_rows(x: torch.Tensor, factors: torch.Tensor, n: int) -> torch.Tensor:
+    """``x``'s first ``n`` rows (its first dim: tokens) each times its row of ``factors`` (float32, at least ``n``
+    rows), formed in float32 (float64 for float64) and rounded once to x's dtype: ``hf.patch``'s DCA temperature on
+    q and k, the same float32 product."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = factors[:n].to(device=x.device, dtype=compute).view(n, *([1] * (x.dim() - 1)))
+    return (x[:n].to(compute) * rows).to(x.dtype)

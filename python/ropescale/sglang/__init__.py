@@ -44,6 +44,7 @@ INITIALIZE_MODEL = "sglang.srt.model_loader.loader._initialize_model"
 CONTEXT_LENGTH = "sglang.srt.utils.hf_transformers.common.get_context_length"
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 REQUEST = "sglang.srt.managers.schedule_batch.Req.__init__"
+ATTENTION_BACKEND = "sglang.srt.model_executor.model_runner_components.attention_backend_setup._build_resolved_backend"
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -57,6 +58,18 @@ def _version_tuple(version: str) -> tuple[int, int]:
 def is_active() -> bool:
     """Whether :func:`register` installed the plugin in this process."""
     return _state.get("active", False)
+
+
+def _attention_backend(original, *args, **kwargs):
+    """AROUND hook of SGLang's ``_build_resolved_backend`` (every attention backend a model runner builds): a model
+    whose rotary passes raw keys gets ropescale's (:mod:`ropescale.sglang.attention`), every other SGLang's."""
+    from . import rotary
+
+    if not rotary.serves_raw_keys():
+        return original(*args, **kwargs)
+    from . import attention
+
+    return attention.RopescaleAttnBackend(kwargs["model_runner"] if "model_runner" in kwargs else args[0])
 
 
 def register() -> None:
@@ -89,6 +102,7 @@ def register() -> None:
     HookRegistry.register(CONTEXT_LENGTH, rotary.context_length, HookType.AROUND)
     HookRegistry.register(FORWARD_BATCH, rotary.step_tables, HookType.AFTER)
     HookRegistry.register(REQUEST, rotary.request_cache_key, HookType.AFTER)
+    HookRegistry.register(ATTENTION_BACKEND, _attention_backend, HookType.AROUND)
     _state["active"] = True
     logger.info("ropescale %s: SGLang %s plugin active (ropescale's static and per-request tables served; raw-key "
                 "and per-step methods refused at engine start)", ropescale_version, version)

@@ -20,7 +20,7 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 from .. import config as config_lib, serving
 
 __all__ = ["RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
-           "refusal", "request_cache_key", "step_tables"]
+           "refusal", "request_cache_key", "serves_raw_keys", "step_tables"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
 _building: contextvars.ContextVar[Any] = contextvars.ContextVar("ropescale_sglang_model", default=None)
@@ -29,6 +29,8 @@ _layers: dict[tuple, RotaryEmbedding] = {}
 # step's tables are written by :func:`step_tables`, each request's radix-cache key by :func:`request_cache_key`.
 _request_tables: dict[serving.PreRopePlan, serving.RequestRotaryTables] = {}
 _served_length: dict[str, int] = {}
+#: The prompt length of each request of the step being built (ForwardBatch.init_new's hook, this process).
+step_prompt_lens: list[int] = []
 
 
 class RopescaleRotaryEmbedding(RotaryEmbedding):
@@ -100,9 +102,15 @@ def _planned_length(req) -> int:
 
 
 def step_tables(forward_batch, cls, batch, *args, **kwargs):
-    """AFTER hook of SGLang's ``ForwardBatch.init_new``: the step's per-request tables (each token's request, each
-    request's table at its planned length), written in place before the step runs."""
-    if not _request_tables or batch is None or not getattr(batch, "reqs", None):
+    """AFTER hook of SGLang's ``ForwardBatch.init_new``: each request's prompt length on the step's ForwardBatch (for
+    the raw-key backend), and the step's per-request tables (each token's request, each request's table at its
+    planned length), written in place before the step runs."""
+    if batch is None or not getattr(batch, "reqs", None):
+        return forward_batch
+    # each request's prompt length, for the raw-key backend's length-dependent tables and DCA's temperature (the
+    # step's ForwardBatch is not the object the backend later gets: a module-level record, read in the same step)
+    step_prompt_lens[:] = [len(req.origin_input_ids) for req in batch.reqs]
+    if not _request_tables:
         return forward_batch
     mode = forward_batch.forward_mode
     if mode.is_idle():
@@ -122,11 +130,19 @@ def step_tables(forward_batch, cls, batch, *args, **kwargs):
 def request_cache_key(result, req, *args, **kwargs):
     """AFTER hook of SGLang's ``Req.__init__``: the request's scale joins its radix-cache key (``extra_key``), so a
     request reads only keys rotated with its own table: the native table's requests share one key, each other
-    table length has its own."""
+    table length has its own. Under a prompt-dependent raw-key plan (a per-step table, DCA's temperature) the
+    prompt's length joins it (SGLang also merges a running request's prefix into an equal one already cached)."""
     for plan, tables in _request_tables.items():
         planned = _planned_length(req)
         scale = "native" if tables.is_native(planned) else str(plan.table_length(planned, 0))
         req.extra_key = f"{req.extra_key or ''}|ropescale:{scale}"
+    if serves_raw_keys():
+        from . import attention
+
+        if attention.current_plan().prompt_dependent:
+            # A length-dependent table or DCA's temperature: a layer's raw keys past the first follow the prompt's
+            # length (its rows' tables, its keys' temperature), so only a prompt of the same length may read them.
+            req.extra_key = f"{req.extra_key or ''}|ropescale:prompt {len(req.origin_input_ids)}"
     return result
 
 
@@ -152,6 +168,14 @@ def _request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_
         _layers[key] = RequestRotaryEmbedding(head_size, rotary_dim, max_position, parsed.base, is_neox_style, dtype,
                                               parsed.method, _request_tables[plan])
     return _layers[key]
+
+
+def serves_raw_keys() -> bool:
+    """Whether this process built a model whose rotary passes raw keys to ropescale's attention backend."""
+    import sys
+
+    module = sys.modules.get(__name__.rsplit(".", 1)[0] + ".attention")
+    return module is not None and module.current_plan() is not None
 
 
 def initialize_model(original, model_config, *args, **kwargs):
@@ -183,17 +207,21 @@ def refusal(parsed: config_lib.RopeConfig, multimodal: bool) -> str | None:
     static table on a one-stream rope, or a per-request one (rotated at write). The reason names the engines that
     serve it."""
     name = type(parsed.method).__name__ + (" with Resonance" if parsed.method.resonance else "")
-    if parsed.raw_keys:
-        what = f"{name} with {config_lib.ATTENTION_NAMES[parsed.attention]}"
-        why = "it attends over raw (unrotated) keys, which needs ropescale's attention backend"
+    if parsed.raw_keys and multimodal:
+        what = f"{name} with {config_lib.ATTENTION_NAMES[parsed.attention]} on a multimodal rope (mrope_section)"
+        why = "ropescale's raw-key attention rotates each key at one position, a multimodal rope at three"
+    elif parsed.raw_keys:
+        return None
     elif serving.rotated_at_write(parsed) and multimodal:
         what = f"{name} (per='request') on a multimodal rope (mrope_section)"
         why = "the plugin rotates a per-request table on a one-stream rope only"
     elif serving.rotated_at_write(parsed):
         return None
+    elif serving.needs_pre_rope(parsed) and multimodal:
+        what = f"{name} (its table changes with each step's length) on a multimodal rope (mrope_section)"
+        why = "ropescale's raw-key attention rotates each key at one position, a multimodal rope at three"
     elif serving.needs_pre_rope(parsed):
-        what = f"{name} (its table changes with each step's length)"
-        why = "each step's table needs raw keys and ropescale's attention backend"
+        return None
     elif multimodal:
         what, why = f"{name} on a multimodal rope (mrope_section)", "the plugin serves a one-stream rope only"
     else:
@@ -239,6 +267,10 @@ def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base,
     dtype = dtype or torch.get_default_dtype()
     if serving.rotated_at_write(parsed):
         return _request_rotary(head_size, rotary_dim, max_position, is_neox_style, dtype, parsed, model_config)
+    if serving.needs_pre_rope(parsed):  # raw keys in SGLang's pool, ropescale's attention backend
+        from . import attention
+
+        return attention.pass_through(head_size, rotary_dim, is_neox_style, dtype, parsed, model_config)
     # Every position SGLang may serve (its context length); the model runner grows it further where it needs.
     rows = max(int(max_position), int(getattr(model_config, "context_len", 0) or 0))
     key = (head_size, rotary_dim, rows, bool(is_neox_style), parsed, dtype)

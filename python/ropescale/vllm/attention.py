@@ -494,15 +494,6 @@ def reserve_workspace(vllm_config, num_kv_heads: int, head_size: int) -> torch.T
     return _workspaces[key]
 
 
-def times_rows(x: torch.Tensor, factors: torch.Tensor, n: int) -> torch.Tensor:
-    """``x``'s first ``n`` rows (its first dim: tokens) each times its row of ``factors`` (float32, at least ``n``
-    rows), formed in float32 (float64 for float64) and rounded once to x's dtype: ``hf.patch``'s DCA temperature on
-    q and k, the same float32 product."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = factors[:n].to(device=x.device, dtype=compute).view(n, *([1] * (x.dim() - 1)))
-    return (x[:n].to(compute) * rows).to(x.dtype)
-
-
 def layer_metadata(layer):
     """This step's attention metadata of ``layer`` (vLLM's ``Attention``, by its ``layer_name``) from vLLM's forward
     context, as vLLM's own ``get_attention_context`` finds it; None outside a forward."""
@@ -557,7 +548,7 @@ class PreRopeLayer:
             if tables is None or tables.temperature is None:
                 raise RuntimeError("ropescale.vllm: a Dual Chunk Attention layer writes keys without the step's "
                                    "temperature (its attention metadata carries no rope tables)")
-            key = times_rows(key, tables.temperature, n)
+            key = serving.times_rows(key, tables.temperature, n)
         ops.rerope_cache_write_(key_cache, value_cache, key, value[:n], slot_mapping.to(torch.int64))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> torch.Tensor:
@@ -578,7 +569,7 @@ class PreRopeLayer:
         # into a copy of the query, elsewhere it scales the whole score in the op (serving.PreRopePlan).
         q = query[:n]
         if tables.temperature is not None:  # DCA's temperature on the query (its keys took theirs when written)
-            q = times_rows(q, tables.temperature, n)
+            q = serving.times_rows(q, tables.temperature, n)
         q, scale, scale_factors = plan.attention_arguments(q, self.head_size, self.scale,
                                                            tables.scale_factor, tables.scale_factors, query_start_loc)
         out, _lse = ops.rerope_attention_paged(

@@ -208,3 +208,77 @@ def test_a_static_table_under_load_chunked_prefill_and_the_radix_cache_equals_tr
     cached = served[1][0]["cached"]
     print(f"max |delta log p| {worst:.3g}; cached tokens of the repeated request: {cached}")
     assert worst < 1e-5 and cached >= ORIGINAL  # the repeat read its prefix from the radix cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw keys in SGLang's pool, ropescale's attention backend (ReRoPE, Self-Extend, DCA, per-step dynamic tables)
+
+RAW_KEY = {
+    "rerope": (scaling.Default(), {"attention": "rerope", "window": 16}),
+    "leaky_rerope_logn": (scaling.Default(), {"attention": "rerope", "window": 16, "leaky_k": 8.0,
+                                              "logn_length": ORIGINAL}),
+    "self_extend": (scaling.Default(), {"attention": "self_extend", "window": 16, "group": 3}),
+    "dual_chunk": (scaling.Default(), {"attention": "dual_chunk", "chunk_size": 48, "local_size": 8,
+                                       "original_max_position_embeddings": 32}),
+    "dynamic_yarn": (scaling.DynamicYaRN(original_max_position=ORIGINAL), {}),
+}
+
+
+def _raw_key_checkpoint(folder: Path, name: str) -> Path:
+    path = folder / f"raw-{name}"
+    if not path.exists():
+        method, arguments = RAW_KEY[name]
+        model = served_llama()
+        hf.patch(model, method, **arguments)
+        model.config.model_max_length = 4 * ORIGINAL
+        model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(RAW_KEY))
+def test_a_raw_key_checkpoint_is_exact_with_the_plugin(folder, monkeypatch, name):
+    """SGLang caches raw keys (the plugin's pass-through rotary) and ropescale's backend attends: verify's probe of
+    three times the original length is ropescale's forward."""
+    report = _verify(_raw_key_checkpoint(folder, name), monkeypatch, "1", length=3 * ORIGINAL)
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+def test_a_raw_key_checkpoint_is_refused_by_stock_sglang(folder, monkeypatch):
+    report = _verify(_raw_key_checkpoint(folder, "rerope"), monkeypatch, "0", length=3 * ORIGINAL)
+    assert report.checks[-1].verdict == "refused" and "rerope" in report.checks[-1].detail, report.text()
+
+
+@pytest.mark.parametrize("name", ["rerope", "dual_chunk", "dynamic_yarn"])
+def test_raw_keys_under_load_chunked_prefill_the_radix_cache_and_decode_equal_transformers(folder, name):
+    """The two prompt-dependent rules (DCA's temperature, a per-step table: each row takes its request's prompt
+    length): a mixed batch prefilled in chunks of 32, 8 greedy tokens each (decode steps), then a repeat reading its
+    prefix from the radix cache. Every prompt log-probability, generated token and its log-probability equals
+    transformers + ropescale's (float32) within 1e-5."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = _raw_key_checkpoint(folder, name)
+    long = [(7 * i + 3) % 256 for i in range(150)]
+    short = [(11 * i + 5) % 256 for i in range(ORIGINAL + 19)]
+    shared = long[:2 * ORIGINAL] + [(13 * i + 1) % 256 for i in range(37)]
+    batches, starts, new = [[long, short, shared], [shared]], [0, 2 * ORIGINAL], 8
+    served = _serve(path, batches, 4 * ORIGINAL, starts=starts, budgets=[[new] * 3, [new]], chunked_prefill_size=32)
+    model = hf.patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+    model.generation_config.eos_token_id = None
+    worst = 0.0
+    for prompts, start, answers in zip(batches, starts, served):
+        for prompt, answer in zip(prompts, answers):
+            x = torch.tensor([prompt])
+            with torch.no_grad():
+                want = model(x).logits[0].double().log_softmax(-1)[:-1].gather(-1, x[0, 1:, None])[:, 0]
+                generated = model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
+                                           return_dict_in_generate=True)
+            tokens = generated.sequences[0, len(prompt):].tolist()
+            assert answer["tokens"] == tokens, (name, answer["tokens"], tokens)
+            token_logprobs = [step[0].double().log_softmax(-1)[t].item() for step, t in zip(generated.logits, tokens)]
+            got = torch.tensor(answer["logprobs"][1:], dtype=torch.float64)
+            worst = max(worst, (got - want[start:]).abs().max().item(),
+                        max(abs(a - b) for a, b in zip(answer["token_logprobs"], token_logprobs)))
+    cached = served[1][0]["cached"]
+    print(f"{name}: max |delta log p| {worst:.3g}; cached tokens of the repeat {cached}")
+    assert worst < 1e-5 and cached >= ORIGINAL

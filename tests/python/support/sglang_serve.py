@@ -6,7 +6,8 @@ arguments), "batches": [[prompt, ...], ...], "starts": [logprob_start_len per ba
 "budgets": [[max_new_tokens per prompt] per batch] (default 1)}: each batch is sent as one ``generate`` call (SGLang schedules its
 prompts together), every batch to the same engine, in order (a later batch may read the radix cache of an earlier
 one). Output: one line ``SERVED {json}``: per batch, per prompt, the prompt log-probabilities from its batch's start
-(the first token's None) and the cached-token count SGLang reports. On a machine without a GPU it is SGLang's CPU engine.
+(the first token's None), the cached-token count SGLang reports, and the greedy tokens it generated with their
+log-probabilities. On a machine without a GPU it is SGLang's CPU engine.
 """
 
 import json
@@ -40,7 +41,9 @@ def main():
                                                     for n in budget],
                                    return_logprob=True, logprob_start_len=start)
             batches.append([{"logprobs": [row[0] for row in out["meta_info"]["input_token_logprobs"]],
-                             "cached": out["meta_info"].get("cached_tokens", 0)} for out in outs])
+                             "cached": out["meta_info"].get("cached_tokens", 0), "tokens": list(out["output_ids"]),
+                             "token_logprobs": [row[0] for row in out["meta_info"]["output_token_logprobs"]]}
+                            for out in outs])
     finally:
         engine.shutdown()
     print("SERVED " + json.dumps(batches), flush=True)
