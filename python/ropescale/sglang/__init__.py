@@ -12,8 +12,10 @@ scheduler, detokenizer), then applies the hooks it registered. What it does ther
   (YaRN's ``attention_factor``, which stock SGLang drops, included); a ``per="request"`` table gets
   :class:`~ropescale.sglang.rotary.RequestRotaryEmbedding` (each request rotated with the table of its planned
   length when its keys are written; SGLang's own attention serves them); a method that needs ropescale's attention
-  (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) is refused at engine start, by name, with the reason
-  and what serves it. Every other layer is SGLang's own, untouched;
+  (ReRoPE, Self-Extend, DCA, STRING, per-step dynamic tables) gets a pass-through rotary, SGLang's pool caches raw
+  keys and ropescale's backend attends (:mod:`ropescale.sglang.attention`; a hook on ``_build_resolved_backend``
+  picks it for such a model); what it cannot serve (a multimodal rope's) is refused at engine start, by name.
+  Every other layer is SGLang's own, untouched;
 - AFTER hooks on ``ForwardBatch.init_new`` (each step's per-request tables) and ``Req.__init__`` (a request's
   scale joins its radix-cache key);
 - an AROUND hook on ``sglang.srt.model_loader.loader._initialize_model``, so that ``get_rope`` knows the config of
@@ -104,5 +106,4 @@ def register() -> None:
     HookRegistry.register(REQUEST, rotary.request_cache_key, HookType.AFTER)
     HookRegistry.register(ATTENTION_BACKEND, _attention_backend, HookType.AROUND)
     _state["active"] = True
-    logger.info("ropescale %s: SGLang %s plugin active (ropescale's static and per-request tables served; raw-key "
-                "and per-step methods refused at engine start)", ropescale_version, version)
+    logger.info("ropescale %s: SGLang %s plugin active (ropescale's rope types served)", ropescale_version, version)
