@@ -31,7 +31,7 @@ import torch
 
 from . import attentions, config as config_lib, ops, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "cos_sin_cache", "dual_chunk_temperature",
+__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "StaticTableRotary", "cos_sin_cache", "dual_chunk_temperature",
            "needs_pre_rope", "written_by_ropescale",
            "rotated_at_write", "ropescale_rotary", "Segments",
            "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
@@ -340,6 +340,20 @@ def cos_sin_cache(method, rotary_dim: int, base: float, rows: int) -> torch.Tens
     factor = method.attention_factor
     angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
     return torch.cat(((angles.cos() * factor).float(), (angles.sin() * factor).float()), dim=-1)
+
+
+class StaticTableRotary:
+    """Mixin of an engine's rotary layer class (vLLM's and SGLang's ``RotaryEmbedding``: ``(head_size, rotary_dim,
+    max_position_embeddings, base, is_neox_style, dtype)``, a ``cos_sin_cache`` its ``_compute_cos_sin_cache``
+    fills): the layer's table is a ropescale method's (:func:`cos_sin_cache`), ``rows`` positions long."""
+
+    def __init__(self, head_size: int, rotary_dim: int, rows: int, base: float, is_neox_style: bool,
+                 dtype: torch.dtype, method) -> None:
+        self.method = method
+        super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
 
 def rotated_at_write(parsed: config_lib.RopeConfig) -> bool:

@@ -31,7 +31,8 @@ Tested: SGLang 0.5.23 (its CPU engine, ``scripts/test_sglang.sh``).
 from __future__ import annotations
 
 import logging
-import os
+
+from .. import _plugin
 
 __all__ = ["register", "TESTED_SGLANG", "is_active"]
 
@@ -49,12 +50,6 @@ REQUEST = "sglang.srt.managers.schedule_batch.Req.__init__"
 ATTENTION_BACKEND = "sglang.srt.model_executor.model_runner_components.attention_backend_setup._build_resolved_backend"
 
 
-def _version_tuple(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
 
 
 def is_active() -> bool:
@@ -77,25 +72,11 @@ def _attention_backend(original, *args, **kwargs):
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: idempotent, cheap, one log line per process. SGLang logs and swallows
     an exception raised here, so nothing here may fail for a model that does not use ropescale."""
-    if "done" in _state:
+    version = _plugin.engine_to_serve(_state, "SGLang", "sglang", "ROPESCALE_SGLANG", TESTED_SGLANG, logger)
+    if version is None:
         return
-    _state["done"] = True
-    if os.environ.get("ROPESCALE_SGLANG", "1").strip() == "0":
-        logger.info("ropescale: SGLang plugin off (ROPESCALE_SGLANG=0)")
-        return
-    try:
-        import sglang
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    except ImportError:
-        return
-    version = getattr(sglang, "__version__", "unknown")
-    lower, upper = TESTED_SGLANG
-    if not lower <= _version_tuple(version) < upper:
-        logger.warning(
-            "ropescale: SGLang %s is outside the range this ropescale was tested with (>=%d.%d,<%d.%d): the plugin "
-            "is NOT active; checkpoints with ropescale's rope types will be refused by SGLang", version, *lower,
-            *upper)
-        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     from .. import __version__ as ropescale_version, hf  # noqa: F401  (hf: ropescale's rope types in transformers)
     from . import rotary
 

@@ -33,17 +33,9 @@ _served_length: dict[str, int] = {}
 step_prompt_lens: list[int] = []
 
 
-class RopescaleRotaryEmbedding(RotaryEmbedding):
+class RopescaleRotaryEmbedding(serving.StaticTableRotary, RotaryEmbedding):
     """A ropescale method's static table (ropescale's float32 inv_freq, angles in double, the attention factor on
     cos and sin: what ``hf.patch`` feeds transformers) in SGLang's rotary layer, ``rows`` positions long."""
-
-    def __init__(self, head_size: int, rotary_dim: int, rows: int, base: float, is_neox_style: bool,
-                 dtype: torch.dtype, method) -> None:
-        self.method = method
-        super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
-
-    def _compute_cos_sin_cache(self) -> torch.Tensor:
-        return serving.cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
     def _ensure_cos_sin_cache_length(self, needed_max_pos: int) -> None:
         rows = int(self.cos_sin_cache.shape[0])

@@ -38,6 +38,8 @@ import logging
 import os
 import sys
 
+from .. import _plugin
+
 __all__ = ["register", "TESTED_VLLM", "is_active", "missing_kernels"]
 
 #: vLLM releases the plugin was tested with (``[lower, upper)``, as in pyproject's ``ropescale[vllm]``).
@@ -55,12 +57,6 @@ if not logger.handlers:
 _state: dict[str, bool] = {}
 
 
-def _version_tuple(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
 
 
 def is_active() -> bool:
@@ -100,22 +96,8 @@ def missing_kernels() -> str | None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: idempotent, cheap, one log line per process."""
-    if "done" in _state:
-        return
-    _state["done"] = True
-    if os.environ.get("ROPESCALE_VLLM", "1").strip() == "0":
-        logger.info("ropescale: vLLM plugin off (ROPESCALE_VLLM=0)")
-        return
-    try:
-        import vllm
-    except ImportError:
-        return
-    version = getattr(vllm, "__version__", "unknown")
-    lower, upper = TESTED_VLLM
-    if not lower <= _version_tuple(version) < upper:
-        logger.warning(
-            "ropescale: vLLM %s is outside the range this ropescale was tested with (>=%d.%d,<%d.%d): the plugin "
-            "is NOT active; checkpoints with ropescale's rope types will be refused by vLLM", version, *lower, *upper)
+    version = _plugin.engine_to_serve(_state, "vLLM", "vllm", "ROPESCALE_VLLM", TESTED_VLLM, logger)
+    if version is None:
         return
     from .. import __version__ as ropescale_version
     from . import engine, rotary

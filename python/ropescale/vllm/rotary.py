@@ -65,17 +65,9 @@ class _RopescaleKernel:
     forward_cuda = forward_cpu
 
 
-class RopescaleRotaryEmbedding(_RopescaleKernel, RotaryEmbedding):
+class RopescaleRotaryEmbedding(_RopescaleKernel, serving.StaticTableRotary, RotaryEmbedding):
     """A ropescale method's static table (ropescale's ops, float32 inv_freq, angles in double, the
     attention factor on cos and sin: what ``hf.patch`` feeds transformers), ``rows`` positions long."""
-
-    def __init__(self, head_size: int, rotary_dim: int, rows: int, base: float, is_neox_style: bool,
-                 dtype: torch.dtype, method) -> None:
-        self.method = method
-        super().__init__(head_size, rotary_dim, rows, base, is_neox_style, dtype)
-
-    def _compute_cos_sin_cache(self) -> torch.Tensor:
-        return serving.cos_sin_cache(self.method, self.rotary_dim, self.base, self.max_position_embeddings)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method}"

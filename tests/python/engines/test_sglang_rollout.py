@@ -45,6 +45,7 @@ require_sglang()
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ropescale import hf, scaling  # noqa: E402
+from support.rollout import errors, one_torch_thread, token_logprobs, trainer  # noqa: E402,F401 (a fixture)
 
 SERVED = 4 * ORIGINAL
 NEW_TOKENS = 16
@@ -99,20 +100,6 @@ def rollout(name, result):
             for prompt, request in zip(prompts(name), result["requests"])]
 
 
-def token_logprobs(model, tokens, dtype=None):
-    """The trainer's log p of tokens 1.. (one training forward, no cache; under CPU autocast in ``dtype``)."""
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        logits = model(tokens, use_cache=False).logits
-    return logits.double().log_softmax(-1)[0, :-1].gather(-1, tokens[0, 1:, None])[:, 0].detach()
-
-
-def trainer(method, dtype=torch.float32):
-    """The policy as a trainer holds it: patched, in training mode (its config's dropout: 0)."""
-    model = hf.patch(served_llama().to(dtype), method).train()
-    assert model.config.attention_dropout == 0.0 and model.training
-    return model
-
-
 def stock_counterpart(name, length, dtype, tmp_path):
     """Stock transformers' own rope on the same weights: the checkpoint loaded without ropescale; for Resonance,
     the stock type it extends; for the per-request method, YaRN at the scale of a request of ``length`` tokens (the
@@ -128,19 +115,6 @@ def stock_counterpart(name, length, dtype, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
     assert not hf.is_patched(model)
     return model
-
-
-def errors(got, want):
-    diff = got - want
-    return float(diff.abs().max()), float(diff.pow(2).mean().sqrt())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.mark.slow
