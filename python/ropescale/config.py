@@ -88,13 +88,43 @@ DUAL_CHUNK_KEYS = ("chunk_size", "local_size", "original_max_position_embeddings
 #: The key in the entry holding the method when ``rope_parameters`` is written for stock engines.
 METHOD_KEY = "method"
 
+#: Where stock SGLang (0.5) reads YaRN's attention factor: a factor on its own (``0.1 ln s + 1``, or the mscale pair's
+#: ratio), never transformers' ``attention_factor``. :func:`write` puts the copy that makes SGLang's product the
+#: attention factor beside it; :func:`table_parameters` takes it off again, checked (vLLM 0.32 reads neither it nor
+#: SGLang's: it reads ``attention_factor``).
+SGLANG_YARN_KEY = "attn_factor"
+
+
+def sglang_yarn_default(params: Mapping[str, Any]) -> float:
+    """The attention factor stock SGLang's YaRN forms from a ``yarn`` table's keys before ``attn_factor``."""
+    factor = float(params.get("factor", 1.0) or 1.0)
+
+    def mscale_of(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if params.get("mscale") is not None and params.get("mscale_all_dim") is not None:
+        return mscale_of(float(params["mscale"])) / mscale_of(float(params["mscale_all_dim"]))
+    return mscale_of(1.0)
+
+
 def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[str, Any], str | None]:
     """``rope_parameters`` with the attention marker taken off the type, and the marker (None when there was none:
-    ``scaling.RopeType.MARKERS``, each the attention it marks)."""
+    ``scaling.RopeType.MARKERS``, each the attention it marks); a ``yarn`` table's SGLang copy of its attention factor
+    (:data:`SGLANG_YARN_KEY`) taken off, refused where it and ``attention_factor`` give engines different factors."""
     params = dict(rope_parameters or {})
     parsed = scaling.RopeType.parse(params.get("rope_type") or params.get("type") or "default")
     params["rope_type"] = parsed.table
     params.pop("type", None)
+    if parsed.table == "yarn" and SGLANG_YARN_KEY in params:
+        copy, meant = params.pop(SGLANG_YARN_KEY), params.get("attention_factor")
+        try:
+            served = sglang_yarn_default(params) * float(copy)
+        except (TypeError, ValueError):
+            served = math.nan
+        if meant is None or not abs(served - float(meant)) <= 1e-9 * abs(float(meant)):
+            raise ValueError(f"yarn's {SGLANG_YARN_KEY} ({copy!r}, SGLang's key: its attention factor {served:.6g}) "
+                             f"does not match attention_factor ({meant!r}, transformers' and vLLM's): the engines "
+                             "would serve different models (the config was edited by hand)")
     return params, parsed.marker
 
 
@@ -227,6 +257,8 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
             raise ValueError(f"{type(method).__name__} has partial_rotary_factor {own}, the model "
                              f"{partial_rotary_factor}: the written config would change one of them")
         params["partial_rotary_factor"] = partial_rotary_factor
+    if params["rope_type"] == "yarn" and params.get("attention_factor") is not None:  # stock SGLang reads only this
+        params[SGLANG_YARN_KEY] = float(params["attention_factor"]) / sglang_yarn_default(params)
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
     entry = attention_entry(attention, parameters or {})
@@ -253,8 +285,9 @@ def stock_sglang_misreads(rope_parameters: Mapping[str, Any] | None,
                           max_position_embeddings: int | None = None) -> str | None:
     """Why stock SGLang (0.5, no plugin) would serve this rope other than as transformers does, silently, or None:
     its YaRN takes the attention factor from ``factor`` (and ``mscale``/``mscale_all_dim`` when both are set) times
-    ``attn_factor``, never from ``attention_factor``; its ``proportional`` (Gemma 4) ignores ``factor``. A type it
-    does not know, it refuses. ``rope_parameters`` of one layer type (a per-layer-type config: each in turn)."""
+    ``attn_factor``, never from ``attention_factor`` (ropescale writes the ``attn_factor`` that makes them agree:
+    :func:`write`); its ``proportional`` (Gemma 4) ignores ``factor``. A type it does not know, it refuses.
+    ``rope_parameters`` of one layer type (a per-layer-type config: each in turn)."""
     params = dict(rope_parameters or {})
     rope_type = params.get("rope_type", "default")
     if rope_type == "proportional" and float(params.get("factor", 1.0) or 1.0) != 1.0:
@@ -262,26 +295,18 @@ def stock_sglang_misreads(rope_parameters: Mapping[str, Any] | None,
                 "plugin it serves the table at factor 1")
     if rope_type != "yarn":
         return None
+    copy = params.pop(SGLANG_YARN_KEY, 1.0)
     try:
         method = scaling.from_hf(params, max_position_embeddings)
+        served = sglang_yarn_default(params) * float(copy)
     except (ValueError, TypeError, KeyError):
         return None  # not a table transformers reads either: refused everywhere
-    factor = float(params.get("factor", 1.0) or 1.0)
-
-    def mscale_of(m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    if params.get("mscale") is not None and params.get("mscale_all_dim") is not None:
-        served = mscale_of(float(params["mscale"])) / mscale_of(float(params["mscale_all_dim"]))
-    else:
-        served = mscale_of(1.0)
-    served *= float(params.get("attn_factor", 1.0))
     meant = float(method.attention_factor)
     if abs(served - meant) <= 1e-6 * abs(meant):
         return None
     return (f"stock SGLang drops YaRN's attention_factor: without ropescale's plugin it serves this table with "
-            f"attention factor {served:.6g}, not {meant:.6g} (`ropescale extend --target sglang` writes one it serves "
-            "exactly; with the plugin installed it is exact)")
+            f"attention factor {served:.6g}, not {meant:.6g} (it reads {SGLANG_YARN_KEY}, which ropescale writes "
+            "beside attention_factor: rewrite the config with `ropescale extend`, or `--target sglang`)")
 
 
 def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, max_position_embeddings: int) -> Written:

@@ -270,7 +270,11 @@ YARN_4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings"
     ({**YARN_4, "mscale": 0.707, "mscale_all_dim": 0.707}, None),  # both read alike (ratio 1)
     ({**YARN_4, "mscale": 1.0, "mscale_all_dim": 0.0}, None),  # SGLang's ratio (1.139 / 1); transformers' 0.1 ln s + 1
     ({**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0, "attention_factor": 1.0}, 0.964327),  # SGLang's ratio
-    ({**YARN_4, "attn_factor": 2.0}, None),  # a key ropescale refuses to read (never writes): not its checkpoint
+    ({**YARN_4, "attn_factor": 2.0}, 2.27726),  # SGLang multiplies its own factor by it; transformers reads neither
+    # what ropescale writes: SGLang's attn_factor beside attention_factor, so that stock SGLang's product is it
+    ({**YARN_4, "attention_factor": 1.0, "attn_factor": 1.0 / (0.1 * math.log(4.0) + 1.0)}, None),
+    ({**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0, "attention_factor": 1.0,
+      "attn_factor": (0.1 * math.log(4.0) + 1.0) / (0.0707 * math.log(4.0) + 1.0)}, None),
     ({"rope_type": "proportional", "factor": 2.0}, "factor"),  # Gemma 4's factor ignored
     ({"rope_type": "proportional", "factor": 1.0}, None),
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "attention_factor": 1.0}, None),
@@ -293,3 +297,29 @@ def test_stock_sglang_misreads_names_what_stock_sglang_serves_silently_wrong(par
         assert "stock SGLang ignores the proportional rope's factor (2.0)" in message, message
     else:
         assert f"serves this table with attention factor {served:g}" in message, message
+
+
+@pytest.mark.parametrize("method", [
+    scaling.YaRN(factor=4.0, original_max_position=64, attention_factor_override=1.0),
+    scaling.YaRN(factor=8.0, original_max_position=64, mscale=0.707, mscale_all_dim=1.0, attention_factor_override=1.3),
+    scaling.YaRN(factor=4.0, original_max_position=64),  # no attention_factor written: no copy either
+])
+def test_a_yarn_attention_factor_is_written_with_sglangs_copy_and_read_back_checked(method):
+    """Stock SGLang 0.5 reads YaRN's attention factor as its own default times ``attn_factor`` (issue 56): ropescale
+    writes the copy beside transformers' ``attention_factor`` (so every engine serves the same table), reads it back
+    off, and refuses a config where the two disagree (edited by hand)."""
+    written = config.write(method, 1e4, 64, 64)
+    params = written.rope_parameters
+    assert (config.SGLANG_YARN_KEY in params) is ("attention_factor" in params)
+    assert config.stock_sglang_misreads(params) is None
+    parsed = config.read(params, written.max_position_embeddings, written.entry, 64)
+    assert parsed.method == method
+    if "attention_factor" in params:
+        assert config.sglang_yarn_default(params) * params[config.SGLANG_YARN_KEY] == pytest.approx(
+            params["attention_factor"], rel=1e-12)
+        edited = {**params, config.SGLANG_YARN_KEY: 1.0}
+        with pytest.raises(ValueError, match="yarn's attn_factor .* does not match attention_factor .* the engines "
+                                             "would serve different models"):
+            config.read(edited, written.max_position_embeddings, written.entry, 64)
+        assert "stock SGLang drops YaRN's attention_factor" in config.stock_sglang_misreads(
+            {k: v for k, v in params.items() if k != config.SGLANG_YARN_KEY})

@@ -6,6 +6,7 @@ of the same weights. One engine start per case (about 30-50 s on 2 cores)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,22 +47,40 @@ def _verify(path, monkeypatch, plugin: str, **kwargs):
     return report
 
 
+def _without_sglangs_copy(path: Path, dst: Path) -> Path:
+    """``path`` with its yarn's ``attn_factor`` removed: a config as another tool writes it (transformers'
+    ``attention_factor`` alone)."""
+    if not dst.exists():
+        shutil.copytree(path, dst)
+        config = json.loads((dst / "config.json").read_text())
+        del config["rope_parameters"][config_lib.SGLANG_YARN_KEY]
+        config.pop(config_lib.CONFIG_KEY, None)  # not ropescale's any more
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 @pytest.mark.parametrize("plugin", ["1", "0"])
-def test_a_yarn_attention_factor_is_exact_with_the_plugin_and_named_as_dropped_by_stock_sglang(
-        folder, monkeypatch, plugin):
-    """Stock SGLang 0.5 builds YaRN's attention factor from ``factor`` and never reads ``attention_factor``: the
-    checkpoint is served as another model, silently. verify names it; the plugin serves ropescale's table."""
+def test_a_yarn_attention_factor_is_exact_in_sglang_with_and_without_the_plugin(folder, monkeypatch, plugin):
+    """Stock SGLang 0.5 builds YaRN's attention factor from ``factor`` times ``attn_factor`` and never reads
+    ``attention_factor``: ropescale writes SGLang's copy beside it, so the checkpoint is exact in stock SGLang too."""
     method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
     path = _checkpoint(folder / "yarn-attention-factor", method)
-    assert config_lib.stock_sglang_misreads(json.loads((path / "config.json").read_text())["rope_parameters"])
+    assert json.loads((path / "config.json").read_text())["rope_parameters"][config_lib.SGLANG_YARN_KEY] < 1.0
     report = _verify(path, monkeypatch, plugin)
+    assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+def test_stock_sglang_drops_an_attention_factor_written_without_its_copy_and_verify_names_it(folder, monkeypatch):
+    """The same table as another tool writes it (``attention_factor`` alone): stock SGLang serves it with its own
+    factor, silently; verify names the dropped key (and the plugin leaves a config ropescale did not write to
+    SGLang)."""
+    method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
+    path = _without_sglangs_copy(_checkpoint(folder / "yarn-attention-factor", method), folder / "yarn-af-dropped")
+    assert config_lib.stock_sglang_misreads(json.loads((path / "config.json").read_text())["rope_parameters"])
+    report = _verify(path, monkeypatch, "0")
     served, scaled = report.checks[:2]
-    if plugin == "1":
-        assert served.verdict == scaled.verdict == "exact", report.text()
-        assert report.exit_code == 0
-    else:
-        assert scaled.verdict == "different" and "attention_factor" in scaled.detail, report.text()
-        assert report.exit_code == 1
+    assert scaled.verdict == "different" and "attention_factor" in scaled.detail, report.text()
+    assert report.exit_code == 1
 
 
 @pytest.mark.parametrize("plugin", ["1", "0"])
@@ -84,7 +103,7 @@ def test_an_ntk_aware_checkpoint_is_exact_with_the_plugin(folder, monkeypatch):
 
 def test_target_sglang_is_exact_in_stock_sglang(folder, monkeypatch):
     """``extend --target sglang``: the YaRN table with attention factor 1.0 as a longrope (short == long factors),
-    which stock SGLang serves exactly (the same method as the first test, which stock SGLang serves wrong as yarn)."""
+    which stock SGLang serves exactly."""
     method = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.0)
     path = _checkpoint(folder / "target-sglang", method, target="sglang")
     assert json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == "longrope"

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ METHODS = {
 PER_REQUEST = "per_request_yarn"
 METHODS[PER_REQUEST] = scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")
 PER_REQUEST_PROMPTS = (40,) + PROMPTS  # the first request (56 tokens) within L: the native model
-STOCK = "stock_sglang_yarn"  # the yarn checkpoint in SGLang with the plugin off
+STOCK = "stock_sglang_yarn"  # the yarn checkpoint without SGLang's attn_factor, in SGLang with the plugin off
 
 
 def prompts(name, seed=3):
@@ -83,8 +84,15 @@ def served(tmp_path_factory):
         model.save_pretrained(paths.setdefault(name, root / name))
     jobs = [{"id": name, "path": str(paths[name]), "prompts": prompts(name), "new_tokens": NEW_TOKENS, "seed": 0}
             for name in METHODS]
-    # stock SGLang derives 64 tokens for this config (it does not scale a length given original_max_position_embeddings)
-    jobs.append({**jobs[0], "id": STOCK, "options": {"context_length": SERVED},
+    # The yarn checkpoint as another tool writes it (attention_factor without SGLang's attn_factor, which ropescale
+    # writes beside it) in stock SGLang. Stock SGLang derives 64 tokens for this config (it does not scale a length
+    # given original_max_position_embeddings).
+    dropped = root / "yarn-without-attn-factor"
+    shutil.copytree(paths["yarn"], dropped)
+    config = json.loads((dropped / "config.json").read_text())
+    del config["rope_parameters"]["attn_factor"]
+    (dropped / "config.json").write_text(json.dumps(config))
+    jobs.append({**jobs[0], "id": STOCK, "path": str(dropped), "options": {"context_length": SERVED},
                  "env": {"ROPESCALE_SGLANG": "0", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}})
     start = time.perf_counter()
     results, log = run_engines(jobs)
@@ -153,9 +161,10 @@ def test_the_trainer_under_bf16_autocast_is_as_close_as_stock_transformers(serve
 
 @pytest.mark.slow
 def test_negative_control_stock_sglang_drops_attention_factor_and_the_trainer_disagrees(served, tmp_path):
-    """The yarn checkpoint (attention_factor 1.0) in SGLang with the plugin off: stock SGLang serves YaRN with its
-    default attention factor (the key dropped), so the trainer's log-probs are far outside both bounds above, and
-    SGLang's are those of transformers' YaRN without the key."""
+    """The yarn checkpoint (attention_factor 1.0) without the attn_factor ropescale writes beside it (as another tool
+    writes it), in SGLang with the plugin off: stock SGLang serves YaRN with its default attention factor (the key
+    dropped), so the trainer's log-probs are far outside both bounds above, and SGLang's are those of transformers'
+    YaRN without the key."""
     _, results, _ = served
     dropped = AutoModelForCausalLM.from_pretrained(saved_llama(
         tmp_path / "dropped", rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL,

@@ -11,6 +11,7 @@ SRC's own table or --method's, each reloading as ``hf.patch(model, attention=...
 written config)."""
 
 import json
+import math
 import os
 import warnings
 
@@ -141,7 +142,10 @@ def test_yarn_flags_on_a_plain_model_and_nothing_kept_from_another_method(tmp_pa
     assert kept_line(out) is None
     assert written["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                           "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False, "mscale": 0.5,
-                                          "mscale_all_dim": 0.25, "attention_factor": 1.1, "rope_theta": 10000.0}
+                                          "mscale_all_dim": 0.25, "attention_factor": 1.1, "rope_theta": 10000.0,
+                                          # stock SGLang's key: its factor (0.05 ln 4 + 1) / (0.025 ln 4 + 1) times it
+                                          "attn_factor": pytest.approx(1.1 * (0.025 * math.log(4.0) + 1.0)
+                                                                       / (0.05 * math.log(4.0) + 1.0), rel=1e-12)}
     # Llama 3 over a DeepSeek-style YaRN: another method, nothing of SRC's
     src, _ = source(tmp_path, "Llama", {**YARN_4, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False,
                                         "beta_fast": 16.0}, name="yarn")
@@ -498,16 +502,16 @@ def test_gpt_oss_tables_stock_vllm_would_read_as_yarn_are_warned_about(tmp_path,
         assert f"rope_type '{written['rope_type']}'" in captured.err and "plugin" in captured.err
 
 
-def test_target_sglang_writes_the_table_as_a_longrope_and_a_yarn_attention_factor_is_warned_about(tmp_path, capsys):
-    """Stock SGLang 0.5 drops YaRN's attention_factor (issue 56): extend says so where it writes one, and
-    ``--target sglang`` writes the same table as a longrope (equal factors, the factor in short/long_mscale), which
-    transformers reads as the same model."""
+def test_a_yarn_attention_factor_gets_sglangs_copy_and_target_sglang_writes_a_longrope(tmp_path, capsys):
+    """Stock SGLang 0.5 drops YaRN's attention_factor (issue 56): extend writes SGLang's own key beside it (stock
+    SGLang then serves the table exactly: nothing to warn about), and ``--target sglang`` writes the same table as a
+    longrope (equal factors, the factor in short/long_mscale), which transformers reads as the same model."""
     src, _ = source(tmp_path)
     options = ("--method", "yarn", "--factor", 4, "--original-max-position", ORIGINAL, "--attention-factor", 1.0)
     assert cli.main(["extend", str(src), str(tmp_path / "yarn"), *map(str, options)]) == 0
-    assert "stock SGLang drops YaRN's attention_factor: without ropescale's plugin it serves this table with " \
-           "attention factor 1.13863, not 1" in capsys.readouterr().err
+    assert "stock SGLang" not in capsys.readouterr().err
     yarn = json.loads((tmp_path / "yarn" / "config.json").read_text())
+    assert yarn["rope_parameters"]["attn_factor"] == pytest.approx(1.0 / (0.1 * math.log(4.0) + 1.0), rel=1e-12)
     assert cli.main(["extend", str(src), str(tmp_path / "longrope"), *map(str, options), "--target", "sglang"]) == 0
     assert "stock SGLang" not in capsys.readouterr().err
     longrope = json.loads((tmp_path / "longrope" / "config.json").read_text())

@@ -41,9 +41,10 @@ SPAN = re.compile(r"`((?:[^`\n]|\n(?![ \t]*\n))+)`")
 FENCE = re.compile(r"^[ \t]*```[ \t]*(\S*)")
 # Another library's name just before a span means that the span is that library's name (transformers' `Cache`).
 OTHER_LIBRARIES = {"transformers", "torch", "pytorch", "vllm", "vllm's", "flashinfer", "transformers'"}
-# The ropescale.vllm submodules import vLLM. ropescale.vllm itself imports without it.
-VLLM_SUBMODULES = tuple(f"ropescale.vllm.{m.name}" for m in pkgutil.iter_modules([str(PACKAGE / "vllm")]))
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# The submodules of ropescale.vllm and ropescale.sglang import their engine; the packages import without it.
+ENGINE_SUBMODULES = {engine: tuple(f"ropescale.{engine}.{m.name}" for m in pkgutil.iter_modules([str(PACKAGE / engine)]))
+                     for engine in ("vllm", "sglang")}
+INSTALLED = {engine: importlib.util.find_spec(engine) is not None for engine in ENGINE_SUBMODULES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +262,13 @@ def _check(mention: Mention) -> str | None:
     return resolve(mention.path)
 
 
-def _needs_vllm(mention: Mention) -> bool:
-    return mention.path.startswith(VLLM_SUBMODULES) or any(m.startswith(VLLM_SUBMODULES) for m in mention.modules)
+def _engine_of(mention: Mention) -> str | None:
+    """The engine a documented name needs imported (its module is one of ropescale.vllm's or ropescale.sglang's
+    submodules), or None."""
+    for engine, submodules in ENGINE_SUBMODULES.items():
+        if mention.path.startswith(submodules) or any(m.startswith(submodules) for m in mention.modules):
+            return engine
+    return None
 
 
 def _unresolved(mentions) -> list[str]:
@@ -284,16 +290,18 @@ def test_the_extraction_finds_the_documented_surface():
 
 
 def test_documented_names_resolve():
-    mentions = [m for m in documented() if not _needs_vllm(m)]
+    mentions = [m for m in documented() if _engine_of(m) is None]
     unresolved = _unresolved(mentions)
     assert not unresolved, (f"{len(unresolved)} documented name(s) do not resolve (fix the docs, or the code, "
                             "and say so in CHANGELOG.md):\n" + "\n".join(unresolved))
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="ropescale.vllm's submodules import vLLM, which is not installed")
-def test_documented_vllm_names_resolve():
-    unresolved = _unresolved([m for m in documented() if _needs_vllm(m)])
-    assert not unresolved, "documented name(s) under ropescale.vllm do not resolve:\n" + "\n".join(unresolved)
+@pytest.mark.parametrize("engine", list(ENGINE_SUBMODULES))
+def test_documented_engine_names_resolve(engine):
+    if not INSTALLED[engine]:
+        pytest.skip(f"ropescale.{engine}'s submodules import {engine}, which is not installed (its leg checks them)")
+    unresolved = _unresolved([m for m in documented() if _engine_of(m) == engine])
+    assert not unresolved, f"documented name(s) under ropescale.{engine} do not resolve:\n" + "\n".join(unresolved)
 
 
 def _modules_with_all() -> list[str]:
@@ -313,8 +321,9 @@ def _modules_with_all() -> list[str]:
 
 @pytest.mark.parametrize("module_name", _modules_with_all())
 def test_every_name_in_all_exists(module_name):
-    if module_name.startswith(VLLM_SUBMODULES) and not HAS_VLLM:
-        pytest.skip("imports vLLM, which is not installed")
+    for engine, submodules in ENGINE_SUBMODULES.items():
+        if module_name.startswith(submodules) and not INSTALLED[engine]:
+            pytest.skip(f"imports {engine}, which is not installed")
     module = importlib.import_module(module_name)
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{module_name}.__all__ names what the module lacks: {missing}"
