@@ -1,8 +1,9 @@
 """ropescale's raw-key attention for SGLang: ReRoPE, Leaky ReRoPE, log-n, Self-Extend, Dual Chunk Attention,
 STRING and the per-step dynamic tables, over SGLang's own KV pool holding RAW (unrotated) keys.
 
-- :func:`pass_through`: the rotary ``get_rope`` gives such a model's layers: q and k leave it as they came, so the
-  pool caches raw keys; it records the model's :class:`~ropescale.serving.PreRopePlan` (one per model);
+- :class:`PassThroughRotary`: the rotary ``get_rope`` gives such a model's layers (recording the model's
+  :class:`~ropescale.serving.PreRopePlan`, one per model: ``rotary.raw_key_plan``): q and k leave it as they came,
+  so the pool caches raw keys;
 - :class:`RopescaleAttnBackend`: SGLang's torch_native backend with ``forward_extend``/``forward_decode`` through
   ``ops.rerope_attention_paged`` (prefill, chunked prefill and decode), the pool's per-layer key buffer ``[slots,
   Hkv, D]`` read as pages of one token (``[slots, Hkv, 1, D]``) and each request's row of SGLang's ``req_to_token``
@@ -26,18 +27,10 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
-from .. import config as config_lib, ops, serving
+from .. import ops, serving
 from . import rotary
 
-__all__ = ["PassThroughRotary", "RopescaleAttnBackend", "current_plan", "pass_through"]
-
-# The plan of the model this process serves (recorded by pass_through when SGLang builds it).
-_recorded: dict[str, serving.PreRopePlan] = {}
-
-
-def current_plan() -> serving.PreRopePlan | None:
-    return _recorded.get("plan")
-
+__all__ = ["PassThroughRotary", "RopescaleAttnBackend"]
 
 class PassThroughRotary(RotaryEmbedding):
     """A pre-RoPE model's rotary: q and k unchanged (the attention rotates them), so SGLang caches raw keys."""
@@ -58,24 +51,7 @@ class PassThroughRotary(RotaryEmbedding):
         pass  # no table here: the attention rotates
 
     def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, pass-through ({_described(self.plan)})"
-
-
-def _described(plan: serving.PreRopePlan) -> str:
-    return f"{type(plan.method).__name__}, attention {plan.attention}, window {plan.window}"
-
-
-def pass_through(head_size: int, rotary_dim: int, is_neox_style: bool, dtype: torch.dtype,
-                 parsed: config_lib.RopeConfig, model_config) -> PassThroughRotary:
-    """``get_rope``'s answer for a pre-RoPE model; its plan recorded for the attention backend."""
-    served = int(getattr(model_config, "context_len", 0) or 0) or None
-    plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style).served_within(served)
-    recorded = _recorded.get("plan")
-    if recorded is not None and recorded != plan:
-        raise NotImplementedError(f"ropescale.sglang: one pre-RoPE plan per model; this model's layers ask for "
-                                  f"{_described(recorded)} and {_described(plan)}")
-    _recorded["plan"] = plan
-    return PassThroughRotary(head_size, rotary_dim, parsed.base, is_neox_style, dtype, plan)
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, pass-through ({self.plan})"
 
 
 @dataclasses.dataclass
@@ -92,7 +68,7 @@ class RopescaleAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
-        plan = current_plan()
+        plan = rotary.raw_key_plan()
         if plan is None:
             raise RuntimeError("ropescale.sglang: the raw-key attention backend was built for a model whose rotary "
                                "layers recorded no plan")

@@ -20,7 +20,7 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 from .. import config as config_lib, serving
 
 __all__ = ["RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
-           "refusal", "request_cache_key", "serves_raw_keys", "step_tables"]
+           "raw_key_plan", "refusal", "request_cache_key", "serves_raw_keys", "step_tables"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
 _building: contextvars.ContextVar[Any] = contextvars.ContextVar("ropescale_sglang_model", default=None)
@@ -31,6 +31,8 @@ _request_tables: dict[serving.PreRopePlan, serving.RequestRotaryTables] = {}
 _served_length: dict[str, int] = {}
 #: The prompt length of each request of the step being built (ForwardBatch.init_new's hook, this process).
 step_prompt_lens: list[int] = []
+# The raw-key plan of the model this process serves (one per model), recorded when SGLang builds it.
+_raw_key_plan: dict[str, serving.PreRopePlan] = {}
 
 
 class RopescaleRotaryEmbedding(serving.StaticTableRotary, RotaryEmbedding):
@@ -129,9 +131,7 @@ def request_cache_key(result, req, *args, **kwargs):
         scale = "native" if tables.is_native(planned) else str(plan.table_length(planned, 0))
         req.extra_key = f"{req.extra_key or ''}|ropescale:{scale}"
     if serves_raw_keys():
-        from . import attention
-
-        if attention.current_plan().prompt_dependent:
+        if raw_key_plan().prompt_dependent:
             # A length-dependent table or DCA's temperature: a layer's raw keys past the first follow the prompt's
             # length (its rows' tables, its keys' temperature), so only a prompt of the same length may read them.
             req.extra_key = f"{req.extra_key or ''}|ropescale:prompt {len(req.origin_input_ids)}"
@@ -162,12 +162,14 @@ def _request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_
     return _layers[key]
 
 
-def serves_raw_keys() -> bool:
-    """Whether this process built a model whose rotary passes raw keys to ropescale's attention backend."""
-    import sys
+def raw_key_plan() -> serving.PreRopePlan | None:
+    """The plan of the raw-key model this process built (its rotary passes raw keys to ropescale's attention
+    backend), or None."""
+    return _raw_key_plan.get("plan")
 
-    module = sys.modules.get(__name__.rsplit(".", 1)[0] + ".attention")
-    return module is not None and module.current_plan() is not None
+
+def serves_raw_keys() -> bool:
+    return raw_key_plan() is not None
 
 
 def initialize_model(original, model_config, *args, **kwargs):
@@ -195,40 +197,29 @@ def context_length(original, config):
 
 
 def refusal(parsed: config_lib.RopeConfig, multimodal: bool) -> str | None:
-    """Why ropescale's SGLang plugin does not serve a checkpoint's method (and what does), or None when it does: a
-    static table on a one-stream rope, or a per-request one (rotated at write). The reason names the engines that
-    serve it."""
+    """Why ropescale's SGLang plugin does not serve a checkpoint's method, and what does, or None when it does: every
+    method on a one-stream rope; none on a multimodal rope (``mrope_section``: three position streams)."""
+    if not multimodal:
+        return None
     name = type(parsed.method).__name__ + (" with Resonance" if parsed.method.resonance else "")
-    if parsed.raw_keys and multimodal:
-        what = f"{name} with {config_lib.ATTENTION_NAMES[parsed.attention]} on a multimodal rope (mrope_section)"
-        why = "ropescale's raw-key attention rotates each key at one position, a multimodal rope at three"
-    elif parsed.raw_keys:
-        return None
-    elif serving.rotated_at_write(parsed) and multimodal:
-        what = f"{name} (per='request') on a multimodal rope (mrope_section)"
-        why = "the plugin rotates a per-request table on a one-stream rope only"
+    if parsed.raw_keys:
+        name += f" with {config_lib.ATTENTION_NAMES[parsed.attention]}"
     elif serving.rotated_at_write(parsed):
-        return None
-    elif serving.needs_pre_rope(parsed) and multimodal:
-        what = f"{name} (its table changes with each step's length) on a multimodal rope (mrope_section)"
-        why = "ropescale's raw-key attention rotates each key at one position, a multimodal rope at three"
+        name += " (per='request')"
     elif serving.needs_pre_rope(parsed):
-        return None
-    elif multimodal:
-        what, why = f"{name} on a multimodal rope (mrope_section)", "the plugin serves a one-stream rope only"
-    else:
-        return None
-    return (f"ropescale.sglang: {what} is not served by SGLang yet: {why}. Serve it with vLLM + ropescale's plugin or "
-            f"transformers + ropescale.hf, or write a static table for SGLang (`ropescale extend SRC DST --method "
-            f"yarn ...`)")
+        name += " (per step)"
+    return (f"ropescale.sglang: {name} on a multimodal rope (mrope_section) is not served by SGLang: the plugin's "
+            "rotary and attention turn each token at one position, a multimodal rope at three. Serve it with "
+            "transformers + ropescale.hf (vLLM + ropescale's plugin serves a static or per-request table there)")
 
 
 def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base, is_neox_style: bool = True,
              rope_scaling: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None,
              partial_rotary_factor: float = 1.0, dual_chunk_attention_config: Mapping[str, Any] | None = None
              ) -> RotaryEmbedding:
-    """AROUND hook of SGLang's ``get_rope``: ropescale's rotary for the layers of a checkpoint ropescale wrote (a
-    static table), a refusal naming the method for those it does not serve, SGLang's own for every other layer."""
+    """AROUND hook of SGLang's ``get_rope``: for the layers of a checkpoint ropescale wrote, ropescale's rotary (a
+    static table, a table per request) or a pass-through (a raw-key method: ropescale's attention backend rotates),
+    or a refusal naming the method; SGLang's own for every other layer."""
     model_config = _building.get()
     hf_config = getattr(model_config, "hf_config", None)
     entry = getattr(hf_config, config_lib.CONFIG_KEY, None)
@@ -262,7 +253,13 @@ def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base,
     if serving.needs_pre_rope(parsed):  # raw keys in SGLang's pool, ropescale's attention backend
         from . import attention
 
-        return attention.pass_through(head_size, rotary_dim, is_neox_style, dtype, parsed, model_config)
+        served = int(getattr(model_config, "context_len", 0) or 0) or None
+        plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style).served_within(served)
+        recorded = _raw_key_plan.setdefault("plan", plan)
+        if recorded != plan:
+            raise NotImplementedError(f"ropescale.sglang: one raw-key plan per model; this model's layers ask for "
+                                      f"{recorded} and {plan}")
+        return attention.PassThroughRotary(head_size, rotary_dim, parsed.base, is_neox_style, dtype, plan)
     # Every position SGLang may serve (its context length); the model runner grows it further where it needs.
     rows = max(int(max_position), int(getattr(model_config, "context_len", 0) or 0))
     key = (head_size, rotary_dim, rows, bool(is_neox_style), parsed, dtype)

@@ -301,3 +301,24 @@ def test_raw_keys_under_load_chunked_prefill_the_radix_cache_and_decode_equal_tr
     cached = served[1][0]["cached"]
     print(f"{name}: max |delta log p| {worst:.3g}; cached tokens of the repeat {cached}")
     assert worst < 1e-5 and cached >= ORIGINAL
+
+
+def test_the_plugin_refuses_only_a_multimodal_rope_and_names_the_method():
+    """No engine: ``refusal`` on what each kind of checkpoint reads as (static, per request, per step, raw keys)."""
+    from ropescale.sglang import rotary
+
+    cases = {
+        "YaRN": config_lib.write(scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), 1e4, 64, ORIGINAL),
+        "DynamicYaRN (per='request')": config_lib.write(
+            scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"), 1e4, 64, ORIGINAL),
+        "DynamicYaRN (per step)": config_lib.write(scaling.DynamicYaRN(original_max_position=ORIGINAL), 1e4, 64,
+                                                    ORIGINAL),
+        "Default with ReRoPE attention": config_lib.write(
+            scaling.Default(), 1e4, 64, ORIGINAL, attention="rerope",
+            parameters=config_lib.check_attention("rerope", {"window": 16})),
+    }
+    for name, written in cases.items():
+        parsed = config_lib.read(written.rope_parameters, written.max_position_embeddings, written.entry, 64)
+        assert rotary.refusal(parsed, multimodal=False) is None
+        reason = rotary.refusal(parsed, multimodal=True)
+        assert reason.startswith(f"ropescale.sglang: {name} on a multimodal rope (mrope_section) is not served"), reason
