@@ -262,7 +262,8 @@ def sglang_probe(job):
         raise RuntimeError("SGLang's prompt log-probabilities are not of the probe's tokens")
     logprobs = [float(row[0]) for row in rows[1:]]
     plugin = "ropescale.sglang.rotary" in sys.modules  # imported by the plugin only when it is active
-    notes.append("ropescale's SGLang plugin loaded" if plugin else "ropescale's SGLang plugin not loaded (stock SGLang)")
+    notes.append("ropescale's SGLang plugin loaded" if plugin
+                 else "ropescale's SGLang plugin not loaded (stock SGLang)")
     return {"logprobs": logprobs, "version": f"SGLang {sglang.__version__}", "max_length": derived, "notes": notes,
             "planned": len(tokens) + 1, "dtype": "float32", "config": config_view(config)}
 

@@ -275,9 +275,8 @@ def dual_chunk_entry(attention: str, parameters: Mapping[str, Any]) -> dict[str,
 
 
 #: The engines ``checkpoint.record(target=...)`` and ``ropescale extend --target`` write for: stock builds (no plugin)
-#: that serve a ``longrope`` with equal short and long factors exactly (vLLM 0.32, SGLang 0.5: the factors' table, the attention
-#: factor read from ``short_mscale``/``long_mscale``), which no other static type is in both (stock SGLang drops
-#: YaRN's ``attention_factor``).
+#: that serve a ``longrope`` with equal short and long factors exactly (vLLM 0.32, SGLang 0.5: the factors' table,
+#: the attention factor read from ``short_mscale``/``long_mscale``).
 STOCK_TARGETS = ("vllm", "sglang")
 
 

@@ -31,10 +31,9 @@ import torch
 
 from . import attentions, config as config_lib, ops, scaling
 
-__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "StaticTableRotary", "cos_sin_cache", "dual_chunk_temperature",
-           "needs_pre_rope", "written_by_ropescale",
-           "rotated_at_write", "ropescale_rotary", "Segments",
-           "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
+__all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "StaticTableRotary", "cos_sin_cache",
+           "dual_chunk_temperature", "needs_pre_rope", "written_by_ropescale", "rotated_at_write", "ropescale_rotary",
+           "Segments", "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
            "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).

@@ -93,8 +93,8 @@ class RopescaleAttnBackend(TorchNativeAttnBackend):
         plan = self.plan
         prompt_lens = list(rotary.step_prompt_lens)
         if plan.prompt_dependent and len(prompt_lens) != len(seq_lens):
-            raise RuntimeError(f"ropescale.sglang: this step has {len(seq_lens)} requests and {len(prompt_lens)} prompt "
-                               "lengths (the ForwardBatch.init_new hook recorded another step)")
+            raise RuntimeError(f"ropescale.sglang: this step has {len(seq_lens)} requests and {len(prompt_lens)} "
+                               "prompt lengths (the ForwardBatch.init_new hook recorded another step)")
         if plan.length_dependent:
             tables = self.tables.step(seq_lens, query_lens, prompt_lens, None)
         else:

@@ -46,7 +46,8 @@ require_sglang()
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ropescale import hf, scaling  # noqa: E402
-from support.rollout import errors, one_torch_thread, token_logprobs, trainer  # noqa: E402,F401 (a fixture)
+from support.rollout import (assert_bf16_as_close_as_stock, errors, one_torch_thread, token_logprobs,  # noqa: E402,F401
+                             trainer)
 
 SERVED = 4 * ORIGINAL
 NEW_TOKENS = 16
@@ -148,15 +149,9 @@ def test_the_trainer_under_bf16_autocast_is_as_close_as_stock_transformers(serve
         stock, stock_exact = (stock_counterpart(name, tokens.shape[1], dtype, tmp_path)
                               for dtype in (torch.float32, torch.float64))
         reference = token_logprobs(exact, tokens)
-        bf16 = token_logprobs(model, tokens, torch.bfloat16)
-        ours, to_sglang = errors(bf16, reference), errors(bf16, sglang_lp)
-        theirs = errors(token_logprobs(stock, tokens, torch.bfloat16), token_logprobs(stock_exact, tokens))
-        print(f"{name}, {tokens.shape[1]} tokens: bf16 autocast vs float64 max {ours[0]:.3f} rms {ours[1]:.4f}; "
-              f"stock transformers' max {theirs[0]:.3f} rms {theirs[1]:.4f}; vs SGLang max {to_sglang[0]:.3f} rms "
-              f"{to_sglang[1]:.4f}; float32 SGLang vs float64 {(sglang_lp - reference).abs().max():.1e}")
-        assert theirs[1] > 1e-3, "stock bf16 autocast made no error: is autocast on?"
-        for what, value in (("vs float64", ours), ("vs SGLang", to_sglang)):
-            assert value[0] <= 2 * theirs[0] + 1e-5 and value[1] <= 2 * theirs[1] + 1e-5, (name, what, value, theirs)
+        assert_bf16_as_close_as_stock(
+            f"{name}, {tokens.shape[1]} tokens", token_logprobs(model, tokens, torch.bfloat16), reference,
+            token_logprobs(stock, tokens, torch.bfloat16), token_logprobs(stock_exact, tokens), sglang_lp, "SGLang")
 
 
 @pytest.mark.slow

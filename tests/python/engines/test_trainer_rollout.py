@@ -41,7 +41,8 @@ require_vllm()
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ropescale import hf, scaling  # noqa: E402
-from support.rollout import errors, one_torch_thread, token_logprobs, trainer  # noqa: E402,F401 (a fixture)
+from support.rollout import (assert_bf16_as_close_as_stock, errors, one_torch_thread, token_logprobs,  # noqa: E402,F401
+                             trainer)
 
 SERVED = 4 * ORIGINAL
 NEW_TOKENS = 16
@@ -146,17 +147,11 @@ def test_the_trainer_under_bf16_autocast_is_as_close_as_stock_transformers(rollo
     for tokens, vllm_lp in rollout(name, served[name][1]):
         length = tokens.shape[1]
         reference = token_logprobs(exact, tokens)
-        bf16 = token_logprobs(model, tokens, torch.bfloat16)
         stock_bf16 = token_logprobs(stock_counterpart(name, served, length, torch.float32, tmp_path), tokens,
                                     torch.bfloat16)
         stock_exact = token_logprobs(stock_counterpart(name, served, length, torch.float64, tmp_path), tokens)
-        ours, theirs, to_vllm = errors(bf16, reference), errors(stock_bf16, stock_exact), errors(bf16, vllm_lp)
-        print(f"{name}, {length} tokens: bf16 autocast vs float64 max {ours[0]:.3f} rms {ours[1]:.4f}; stock "
-              f"transformers' max {theirs[0]:.3f} rms {theirs[1]:.4f}; vs vLLM max {to_vllm[0]:.3f} rms "
-              f"{to_vllm[1]:.4f}; float32 vLLM vs float64 {(vllm_lp - reference).abs().max():.1e}")
-        assert theirs[1] > 1e-3, "stock bf16 autocast made no error: is autocast on?"
-        for what, value in (("vs float64", ours), ("vs vLLM", to_vllm)):
-            assert value[0] <= 2 * theirs[0] + 1e-5 and value[1] <= 2 * theirs[1] + 1e-5, (name, what, value, theirs)
+        assert_bf16_as_close_as_stock(f"{name}, {length} tokens", token_logprobs(model, tokens, torch.bfloat16),
+                                      reference, stock_bf16, stock_exact, vllm_lp, "vLLM")
 
 
 @pytest.mark.slow

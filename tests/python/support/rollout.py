@@ -36,3 +36,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def assert_bf16_as_close_as_stock(what: str, bf16, reference, stock_bf16, stock_exact, engine_lp, engine: str) -> None:
+    """The trainer's bf16 autocast log-probs (``bf16``) against its float64 ones (``reference``) and against the
+    engine's (``engine_lp``, float32): each within twice the error stock transformers makes in bf16 on the same
+    weights and tokens (``stock_bf16`` against ``stock_exact``), max and rms (support/training.py's rule)."""
+    ours, theirs, to_engine = errors(bf16, reference), errors(stock_bf16, stock_exact), errors(bf16, engine_lp)
+    print(f"{what}: bf16 autocast vs float64 max {ours[0]:.3f} rms {ours[1]:.4f}; stock transformers' max "
+          f"{theirs[0]:.3f} rms {theirs[1]:.4f}; vs {engine} max {to_engine[0]:.3f} rms {to_engine[1]:.4f}; float32 "
+          f"{engine} vs float64 {(engine_lp - reference).abs().max():.1e}")
+    assert theirs[1] > 1e-3, "stock bf16 autocast made no error: is autocast on?"
+    for against, value in (("vs float64", ours), (f"vs {engine}", to_engine)):
+        assert value[0] <= 2 * theirs[0] + 1e-5 and value[1] <= 2 * theirs[1] + 1e-5, (what, against, value, theirs)

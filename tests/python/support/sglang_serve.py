@@ -3,7 +3,8 @@
 Run as a script in its own process (SGLang spawns processes and installs signal handlers):
 ``python sglang_serve.py JOB.json``. The job: {"target", "context_length", "engine" (extra ``sglang.Engine``
 arguments), "batches": [[prompt, ...], ...], "starts": [logprob_start_len per batch] (default 0),
-"budgets": [[max_new_tokens per prompt] per batch] (default 1)}: each batch is sent as one ``generate`` call (SGLang schedules its
+"budgets": [[max_new_tokens per prompt] per batch] (default 1)}: each batch is sent as one ``generate`` call
+(SGLang schedules its
 prompts together), every batch to the same engine, in order (a later batch may read the radix cache of an earlier
 one). Output: one line ``SERVED {json}``: per batch, per prompt, the prompt log-probabilities from its batch's start
 (the first token's None), the cached-token count SGLang reports, and the greedy tokens it generated with their

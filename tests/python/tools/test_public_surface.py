@@ -42,7 +42,8 @@ FENCE = re.compile(r"^[ \t]*```[ \t]*(\S*)")
 # Another library's name just before a span means that the span is that library's name (transformers' `Cache`).
 OTHER_LIBRARIES = {"transformers", "torch", "pytorch", "vllm", "vllm's", "flashinfer", "transformers'"}
 # The submodules of ropescale.vllm and ropescale.sglang import their engine; the packages import without it.
-ENGINE_SUBMODULES = {engine: tuple(f"ropescale.{engine}.{m.name}" for m in pkgutil.iter_modules([str(PACKAGE / engine)]))
+ENGINE_SUBMODULES = {engine: tuple(f"ropescale.{engine}.{m.name}"
+                                   for m in pkgutil.iter_modules([str(PACKAGE / engine)]))
                      for engine in ("vllm", "sglang")}
 INSTALLED = {engine: importlib.util.find_spec(engine) is not None for engine in ENGINE_SUBMODULES}
 
