@@ -119,8 +119,7 @@ def add_parser(sub) -> None:
                             "keeps L")
     ex.add_argument("--target", choices=("any", *config_lib.STOCK_TARGETS), default="any",
                     help="vllm, sglang: write the table as a longrope (short == long factors) that stock vLLM and "
-                         "stock SGLang (and transformers) serve exactly with no plugin (static methods only; stock "
-                         "SGLang drops a yarn table's attention_factor)")
+                         "stock SGLang (and transformers) serve exactly with no plugin (static methods only)")
     ex.add_argument("--converter", metavar="PATH", default=None,
                     help="SRC a directory, DST *.gguf: llama.cpp's convert_hf_to_gguf.py, which writes the unscaled "
                          "model (default: $LLAMA_CPP_CONVERTER, else on the PATH)")

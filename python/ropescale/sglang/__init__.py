@@ -50,8 +50,6 @@ REQUEST = "sglang.srt.managers.schedule_batch.Req.__init__"
 ATTENTION_BACKEND = "sglang.srt.model_executor.model_runner_components.attention_backend_setup._build_resolved_backend"
 
 
-
-
 def is_active() -> bool:
     """Whether :func:`register` installed the plugin in this process."""
     return _state.get("active", False)

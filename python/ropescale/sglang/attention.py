@@ -32,6 +32,7 @@ from . import rotary
 
 __all__ = ["PassThroughRotary", "RopescaleAttnBackend"]
 
+
 class PassThroughRotary(RotaryEmbedding):
     """A pre-RoPE model's rotary: q and k unchanged (the attention rotates them), so SGLang caches raw keys."""
 
@@ -84,12 +85,7 @@ class RopescaleAttnBackend(TorchNativeAttnBackend):
             return
         seq_lens = [int(n) for n in (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                                      else forward_batch.seq_lens.cpu()).tolist()]
-        if mode.is_decode():
-            query_lens = [1] * len(seq_lens)
-        elif forward_batch.extend_seq_lens_cpu is not None:
-            query_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        else:
-            raise NotImplementedError(f"ropescale.sglang: raw-key attention in an SGLang step of mode {mode}")
+        query_lens = rotary.step_query_lens(forward_batch, len(seq_lens), "raw-key attention")
         plan = self.plan
         prompt_lens = list(rotary.step_prompt_lens)
         if plan.prompt_dependent and len(prompt_lens) != len(seq_lens):

@@ -20,7 +20,7 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 from .. import config as config_lib, serving
 
 __all__ = ["RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
-           "raw_key_plan", "refusal", "request_cache_key", "serves_raw_keys", "step_tables"]
+           "raw_key_plan", "refusal", "request_cache_key", "serves_raw_keys", "step_query_lens", "step_tables"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
 _building: contextvars.ContextVar[Any] = contextvars.ContextVar("ropescale_sglang_model", default=None)
@@ -95,27 +95,30 @@ def _planned_length(req) -> int:
     return prompt + int(budget)
 
 
+def step_query_lens(forward_batch, requests: int, what: str) -> list[int]:
+    """Each request's query rows in an SGLang step (one in a decode step; its extend length in a prefill or mixed
+    one), in the step's order."""
+    if forward_batch.forward_mode.is_decode():
+        return [1] * requests
+    if forward_batch.extend_seq_lens_cpu is not None:
+        return [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    raise NotImplementedError(f"ropescale.sglang: {what} in an SGLang step of mode {forward_batch.forward_mode}")
+
+
 def step_tables(forward_batch, cls, batch, *args, **kwargs):
     """AFTER hook of SGLang's ``ForwardBatch.init_new``: each request's prompt length on the step's ForwardBatch (for
     the raw-key backend), and the step's per-request tables (each token's request, each request's table at its
     planned length), written in place before the step runs."""
     if batch is None or not getattr(batch, "reqs", None):
         return forward_batch
-    # each request's prompt length, for the raw-key backend's length-dependent tables and DCA's temperature (the
-    # step's ForwardBatch is not the object the backend later gets: a module-level record, read in the same step)
-    step_prompt_lens[:] = [len(req.origin_input_ids) for req in batch.reqs]
-    if not _request_tables:
-        return forward_batch
-    mode = forward_batch.forward_mode
-    if mode.is_idle():
+    if serves_raw_keys():
+        # each request's prompt length, for the raw-key backend's length-dependent tables and DCA's temperature (the
+        # step's ForwardBatch is not the object the backend later gets: a module-level record, read in the same step)
+        step_prompt_lens[:] = [len(req.origin_input_ids) for req in batch.reqs]
+    if not _request_tables or forward_batch.forward_mode.is_idle():
         return forward_batch
     requests = [_planned_length(req) for req in batch.reqs]
-    if mode.is_decode():
-        query_lens = [1] * len(requests)
-    elif forward_batch.extend_seq_lens_cpu is not None:
-        query_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    else:
-        raise NotImplementedError(f"ropescale.sglang: a per-request table in an SGLang step of mode {mode}")
+    query_lens = step_query_lens(forward_batch, len(requests), "a per-request table")
     for tables in _request_tables.values():
         tables.update(requests, query_lens)
     return forward_batch
