@@ -247,7 +247,7 @@ def check(target: Path, engine: str, answer: dict, overrides: dict | None = None
     if not keys:
         return None
     return Check("rope keys", "ignored", f"{len(keys)} rope key{'s' * (len(keys) > 1)} the engine did not take: "
-                                         + "; ".join(k.text() for k in keys))
+                                         + "; ".join(k.text() for k in keys), formula=", ".join(k.key for k in keys))
 
 
 def declared_with(source: Path, overrides: dict):

@@ -151,14 +151,25 @@ def _declared_dir(target: Path) -> Declared:
         cfg = AutoConfig.from_pretrained(target)
     except (OSError, KeyError) as err:  # no model type transformers knows, an unreadable file
         raise ValueError(f"{target}: transformers cannot read this config: {err}") from None
-    read = config_lib.read_config(cfg)
+    layer_type = _extended_layer_type(cfg)
+    read = config_lib.read_config(cfg, layer_type)
     method = read.method
     mpe = int(cfg.max_position_embeddings)
     original = int(getattr(method, "original_max_position", None) or mpe)
-    return Declared(method, read.base, config_lib.rotary_dim_of(cfg), original, config_lib.max_model_len_of(cfg),
+    rotary_dim = config_lib.rotary_dim_of(cfg, config_lib.layer_type_parameters(cfg, layer_type), layer_type)
+    return Declared(method, read.base, rotary_dim, original, config_lib.max_model_len_of(cfg),
                     f"{target.name}/config.json" + (" (ropescale's entry)" if read.recorded else ""),
                     read.attention, dict(read.parameters), int(cfg.vocab_size), mpe,
                     bool(getattr(architectures.find(cfg), "fixed_method", None)), _layout_partial(cfg, method))
+
+
+def _extended_layer_type(cfg) -> str | None:
+    """For a per-layer-type config (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``), the layer
+    type whose rope the probe checks: the first that is not sliding, the one ``hf.patch`` extends by default (the
+    references patch it); None for a config with one rope."""
+    if not config_lib.per_layer_type(cfg):
+        return None
+    return next(t for t in cfg.rope_parameters if t != "sliding_attention")
 
 
 def _layout_partial(cfg, method: scaling.RopeScaling) -> float:
@@ -432,6 +443,7 @@ class Check:
     detail: str
     distance: float | None = None  # the engine's from the declared (scaling: mean |delta log p| nats; length: tokens)
     bound: float | None = None  # "exact" only when distance <= bound
+    formula: str | None = None  # what explains a wrong verdict: the formula's label (``key=engine value``), the keys
 
     def measured(self) -> str:
         if self.distance is None:
@@ -558,8 +570,8 @@ def _scaling_check(hs: list[Hypothesis], logprobs: dict[int, torch.Tensor], engi
     also = "".join(f"; as near (within the bound), {_label(hs[i])}" for i in within[1:])
     at = f" (the engine is {_distance(engine, logprobs[within[0]]):.3g} from it)"
     if h.kind == "ignored":
-        return Check("scaling", "ignored", f"{h.says}{at}{also}; {size}", d_declared, bound)
-    return Check("scaling", "different", f"{h.says}: {h.names()}{at}{also}; {size}", d_declared, bound)
+        return Check("scaling", "ignored", f"{h.says}{at}{also}; {size}", d_declared, bound, _label(h))
+    return Check("scaling", "different", f"{h.says}: {h.names()}{at}{also}; {size}", d_declared, bound, _label(h))
 
 
 def _planned(answer: dict, d: Declared, length: int, notes: list[str]) -> int:
@@ -579,7 +591,8 @@ def _label(h: Hypothesis) -> str:
         h.kind, f"{h.key}={h.engine_value!r}")
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (an engine's package), without importing it."""
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
@@ -612,7 +625,7 @@ def verify(target: str | Path, engine: str, *, length: int | None = None, timeou
         raise ValueError(f"hf_overrides {', '.join(nested)}: SGLang sets a config key to the value given (a sub-config "
                          "becomes a plain dict), where vLLM merges it: override the sub-config's own keys in its "
                          "config.json instead")
-    if not _installed(spec.module):
+    if not installed(spec.module):
         raise ValueError(f"--engine {engine} needs the {spec.module} package: {spec.install}")
     say = progress or (lambda message: None)
     d = declared(source) if not hf_overrides else _verify_keys.declared_with(source, hf_overrides)

@@ -27,6 +27,12 @@ _DESCRIPTION = (
     "(with the plugins vLLM loads: ROPESCALE_VLLM=0 checks stock vLLM), sglang (with the plugins SGLang loads: "
     "ROPESCALE_SGLANG=0 checks stock SGLang; its CPU engine where there is no GPU), llama.cpp (llama-cpp-python, a "
     "GGUF).",
+    "--matrix runs the conformance matrix instead of one TARGET: a tiny model per family x rope key that engines read "
+    "differently (ropescale.matrix.ROWS), verified on every engine installed here, stock and with ropescale's plugin "
+    "(ropescale.matrix.COLUMNS). Each cell is appended to --results as it ends and skipped when the file already holds "
+    "it, so a stopped run resumes, and running the same command in another environment (vLLM's, SGLang's) fills in "
+    "its columns; --markdown and --readme render the table and its headline from the file alone. Exit 1 when a cell of a "
+    "column with ropescale's plugin is a silent divergence (each must be exact or refused), else 0.",
 )
 
 
@@ -41,10 +47,26 @@ def add_parser(sub) -> None:
                     "ropescale verify model-yarn4.gguf --engine llama.cpp",
                     "ropescale verify converted.gguf --engine llama.cpp --declared-by ./llama-yarn"
                     "   # a GGUF another tool made from ./llama-yarn",
-                    "ropescale verify ./llama-yarn --engine transformers --length 16384 --json"])
-    p.add_argument("target", metavar="TARGET", help="a local transformers checkpoint directory, or a GGUF file (a hub "
-                                                    "repository id is not looked up)")
-    p.add_argument("--engine", required=True, choices=list(verify.ENGINES), help="the engine to probe")
+                    "ropescale verify ./llama-yarn --engine transformers --length 16384 --json",
+                    "ropescale verify --matrix --results matrix.jsonl --markdown MATRIX.md   # every engine here"])
+    p.add_argument("target", metavar="TARGET", nargs="?",
+                   help="a local transformers checkpoint directory, or a GGUF file (a hub repository id is not looked "
+                        "up); none with --matrix")
+    p.add_argument("--engine", choices=list(verify.ENGINES),
+                   help="the engine to probe (required with TARGET; with --matrix, only this engine's columns)")
+    matrix = p.add_argument_group("the conformance matrix")
+    matrix.add_argument("--matrix", action="store_true",
+                        help="run the conformance matrix (every row x every column whose engine is installed here)")
+    matrix.add_argument("--results", type=Path, default=Path("ropescale-matrix.jsonl"), metavar="FILE",
+                        help="the cells, one JSON line each, appended as each ends and read to resume (default "
+                             "ropescale-matrix.jsonl)")
+    matrix.add_argument("--work", type=Path, metavar="DIR",
+                        help="where the rows' tiny checkpoints are built (default: a temporary folder)")
+    matrix.add_argument("--rows", metavar="TEXT", nargs="+",
+                        help="only the rows whose name, family or key contains one of these")
+    matrix.add_argument("--markdown", type=Path, metavar="FILE", help="write the table (from --results) to FILE")
+    matrix.add_argument("--readme", type=Path, metavar="FILE",
+                        help="replace the matrix block of FILE (a README) with the headline")
     p.add_argument("--declared-by", metavar="DIR", type=Path,
                    help="hold the engine to this checkpoint's declaration and weights (TARGET was made from it by "
                         "another tool: a GGUF llama.cpp's convert_hf_to_gguf.py wrote from a directory ropescale "
@@ -79,6 +101,10 @@ def _json_object(text: str) -> dict:
 def _cmd_verify(args) -> int:
     from .. import verify
 
+    if args.matrix:
+        return _cmd_matrix(args)
+    if args.target is None or args.engine is None:
+        raise ValueError("verify needs TARGET and --engine (or --matrix)")
     say = (lambda message: print(f"... {message}", file=sys.stderr, flush=True)) if show_progress(args) else None
     report = verify.verify(args.target, args.engine, length=args.length, timeout=args.timeout,
                            declared_by=args.declared_by, progress=say, hf_overrides=args.hf_overrides)
@@ -87,3 +113,43 @@ def _cmd_verify(args) -> int:
     else:
         print(report.text())
     return report.exit_code
+
+
+def _cmd_matrix(args) -> int:
+    import tempfile
+
+    from .. import matrix
+
+    if args.target is not None:
+        raise ValueError(f"--matrix builds its own models: no TARGET ({args.target})")
+    rows = [r for r in matrix.ROWS if not args.rows or any(t.lower() in f"{r.name} {r.family} {r.key}".lower()
+                                                           for t in args.rows)]
+    if not rows:
+        raise ValueError(f"--rows {' '.join(args.rows)}: no row matches; the rows: "
+                         + "; ".join(f"{r.family}: {r.name}" for r in matrix.ROWS))
+    columns = [c for c in matrix.COLUMNS if args.engine in (None, c.engine)]
+    here = [c.name for c in columns if matrix.installed(c)]
+    for path, what in ((args.markdown, "--markdown"), (args.readme, "--readme")):
+        if path is not None and not path.parent.is_dir():
+            raise ValueError(f"{what} {path}: its folder does not exist")
+    matrix.load(args.results)  # a file that is not the matrix's: refused before any run
+    if args.readme is not None:
+        matrix.readme_parts(args.readme)
+    say = (lambda message: print(f"... {message}", file=sys.stderr, flush=True)) if show_progress(args) else None
+    if say:
+        say(f"columns installed here: {', '.join(here) or 'none'}; {len(rows)} rows; cells in {args.results}")
+    with tempfile.TemporaryDirectory(prefix="ropescale-matrix-") as scratch:
+        ran = matrix.run(args.results, args.work or Path(scratch), rows, columns, timeout=args.timeout, progress=say)
+    cells = matrix.load(args.results)
+    table = matrix.markdown(cells, rows, columns)
+    if args.markdown is not None:
+        matrix.write_markdown(args.markdown, cells)
+    if args.readme is not None:
+        matrix.write_readme(args.readme, cells)
+    if args.json:
+        dump({"ran": len(ran), "cells": [vars(c) for c in cells.values()]})
+    else:
+        print(table)
+        print(matrix.headline(cells, rows, columns))
+    plugged = {c.name for c in matrix.COLUMNS if c.ropescale_written}
+    return 1 if any(c.silent and c.column in plugged for c in cells.values()) else 0

@@ -18,7 +18,7 @@ from ropescale import hf, ops, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
 
 from support.attention import reference  # noqa: E402
-from support.families import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build, stream_positions  # noqa: E402
+from ropescale.tiny_models import COMMON, ORIGINAL, PER_LAYER_TYPE, TINY, VOCAB, build, stream_positions  # noqa: E402
 from support.methods import instance, registered  # noqa: E402
 from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_per_request_dynamic_yarn_is_the_static_yarn_of_its_scale_through_the_ca
 
 def multimodal_positions(name, length):
     """For a multimodal-rope family, position ids ``[3, 1, length]`` whose streams differ
-    (``support.families.stream_positions``), else None."""
+    (``ropescale.tiny_models.stream_positions``), else None."""
     return stream_positions(length)[:, None] if "mrope_section" in TINY[name][2] else None
 
 

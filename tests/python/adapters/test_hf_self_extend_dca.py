@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 
 from support.attention import reference, reference_dual_chunk, reference_self_extend, reference_string  # noqa: E402
-from support.families import VOCAB, build  # noqa: E402
+from ropescale.tiny_models import VOCAB, build  # noqa: E402
 from support.training import assert_autocast_as_close_as_native, loss_and_grads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -742,7 +742,7 @@ _NEW_RULE = textwrap.dedent('''
     from transformers import AutoModelForCausalLM
     from ropescale import cli, config as config_lib, hf, serving
     sys.path.insert(0, sys.argv[1])
-    from support.families import build
+    from ropescale.tiny_models import build
 
     ids = torch.randint(3, 60, (2, 24), generator=torch.Generator().manual_seed(1))
     new = hf.patch(build("Llama"), attention="string_from_zero", shifted_offset=7)

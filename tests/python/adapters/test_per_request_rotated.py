@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 from ropescale import hf, scaling  # noqa: E402
 from ropescale.hf.cache import PreRopeLayer  # noqa: E402
-from support.families import ORIGINAL, build  # noqa: E402
+from ropescale.tiny_models import ORIGINAL, build  # noqa: E402
 from support.tiny_lm import ids, tiny  # noqa: E402
 from support.training import loss_and_grads  # noqa: E402
 

@@ -5,7 +5,7 @@ never served silently wrong.
 
 Runs on the vLLM leg (scripts/test_torch_compat.sh); skips elsewhere. Two processes (stock vLLM, vLLM + plugin:
 the plugin is registered once per process), each serving every checkpoint in turn; the tiny models of
-``support.families`` at head dim 32 (vLLM's CPU attention takes no less). Llama, Mistral, Qwen2 and Qwen3 are
+``ropescale.tiny_models`` at head dim 32 (vLLM's CPU attention takes no less). Llama, Mistral, Qwen2 and Qwen3 are
 served method by method in test_vllm.py and test_vllm_paged.py; here each family's own layout is the point:
 partial rotary, per-layer-type parameters, sinks with ``truncate=False`` YaRN, MLA's mscale, multimodal sections,
 Ministral 3's query temperature.
@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from support.families import ORIGINAL, TINY, build_served, stream_positions
+from ropescale.tiny_models import ORIGINAL, TINY, build_served, stream_positions
 from support.vllm_engine import run_engines
 from support.vllm_testing import assert_same, require_vllm
 

@@ -90,7 +90,7 @@ def test_vllm_gives_a_deepseek_v3_checkpoint_a_verdict(folder):
     reference could not patch the family) and vLLM answers every position (on a CPU with AMX through CPU_MLA: the
     AMX_MLA backend vLLM picks refuses float32). No "exact" is asked: vLLM 0.32's CPU DeepSeek-V3 is 0.13 nats from
     transformers' on the unpatched model (test_vllm_architectures.NOT_COMPARABLE), beyond the formulas' separation."""
-    from support import families
+    from ropescale import tiny_models as families
 
     path = folder / "deepseek"
     families.build_served("DeepSeek-V3", {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0,

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ropescale import cli, config as config_lib, hf, scaling  # noqa: E402
-from support.families import VOCAB, build  # noqa: E402
+from ropescale.tiny_models import VOCAB, build  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ropescale import cli, scaling, verify
+from support import planted
 from support.planted import verify_planted
 from support.vllm_testing import saved_llama
 
@@ -185,7 +186,7 @@ def test_every_engines_process_gets_absolute_paths(engine, yarn_checkpoint, tmp_
     """Relative TARGET and --declared-by (from the working directory): the job the engine's process reads names
     them absolutely (it runs in a folder of its own). No engine starts: the process is replaced by one that records
     its job and refuses."""
-    monkeypatch.setattr(verify, "_installed", lambda module: True)
+    monkeypatch.setattr(verify, "installed", lambda module: True)
     (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00")  # only its magic is read before the engine's process
     (tmp_path / "yarn").symlink_to(yarn_checkpoint)
     monkeypatch.chdir(tmp_path)
@@ -249,7 +250,7 @@ def test_bad_targets_and_engines_are_refused_before_any_engine_runs(tmp_path, ya
         verify.verify(yarn_checkpoint, "transformers", hf_overrides={"rope_theta": 1e5})
     with pytest.raises(ValueError, match="hf_overrides text_config: SGLang sets a config key to the value given"):
         verify.verify(yarn_checkpoint, "sglang", hf_overrides={"text_config": {"rope_theta": 1e5}})
-    monkeypatch.setattr(verify, "_installed", lambda module: module not in ("vllm", "sglang"))
+    monkeypatch.setattr(verify, "installed", lambda module: module not in ("vllm", "sglang"))
     with pytest.raises(ValueError, match="needs the vllm package"):
         verify.verify(yarn_checkpoint, "vllm")
     with pytest.raises(ValueError, match=re.escape("needs the sglang package: pip install sglang (ropescale's plugin "
@@ -344,7 +345,7 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embe
 
 @pytest.fixture(scope="module")
 def deepseek_checkpoint(tmp_path_factory):
-    from support import families
+    from ropescale import tiny_models as families
 
     path = tmp_path_factory.mktemp("verify-deepseek") / "deepseek"
     families.build("DeepSeek-V3", DEEPSEEK_YARN).save_pretrained(path)
@@ -367,7 +368,7 @@ def test_a_deepseek_formula_is_transformers_own_model_of_it(deepseek_checkpoint)
     """The reference of a wrong formula (mscale_all_dim not read) is transformers' own DeepSeek-V3 built with that
     config: its MLA softmax scale too, not only its cos/sin."""
     from ropescale import _verify_probe
-    from support import families
+    from ropescale import tiny_models as families
 
     d = verify.declared(deepseek_checkpoint)
     hs, _ = verify.hypotheses(d, 32)
@@ -544,25 +545,7 @@ def test_gguf_rope_keys_an_engine_does_not_read_are_named(tmp_path):
 # to drop one key of rope_parameters (a sitecustomize on the process's path wraps ROPE_INIT_FUNCTIONS["yarn"]): the
 # verdict names that key. A key without a default in transformers (original_max_position_embeddings) takes the one
 # an engine falls back to, max_position_embeddings.
-PLANT = '''
-import os
-import transformers.modeling_rope_utils as rope
-
-KEY, YARN = os.environ["ROPESCALE_TEST_DROP"], rope.ROPE_INIT_FUNCTIONS["yarn"]
-
-
-def dropped(config, *args, **kwargs):
-    params = dict(config.rope_parameters)
-    if KEY == "original_max_position_embeddings":
-        params[KEY] = config.max_position_embeddings
-    else:
-        params.pop(KEY, None)  # called again on the same config (the weights' init): already dropped
-    config.rope_parameters = params
-    return YARN(config, *args, **kwargs)
-
-
-rope.ROPE_INIT_FUNCTIONS["yarn"] = dropped
-'''
+PLANT = planted.TRANSFORMERS_DROPS_ONE_KEY
 EVERY_KEY = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, beta_fast=4.0, beta_slow=2.0, truncate=False,
                          mscale=0.707, mscale_all_dim=1.0)
 FACTOR_KEY = scaling.YaRN(factor=4.0, original_max_position=ORIGINAL, attention_factor_override=1.3)
@@ -610,7 +593,7 @@ def test_a_partial_rotary_factor_the_engine_ignores_is_named(tmp_path, monkeypat
     """Issue 59: a config's partial_rotary_factor (GLM-4's 0.5, a layout key beside the method's) is a hypothesis
     too: the engine's rotary over the whole head dim, the reference a model built from a config with the key at 1.0
     on the same weights. transformers itself is exact; an engine that reads the table but not the key is named."""
-    from support import families
+    from ropescale import tiny_models as families
 
     path = tmp_path / "glm"
     families.build("GLM-4", {"rope_type": "yarn", "factor": 4.0,

@@ -1,5 +1,6 @@
 """The tiny model of every family of ``ropescale.hf.architectures`` (no downloads), built from its own config
-class: shared by the transformers tests (test_architectures) and the vLLM engine tests (test_vllm)."""
+class with weights large enough that positions matter: the conformance matrix (``ropescale.matrix``) builds its
+checkpoints from it, and the tests (transformers, vLLM, SGLang, verify) their models."""
 
 import warnings
 
@@ -97,17 +98,17 @@ VISION = {
 }
 
 
-def build_served(name, rope_parameters=None, seed=0):
+def build_served(name, rope_parameters=None, seed=0, **overrides):
     """The family's tiny model at vLLM's sizes (SERVED), as the class vLLM serves: its causal LM, or the
-    vision-language model around its text model."""
+    vision-language model around its text model (``overrides``: its text config's other fields)."""
     if name not in VISION:
-        return build(name, rope_parameters, seed, **{**SERVED, **SERVED_FIELDS.get(name, {})})
+        return build(name, rope_parameters, seed, **{**SERVED, **SERVED_FIELDS.get(name, {}), **overrides})
     config_name, model_name, vision = VISION[name]
     params = base_rope(name)
     params["mrope_section"] = [4, 6, 6]  # of 16 pairs
     if rope_parameters is not None:
         params = {**{k: params[k] for k in LAYOUT if k in params}, "rope_theta": 10000.0, **rope_parameters}
-    text = {**COMMON, **SERVED, "rope_parameters": params}
+    text = {**COMMON, **SERVED, **overrides, "rope_parameters": params}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = getattr(transformers, config_name)(text_config=text, vision_config=vision, bos_token_id=None,

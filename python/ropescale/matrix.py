@@ -1,0 +1,328 @@
+"""``ropescale verify --matrix``: the conformance matrix, what each engine does with each rope key that matters.
+
+A row is one declaration: a family's tiny model (:mod:`ropescale.tiny_models`, built from its config class, at the
+sizes vLLM's CPU attention takes) with the rope parameters of one key that engines are known to read differently. A
+column is an engine as a user runs it: transformers, stock vLLM, vLLM with ropescale's plugin, stock SGLang, SGLang
+with the plugin. A stock column serves the checkpoint as a model publisher writes it (the family's own keys); a
+plugin column serves the same weights and declaration as ropescale writes them (``hf.patch`` then ``save_pretrained``:
+the method recorded, each engine's extra key beside it), which is what ``ropescale extend`` gives a user. Each cell is
+one ``ropescale verify`` run: exact, different (the key and the size), ignored, refused, short (not served past N),
+unexplained or inconclusive.
+
+Cells are appended to a results file (JSON lines) as each ends, and a run skips the cells the file already holds for
+the same row (its fingerprint) and engine version: a column whose engine is installed in another environment (vLLM
+and SGLang each in their own venv here) is filled in by running the same command there. The table is rendered from
+the file alone, so every cell comes from a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = ["COLUMNS", "ROWS", "Cell", "Column", "Row", "headline", "load", "markdown", "run"]
+
+ORIGINAL = 16  # tiny_models.ORIGINAL: the rows' trained length
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One declaration: ``family`` (a :data:`ropescale.tiny_models.TINY` name) with ``rope`` as its
+    ``rope_parameters`` (of its full layers, for a per-layer-type family) and ``config`` (other config fields)."""
+
+    name: str
+    key: str  # the rope key (or layout) the row is about
+    family: str
+    rope: dict
+    config: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        text = json.dumps([self.family, self.rope, self.config], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+#: Every row, in the table's order.
+ROWS: tuple[Row, ...] = (
+    Row("YaRN x4", "factor", "Llama", YARN),
+    Row("YaRN, attention_factor 1.3", "attention_factor", "Llama", {**YARN, "attention_factor": 1.3}),
+    Row("YaRN, mscale 0.707 / mscale_all_dim 1.0", "mscale, mscale_all_dim", "Llama",
+        {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    Row("YaRN, truncate false", "truncate", "Llama", {**YARN, "truncate": False}),
+    Row("YaRN, beta_fast 4 / beta_slow 2", "beta_fast, beta_slow", "Llama", {**YARN, "beta_fast": 4.0,
+                                                                             "beta_slow": 2.0}),
+    Row("Llama 3.1, low/high_freq_factor 2 / 8", "low_freq_factor, high_freq_factor", "Llama",
+        {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+         "original_max_position_embeddings": ORIGINAL}),
+    Row("YaRN x4, max_position_embeddings left at the original", "served length past max_position_embeddings",
+        "Llama", YARN, {"max_position_embeddings": ORIGINAL}),
+    Row("LongRoPE short/long tables", "short_factor, long_factor", "Phi-3 / Phi-4-mini",
+        {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],  # 12 pairs: head 32 x 0.75
+         "long_factor": [1.0 + 0.6 * i for i in range(12)], "original_max_position_embeddings": ORIGINAL}),
+    Row("LongRoPE, attention_factor 1.2", "attention_factor (longrope)", "Phi-3 / Phi-4-mini",
+        {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+         "long_factor": [1.0 + 0.6 * i for i in range(12)], "original_max_position_embeddings": ORIGINAL,
+         "attention_factor": 1.2}),
+    Row("Dynamic NTK (transformers' dynamic) x4", "rope_type dynamic", "Llama", {"rope_type": "dynamic", "factor": 4.0},
+        {"max_position_embeddings": ORIGINAL}),
+    Row("YaRN on partial rotary 0.5", "partial_rotary_factor", "GLM-4",
+        {**YARN, "partial_rotary_factor": 0.5}),
+    Row("YaRN on the full layers only", "per-layer-type tables", "Gemma 3", YARN),
+    Row("proportional x2", "proportional's factor", "Gemma 4",
+        {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}),
+    Row("YaRN with the mscale pair on MLA", "mscale_all_dim (MLA)", "DeepSeek-V3",
+        {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+)
+
+
+@dataclass(frozen=True)
+class Column:
+    """An engine as a user runs it: ``verify``'s engine, the environment its process gets, and whether it serves
+    the checkpoint as ropescale writes it (a plugin column) or as a model publisher does."""
+
+    name: str
+    engine: str
+    env: tuple[tuple[str, str], ...] = ()
+    ropescale_written: bool = False
+
+
+#: Every column, in the table's order.
+COLUMNS: tuple[Column, ...] = (
+    Column("transformers", "transformers"),
+    Column("vLLM", "vllm", (("ROPESCALE_VLLM", "0"),)),
+    Column("vLLM + ropescale", "vllm", (("ROPESCALE_VLLM", "1"),), ropescale_written=True),
+    Column("SGLang", "sglang", (("ROPESCALE_SGLANG", "0"),)),
+    Column("SGLang + ropescale", "sglang", (("ROPESCALE_SGLANG", "1"),), ropescale_written=True),
+)
+
+#: Known upstream reports of a stock engine's divergence: (engine, a key the cell names) -> where it is tracked.
+UPSTREAM = {
+    ("vllm", "attention_factor"): "vLLM #46280, #48351",
+    ("sglang", "attention_factor"): "SGLang: attention_factor not read (no issue found)",
+    ("vllm", "factor"): "vLLM: proportional's factor (Gemma 4)",
+    ("sglang", "factor"): "SGLang: proportional's factor (Gemma 4)",
+}
+
+#: Verdicts that are an engine's silent divergence from the declaration.
+SILENT = ("different", "ignored", "unexplained", "short")
+
+
+@dataclass
+class Cell:
+    """One run: the row's and column's names, what it compared, and its verdicts."""
+
+    row: str
+    column: str
+    fingerprint: str
+    version: str
+    verdicts: dict  # {check name: verdict}
+    text: str  # the table's words
+    silent: bool  # a divergence the engine did not report (SILENT)
+    detail: str  # the report's text
+    seconds: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.row, self.column
+
+
+def load(results: Path) -> dict[tuple[str, str], Cell]:
+    """The cells of a results file, the last one of each (row, column) (an absent file: none)."""
+    cells: dict[tuple[str, str], Cell] = {}
+    if not results.exists():
+        return cells
+    for number, line in enumerate(results.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            cell = Cell(**json.loads(line))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{results}:{number}: not a matrix cell ({err}): move the file aside to start anew")
+        cells[cell.key] = cell
+    return cells
+
+
+def cell_text(report, engine: str) -> tuple[str, bool]:
+    """The table's words for a verify report, and whether it is a silent divergence (:data:`SILENT`)."""
+    words, silent = [], False
+    for c in report.checks:
+        if c.ok:
+            continue
+        silent |= c.verdict in SILENT
+        if c.verdict == "different" and c.name == "scaling":
+            words.append(f"different: {c.formula} ({c.distance:.2g} nats)")
+        elif c.verdict == "different":  # served length
+            words.append(f"served {c.name}: {c.detail.split(':')[0]}")
+        elif c.verdict == "short":
+            words.append(c.detail.split(":")[0])
+        elif c.verdict == "ignored" and c.name == "rope keys":
+            words.append(f"key not read: {c.formula}")
+        elif c.verdict == "unexplained":
+            words.append(f"unexplained ({c.distance:.2g} nats)")
+        else:
+            words.append(c.verdict)
+        named = (c.formula or "").split("=")[0]
+        upstream = UPSTREAM.get((engine, named))
+        if upstream and c.verdict in SILENT:
+            words[-1] += f" [{upstream}]"
+    return "; ".join(words) or "exact", silent
+
+
+def _build(row: Row):
+    from . import tiny_models
+
+    return tiny_models.build_served(row.family, row.rope, **row.config)
+
+
+def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
+    """The row's checkpoint under ``work`` (built once per fingerprint): as a model publisher writes it, or as
+    ropescale does (``hf.patch`` of the declared method, then ``save_pretrained``)."""
+    from . import config as config_lib, files, hf
+
+    folder = work / f"{row.fingerprint()}-{'ropescale' if ropescale_written else 'plain'}"
+    if folder.exists():
+        return folder
+    model = _build(row)
+    if ropescale_written:
+        layer_type = "full_attention" if config_lib.per_layer_type(model.config) else None
+        hf.patch(model, config_lib.read_config(model.config, layer_type).method)
+    work.mkdir(parents=True, exist_ok=True)
+    with files.atomic_directory(folder) as tmp:
+        model.save_pretrained(tmp)
+    return folder
+
+
+@contextlib.contextmanager
+def _environment(env: Iterable[tuple[str, str]]):
+    saved = {name: os.environ.get(name) for name, _ in env}
+    os.environ.update(dict(env))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def installed(column: Column) -> bool:
+    from . import verify
+
+    return verify.installed(verify.ENGINES[column.engine].module)
+
+
+def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,
+        timeout: float = 1800.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Runs every (row, column) cell not yet in ``results`` whose engine is installed here, appending each to
+    ``results`` as it ends; the cells run. ``work``: where the rows' checkpoints are built."""
+    from . import verify
+
+    say = progress or (lambda message: None)
+    rows, columns = list(rows), [c for c in columns if installed(c)]
+    done = load(results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    cells = []
+    for row in rows:
+        for column in columns:
+            old = done.get((row.name, column.name))
+            if old is not None and old.fingerprint == row.fingerprint():
+                continue
+            say(f"{row.name} on {column.name}")
+            start = time.perf_counter()
+            target = checkpoint(row, work, column.ropescale_written)
+            with _environment(column.env):
+                report = verify.verify(target, column.engine, timeout=timeout)
+            text, silent = cell_text(report, column.engine)
+            cell = Cell(row.name, column.name, row.fingerprint(), report.version,
+                        {c.name: c.verdict for c in report.checks}, text, silent, report.text(),
+                        round(time.perf_counter() - start, 1))
+            with results.open("a") as f:  # one line per cell, as it ends: a stopped run resumes from here
+                f.write(json.dumps(dataclasses.asdict(cell)) + "\n")
+            cells.append(cell)
+            say(f"{row.name} on {column.name}: {text}")
+    return cells
+
+
+def markdown(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
+             columns: Iterable[Column] = COLUMNS) -> str:
+    """The table: a row per declaration, a column per engine; a cell not run yet is "not run"."""
+    rows, columns = list(rows), list(columns)
+    lines = ["| family | declaration | key | " + " | ".join(c.name for c in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
+    for row in rows:
+        texts = []
+        for column in columns:
+            cell = cells.get((row.name, column.name))
+            if cell is None or cell.fingerprint != row.fingerprint():
+                texts.append("not run")
+            else:
+                texts.append(f"**{cell.text}**" if cell.silent else cell.text)
+        lines.append(f"| {row.family} | {row.name} | `{row.key}` | " + " | ".join(texts) + " |")
+    versions = sorted({f"{c.column}: {c.version}" for c in cells.values()})
+    lines += ["", "Bold: a silent divergence (the engine serves something else and says nothing). Engines: "
+              + "; ".join(versions) + "."]
+    return "\n".join(lines)
+
+
+MARKDOWN_HEADER = """# The conformance matrix
+
+What each engine does with each rope key that matters: one tiny model per row (`ropescale.matrix.ROWS`), one
+`ropescale verify` run per cell. Stock columns serve the checkpoint as a model publisher writes it; the columns with
+ropescale's plugin serve the same declaration as `ropescale extend` writes it. Regenerate (each cell resumes from
+`docs/matrix.jsonl`; run it in each engine's environment to fill in its columns):
+
+    ropescale verify --matrix --results docs/matrix.jsonl --markdown docs/MATRIX.md --readme README.md
+"""
+
+
+def write_markdown(path: Path, cells: dict[tuple[str, str], Cell]) -> None:
+    """Writes :data:`MARKDOWN_HEADER` and the table of ``cells`` to ``path`` (whole, or not at all)."""
+    from . import files
+
+    with files.atomic_file(path) as tmp:
+        Path(tmp).write_text(f"{MARKDOWN_HEADER}\n{markdown(cells)}\n")
+
+
+README_START, README_END = "<!-- matrix: start -->", "<!-- matrix: end -->"
+
+
+def readme_parts(readme: Path) -> tuple[str, str]:
+    """``readme``'s text before :data:`README_START` and after :data:`README_END` (a ValueError without them)."""
+    text = readme.read_text() if readme.is_file() else ""
+    if README_START not in text or README_END not in text.split(README_START, 1)[1]:
+        raise ValueError(f"{readme} has no {README_START} ... {README_END} block for the matrix's headline")
+    head, rest = text.split(README_START, 1)
+    return head, rest.split(README_END, 1)[1]
+
+
+def write_readme(readme: Path, cells: dict[tuple[str, str], Cell]) -> None:
+    """Replaces the text between :data:`README_START` and :data:`README_END` in ``readme`` with the headline."""
+    from . import files
+
+    head, tail = readme_parts(readme)
+    with files.atomic_file(readme) as tmp:
+        Path(tmp).write_text(f"{head}{README_START}\n{headline(cells)}\n{README_END}{tail}")
+
+
+def headline(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
+             columns: Iterable[Column] = COLUMNS) -> str:
+    """One sentence per column that has cells: how many rows it serves exactly, silently wrong, refused."""
+    rows, out = list(rows), []
+    for column in columns:
+        run_ = [cells[(r.name, column.name)] for r in rows if (r.name, column.name) in cells
+                and cells[(r.name, column.name)].fingerprint == r.fingerprint()]
+        if not run_:
+            continue
+        exact = sum(c.text == "exact" for c in run_)
+        silent = sum(c.silent for c in run_)
+        refused = sum("refused" in c.verdicts.values() for c in run_)
+        out.append(f"{column.name}: {exact} of {len(run_)} exact, {silent} silently different, {refused} refused")
+    return "; ".join(out) + "."

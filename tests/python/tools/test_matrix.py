@@ -1,0 +1,128 @@
+"""The conformance matrix (issue 57, ``ropescale verify --matrix``): its cells come from verify runs, a planted engine
+defect turns its cell from exact to "different" naming the key, a run resumes from its results file, and the table is
+rendered from the file alone. The transformers column only (the engines' columns run in their own environments:
+docs/MATRIX.md)."""
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ropescale import cli, matrix, verify  # noqa: E402
+from support import planted  # noqa: E402
+
+TRANSFORMERS = matrix.COLUMNS[0]
+FACTOR_ROW = next(r for r in matrix.ROWS if r.key == "attention_factor")
+
+
+def test_rows_and_columns_are_named_once_and_every_column_is_a_verify_engine():
+    assert len({r.name for r in matrix.ROWS}) == len(matrix.ROWS)
+    assert len({c.name for c in matrix.COLUMNS}) == len(matrix.COLUMNS)
+    assert {c.engine for c in matrix.COLUMNS} <= set(verify.ENGINES)
+    assert TRANSFORMERS.engine == "transformers" and not TRANSFORMERS.ropescale_written
+    # a plugin column exists for every engine with a stock column but transformers (whose "plugin" is hf.patch)
+    assert {c.engine for c in matrix.COLUMNS if c.ropescale_written} == {"vllm", "sglang"}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The attention_factor row's cell on plain transformers."""
+    folder = tmp_path_factory.mktemp("matrix")
+    cells = matrix.run(folder / "results.jsonl", folder / "work", [FACTOR_ROW], [TRANSFORMERS])
+    return folder, cells
+
+
+def test_a_cell_is_a_verify_run_written_as_it_ends(clean):
+    folder, cells = clean
+    assert [(c.row, c.column, c.text, c.silent) for c in cells] == [(FACTOR_ROW.name, "transformers", "exact", False)]
+    assert cells[0].verdicts == {"served length": "exact", "scaling": "exact"}
+    assert "ropescale verify" in cells[0].detail and cells[0].version.startswith("transformers ")
+    on_disk = matrix.load(folder / "results.jsonl")
+    assert list(on_disk.values()) == cells
+
+
+def test_a_planted_engine_that_drops_a_key_turns_the_cell_to_different_naming_it(clean, tmp_path, monkeypatch):
+    """transformers with its YaRN made to ignore attention_factor (a sitecustomize in the probe's process): the
+    cell that was exact says "different: attention_factor=..." and counts as silent."""
+    folder, _ = clean
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(planted.TRANSFORMERS_DROPS_ONE_KEY)
+    monkeypatch.setenv("ROPESCALE_TEST_DROP", "attention_factor")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    cells = matrix.run(tmp_path / "results.jsonl", folder / "work", [FACTOR_ROW], [TRANSFORMERS])
+    (cell,) = cells
+    assert cell.silent and cell.text.startswith("different: attention_factor="), cell.text
+    assert cell.verdicts["scaling"] == "different", cell.detail
+    table = matrix.markdown(matrix.load(tmp_path / "results.jsonl"), [FACTOR_ROW], [TRANSFORMERS])
+    assert f"**{cell.text}**" in table
+    assert "0 of 1 exact, 1 silently different" in matrix.headline(matrix.load(tmp_path / "results.jsonl"),
+                                                                    [FACTOR_ROW], [TRANSFORMERS])
+
+
+def test_a_run_resumes_from_its_results_and_reruns_a_changed_row(clean, monkeypatch):
+    folder, cells = clean
+    results = folder / "resumed.jsonl"
+    results.write_text((folder / "results.jsonl").read_text())
+    runs = []
+
+    def fake_verify(target, engine, **kwargs):
+        runs.append(target)
+        return verify.Report(str(target), engine, "fake 1", "", 8, [verify.Check("scaling", "refused", "no")], {}, [])
+
+    monkeypatch.setattr(verify, "verify", fake_verify)
+    assert matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS]) == [] and not runs
+    changed = dataclasses.replace(FACTOR_ROW, rope={**FACTOR_ROW.rope, "attention_factor": 1.2})
+    (cell,) = matrix.run(results, folder / "work", [changed], [TRANSFORMERS])
+    assert len(runs) == 1 and cell.text == "refused" and not cell.silent
+    assert matrix.load(results)[cell.key].fingerprint == changed.fingerprint() != FACTOR_ROW.fingerprint()
+    # the table shows a row's cell only for the row as it is now
+    assert "| refused |" not in matrix.markdown(matrix.load(results), [FACTOR_ROW], [TRANSFORMERS])
+
+
+def test_the_table_and_headline_come_from_the_file(clean, tmp_path):
+    folder, _ = clean
+    cells = matrix.load(folder / "results.jsonl")
+    table = matrix.markdown(cells)
+    assert sum(line.startswith("| ") for line in table.splitlines()) == 1 + len(matrix.ROWS)  # the header, a row each
+    factor_line = next(line for line in table.splitlines() if FACTOR_ROW.name in line)
+    assert factor_line.split(" | ")[3:5] == ["exact", "not run"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{matrix.README_START}\nold\n{matrix.README_END}\nrest\n")
+    matrix.write_readme(readme, cells)
+    assert readme.read_text() == (f"intro\n{matrix.README_START}\ntransformers: 1 of 1 exact, 0 silently different, "
+                                  f"0 refused.\n{matrix.README_END}\nrest\n")
+
+
+def usage_error(argv) -> bool:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    return exited.value.code == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--matrix", "somewhere"], "no TARGET"),
+    (["verify", "--matrix", "--rows", "no-such-row"], "no row matches"),
+    (["verify", "./model"], "needs TARGET and --engine"),
+    (["verify", "--matrix", "--markdown", "/no/such/folder/M.md"], "its folder does not exist"),
+])
+def test_bad_matrix_arguments_are_usage_errors(argv, message, capsys):
+    assert usage_error(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_results_file_that_is_not_the_matrixs_is_refused(tmp_path, capsys):
+    results = tmp_path / "other.jsonl"
+    results.write_text(json.dumps({"something": "else"}) + "\n")
+    assert usage_error(["verify", "--matrix", "--results", str(results)])
+    assert "not a matrix cell" in capsys.readouterr().err
+
+
+def test_a_readme_without_the_matrix_block_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    readme = tmp_path / "README.md"
+    readme.write_text("no block\n")
+    monkeypatch.setattr(matrix, "run", lambda *a, **k: pytest.fail("ran"))
+    assert usage_error(["verify", "--matrix", "--readme", str(readme), "--results", str(tmp_path / "r.jsonl")])
+    assert "no <!-- matrix: start -->" in capsys.readouterr().err
