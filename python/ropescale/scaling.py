@@ -47,6 +47,7 @@ __all__ = [
     "Linear",
     "Proportional",
     "NTK",
+    "NTKAlpha",
     "DynamicNTK",
     "YaRN",
     "DynamicYaRN",
@@ -164,6 +165,8 @@ class Parameter:
 METHODS: dict[str, type["RopeScaling"]] = {}
 # Every name a method is read under (its rope type and its aliases) -> the method.
 _BY_NAME: dict[str, type["RopeScaling"]] = {}
+# (rope type, key) -> the method a config of that type carrying that key is (HunYuan's "dynamic" + "alpha").
+_CLAIMS: dict[tuple[str, str], type["RopeScaling"]] = {}
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,9 @@ class Declaration:
     vllm_stock_wrong: str = ""
     cli_names: tuple[str, ...] | None = None  # None: the rope type alone
     head_dim_table: bool = False
+    claims: tuple[tuple[str, str], ...] = ()  # (rope type, key): a config of that type WITH that key is this method
+    unread_keys: tuple[str, ...] = ()  # keys its source checkpoints carry that no table reads: accepted, ignored
+    transformers_model_type: bool = False  # transformers names the type in its model files only (see RopeScaling)
 
     def __post_init__(self):
         if self.stock not in ("plain", "same", "refused"):
@@ -211,7 +217,12 @@ def register(rope_type: str, **declared):
         METHODS[cls.rope_type] = cls
         cls._parameters = tuple(_parameter(cls, f) for f in dataclasses.fields(cls) if f.name != "resonance")
         HF_KEYS[cls.rope_type] = (frozenset(p.hf_key for p in cls._parameters if p.hf_key and p.required),
-                                  frozenset(p.hf_key for p in cls._parameters if p.hf_key and not p.required))
+                                  frozenset(p.hf_key for p in cls._parameters if p.hf_key and not p.required)
+                                  | frozenset(declaration.unread_keys))
+        for claimed in declaration.claims:
+            if claimed in _CLAIMS:
+                raise TypeError(f"register: {cls.__name__} claims {claimed}, which {_CLAIMS[claimed].__name__} has")
+            _CLAIMS[claimed] = cls
         return cls
 
     return decorate
@@ -219,8 +230,7 @@ def register(rope_type: str, **declared):
 
 def reads_every_key(rope_parameters: Mapping[str, Any]) -> bool:
     """Whether ``from_hf`` reads every key of these rope parameters (their type's, and the common ones)."""
-    parsed = RopeType.parse((rope_parameters or {}).get("rope_type") or (rope_parameters or {}).get("type")
-                            or "default")
+    parsed = RopeType.of(rope_parameters)
     if parsed.method is None:
         return False
     required, optional = HF_KEYS[parsed.method.rope_type]
@@ -286,6 +296,21 @@ class RopeType:
         return cls(table, _BY_NAME.get(table) if isinstance(table, str) else None, False, marker)
 
     @classmethod
+    def of(cls, rope_parameters: Mapping[str, Any] | None) -> "RopeType":
+        """The type of a config's rope parameters: :meth:`parse` of its ``rope_type`` (or legacy ``type``), and the
+        method that claims that type when the parameters carry its key (``register(claims=...)``: HunYuan's
+        ``dynamic`` with ``alpha`` is NTK-alpha, not Dynamic NTK), Resonance and attention marker kept."""
+        params = rope_parameters or {}
+        parsed = cls.parse(params.get("rope_type") or params.get("type") or "default")
+        bare = parsed.table[len(cls.RESONANCE_PREFIX):] if parsed.resonance and parsed.table != cls.RESONANCE \
+            else parsed.table
+        for key in params:
+            claimant = _CLAIMS.get((bare, key)) if isinstance(bare, str) else None
+            if claimant is not None:
+                return cls(parsed.table, claimant, parsed.resonance, parsed.marker)
+        return parsed
+
+    @classmethod
     def table_name(cls, method: type["RopeScaling"], resonance: bool = False) -> str:
         """The name of ``method``'s table (with Resonance on it) as transformers' ``rope_type``."""
         if not resonance:
@@ -330,11 +355,16 @@ def _transformers_has(name: str) -> bool:
     return parsed.plain and parsed.method.transformers_native
 
 
+def _transformers_model_type(name: str) -> bool:
+    parsed = RopeType.parse(name)
+    return parsed.plain and parsed.method.transformers_model_type
+
+
 def ropescale_rope_types() -> tuple[str, ...]:
     """The rope types ropescale adds to transformers' (``import ropescale.hf`` registers them): every table
     name transformers lacks, and each attention marker (ReRoPE, Self-Extend, Dual Chunk Attention) over every table."""
     tables = table_type_names()
-    return (*(n for n in tables if not _transformers_has(n)),
+    return (*(n for n in tables if not _transformers_has(n) and not _transformers_model_type(n)),
             *(RopeType.join(n, marker) for marker in RopeType.MARKERS for n in tables))
 
 
@@ -388,6 +418,15 @@ class RopeScaling:
     #: the method reads that factor itself and gives the pairs past it frequency 0 (transformers' ``proportional``).
     #: Otherwise its table is for the first ``head_dim * partial_rotary_factor`` features. See ``rotary_dim_for``.
     head_dim_table: ClassVar[bool] = False
+    #: (rope type, key) pairs: a config of that type carrying that key is this method (see ``RopeType.of``).
+    claims: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: Keys its source checkpoints carry that no engine's table reads: ``from_hf`` accepts them and reads nothing.
+    unread_keys: ClassVar[tuple[str, ...]] = ()
+    #: transformers knows the rope type by this name in its model files, not in ``ROPE_INIT_FUNCTIONS`` (HunYuan's
+    #: ``ntk_alpha``: its rotary and ``PreTrainedModel._init_weights`` compute it, and ``_init_weights`` prefers a
+    #: ``ROPE_INIT_FUNCTIONS`` entry of that name): ropescale leaves the name to transformers (an entry of its own would
+    #: replace HunYuan's table at load, by float32 rounding) and registers Resonance on it only.
+    transformers_model_type: ClassVar[bool] = False
 
     _parameters: ClassVar[tuple[Parameter, ...]] = ()
 
@@ -550,24 +589,16 @@ class Proportional(RopeScaling):
         return ops.proportional_inv_freq(dim, base, self.factor, self.partial_rotary_factor, dtype=dtype)
 
 
-# Stock engines serve it as ``default`` with the scaled base; vLLM's own ``ntk`` is another formula (base b*s,
-# frequencies divided by s^(2/d)), which vLLM keeps.
-@register("ntk", stock="same", vllm_owns_name=True)
-@dataclass(frozen=True)
-class NTK(RopeScaling):
-    """NTK-aware scaling (bloc97): the base raised to ``base * factor ** (dim / (dim - 2))``.
-    transformers has no static NTK type: ropescale writes it as ``default`` with that base (the same
-    table in every engine) and records the method; it reads its former ``ntk`` type too."""
+class _NTKAware:
+    """NTK-aware scaling's table, shared by :class:`NTK` (its ``factor``) and :class:`NTKAlpha` (HunYuan's
+    ``alpha``): the default table at base ``b * s^(d/(d-2))`` (``ops.ntk_inv_freq``), written for stock engines as
+    ``default`` with that base (the same table in every engine) and the method recorded in the entry."""
 
-    factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_float(self, "factor", minimum=1.0)
+    _stretch: ClassVar[str]  # the field that is s
 
     def scaled_base(self, base: float, dim: int) -> float:
         """The base ``ops.ntk_inv_freq`` raises to (csrc/frequencies.cpp): ``b * s^(d/(d-2))``."""
-        return float(base) * float(self.factor) ** (dim / (dim - 2))
+        return float(base) * float(getattr(self, self._stretch)) ** (dim / (dim - 2))
 
     def stock_parameters(self, base, rotary_dim):
         if self.resonance:
@@ -575,7 +606,57 @@ class NTK(RopeScaling):
         return {"rope_type": "default", "rope_theta": self.scaled_base(base, rotary_dim)}, self.to_hf(base=base)
 
     def _table(self, dim, base, seq_len, dtype):
-        return ops.ntk_inv_freq(dim, base, self.factor, dtype=dtype)
+        return ops.ntk_inv_freq(dim, base, getattr(self, self._stretch), dtype=dtype)
+
+
+# Stock engines serve it as ``default`` with the scaled base; vLLM's own ``ntk`` is another formula (base b*s,
+# frequencies divided by s^(2/d)), which vLLM keeps.
+@register("ntk", stock="same", vllm_owns_name=True)
+@dataclass(frozen=True)
+class NTK(_NTKAware, RopeScaling):
+    """NTK-aware scaling (bloc97): the base raised to ``base * factor ** (dim / (dim - 2))``.
+    transformers has no static NTK type: ropescale writes it as ``default`` with that base (the same
+    table in every engine) and records the method; it reads its former ``ntk`` type too."""
+
+    factor: float = parameter(1.0, required=True, cli="--factor", help=_FACTOR_HELP)
+    _stretch: ClassVar[str] = "factor"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_float(self, "factor", minimum=1.0)
+
+
+# HunYuan's NTK-alpha: its checkpoints label it ``dynamic`` with an ``alpha`` key, a fixed table (claims). Sources:
+# transformers 5.23 models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py (``compute_ntk_alpha_rope_parameters``), vLLM
+# 0.32 model_executor/layers/rotary_embedding/dynamic_ntk_alpha_rope.py (picked by get_rope for "dynamic" + "alpha").
+# HunYuan's checkpoints carry YaRN's keys and factor 1.0 beside alpha, which neither reads (unread_keys).
+@register("ntk_alpha", stock="same", claims=(("dynamic", "alpha"),), transformers_model_type=True,
+          unread_keys=("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"))
+@dataclass(frozen=True)
+class NTKAlpha(_NTKAware, RopeScaling):
+    """HunYuan's NTK-alpha: NTK-aware scaling with ``alpha`` for the factor, base ``b * alpha^(d/(d-2))``, attention
+    factor 1, one table at every length. A config ``{"rope_type": "dynamic", "alpha": A}`` (HunYuan's checkpoints) reads
+    as this method, not as Dynamic NTK (``claims``; transformers' HunYuan and vLLM read it so too). Written, like
+    :class:`NTK`, as ``default`` with the scaled base (every engine's table, in every family; transformers reads
+    ``dynamic`` + ``alpha`` in HunYuan's model only). ``alpha`` sets no length: the config's ``max_position_embeddings``
+    is kept. HunYuan's ``factor`` (1.0 in its checkpoints) must be 1: no table reads it, but vLLM multiplies
+    ``max_position_embeddings`` by it for a ``dynamic`` type (its table would end before the length vLLM allows)."""
+
+    alpha: float = parameter(1.0, required=True, cli="--alpha",
+                             help="HunYuan's NTK alpha: the base b x alpha^(d/(d-2)), at every length")
+    _stretch: ClassVar[str] = "alpha"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_float(self, "alpha", minimum=1.0)
+
+    @classmethod
+    def read_hf(cls, params, max_position_embeddings):
+        factor = params.get("factor")
+        if factor is not None and (not _is_number(factor) or factor != 1):
+            raise ValueError(f"NTKAlpha: factor beside alpha must be 1 (no table reads it, and vLLM would derive a "
+                             f"max_model_len of factor x max_position_embeddings, past its table), got {factor!r}")
+        return super().read_hf(params, max_position_embeddings)
 
 
 #: How long a dynamic method's scale holds: "step" (each forward's length, the paper's rule) or "request" (the
@@ -877,7 +958,7 @@ def from_hf(
         return Default()
     params = dict(rope_parameters)
     name = params.get("rope_type") or params.get("type") or "default"
-    parsed = RopeType.parse(name)
+    parsed = RopeType.of(params)
     if parsed.method is None or parsed.marker is not None:
         raise ValueError(f"from_hf: unknown rope_type {name!r}; ropescale knows {sorted(METHODS)}")
     cls = parsed.method

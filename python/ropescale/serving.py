@@ -277,8 +277,9 @@ def written_by_ropescale(rope_parameters, entry) -> bool:
 def ropescale_rotary(rope_parameters, entry) -> bool:
     """Whether the vLLM adapter gives a layer of this config ropescale's rotary (or its pre-RoPE pass-through)
     rather than vLLM's own: :func:`written_by_ropescale`, or a transformers type vLLM serves wrong
-    (``RopeScaling.vllm_stock_wrong``: its stock ``dynamic``) with no key ropescale does not read."""
-    parsed = scaling.RopeType.parse((rope_parameters or {}).get("rope_type", "default"))
+    (``RopeScaling.vllm_stock_wrong``: its stock ``dynamic``) with no key ropescale does not read. HunYuan's ``dynamic``
+    with ``alpha`` is NTK-alpha (``RopeType.of``), which vLLM's own ``DynamicNTKAlphaRotaryEmbedding`` serves right."""
+    parsed = scaling.RopeType.of(rope_parameters)
     wrong_in_vllm = (parsed.method is not None and parsed.plain and bool(parsed.method.vllm_stock_wrong)
                      and scaling.reads_every_key(rope_parameters))
     return written_by_ropescale(rope_parameters, entry) or wrong_in_vllm

@@ -39,6 +39,8 @@ TINY = {
                     dict(MOE, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
                          moe_intermediate_size=32)),
+    # HunYuan dense: QK-norm after the rotation; its checkpoints' rope is NTK-alpha ("dynamic" with "alpha")
+    "HunYuan dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     "Qwen2.5-VL (text)": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", dict(mrope_section=[2, 3, 3])),
     "Qwen3-VL (text)": ("Qwen3VLTextConfig", "Qwen3VLTextModel", dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
 }

@@ -24,7 +24,7 @@ from .common import UsageError, positive_int, subcommand
 
 _SAME_METHOD = "SRC's own when it has the same method, else "
 _METHOD_OPTIONS = methods.MethodOptions(
-    flags=("--method", "--factor", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
+    flags=("--method", "--factor", "--alpha", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
            "--truncate", "--mscale", "--mscale-all-dim", "--attention-factor", "--resonance", "--longrope-factors",
            "--attention", "--window", "--leaky-k", "--logn", "--group", "--chunk-size", "--local-size",
            "--temperature-length", "--dca-temperature", "--shifted-offset", "--local-value"),

@@ -178,6 +178,8 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            "--floor)", read_by=_read_by("--factor"), field=_field("--factor"), type=scale_factor,
            method_notes={"longrope": "; longrope: the s its long factors were searched for (attention factor, "
                                      "served to s x L)"}),
+    Option("--alpha", "ntk_alpha (HunYuan's NTK-alpha): the base b x A^(d/(d-2)) at every length",
+           read_by=_read_by("--alpha"), field=_field("--alpha"), type=scale_factor, metavar="A"),
     Option("--floor", "dynamic_yarn only: the floor F of its scale s = max(F, len/L), applied at EVERY length "
            "(requests shorter than F x L are then no longer native); default 1",
            read_by=_read_by("--floor"), field=_field("--floor"), type=scale_factor, metavar="F"),
@@ -481,6 +483,8 @@ def build(args, name: str | None = None, *, factor: float | None = None,
     elif scales and "factor" not in kwargs:
         # The dataclasses default to s = 1 (the table unchanged): on the command line that is never meant.
         raise UsageError(f"--method {name} needs --factor")
+    if rope_type in OPTIONS["--alpha"].read_by and "alpha" not in kwargs:
+        raise UsageError(f"--method {name} needs --alpha")
     # The dataclass checks every value; its ValueError is the usage error.
     method = scaling.METHODS[rope_type](**kwargs)
     if main and not inherit:

@@ -35,6 +35,9 @@ MLA_SCALE = ("its multi-head latent attention's softmax scale is set from rope_p
 SOFTCAP = "attention logits soft-capped (attn_logit_softcapping), which ropescale's ReRoPE kernels lack"
 BIDIRECTIONAL = ("its attention is bidirectional (use_bidirectional_attention='all'), and ropescale's ReRoPE kernels "
                  "are causal")
+QK_NORM_AFTER_ROPE = ("its query and key norms (query_layernorm, key_layernorm: RMSNorm with a weight per feature) come "
+                      "AFTER the rotation, and do not commute with it, so keys cannot be cached raw and rotated at "
+                      "attention time")
 # Why a table narrower than the head (a method under partial_rotary_factor < 1) is refused.
 WHOLE_HEAD = ("its attention applies cos/sin to every feature of the head (no partial-rotary slice), so a narrower "
               "table does not fit (transformers' own model fails on it too); scaling.Proportional spans the head, "
@@ -104,6 +107,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA, per_request=MLA_SCALE,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
                               "built: write the method into the config (ropescale extend) and load the model from it"),
+    # HunYuan dense (transformers' hunyuan_v1_dense): Llama's layout, QK-norm after the rotation; its rope NTK-alpha.
+    Architecture("HunYuan dense", ("hunyuan_v1_dense",), pre_rope=QK_NORM_AFTER_ROPE),
     Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, rerope=MROPE),
     Architecture("Qwen3-VL (text)", ("qwen3_vl_text", "qwen3_vl"), cat_layout=False, rerope=MROPE),
 )

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ropescale import hf, ops, scaling  # noqa: E402
+from ropescale import config as config_lib, hf, ops, scaling  # noqa: E402
 from ropescale.hf import architectures  # noqa: E402
 
 from support.attention import reference  # noqa: E402
@@ -464,3 +464,42 @@ def test_a_pre_rope_cache_is_refused_naming_the_layer_kind(name):
              else hf.patch(build(name), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL)))
     with pytest.raises(ValueError, match=re.escape(f"cannot serve {name}: {ARCHS[name].pre_rope}")):
         output(model, ids(batch=1, length=8), past_key_values=hf.PreRopeCache())
+
+
+# HunYuan's checkpoints (Hunyuan-7B): NTK-alpha labelled "dynamic", with YaRN's keys and factor 1.0 that no table reads.
+HUNYUAN = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+           "mscale_all_dim": 1.0}
+
+
+def test_hunyuan_ntk_alpha_equals_transformers_own_model_and_extends_to_a_checkpoint_plain_transformers_runs(tmp_path):
+    """transformers' own HunYuan reads its checkpoints' ``dynamic`` + ``alpha`` as NTK-alpha, one table at every length
+    (modeling_hunyuan_v1_dense.py, transformers 5.23). ``hf.patch(model)`` reads that config as NTK-alpha too (not
+    Dynamic NTK, which past max_position_embeddings would grow its base), and ``hf.patch`` with ``NTKAlpha`` equals
+    the model to 1e-6 in float32 logits, past max_position_embeddings (80 > 64 tokens); Resonance on it changes the
+    model. ``ropescale extend --method ntk_alpha`` writes ``default`` with the scaled base, which plain transformers
+    (no ropescale) loads and runs exactly as its own HunYuan of that alpha."""
+    name, x = "HunYuan dense", ids(length=80)
+    native = build(name, HUNYUAN)
+    expected = output(native, x)
+    own = hf.patch(same_weights(build(name, HUNYUAN), native))  # the config's own method
+    torch.testing.assert_close(output(own, x), expected, rtol=0, atol=1e-6)
+    patched = hf.patch(same_weights(build(name), native), scaling.NTKAlpha(alpha=1000.0))
+    torch.testing.assert_close(output(patched, x), expected, rtol=0, atol=1e-6)
+    assert config_lib.read_config(native.config).method == scaling.NTKAlpha(alpha=1000.0)  # not Dynamic NTK
+    other = hf.patch(same_weights(build(name), native), scaling.NTKAlpha(alpha=500.0))
+    assert (output(other, x) - expected).abs().max() > 1e-3  # the test can fail: alpha matters
+    resonance = hf.patch(same_weights(build(name), native), scaling.NTKAlpha(alpha=1000.0, resonance=True))
+    assert (output(resonance, x) - expected).abs().max() > 1e-4
+
+    from ropescale import cli
+
+    native.save_pretrained(tmp_path / "src")
+    assert cli.main(["extend", str(tmp_path / "src"), str(tmp_path / "dst"), "--method", "ntk_alpha",
+                     "--alpha", "2000"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = transformers.HunYuanDenseV1ForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert reloaded.config.rope_parameters["rope_type"] == "default"
+    own_2000 = same_weights(build(name, {**HUNYUAN, "alpha": 2000.0}), native)
+    torch.testing.assert_close(output(reloaded, x), output(own_2000, x), rtol=0, atol=0)
+    torch.testing.assert_close(output(hf.patch(reloaded), x), output(own_2000, x), rtol=0, atol=1e-6)

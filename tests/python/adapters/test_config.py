@@ -245,7 +245,7 @@ def test_only_a_length_free_checkpoint_takes_a_served_length():
 
 @pytest.mark.parametrize("params, ours", [
     ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, True),  # vLLM 0.32 serves it wrong
-    ({"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 1e4}, False),  # a key ropescale does not read: vLLM's
+    ({"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 1e4}, False),  # HunYuan's NTK-alpha: vLLM's is right
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, False),  # vLLM's own is right
     ({"rope_type": "ntk", "factor": 4.0}, False),  # vLLM owns the name
     ({"rope_type": "dynamic_ntk", "factor": 4.0}, True),  # ropescale's type

@@ -28,6 +28,9 @@ BAD_FIELDS = [
     (scaling.Proportional, {"partial_rotary_factor": "0.25"},
      "Proportional: partial_rotary_factor must be a finite number > 0 and <= 1, got '0.25'"),
     (scaling.NTK, {"factor": NAN}, "NTK: factor must be a finite number >= 1, got nan"),
+    (scaling.NTKAlpha, {"alpha": 0.5}, "NTKAlpha: alpha must be a finite number >= 1, got 0.5"),
+    (scaling.NTKAlpha, {"alpha": NAN}, "NTKAlpha: alpha must be a finite number >= 1, got nan"),
+    (scaling.NTKAlpha, {"alpha": "1000"}, "NTKAlpha: alpha must be a finite number >= 1, got '1000'"),
     (scaling.DynamicNTK, {"factor": 0.0}, "DynamicNTK: factor must be a finite number >= 1, got 0.0"),
     (scaling.DynamicNTK, {"original_max_position": 0}, "DynamicNTK: original_max_position must be an integer >= 1, got 0"),
     (scaling.YaRN, {"factor": 0.5}, "YaRN: factor must be a finite number >= 1, got 0.5"),
@@ -99,6 +102,13 @@ BAD_HF = [
     ({"rope_type": "dynamic", "factor": 2.0}, None, "rope_type 'dynamic' needs the config's max_position_embeddings"),
     ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}, 64,
      "rope_type 'dynamic' has no parameter 'original_max_position_embeddings'"),
+    ({"rope_type": "ntk_alpha"}, 64, "rope_type 'ntk_alpha' needs alpha"),
+    ({"rope_type": "dynamic", "alpha": 1000.0, "alpah": 2.0}, 64,
+     "rope_type 'ntk_alpha' has no parameter 'alpah' (did you mean 'alpha'?)"),
+    # HunYuan's factor beside alpha: no table reads it, vLLM multiplies its length by it (past its table)
+    ({"rope_type": "dynamic", "alpha": 1000.0, "factor": 2.0}, 64,
+     "rope_type 'ntk_alpha': NTKAlpha: factor beside alpha must be 1"),
+    ({"rope_type": "dynamic", "alpha": 0.0}, 64, "NTKAlpha: alpha must be a finite number >= 1, got 0.0"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 16}, 64,
      "rope_type 'llama3' needs high_freq_factor"),
     ({"rope_type": "longrope", "long_factor": [1.0]}, 64, "rope_type 'longrope' needs short_factor"),
@@ -136,6 +146,9 @@ def test_from_hf_accepts_what_transformers_writes():
     assert method == scaling.YaRN(factor=4.0, original_max_position=16)
     assert scaling.from_hf({"type": "dynamic", "factor": 2}, 32) == scaling.DynamicNTK(factor=2.0, original_max_position=32)
     assert scaling.from_hf({"rope_type": "dynamic_yarn"}, 32) == scaling.DynamicYaRN(original_max_position=32)
+    # HunYuan's checkpoints: legacy "type", factor 1.0 and YaRN's keys beside alpha (read by no table): NTK-alpha
+    assert scaling.from_hf({"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 1.0, "mscale_all_dim": 1.0}, 32) == scaling.NTKAlpha(alpha=1000.0)
     # Gemma 4's full-attention layers: partial_rotary_factor is proportional's own parameter, factor defaults to 1
     assert scaling.from_hf({"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}) == \
         scaling.Proportional(factor=1.0, partial_rotary_factor=0.25)

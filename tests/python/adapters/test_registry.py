@@ -64,7 +64,7 @@ def test_to_hf_and_from_hf_round_trip_and_name_every_key(rope_type, resonance):
     required, optional = scaling.HF_KEYS[rope_type]
     assert not required & optional
     hf_keys = {p.hf_key for p in type(method).parameters() if p.hf_key}
-    assert required | optional == hf_keys
+    assert required | optional == hf_keys | set(type(method).unread_keys)  # unread: accepted, read by no table
     assert required <= set(params) | {"original_max_position_embeddings"}
 
 
@@ -89,6 +89,13 @@ def test_transformers_native_is_what_transformers_has(rope_type):
     cls = scaling.METHODS[rope_type]
     if rope_type == "default":  # transformers computes plain RoPE in each model's rotary class, not through the dict
         assert cls.transformers_native and rope_type not in rope_utils.ROPE_INIT_FUNCTIONS
+    elif cls.transformers_model_type:  # HunYuan's ntk_alpha: named in transformers' model files, left to them
+        import inspect
+
+        from transformers import PreTrainedModel
+
+        assert not cls.transformers_native and rope_type not in rope_utils.ROPE_INIT_FUNCTIONS
+        assert f'"{rope_type}"' in inspect.getsource(PreTrainedModel._init_weights)
     else:
         registered = rope_utils.ROPE_INIT_FUNCTIONS.get(rope_type)
         assert registered is not None

@@ -257,10 +257,27 @@ PRE_ROPE = [name for name in SERVED if ARCHS[name].pre_rope is None and name != 
 PER_REQUEST = [name for name in ("GLM-4", "Gemma 3", "Gemma 4", "gpt-oss") if name in SERVED]
 
 
+# HunYuan's NTK-alpha (vLLM 0.32 serves HunYuan dense through its Transformers backend, transformers' own rotary):
+# a HunYuan checkpoint's own "dynamic" + "alpha", NTK-alpha as ropescale writes it ("default" with the scaled base),
+# and Resonance on it (a ropescale type: stock vLLM refuses it, the plugin's transformers rope types serve it).
+HUNYUAN = "HunYuan dense"
+HUNYUAN_ALPHA = {"native_alpha": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0},
+                 "ntk_alpha": scaling.NTKAlpha(alpha=2000.0),
+                 "resonance_ntk_alpha": scaling.NTKAlpha(alpha=2000.0, resonance=True)}
+HUNYUAN_STOCK = ("native_alpha", "ntk_alpha")  # what stock vLLM serves; it refuses resonance_ntk_alpha by name
+
+
+def _hunyuan_checkpoint(kind):
+    setting = HUNYUAN_ALPHA[kind]
+    return build_served(HUNYUAN, setting) if isinstance(setting, dict) else hf.patch(build_served(HUNYUAN), setting)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     paths = {}
+    for kind in HUNYUAN_ALPHA if HUNYUAN in SERVED else ():
+        _hunyuan_checkpoint(kind).save_pretrained(paths.setdefault((kind, HUNYUAN), root / f"{kind}-{len(paths)}"))
     for name in SERVED:
         static_checkpoint(name).save_pretrained(paths.setdefault(("static", name), root / f"static-{len(paths)}"))
     for name in PRE_ROPE:
@@ -298,13 +315,15 @@ def serve(tmp_path, checkpoints, keys, env):
 
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory, checkpoints):
-    return serve(tmp_path_factory.mktemp("stock"), checkpoints, [("static", name) for name in SERVED],
-                 {"ROPESCALE_VLLM": "0"})
+    hunyuan = sorted((key for key in checkpoints if key[0] in HUNYUAN_ALPHA), key=lambda key: key[0] not in HUNYUAN_STOCK)
+    return serve(tmp_path_factory.mktemp("stock"), checkpoints, [("static", name) for name in SERVED] + hunyuan,
+                 {"ROPESCALE_VLLM": "0"})  # its refusal (resonance_ntk_alpha) last
 
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory, checkpoints):
-    keys = [*(("static", name) for name in SERVED), *(("pre_rope", name) for name in PRE_ROPE),
+    keys = [*(("static", name) for name in SERVED), *(key for key in checkpoints if key[0] in HUNYUAN_ALPHA),
+            *(("pre_rope", name) for name in PRE_ROPE),
             *(("per_request", name) for name in PER_REQUEST)]
     # Refusals last: an engine refused while its model is built leaves vLLM's process state half set up.
     keys.sort(key=lambda key: key[0] == "pre_rope" and key[1] in PLUGIN_REFUSES_PRE_ROPE)
@@ -402,3 +421,20 @@ def test_plugin_serves_each_familys_per_step_dynamic_yarn_or_refuses_it(plugin, 
         return
     assert_same(outputs(result, log), reference(checkpoints[("pre_rope", name)]),
                 f"{name} pre-RoPE per step, vLLM + plugin")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(HUNYUAN_ALPHA))
+def test_hunyuan_ntk_alpha_in_stock_vllm_and_the_plugin(stock, plugin, checkpoints, kind):
+    """HunYuan's own ``dynamic`` + ``alpha`` and NTK-alpha as ropescale writes it: stock vLLM and vLLM + plugin serve
+    each as transformers + ropescale computes it; Resonance on it: the plugin serves it, stock vLLM refuses it by name."""
+    if HUNYUAN not in SERVED:
+        pytest.skip(f"vLLM 0.32 does not run {HUNYUAN} here")
+    expected = reference(checkpoints[(kind, HUNYUAN)])
+    plugin_results, plugin_log = plugin
+    assert_same(outputs(plugin_results[f"{kind}/{HUNYUAN}"], plugin_log), expected, f"{kind}, vLLM + plugin")
+    stock_results, stock_log = stock
+    if kind in HUNYUAN_STOCK:
+        assert_same(outputs(stock_results[f"{kind}/{HUNYUAN}"], stock_log), expected, f"{kind}, stock vLLM")
+    else:
+        assert kind in stock_results[f"{kind}/{HUNYUAN}"].get("error", ""), stock_results[f"{kind}/{HUNYUAN}"]

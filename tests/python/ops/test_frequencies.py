@@ -262,6 +262,45 @@ def test_ntk_matches_paper(dim, factor):
     assert got[-1].item() == pytest.approx(ref_default(dim, 1e4)[-1].item() / factor, rel=1e-13)
 
 
+def ref_ntk_alpha(dim, theta, alpha):
+    """HunYuan's NTK-alpha, from its sources (transformers 5.23 models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py,
+    ``compute_ntk_alpha_rope_parameters``; vLLM 0.32 rotary_embedding/dynamic_ntk_alpha_rope.py): the default table at
+    base ``rope_theta * alpha ** (dim / (dim - 2))``, attention factor 1, at every length."""
+    return ref_default(dim, theta * alpha ** (dim / (dim - 2)))
+
+
+NTK_ALPHA_GRID = list(itertools.product((8, 64, 96, 128), (1e4, 1e6), (1.0, 4.0, 50.0, 1000.0)))
+
+
+@pytest.mark.parametrize("dim,theta,alpha", NTK_ALPHA_GRID)
+def test_ntk_alpha_is_hunyuans_formula_at_every_length(dim, theta, alpha):
+    """A HunYuan checkpoint's ``dynamic`` with ``alpha`` (its config keys, YaRN's and factor 1.0 beside, which neither
+    source reads) reads as NTK-alpha, not Dynamic NTK: the source formula in float64 to 1e-12 at every length (Dynamic
+    NTK's would grow past the original length), Resonance rounding that table; transformers' own HunYuan function
+    (float32) to float32 rounding."""
+    hunyuan = {"rope_type": "dynamic", "alpha": alpha, "rope_theta": theta, "factor": 1.0, "beta_fast": 32,
+               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    parsed = config_lib.read(hunyuan, 64)
+    assert type(parsed.method) is scaling.NTKAlpha and parsed.base == theta
+    expected = ref_ntk_alpha(dim, theta, alpha)
+    for seq_len in (None, 32, 64, 65, 4096):
+        torch.testing.assert_close(parsed.method.inv_freq(dim, theta, seq_len, dtype=torch.float64), expected,
+                                   rtol=1e-12, atol=0)
+        assert parsed.method.attention_factor_for(seq_len) == 1.0
+    resonance = config_lib.read({**hunyuan, "rope_type": "resonance_ntk_alpha"}, 64).method
+    torch.testing.assert_close(resonance.inv_freq(dim, theta, dtype=torch.float64), ref_resonance(expected),
+                               rtol=1e-12, atol=0)
+    from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hunyuan_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.HunYuanDenseV1Config(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim,
+                                                   max_position_embeddings=64, rope_parameters=dict(hunyuan))
+    inv_freq, factor = hunyuan_model.HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters(config)
+    torch.testing.assert_close(parsed.method.inv_freq(dim, theta), inv_freq, rtol=2e-6, atol=0)
+    assert factor == 1.0
+
+
 def test_dynamic_ntk_is_default_until_original_length_then_ntk():
     dim, base, factor, original = 128, 1e4, 4.0, 2048
     for seq_len in (0, 1, 2048):

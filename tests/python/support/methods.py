@@ -17,10 +17,11 @@ def registered(**declared) -> dict[str, type[scaling.RopeScaling]]:
 def instance(cls: type[scaling.RopeScaling], *, pairs: int, original: int, factor: float = 4.0,
              **fields) -> scaling.RopeScaling:
     """One setting of ``cls`` that scales (its fields set by name): ``factor``, the ``original`` length,
-    LongRoPE-style per-pair factors for ``pairs`` rotary pairs (short ones near 1, long ones up to ``pairs/2``), and
+    ``alpha`` (NTK-alpha), LongRoPE-style per-pair factors for ``pairs`` rotary pairs (short ones near 1, long ones up to ``pairs/2``), and
     ``partial_rotary_factor`` 0.5 for a method that reads it itself (proportional: half its pairs at frequency 0)."""
     values = {
         "factor": factor,
+        "alpha": factor,  # NTK-alpha's (HunYuan) stretch
         "original_max_position": original,
         "partial_rotary_factor": 0.5,
         "short_factor": tuple(1.0 + 0.05 * i for i in range(pairs)),

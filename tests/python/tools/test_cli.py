@@ -509,6 +509,7 @@ METHOD_NAMES = {
     # no flag for partial_rotary_factor: the command line's proportional rotates every pair
     "proportional": (["--factor", "2"], scaling.Proportional(factor=2.0)),
     "ntk": (["--factor", "2", "--resonance"], scaling.NTK(factor=2.0, resonance=True)),
+    "ntk_alpha": (["--alpha", "1000"], scaling.NTKAlpha(alpha=1000.0)),
     "dynamic": (["--factor", "2", "--seq-len", "9000"], scaling.DynamicNTK(factor=2.0, original_max_position=4096)),
     "dynamic_ntk": (["--factor", "3", "--seq-len", "9000", "--original-max-position", "1000"],
                     scaling.DynamicNTK(factor=3.0, original_max_position=1000)),
