@@ -77,6 +77,8 @@ ROWS: tuple[Row, ...] = (
     Row("YaRN on the full layers only", "per-layer-type tables", "Gemma 3", YARN),
     Row("proportional x2", "proportional's factor", "Gemma 4",
         {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}),
+    Row("NTK-alpha 1000 (HunYuan's dynamic + alpha)", "alpha", "HunYuan dense",
+        {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0}),
     Row("YaRN with the mscale pair on MLA", "mscale_all_dim (MLA)", "DeepSeek-V3",
         {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
 )
@@ -102,12 +104,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("SGLang + ropescale", "sglang", (("ROPESCALE_SGLANG", "1"),), ropescale_written=True),
 )
 
-#: Known upstream reports of a stock engine's divergence: (engine, a key the cell names) -> where it is tracked.
+#: Known upstream reports of a stock engine's divergence on a row's key: (engine, Row.key) -> where it is tracked; a
+#: silent cell of that engine and row names it.
 UPSTREAM = {
     ("vllm", "attention_factor"): "vLLM #46280, #48351",
-    ("sglang", "attention_factor"): "SGLang: attention_factor not read (no issue found)",
-    ("vllm", "factor"): "vLLM: proportional's factor (Gemma 4)",
-    ("sglang", "factor"): "SGLang: proportional's factor (Gemma 4)",
 }
 
 #: Verdicts that are an engine's silent divergence from the declaration.
@@ -149,7 +149,7 @@ def load(results: Path) -> dict[tuple[str, str], Cell]:
     return cells
 
 
-def cell_text(report, engine: str) -> tuple[str, bool]:
+def cell_text(report, engine: str, row_key: str = "") -> tuple[str, bool]:
     """The table's words for a verify report, and whether it is a silent divergence (:data:`SILENT`)."""
     words, silent = [], False
     for c in report.checks:
@@ -158,20 +158,19 @@ def cell_text(report, engine: str) -> tuple[str, bool]:
         silent |= c.verdict in SILENT
         if c.verdict == "different" and c.name == "scaling":
             words.append(f"different: {c.formula} ({c.distance:.2g} nats)")
-        elif c.verdict == "different":  # served length
-            words.append(f"served {c.name}: {c.detail.split(':')[0]}")
-        elif c.verdict == "short":
+        elif c.verdict in ("different", "short"):  # the served length: what the engine serves
             words.append(c.detail.split(":")[0])
+        elif c.verdict == "ignored" and c.name == "scaling":
+            words.append(f"ignored: plain RoPE ({c.distance:.2g} nats)")
         elif c.verdict == "ignored" and c.name == "rope keys":
             words.append(f"key not read: {c.formula}")
         elif c.verdict == "unexplained":
             words.append(f"unexplained ({c.distance:.2g} nats)")
         else:
             words.append(c.verdict)
-        named = (c.formula or "").split("=")[0]
-        upstream = UPSTREAM.get((engine, named))
-        if upstream and c.verdict in SILENT:
-            words[-1] += f" [{upstream}]"
+    upstream = UPSTREAM.get((engine, row_key))
+    if upstream and silent:
+        words[-1] += f" [{upstream}]"
     return "; ".join(words) or "exact", silent
 
 
@@ -240,7 +239,7 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
             target = checkpoint(row, work, column.ropescale_written)
             with _environment(column.env):
                 report = verify.verify(target, column.engine, timeout=timeout)
-            text, silent = cell_text(report, column.engine)
+            text, silent = cell_text(report, column.engine, row.key)
             cell = Cell(row.name, column.name, row.fingerprint(), report.version,
                         {c.name: c.verdict for c in report.checks}, text, silent, report.text(),
                         round(time.perf_counter() - start, 1))
