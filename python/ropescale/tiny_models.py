@@ -41,6 +41,15 @@ TINY = {
                          moe_intermediate_size=32)),
     # HunYuan dense: QK-norm after the rotation; its checkpoints' rope is NTK-alpha ("dynamic" with "alpha")
     "HunYuan dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
+    # NoPE layers between rope layers (config.no_rope_layers: 1 rotates, 0 NoPE): layers 0 and 2 rotate, 1 and 3 not.
+    "SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Llama 4 (iRoPE): its rope layers are chunked local attention (chunks of 8) with QK-norm after the rotation, its
+    # NoPE layers global with the attention temperature log1p(floor((pos + 1) / 4)) * 0.5 + 1 on q (from position 3).
+    "Llama 4 (text)": ("Llama4TextConfig", "Llama4ForCausalLM",
+                       dict(num_hidden_layers=4, no_rope_layer_interval=2, attention_chunk_size=8, floor_scale=4,
+                            attn_scale=0.5, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                            interleave_moe_layer_step=2, pad_token_id=0)),
     "Qwen2.5-VL (text)": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", dict(mrope_section=[2, 3, 3])),
     "Qwen3-VL (text)": ("Qwen3VLTextConfig", "Qwen3VLTextModel", dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
 }
@@ -89,6 +98,8 @@ SERVED_FIELDS = {
     # config (MLA has as many KV heads as query heads; vLLM then loads the gate's correction bias).
     "DeepSeek-V3": dict(num_key_value_heads=4, head_dim=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                         kv_lora_rank=512, topk_method="noaux_tc"),
+    # vLLM's CPU backend takes chunks of a multiple of its 128-token blocks only: past every served length here.
+    "Llama 4 (text)": dict(attention_chunk_size=128),
 }
 VISION = {
     "Qwen2.5-VL (text)": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
@@ -104,7 +115,12 @@ def build_served(name, rope_parameters=None, seed=0, **overrides):
     """The family's tiny model at vLLM's sizes (SERVED), as the class vLLM serves: its causal LM, or the
     vision-language model around its text model (``overrides``: its text config's other fields)."""
     if name not in VISION:
-        return build(name, rope_parameters, seed, **{**SERVED, **SERVED_FIELDS.get(name, {}), **overrides})
+        model = build(name, rope_parameters, seed, **{**SERVED, **SERVED_FIELDS.get(name, {}), **overrides})
+        if getattr(model.config, "attn_temperature_tuning", False):
+            # vLLM's Llama 4 reads the NoPE layers' temperature switch from the generation config (else on only past
+            # a max_model_len of 32k), transformers from the model's config: the checkpoint says it in both
+            model.generation_config.attn_temperature_tuning = True
+        return model
     config_name, model_name, vision = VISION[name]
     params = base_rope(name)
     params["mrope_section"] = [4, 6, 6]  # of 16 pairs

@@ -38,6 +38,10 @@ BIDIRECTIONAL = ("its attention is bidirectional (use_bidirectional_attention='a
 QK_NORM_AFTER_ROPE = ("its query and key norms (query_layernorm, key_layernorm: RMSNorm with a weight per feature) come "
                       "AFTER the rotation, and do not commute with it, so keys cannot be cached raw and rotated at "
                       "attention time")
+CHUNKED = ("its rope layers attend within chunks (attention_chunk_size), their cache keeping the current chunk's keys "
+           "only (a sliding-window cache layer), and its QK-norm (use_qk_norm) follows the rotation and so cancels a "
+           "table's attention factor; ropescale's raw-key cache keeps every key, its ReRoPE kernels mask causally "
+           "only, and a rotation at attention time would apply the factor after the norm")
 # Why a table narrower than the head (a method under partial_rotary_factor < 1) is refused.
 WHOLE_HEAD = ("its attention applies cos/sin to every feature of the head (no partial-rotary slice), so a narrower "
               "table does not fit (transformers' own model fails on it too); scaling.Proportional spans the head, "
@@ -61,7 +65,12 @@ class Architecture:
     head is refused (None: the attention rotates the table's width). ``vllm_yarn_keys``: vLLM's model of the family
     builds a YaRN rotary from these ``rope_parameters`` whatever their ``rope_type`` says (a missing one fails its
     load with a KeyError), and ``vllm_yarn_defaulted`` from these where present (None: vLLM reads the config's type),
-    so stock vLLM serves any other table that has those keys wrong, silently (:func:`stock_vllm_misreads`)."""
+    so stock vLLM serves any other table that has those keys wrong, silently (:func:`stock_vllm_misreads`).
+    ``rope_layers``: the config attribute that says per layer whether it rotates (SmolLM3's and Llama 4's
+    ``no_rope_layers``: 1 rotates, 0 is a NoPE layer); only the layers that rotate are extended, NoPE layers run
+    the model's own forward untouched (None: every layer rotates). ``complex_rotary``: the rotary module returns
+    Llama 4's ``freqs_cis``, complex ``[batch, seq, rotary_dim/2]`` (``factor * exp(i * angle)``), which its attention
+    multiplies into the pairs ``(2i, 2i+1)`` viewed as complex numbers."""
 
     name: str
     model_types: tuple[str, ...]
@@ -75,6 +84,8 @@ class Architecture:
     narrow_table: str | None = None
     vllm_yarn_keys: tuple[str, ...] | None = None
     vllm_yarn_defaulted: tuple[str, ...] = ()
+    rope_layers: str | None = None
+    complex_rotary: bool = False
 
     def method_refusal(self, method: str, pre_rope: bool, rotated_at_write: bool) -> str | None:
         """Why the family's layers cannot take the method named ``method``: one that caches raw keys (``pre_rope``)
@@ -109,6 +120,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                               "built: write the method into the config (ropescale extend) and load the model from it"),
     # HunYuan dense (transformers' hunyuan_v1_dense): Llama's layout, QK-norm after the rotation; its rope NTK-alpha.
     Architecture("HunYuan dense", ("hunyuan_v1_dense",), pre_rope=QK_NORM_AFTER_ROPE),
+    Architecture("SmolLM3", ("smollm3",), rope_layers="no_rope_layers"),
+    # Llama 4 (iRoPE): rope layers chunked with QK-norm after the rotation, freqs_cis (complex) on pairs (2i, 2i+1);
+    # its NoPE layers' attention temperature (on q, from the position) is the model's own, untouched.
+    Architecture("Llama 4 (text)", ("llama4_text",), cat_layout=False, interleaved=True, complex_rotary=True,
+                 pre_rope=CHUNKED, rope_layers="no_rope_layers"),
     Architecture("Qwen2.5-VL (text)", ("qwen2_5_vl_text", "qwen2_5_vl"), cat_layout=False, rerope=MROPE),
     Architecture("Qwen3-VL (text)", ("qwen3_vl_text", "qwen3_vl"), cat_layout=False, rerope=MROPE),
 )

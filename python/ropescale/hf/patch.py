@@ -185,7 +185,12 @@ class _PatchState:
         return self.plan.per_request
 
     def extends(self, module: nn.Module) -> bool:
-        """Whether the method applies to this attention module (every layer, or its layer type's)."""
+        """Whether the method applies to this attention module (every layer, or its layer type's), never to a NoPE
+        layer (``Architecture.rope_layers``: SmolLM3's and Llama 4's ``no_rope_layers``), which has no rotation to
+        extend: its attention (raw-key rotation, ReRoPE) and cache stay the model's own."""
+        rope_layers = self.architecture.rope_layers
+        if rope_layers is not None and not getattr(self.config, rope_layers)[module.layer_idx]:
+            return False
         return self.layer_types is None or _layer_type(module) in self.layer_types
 
     def request(self, max_new_tokens: int) -> "_Request":
@@ -407,6 +412,9 @@ def _check_layers(state: _PatchState, scaling) -> None:
     arch, name = state.architecture, state.architecture.name
     if scaling is not None and arch.fixed_method:
         raise ValueError(f"patch: {name} takes only the method its config holds (patch(model)): {arch.fixed_method}")
+    if not state.extended_layers:
+        raise ValueError(f"patch: no attention layer of this {name} model rotates ({arch.rope_layers} is all 0: NoPE "
+                         "layers only), so there is no rope to extend")
     refusal = arch.method_refusal(type(state.method).__name__, state.pre_rope, state.rotated_at_write)
     if refusal:
         raise ValueError(f"patch: {refusal}")

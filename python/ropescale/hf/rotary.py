@@ -114,7 +114,8 @@ def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Te
     """cos/sin of a per-request method in the rotary module's output layout: each row with its request's table and
     attention factor (the planned length's, :func:`_request_rows`), so the model's own attention rotates q and k
     with them and its own cache keeps the rotated keys. Transformers' Llama layout ``cat(angles, angles)`` (a
-    multimodal rope: each pair at its own stream's position), or gpt-oss's half width (the angles alone); angles in
+    multimodal rope: each pair at its own stream's position), gpt-oss's half width (the angles alone), or Llama 4's
+    complex ``freqs_cis`` (``factor * exp(i * angle)``); angles in
     double precision (float32, as the model's own forward computes them, for a family of another layout). Pure tensor
     ops once the request's tables are fixed: a compiled decode step does not break its graph here."""
     if state.pair_streams is not None:  # [streams, B, T] (or [B, T]: every stream at the text position)
@@ -127,6 +128,8 @@ def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Te
     else:
         per_pair = positions.to(inv_freq.dtype)[..., state.pair_streams]  # [B, T, P]: each pair's stream
     angles = per_pair * inv_freq[:, None, :]
+    if state.architecture.complex_rotary:  # Llama 4's freqs_cis: factor * exp(i * angle), one per pair
+        return torch.polar(factor[:, None, None].expand_as(angles).contiguous(), angles)
     if not state.architecture.half_width:
         angles = torch.cat((angles, angles), dim=-1)
     factor = factor[:, None, None]

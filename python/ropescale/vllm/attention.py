@@ -600,7 +600,36 @@ def served_plan(vllm_config) -> PreRopePlan | None:
         plan = PreRopePlan.of_config(hf_config)
     except (ValueError, TypeError, AttributeError):
         return None  # not ropescale's to judge: get_rope reports it
-    return plan.served_within(_max_model_len(vllm_config)) if plan is not None else None
+    if plan is None:
+        return None
+    _check_layers_reached(plan, vllm_config, hf_config)
+    return plan.served_within(_max_model_len(vllm_config))
+
+
+def _check_layers_reached(plan: PreRopePlan, vllm_config, hf_config) -> None:
+    """A per-request or pre-RoPE plan works through ropescale's get_rope (and, pre-RoPE, its backend, which serves
+    every attention layer of the model): refused by name where those do not reach exactly the layers that rotate,
+    which would serve the model silently wrong. vLLM's Transformers modeling backend (SmolLM3 in vLLM 0.32) runs
+    the model's own transformers rotary, never get_rope: a per-request SmolLM3 was served 0.14 nats off. A model
+    with NoPE layers (``no_rope_layers``: 0) would have them rotated by the pre-RoPE backend."""
+    model_config = getattr(vllm_config, "model_config", None)
+    what = (f"{type(plan.method).__name__}" + (" per request" if plan.rotated_at_write else " (pre-RoPE: raw keys "
+                                                                                          "rotated at attention time)"))
+    try:
+        transformers_backend = bool(model_config.using_transformers_backend())
+    except (AttributeError, TypeError):
+        transformers_backend = False
+    if transformers_backend:
+        raise NotImplementedError(
+            f"ropescale.vllm: {what} is not served by vLLM's Transformers modeling backend, which vLLM uses for this "
+            f"model ({model_config.architecture}): its rope is the model's own transformers code, which ropescale's "
+            "get_rope never reaches, so each request would get another table without a word. Serve a static table "
+            "(YaRN), or use transformers + ropescale.hf")
+    if not plan.rotated_at_write and 0 in (getattr(hf_config, "no_rope_layers", None) or ()):
+        raise NotImplementedError(
+            f"ropescale.vllm: {what} on a model with NoPE layers (no_rope_layers) is not served by vLLM: ropescale's "
+            "pre-RoPE backend serves every attention layer of the model and would rotate the NoPE layers' keys. "
+            "Serve a static or per-request table, or use transformers + ropescale.hf")
 
 
 def _serving_pre_rope() -> bool:

@@ -503,3 +503,83 @@ def test_hunyuan_ntk_alpha_equals_transformers_own_model_and_extends_to_a_checkp
     own_2000 = same_weights(build(name, {**HUNYUAN, "alpha": 2000.0}), native)
     torch.testing.assert_close(output(reloaded, x), output(own_2000, x), rtol=0, atol=0)
     torch.testing.assert_close(output(hf.patch(reloaded), x), output(own_2000, x), rtol=0, atol=1e-6)
+
+
+# Families that mix NoPE layers (no rotation) with rope layers (config.no_rope_layers), and what each takes: a static
+# method, and where the family's layers take them a per-step dynamic method and ReRoPE (raw keys, rotated at
+# attention time) and a per-request method (each request's table, keys rotated when written).
+NOPE = sorted(name for name, arch in ARCHS.items() if arch.rope_layers)
+NOPE_METHODS = {
+    "yarn": lambda: {"scaling": scaling.YaRN(factor=LENGTH / ORIGINAL, original_max_position=ORIGINAL)},
+    "dynamic_yarn": lambda: {"scaling": scaling.DynamicYaRN(original_max_position=ORIGINAL)},
+    "rerope": lambda: {"scaling": None, "attention": "rerope", "window": 1 << 20},
+    "per_request": lambda: {"scaling": scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request")},
+}
+
+
+def _nope_cases():
+    cases = []
+    for name in NOPE:
+        arch = ARCHS[name]
+        for method in NOPE_METHODS:
+            raw_keys = method in ("dynamic_yarn", "rerope")
+            if (raw_keys and (arch.pre_rope or (method == "rerope" and arch.rerope))
+                    or (method == "per_request" and arch.per_request)):
+                continue  # refused by name: test_pre_rope_methods_are_refused_naming_the_layer_kind
+            cases.append((name, method))
+    return cases
+
+
+@pytest.mark.parametrize("name,method", _nope_cases())
+def test_nope_layers_are_untouched_and_rope_layers_take_the_method(name, method):
+    """A forward of LENGTH tokens through the patched model: each NoPE layer's attention output is the unpatched
+    layer's on the same input, bit for bit (no rotation reaches it, Llama 4's attention temperature included); each
+    rope layer's is transformers' own layer of the table the method gives this length (YaRN at LENGTH / ORIGINAL;
+    ReRoPE with a window past every distance: the config's own table) on the same input."""
+    arch = ARCHS[name]
+    table = ({"rope_type": "yarn", "factor": LENGTH / ORIGINAL, "original_max_position_embeddings": ORIGINAL}
+             if method != "rerope" else None)
+    reference_model = build(name, table)
+    model = hf.patch(same_weights(build(name), reference_model), **NOPE_METHODS[method]())
+    rotates = getattr(model.config, arch.rope_layers)
+    assert 0 in rotates and 1 in rotates  # the test can fail: both kinds of layer are there
+    calls = {}
+
+    def keep(module, args, kwargs, result):
+        calls[module.layer_idx] = (dict(kwargs), result[0])
+
+    layers = [layer.self_attn for layer in model.model.layers]
+    handles = [m.register_forward_hook(keep, with_kwargs=True) for m in layers]
+    x = ids()
+    output(model, x, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    extended = model._ropescale_patch.extended_layers
+    hf.unpatch(model)
+    positions = torch.arange(LENGTH)[None].expand(x.shape[0], -1)
+    with torch.no_grad():
+        for i, module in enumerate(layers):
+            kwargs, got = calls[i]
+            if not rotates[i]:  # the model's own layer, unpatched
+                assert torch.equal(module(**kwargs)[0], got), f"NoPE layer {i} changed"
+                if getattr(module, "attn_temperature_tuning", False):  # Llama 4's temperature is in that output
+                    module.attn_temperature_tuning = False
+                    assert (module(**kwargs)[0] - got).abs().max() > 1e-3
+                    module.attn_temperature_tuning = True
+                continue
+            reference_layer = reference_model.model.layers[i].self_attn
+            embeddings = reference_model.model.rotary_emb(kwargs["hidden_states"], positions)
+            want = reference_layer(**{**kwargs, "position_embeddings": embeddings})[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+            if method != "rerope":  # the test can fail: the method changes the rope layer
+                native = module(**{**kwargs, "position_embeddings": model.model.rotary_emb(kwargs["hidden_states"],
+                                                                                           positions)})[0]
+                assert (native - got).abs().max() > 1e-4
+    assert extended == [i for i, r in enumerate(rotates) if r]
+
+
+def test_a_model_of_nope_layers_only_is_refused():
+    model = build("SmolLM3", no_rope_layers=[0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"no attention layer of this SmolLM3 model rotates \(no_rope_layers is all 0"):
+        hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    assert not hf.is_patched(model)

@@ -12,6 +12,7 @@ Ministral 3's query temperature.
 """
 
 import contextlib
+import re
 import importlib.util
 import json
 import types
@@ -57,6 +58,11 @@ STOCK_EXACT_ONLY = {
 # Per family: why the plugin refuses its pre-RoPE checkpoint at engine start (the error must say it).
 PLUGIN_REFUSES_PRE_ROPE = dict.fromkeys(("Gemma 3", "Gemma 4"), "a pre-RoPE method (dynamic, ReRoPE) on some layer "
                                         "types of a per-layer-type config (Gemma 3, Gemma 4) is not served by vLLM")
+# vLLM 0.32 serves SmolLM3 (NoPE layers) through its Transformers modeling backend: the model's own rotary, which
+# ropescale's get_rope never reaches (a per-request SmolLM3 was served 0.14 nats off before the plugin refused it).
+TRANSFORMERS_BACKEND = "is not served by vLLM's Transformers modeling backend"
+PLUGIN_REFUSES_PRE_ROPE["SmolLM3"] = TRANSFORMERS_BACKEND
+PLUGIN_REFUSES_PER_REQUEST = {"SmolLM3": TRANSFORMERS_BACKEND}
 
 
 def static_checkpoint(name):
@@ -254,7 +260,8 @@ SERVED = [name for name in FAMILIES if name not in NOT_RUN]
 PRE_ROPE = [name for name in SERVED if ARCHS[name].pre_rope is None and name != "Phi-3 / Phi-4-mini"]
 # Per-request tables (rotated at write, vLLM's own attention): the layouts the pre-RoPE backend refused (per layer
 # type, sinks and sliding layers) and GLM-4's partial interleaved pairs; other layouts are Llama's (test_vllm_per_request).
-PER_REQUEST = [name for name in ("GLM-4", "Gemma 3", "Gemma 4", "gpt-oss") if name in SERVED]
+PER_REQUEST = [name for name in ("GLM-4", "Gemma 3", "Gemma 4", "gpt-oss", "Llama 4 (text)", "SmolLM3")
+               if name in SERVED]
 
 
 # HunYuan's NTK-alpha (vLLM 0.32 serves HunYuan dense through its Transformers backend, transformers' own rotary):
@@ -297,15 +304,22 @@ def prompts():
 # whatever the dtype, and that backend's weight packing refuses float32 ("expect weight to be bfloat16, float16, int8,
 # fp8_e4m3 or uint8": platforms/cpu.py never checks AMX_MLA's supported dtypes, bfloat16 only); a CPU without AMX
 # gets CPU_MLA, which takes float32. Asking for CPU_MLA serves the float32 checkpoint the same way on both kinds.
-FAMILY_OPTIONS = {"DeepSeek-V3": {"attention_backend": "CPU_MLA"}}
+FAMILY_OPTIONS = {"DeepSeek-V3": {"attention_backend": "CPU_MLA"},
+                  # vLLM 0.32's Llama 4 turns its NoPE layers' attention temperature on where max_model_len > 32768
+                  # unless the generation config says otherwise, and its generation-config loader drops that key: the
+                  # checkpoint's attn_temperature_tuning (on, as transformers runs it) is served only past 32k
+                  "Llama 4 (text)": {"max_model_len": 32769}}
 
 
 def serve(tmp_path, checkpoints, keys, env):
     params = dict(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=0, ignore_eos=True, detokenize=False)
     # A pre-RoPE checkpoint keeps its original length as max_position_embeddings: served past it on purpose.
     engines = [{"id": "/".join(key), "path": str(checkpoints[key]),
-                "options": dict(enforce_eager=True, max_num_seqs=2, max_model_len=64, **FAMILY_OPTIONS.get(key[1], {})),
-                "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if key[0] in ("pre_rope", "per_request") else {},
+                "options": {**dict(enforce_eager=True, max_num_seqs=2, max_model_len=64),
+                            **FAMILY_OPTIONS.get(key[1], {})},
+                "env": ({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+                        if key[0] in ("pre_rope", "per_request") or "max_model_len" in FAMILY_OPTIONS.get(key[1], {})
+                        else {}),
                 "batches": [{"prompts": prompts(), "params": params}]} for key in keys]
     environ = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     results, log = run_engines(tmp_path, engines, environ, timeout=1800)
@@ -326,7 +340,8 @@ def plugin(tmp_path_factory, checkpoints):
             *(("pre_rope", name) for name in PRE_ROPE),
             *(("per_request", name) for name in PER_REQUEST)]
     # Refusals last: an engine refused while its model is built leaves vLLM's process state half set up.
-    keys.sort(key=lambda key: key[0] == "pre_rope" and key[1] in PLUGIN_REFUSES_PRE_ROPE)
+    keys.sort(key=lambda key: (key[0] == "pre_rope" and key[1] in PLUGIN_REFUSES_PRE_ROPE)
+              or (key[0] == "per_request" and key[1] in PLUGIN_REFUSES_PER_REQUEST))
     return serve(tmp_path_factory.mktemp("plugin"), checkpoints, keys, {})
 
 
@@ -400,6 +415,9 @@ def test_plugin_serves_each_familys_per_request_table_by_vllms_own_attention(plu
     transformers + ropescale compute it, through vLLM's own attention backend: sliding layers, sinks, per-layer-type
     tables and partial interleaved pairs, none of which the pre-RoPE backend takes."""
     results, log = plugin
+    if name in PLUGIN_REFUSES_PER_REQUEST:
+        assert PLUGIN_REFUSES_PER_REQUEST[name] in results[f"per_request/{name}"].get("error", ""), results
+        return
 
     def static(length):
         if length <= ORIGINAL:
@@ -438,3 +456,21 @@ def test_hunyuan_ntk_alpha_in_stock_vllm_and_the_plugin(stock, plugin, checkpoin
         assert_same(outputs(stock_results[f"{kind}/{HUNYUAN}"], stock_log), expected, f"{kind}, stock vLLM")
     else:
         assert kind in stock_results[f"{kind}/{HUNYUAN}"].get("error", ""), stock_results[f"{kind}/{HUNYUAN}"]
+
+
+@pytest.mark.parametrize("transformers_backend", (False, True))
+def test_a_pre_rope_model_with_nope_layers_is_refused_where_the_plugin_would_rotate_them(transformers_backend):
+    """No engine: a pre-RoPE checkpoint of a model with NoPE layers (SmolLM3's no_rope_layers) is refused by name, not
+    served with its NoPE layers' keys rotated by ropescale's backend (which serves every attention layer), nor through
+    vLLM's Transformers backend, which ropescale's get_rope never reaches (the engine tests above: SmolLM3)."""
+    from ropescale.vllm import attention
+
+    config = hf.patch(build_served("SmolLM3"), scaling.DynamicYaRN(original_max_position=ORIGINAL)).config
+    model_config = types.SimpleNamespace(hf_config=config, max_model_len=64, architecture="SmolLM3ForCausalLM",
+                                         using_transformers_backend=lambda: transformers_backend)
+    message = TRANSFORMERS_BACKEND if transformers_backend else "on a model with NoPE layers (no_rope_layers)"
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        attention.served_plan(types.SimpleNamespace(model_config=model_config))
+    config.no_rope_layers = [1] * len(config.no_rope_layers)  # every layer rotates: the plugin's backend serves it
+    if not transformers_backend:
+        assert attention.served_plan(types.SimpleNamespace(model_config=model_config)) is not None

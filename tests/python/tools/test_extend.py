@@ -698,3 +698,27 @@ def test_a_dst_that_cannot_be_made_is_a_usage_error_before_the_work(tmp_path, ca
                       "--dry-run")
     assert f"DST: the folder {tmp_path / 'ro'} is not writable" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro", "src"]
+
+
+@pytest.mark.parametrize("family", ["SmolLM3", "Llama 4 (text)"])
+def test_a_family_with_nope_layers_is_extended_on_its_rope_layers_only(tmp_path, capsys, family):
+    """SmolLM3 (its 3B checkpoint ships YaRN x2) and Llama 4 mix NoPE layers (no_rope_layers 0) with rope layers:
+    extend --method yarn --factor 2 writes the table once, the NoPE list as it was, and the reload through plain
+    transformers is the family's own model of YaRN x2 (its NoPE layers, Llama 4's attention temperature included,
+    the model's own); a pre-RoPE method Llama 4's chunked rope layers cannot take is refused before it is written."""
+    src, model = source(tmp_path, family)
+    written, _ = extend(capsys, src, tmp_path / "dst", "--method", "yarn", "--factor", 2, "--original-max-position",
+                        ORIGINAL)
+    assert written["no_rope_layers"] == model.config.no_rope_layers and 0 in written["no_rope_layers"]
+    want = build(family, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": ORIGINAL})
+    want.load_state_dict(model.state_dict())
+    reloaded = load(tmp_path / "dst")
+    torch.testing.assert_close(logits(reloaded), logits(want), atol=1e-6, rtol=0)
+    assert not torch.allclose(logits(reloaded), logits(model), atol=1e-4, rtol=0)
+    if family == "Llama 4 (text)":
+        from ropescale.hf import architectures
+
+        err = usage_error(capsys, "extend", src, tmp_path / "dyn", "--method", "dynamic_yarn", "--max-length", 64)
+        assert (f"SRC: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch Llama 4 (text): {architectures.CHUNKED}"
+                in " ".join(err.split())), err
+        assert not (tmp_path / "dyn").exists()
