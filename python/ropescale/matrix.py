@@ -43,9 +43,11 @@ class Row:
     family: str
     rope: dict
     config: dict = field(default_factory=dict)
+    length: int | None = None  # the probe's length (default verify's: twice the original, at most the served)
 
     def fingerprint(self) -> str:
-        text = json.dumps([self.family, self.rope, self.config], sort_keys=True)
+        text = json.dumps([self.family, self.rope, self.config] + ([self.length] if self.length else []),
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -63,9 +65,11 @@ ROWS: tuple[Row, ...] = (
          "original_max_position_embeddings": ORIGINAL}),
     Row("YaRN x4, max_position_embeddings left at the original", "served length past max_position_embeddings",
         "Llama", YARN, {"max_position_embeddings": ORIGINAL}),
+    # probed within the original length, where the short table is declared (past it both read the long one)
     Row("LongRoPE short/long tables", "short_factor, long_factor", "Phi-3 / Phi-4-mini",
         {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],  # 12 pairs: head 32 x 0.75
-         "long_factor": [1.0 + 0.6 * i for i in range(12)], "original_max_position_embeddings": ORIGINAL}),
+         "long_factor": [1.0 + 0.6 * i for i in range(12)], "original_max_position_embeddings": ORIGINAL},
+        length=ORIGINAL),
     Row("LongRoPE, attention_factor 1.2", "attention_factor (longrope)", "Phi-3 / Phi-4-mini",
         {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
          "long_factor": [1.0 + 0.6 * i for i in range(12)], "original_max_position_embeddings": ORIGINAL,
@@ -110,8 +114,9 @@ UPSTREAM = {
     ("vllm", "attention_factor"): "vLLM #46280, #48351",
 }
 
-#: Verdicts that are an engine's silent divergence from the declaration.
-SILENT = ("different", "ignored", "unexplained", "short")
+#: Verdicts that are an engine's silent divergence from the declaration ("short", not served past N, is not: the
+#: engine refuses a longer prompt).
+SILENT = ("different", "ignored", "unexplained")
 
 
 @dataclass
@@ -188,10 +193,16 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
     folder = work / f"{row.fingerprint()}-{'ropescale' if ropescale_written else 'plain'}"
     if folder.exists():
         return folder
+    from .hf import architectures
+
     model = _build(row)
     if ropescale_written:
-        layer_type = "full_attention" if config_lib.per_layer_type(model.config) else None
-        hf.patch(model, config_lib.read_config(model.config, layer_type).method)
+        arch = architectures.find(model.config)
+        if arch is not None and arch.fixed_method:  # the config's own method only (DeepSeek's MLA scale)
+            hf.patch(model)
+        else:
+            layer_type = "full_attention" if config_lib.per_layer_type(model.config) else None
+            hf.patch(model, config_lib.read_config(model.config, layer_type).method)
     work.mkdir(parents=True, exist_ok=True)
     with files.atomic_directory(folder) as tmp:
         model.save_pretrained(tmp)
@@ -219,9 +230,9 @@ def installed(column: Column) -> bool:
 
 
 def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,
-        timeout: float = 1800.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
-    """Runs every (row, column) cell not yet in ``results`` whose engine is installed here, appending each to
-    ``results`` as it ends; the cells run. ``work``: where the rows' checkpoints are built."""
+        timeout: float = 1800.0, progress: Callable[[str], None] | None = None, rerun: bool = False) -> list[Cell]:
+    """Runs every (row, column) cell not yet in ``results`` (every one, ``rerun``) whose engine is installed here,
+    appending each to ``results`` as it ends; the cells run. ``work``: where the rows' checkpoints are built."""
     from . import verify
 
     say = progress or (lambda message: None)
@@ -232,17 +243,23 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
     for row in rows:
         for column in columns:
             old = done.get((row.name, column.name))
-            if old is not None and old.fingerprint == row.fingerprint():
+            if old is not None and old.fingerprint == row.fingerprint() and not rerun:
                 continue
             say(f"{row.name} on {column.name}")
             start = time.perf_counter()
-            target = checkpoint(row, work, column.ropescale_written)
-            with _environment(column.env):
-                report = verify.verify(target, column.engine, timeout=timeout)
-            text, silent = cell_text(report, column.engine, row.key)
-            cell = Cell(row.name, column.name, row.fingerprint(), report.version,
-                        {c.name: c.verdict for c in report.checks}, text, silent, report.text(),
-                        round(time.perf_counter() - start, 1))
+            try:
+                target = checkpoint(row, work, column.ropescale_written)
+                with _environment(column.env):
+                    report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
+            except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
+                first = str(err).strip().splitlines()[0]
+                cell = Cell(row.name, column.name, row.fingerprint(), column.engine, {"ropescale": "refused"},
+                            f"refused by ropescale: {first}", False, str(err), round(time.perf_counter() - start, 1))
+            else:
+                text, silent = cell_text(report, column.engine, row.key)
+                cell = Cell(row.name, column.name, row.fingerprint(), report.version,
+                            {c.name: c.verdict for c in report.checks}, text, silent, report.text(),
+                            round(time.perf_counter() - start, 1))
             with results.open("a") as f:  # one line per cell, as it ends: a stopped run resumes from here
                 f.write(json.dumps(dataclasses.asdict(cell)) + "\n")
             cells.append(cell)
@@ -323,5 +340,7 @@ def headline(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
         exact = sum(c.text == "exact" for c in run_)
         silent = sum(c.silent for c in run_)
         refused = sum("refused" in c.verdicts.values() for c in run_)
-        out.append(f"{column.name}: {exact} of {len(run_)} exact, {silent} silently different, {refused} refused")
+        short = sum("short" in c.verdicts.values() for c in run_)
+        out.append(f"{column.name}: {exact} of {len(run_)} exact, {silent} silently different, {refused} refused, "
+                   f"{short} not served past the trained length by default")
     return "; ".join(out) + "."

@@ -157,7 +157,7 @@ def _declared_dir(target: Path) -> Declared:
     mpe = int(cfg.max_position_embeddings)
     original = int(getattr(method, "original_max_position", None) or mpe)
     rotary_dim = config_lib.rotary_dim_of(cfg, config_lib.layer_type_parameters(cfg, layer_type), layer_type)
-    return Declared(method, read.base, rotary_dim, original, config_lib.max_model_len_of(cfg),
+    return Declared(method, read.base, rotary_dim, original, config_lib.max_model_len_of(cfg, layer_type),
                     f"{target.name}/config.json" + (" (ropescale's entry)" if read.recorded else ""),
                     read.attention, dict(read.parameters), int(cfg.vocab_size), mpe,
                     bool(getattr(architectures.find(cfg), "fixed_method", None)), _layout_partial(cfg, method))

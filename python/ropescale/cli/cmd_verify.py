@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
                         help="where the rows' tiny checkpoints are built (default: a temporary folder)")
     matrix.add_argument("--rows", metavar="TEXT", nargs="+",
                         help="only the rows whose name, family or key contains one of these")
+    matrix.add_argument("--rerun", action="store_true",
+                        help="run the selected cells again even where --results holds them (an engine upgraded)")
     matrix.add_argument("--markdown", type=Path, metavar="FILE", help="write the table (from --results) to FILE")
     matrix.add_argument("--readme", type=Path, metavar="FILE",
                         help="replace the matrix block of FILE (a README) with the headline")
@@ -139,7 +141,8 @@ def _cmd_matrix(args) -> int:
     if say:
         say(f"columns installed here: {', '.join(here) or 'none'}; {len(rows)} rows; cells in {args.results}")
     with tempfile.TemporaryDirectory(prefix="ropescale-matrix-") as scratch:
-        ran = matrix.run(args.results, args.work or Path(scratch), rows, columns, timeout=args.timeout, progress=say)
+        ran = matrix.run(args.results, args.work or Path(scratch), rows, columns, timeout=args.timeout, progress=say,
+                         rerun=args.rerun)
     cells = matrix.load(args.results)
     table = matrix.markdown(cells, rows, columns)
     if args.markdown is not None:

@@ -93,7 +93,7 @@ def test_the_table_and_headline_come_from_the_file(clean, tmp_path):
     readme.write_text(f"intro\n{matrix.README_START}\nold\n{matrix.README_END}\nrest\n")
     matrix.write_readme(readme, cells)
     assert readme.read_text() == (f"intro\n{matrix.README_START}\ntransformers: 1 of 1 exact, 0 silently different, "
-                                  f"0 refused.\n{matrix.README_END}\nrest\n")
+                                  f"0 refused, 0 not served past the trained length by default.\n{matrix.README_END}\nrest\n")
 
 
 def usage_error(argv) -> bool:
