@@ -156,7 +156,9 @@ OP_LAYER = {
     "reference": {"_C", "_composite"},
     "rerope": {"_C", "_composite", "reference"},
     "rerope_train": {"_composite", "rerope"},
-    "ops": {"_C", "rerope", "rerope_train"},
+    "ops_frequencies": {"_C"},
+    "ops_rotary": {"_C"},
+    "ops": {"_C", "rerope", "rerope_train", "ops_frequencies", "ops_rotary"},
     "cache": set(),
     "sharding": set(),
 }
