@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.ropescale)
-from . import ops_frequencies, ops_rotary
-from .ops_frequencies import (TABLE_OPS, base_lower_bound, default_inv_freq, dynamic_ntk_inv_freq,
+from .ops_frequencies import TABLE_OPS  # noqa: F401  (re-exported: ops.TABLE_OPS)
+from .ops_frequencies import (base_lower_bound, default_inv_freq, dynamic_ntk_inv_freq,
                               effective_context_length, feature_gap, linear_inv_freq, llama3_inv_freq,
                               longrope_attention_factor, longrope_inv_freq, ntk_inv_freq, proportional_inv_freq,
                               resonance_inv_freq, similarity_decay, yarn_attention_factor, yarn_inv_freq)
@@ -29,7 +29,33 @@ from .rerope_train import rerope_attention_train
 
 _ops = torch.ops.ropescale
 
-__all__ = [*ops_frequencies.__all__, *ops_rotary.__all__]
+__all__ = [
+    "default_inv_freq",
+    "linear_inv_freq",
+    "proportional_inv_freq",
+    "ntk_inv_freq",
+    "dynamic_ntk_inv_freq",
+    "yarn_inv_freq",
+    "yarn_attention_factor",
+    "llama3_inv_freq",
+    "longrope_inv_freq",
+    "longrope_attention_factor",
+    "resonance_inv_freq",
+    "similarity_decay",
+    "effective_context_length",
+    "base_lower_bound",
+    "feature_gap",
+    "apply_rotary",
+    "apply_rotary_",
+    "apply_rotary_qk",
+    "apply_rotary_qk_",
+    "apply_rotary_pos",
+    "apply_rotary_pos_",
+    "apply_rotary_pos_qk",
+    "apply_rotary_pos_qk_",
+    "apply_rotary_per_request",
+    "apply_rotary_per_request_",
+]
 
 
 # ReRoPE attention (csrc/cpu/rerope_attention.cpp, csrc/cuda/rerope_attention.cu), with its plain-PyTorch,

@@ -13,24 +13,6 @@ from . import _C  # noqa: F401  (loads the library that registers torch.ops.rope
 
 _ops = torch.ops.ropescale
 
-__all__ = [
-    "default_inv_freq",
-    "linear_inv_freq",
-    "proportional_inv_freq",
-    "ntk_inv_freq",
-    "dynamic_ntk_inv_freq",
-    "yarn_inv_freq",
-    "yarn_attention_factor",
-    "llama3_inv_freq",
-    "longrope_inv_freq",
-    "longrope_attention_factor",
-    "resonance_inv_freq",
-    "similarity_decay",
-    "effective_context_length",
-    "base_lower_bound",
-    "feature_gap",
-]
-
 
 # ---------------------------------------------------------------------------------------------
 # Frequency tables: float32 CPU tensors of length dim // 2 unless ``dtype`` asks otherwise.

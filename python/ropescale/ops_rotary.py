@@ -32,17 +32,6 @@ _ops = torch.ops.ropescale
 # Positions (the ``_pos`` ops) must lie within +-(2^31 - 1), where the angles are accurate to 2
 # float32 ulps; CPU positions are checked, CUDA ones are not (that would cost a host sync per call).
 
-__all__ = [
-    "apply_rotary",
-    "apply_rotary_",
-    "apply_rotary_qk",
-    "apply_rotary_qk_",
-    "apply_rotary_pos",
-    "apply_rotary_pos_",
-    "apply_rotary_pos_qk",
-    "apply_rotary_pos_qk_",
-]
-
 
 def apply_rotary(
     x: torch.Tensor,
@@ -175,9 +164,6 @@ def apply_rotary_pos_qk_(
 ) -> None:
     """:func:`apply_rotary_pos_qk` in place. Not differentiable."""
     _ops.apply_rotary_pos_qk_(q, k, positions, inv_freq, scale, interleaved, conjugate=conjugate)
-
-
-__all__ += ["apply_rotary_per_request", "apply_rotary_per_request_"]
 
 
 def _per_request_key(q: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
