@@ -270,7 +270,7 @@ def test_rerope_training_takes_the_sampled_positions(monkeypatch, sampler):
         contiguous = model(x, position_ids=torch.arange(32).expand(2, -1)).logits
     torch.testing.assert_close(shifted, got, rtol=1e-4, atol=1e-4)
     assert (contiguous - got).abs().max() > 1e-3
-    # the fused path takes the sampled positions (gaps: an expanded layout, rerope_train._Gaps); the composite
+    # the fused path takes the sampled positions (gaps: an expanded layout, rerope_train_layout.Gaps); the composite
     # (an L x L mask) is never called, and its step is the fused one's
     from ropescale import ops, rerope_train
 

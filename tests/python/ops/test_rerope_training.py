@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ropescale import ops, rerope, rerope_train
+from ropescale import ops, rerope, rerope_train, rerope_train_kernels
 from ropescale.rerope_train import rerope_attention_train, training_layout
 from support.attention import (BASE, SDPA_ERROR_FACTOR, as_layout, logn_factor, make_inputs, poison, reference,
                                reference_ieee, sdpa_error)
@@ -465,11 +465,11 @@ def _efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, 
     return dq, dk, dv, None
 
 
-class EmulatedFlash(rerope_train._CudaFlash):
+class EmulatedFlash(rerope_train_kernels.CudaFlash):
     fwd, bwd = staticmethod(_flash_forward), staticmethod(_flash_backward)
 
 
-class EmulatedEfficient(rerope_train._CudaEfficient):
+class EmulatedEfficient(rerope_train_kernels.CudaEfficient):
     fwd, bwd = staticmethod(_efficient_forward), staticmethod(_efficient_backward)
 
 
@@ -478,7 +478,7 @@ class EmulatedEfficient(rerope_train._CudaEfficient):
 def test_cuda_kernel_conventions_emulated(monkeypatch, kernel, case):
     """The CUDA kernels' calls (argument order, lse layouts, GQA expansion for efficient, head dims
     padded to 8) run through CPU emulations that check them; float64 results equal the reference."""
-    monkeypatch.setattr(rerope_train, "_kernel_for", lambda q, head_dim: kernel)
+    monkeypatch.setattr(rerope_train, "kernel_for", lambda q, head_dim: kernel)
     q, k, v, qp, kp, inv_freq, window, kw, layout = case_inputs(case, torch.float64, seed=4)
     inv_freq = inv_freq.double()
     assert_float64_equals_naive(q, k, v, qp, kp, inv_freq, window, kw)
@@ -489,7 +489,7 @@ def test_cuda_kernel_calls_on_meta_tensors():
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(2, 40, 4, 24, **meta).transpose(1, 2)
     k = torch.empty(2, 40, 2, 24, **meta).transpose(1, 2)
-    for kernel in (rerope_train._CUDA_FLASH, rerope_train._CUDA_EFFICIENT):
+    for kernel in (rerope_train_kernels.CUDA_FLASH, rerope_train_kernels.CUDA_EFFICIENT):
         kk = k if kernel.gqa else k.repeat_interleave(2, 1)
         out, lse, state = kernel.forward(q, kk, kk, 0.2)
         assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -562,7 +562,7 @@ def test_other_layouts_take_the_composite_with_a_warning():
 
 # ---------------------------------------------------------------------------------------------
 # Gapped positions (PoSE / CREAM position sampling: ropescale.training): strictly increasing positions with
-# gaps take the fused path on an expanded layout (rerope_train._Gaps), equal to the composite and to the
+# gaps take the fused path on an expanded layout (rerope_train_layout.Gaps), equal to the composite and to the
 # float64 two-matrix reference in out, lse and both gradients, for every method of the family.
 
 
@@ -735,7 +735,7 @@ def test_gapped_gradcheck(name, method):
 @pytest.mark.parametrize("name", ["pose", "cache", "right-pad"])
 def test_gapped_cuda_kernel_conventions_emulated(monkeypatch, kernel, name):
     """The expanded layout's calls meet the CUDA kernels' conventions (emulated); float64 equals the reference."""
-    monkeypatch.setattr(rerope_train, "_kernel_for", lambda q, head_dim: kernel)
+    monkeypatch.setattr(rerope_train, "kernel_for", lambda q, head_dim: kernel)
     q, k, v, qp, kp, inv_freq, window, interleaved = gap_inputs(name, torch.float64, seed=4)
     kw = dict(leaky_k=4.0, interleaved=interleaved)
     no_composite(monkeypatch)

@@ -155,8 +155,13 @@ OP_LAYER = {
     "_composite": set(),  # torch only; validates with torch.ops.ropescale._check_*
     "reference": {"_C", "_composite"},
     "rerope": {"_C", "_composite", "reference"},
-    "rerope_train": {"_composite", "rerope"},
-    "ops": {"_C", "rerope", "rerope_train"},
+    "rerope_train_kernels": set(),
+    "rerope_train_layout": set(),
+    "rerope_train_plan": {"_composite", "rerope_train_kernels"},
+    "rerope_train": {"_composite", "rerope", "rerope_train_kernels", "rerope_train_layout", "rerope_train_plan"},
+    "ops_frequencies": {"_C"},
+    "ops_rotary": {"_C"},
+    "ops": {"_C", "rerope", "rerope_train", "ops_frequencies", "ops_rotary"},
     "cache": set(),
     "sharding": set(),
 }

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from ropescale import cli, evaluate, ruler  # noqa: E402
+from ropescale import cli, evaluate, ruler, ruler_generators, ruler_words  # noqa: E402
 from support.tiny_lm import char_tokenizer, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -375,7 +375,7 @@ def test_adjective_noun_keys_are_rulers_sorted_set_without_building_it():
     adjectives = ["high", "high-pitched", "old", "old-fashioned", "old-fashioned-ish", "ad hoc", "ad", "zany", "a",
                   "a-b", "b", "high", "teeny", "teeny-tiny", "x-rated"]
     nouns = ["apple", "pitched-apple", "b-c", "Z", "zebra", "-dash", "fashioned-ish-cat", "cat", "tiny", "éclair", ""]
-    keys = ruler._AdjectiveNounKeys(adjectives, nouns)
+    keys = ruler_words.AdjectiveNounKeys(adjectives, nouns)
     expected = sorted({f"{a}-{n}" for a in adjectives for n in nouns})
     assert len(keys) == len(expected) < len(adjectives) * len(nouns)
     assert [keys[i] for i in range(len(keys))] == expected
@@ -386,16 +386,16 @@ def test_adjective_noun_keys_are_rulers_sorted_set_without_building_it():
 
 def test_the_real_key_list_has_rulers_size_and_ends():
     pytest.importorskip("wonderwords")
-    keys = ruler._needle_words()
+    keys = ruler_words.needle_words()
     assert len(keys) == 6171620 == 910 * 6782  # distinct adjectives x nouns: no string made twice
     assert (keys[0], keys[-1]) == ("Early-ATM", "zonked-zucchini")  # code point order: capitals first
 
 
 def test_zeta_is_scipys():
-    assert ruler._zeta(2.0) == math.pi ** 2 / 6  # scipy.special.zeta(2.0): the same double
+    assert ruler_generators.zeta(2.0) == math.pi ** 2 / 6  # scipy.special.zeta(2.0): the same double
     for s, value in [(3.0, 1.2020569031595942), (2.5, 1.3414872572509173), (1.5, 2.612375348685488),
                      (4.0, math.pi ** 4 / 90)]:
-        assert ruler._zeta(s) == pytest.approx(value, rel=2e-15)
+        assert ruler_generators.zeta(s) == pytest.approx(value, rel=2e-15)
 
 
 def test_too_short_a_length_is_an_error_not_a_hang(tok):
@@ -594,7 +594,7 @@ def test_the_cache_keys_on_the_tokenizer(tok, tmp_path, monkeypatch):
 
 def test_without_wonderwords_the_word_tasks_say_what_to_install(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "wonderwords", None)  # import fails, as when not installed
-    monkeypatch.setattr(ruler, "_WORD_CACHE", {})
+    monkeypatch.setattr(ruler_words, "WORD_CACHE", {})
     for task in ("cwe", "niah_single_1", "niah_multikey_2"):
         with pytest.raises(ruler.WonderwordsMissing, match="pip install wonderwords"):
             ruler.generate(task, tok, 1000, 1)
@@ -676,7 +676,7 @@ def test_cli_runs_json_text_and_plot(capsys, tmp_path, saved_model):
 
 def test_cli_skips_the_word_tasks_without_wonderwords(capsys, saved_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "wonderwords", None)
-    monkeypatch.setattr(ruler, "_WORD_CACHE", {})
+    monkeypatch.setattr(ruler_words, "WORD_CACHE", {})
     out = run_cli(capsys, "eval", "ruler", str(saved_model), "--lengths", "1000", "--samples", "1", "--device", "cpu",
                   "--json", "--tasks", "niah_single_1", "niah_multikey_3", "cwe")
     assert "skipping niah_single_1, cwe" in out.err and "pip install wonderwords" in out.err
