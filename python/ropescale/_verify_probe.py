@@ -42,7 +42,10 @@ def transformers_logprobs(model, tokens, prompt=None):
 
     prompt = len(tokens) if prompt is None else prompt
     with torch.no_grad():
-        hidden = model.get_decoder()(torch.tensor([tokens[:prompt]])).last_hidden_state[0]
+        decoder = model.get_decoder()
+        if decoder is model:  # Llama 4's causal LM names itself its decoder (transformers 5.23): its base model
+            decoder = model.model
+        hidden = decoder(torch.tensor([tokens[:prompt]])).last_hidden_state[0]
         head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
 
         def chunks():
