@@ -125,15 +125,15 @@ SILENT = ("different", "ignored", "unexplained")
 
 @dataclass
 class Cell:
-    """One run: the row's and column's names, what it compared, and its verdicts."""
+    """One run: the row's and column's names, the row's fingerprint, the engine's version, the report's checks
+    (``verify.Check`` fields) and text. What the table says of it is computed from the checks (:func:`summary`), so
+    a change of wording needs no run."""
 
     row: str
     column: str
     fingerprint: str
     version: str
-    verdicts: dict  # {check name: verdict}
-    text: str  # the table's words
-    silent: bool  # a divergence the engine did not report (SILENT)
+    checks: list  # [{name, verdict, detail, distance, bound, formula}]
     detail: str  # the report's text
     seconds: float
 
@@ -141,9 +141,14 @@ class Cell:
     def key(self) -> tuple[str, str]:
         return self.row, self.column
 
+    @property
+    def verdicts(self) -> dict[str, str]:
+        return {c["name"]: c["verdict"] for c in self.checks}
+
 
 def load(results: Path) -> dict[tuple[str, str], Cell]:
-    """The cells of a results file, the last one of each (row, column) (an absent file: none)."""
+    """The cells of a results file, the last one of each (row, column) (an absent file: none; a line of an older
+    format, without checks: not run)."""
     cells: dict[tuple[str, str], Cell] = {}
     if not results.exists():
         return cells
@@ -151,22 +156,33 @@ def load(results: Path) -> dict[tuple[str, str], Cell]:
         if not line.strip():
             continue
         try:
-            cell = Cell(**json.loads(line))
+            fields = json.loads(line)
+            if isinstance(fields, dict) and "checks" not in fields and "verdicts" in fields:
+                continue  # written before the checks were kept: run again
+            cell = Cell(**fields)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{results}:{number}: not a matrix cell ({err}): move the file aside to start anew")
         cells[cell.key] = cell
     return cells
 
 
-def cell_text(report, engine: str, row_key: str = "") -> tuple[str, bool]:
-    """The table's words for a verify report, and whether it is a silent divergence (:data:`SILENT`)."""
+def summary(cell: Cell, engine: str, row_key: str = "") -> tuple[str, bool]:
+    """The table's words for a cell, and whether it is a silent divergence: a verdict in :data:`SILENT`, or
+    log-probabilities that stop being finite (the engine answers, with garbage)."""
+    from .verify import Check
+
     words, silent = [], False
-    for c in report.checks:
+    for c in (Check(**check) for check in cell.checks):
         if c.ok:
             continue
-        silent |= c.verdict in SILENT
-        if c.verdict == "different" and c.name == "scaling":
+        garbage = c.verdict == "short" and "not finite" in c.detail
+        silent |= c.verdict in SILENT or garbage
+        if c.name == "ropescale":
+            words.append(f"refused by ropescale: {c.detail}")
+        elif c.verdict == "different" and c.name == "scaling":
             words.append(f"different: {c.formula} ({c.distance:.2g} nats)")
+        elif garbage:
+            words.append("not finite from position " + c.detail.split("from position ")[1].split(" ")[0])
         elif c.verdict in ("different", "short"):  # the served length: what the engine serves
             words.append(c.detail.split(":")[0])
         elif c.verdict == "ignored" and c.name == "scaling":
@@ -257,18 +273,31 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
                     report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
             except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
                 first = str(err).strip().splitlines()[0]
-                cell = Cell(row.name, column.name, row.fingerprint(), column.engine, {"ropescale": "refused"},
-                            f"refused by ropescale: {first}", False, str(err), round(time.perf_counter() - start, 1))
+                cell = Cell(row.name, column.name, row.fingerprint(), column.engine,
+                            [dataclasses.asdict(verify.Check("ropescale", "refused", first))], str(err),
+                            round(time.perf_counter() - start, 1))
             else:
-                text, silent = cell_text(report, column.engine, row.key)
                 cell = Cell(row.name, column.name, row.fingerprint(), report.version,
-                            {c.name: c.verdict for c in report.checks}, text, silent, report.text(),
+                            [dataclasses.asdict(c) for c in report.checks], report.text(),
                             round(time.perf_counter() - start, 1))
             with results.open("a") as f:  # one line per cell, as it ends: a stopped run resumes from here
                 f.write(json.dumps(dataclasses.asdict(cell)) + "\n")
             cells.append(cell)
-            say(f"{row.name} on {column.name}: {text}")
+            say(f"{row.name} on {column.name}: {summary(cell, column.engine, row.key)[0]}")
     return cells
+
+
+def _current(cells: dict[tuple[str, str], Cell], row: Row, column: Column) -> Cell | None:
+    """The cell of (row, column) run for the row as it is now (its fingerprint); None: not run."""
+    cell = cells.get((row.name, column.name))
+    return cell if cell is not None and cell.fingerprint == row.fingerprint() else None
+
+
+def silent_cells(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
+                 columns: Iterable[Column] = COLUMNS) -> list[Cell]:
+    """The cells (of the rows and columns as they are now) that are a silent divergence."""
+    return [cell for row in rows for column in columns if (cell := _current(cells, row, column)) is not None
+            and summary(cell, column.engine, row.key)[1]]
 
 
 def markdown(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
@@ -280,13 +309,15 @@ def markdown(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
     for row in rows:
         texts = []
         for column in columns:
-            cell = cells.get((row.name, column.name))
-            if cell is None or cell.fingerprint != row.fingerprint():
+            cell = _current(cells, row, column)
+            if cell is None:
                 texts.append("not run")
             else:
-                texts.append(f"**{cell.text}**" if cell.silent else cell.text)
+                text, silent = summary(cell, column.engine, row.key)
+                texts.append(f"**{text}**" if silent else text)
         lines.append(f"| {row.family} | {row.name} | `{row.key}` | " + " | ".join(texts) + " |")
-    versions = sorted({f"{c.column}: {c.version}" for c in cells.values()})
+    versions = sorted({f"{c.name}: {cell.version}" for row in rows for c in columns
+                       if (cell := _current(cells, row, c)) is not None})
     lines += ["", "Bold: a silent divergence (the engine serves something else and says nothing). Engines: "
               + "; ".join(versions) + "."]
     return "\n".join(lines)
@@ -337,14 +368,14 @@ def headline(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
     """One sentence per column that has cells: how many rows it serves exactly, silently wrong, refused."""
     rows, out = list(rows), []
     for column in columns:
-        run_ = [cells[(r.name, column.name)] for r in rows if (r.name, column.name) in cells
-                and cells[(r.name, column.name)].fingerprint == r.fingerprint()]
+        run_ = [(row, cell) for row in rows if (cell := _current(cells, row, column)) is not None]
         if not run_:
             continue
-        exact = sum(c.text == "exact" for c in run_)
-        silent = sum(c.silent for c in run_)
-        refused = sum("refused" in c.verdicts.values() for c in run_)
-        short = sum("short" in c.verdicts.values() for c in run_)
+        said = [summary(cell, column.engine, row.key) for row, cell in run_]
+        exact = sum(text == "exact" for text, _ in said)
+        silent = sum(bad for _, bad in said)
+        refused = sum("refused" in cell.verdicts.values() for _, cell in run_)
+        short = sum(text.startswith("not served past") for text, _ in said)
         out.append(f"{column.name}: {exact} of {len(run_)} exact, {silent} silently different, {refused} refused, "
                    f"{short} not served past the trained length by default")
     return "; ".join(out) + "."

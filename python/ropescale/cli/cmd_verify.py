@@ -118,6 +118,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_matrix(args) -> int:
+    import dataclasses
     import tempfile
 
     from .. import matrix
@@ -150,9 +151,8 @@ def _cmd_matrix(args) -> int:
     if args.readme is not None:
         matrix.write_readme(args.readme, cells)
     if args.json:
-        dump({"ran": len(ran), "cells": [vars(c) for c in cells.values()]})
+        dump({"ran": len(ran), "cells": [dataclasses.asdict(c) for c in cells.values()]})
     else:
         print(table)
         print(matrix.headline(cells, rows, columns))
-    plugged = {c.name for c in matrix.COLUMNS if c.ropescale_written}
-    return 1 if any(c.silent and c.column in plugged for c in cells.values()) else 0
+    return 1 if matrix.silent_cells(cells, rows, [c for c in columns if c.ropescale_written]) else 0

@@ -36,7 +36,8 @@ def clean(tmp_path_factory):
 
 def test_a_cell_is_a_verify_run_written_as_it_ends(clean):
     folder, cells = clean
-    assert [(c.row, c.column, c.text, c.silent) for c in cells] == [(FACTOR_ROW.name, "transformers", "exact", False)]
+    assert [(c.row, c.column) for c in cells] == [(FACTOR_ROW.name, "transformers")]
+    assert matrix.summary(cells[0], "transformers", FACTOR_ROW.key) == ("exact", False)
     assert cells[0].verdicts == {"served length": "exact", "scaling": "exact"}
     assert "ropescale verify" in cells[0].detail and cells[0].version.startswith("transformers ")
     on_disk = matrix.load(folder / "results.jsonl")
@@ -54,10 +55,12 @@ def test_a_planted_engine_that_drops_a_key_turns_the_cell_to_different_naming_it
     monkeypatch.setenv("PYTHONPATH", str(site))
     cells = matrix.run(tmp_path / "results.jsonl", folder / "work", [FACTOR_ROW], [TRANSFORMERS])
     (cell,) = cells
-    assert cell.silent and cell.text.startswith("different: attention_factor="), cell.text
+    text, silent = matrix.summary(cell, "transformers", FACTOR_ROW.key)
+    assert silent and text.startswith("different: attention_factor="), text
     assert cell.verdicts["scaling"] == "different", cell.detail
     table = matrix.markdown(matrix.load(tmp_path / "results.jsonl"), [FACTOR_ROW], [TRANSFORMERS])
-    assert f"**{cell.text}**" in table
+    assert f"**{text}**" in table
+    assert matrix.silent_cells(matrix.load(tmp_path / "results.jsonl"), [FACTOR_ROW], [TRANSFORMERS]) == [cell]
     assert "0 of 1 exact, 1 silently different" in matrix.headline(matrix.load(tmp_path / "results.jsonl"),
                                                                     [FACTOR_ROW], [TRANSFORMERS])
 
@@ -76,7 +79,7 @@ def test_a_run_resumes_from_its_results_and_reruns_a_changed_row(clean, monkeypa
     assert matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS]) == [] and not runs
     changed = dataclasses.replace(FACTOR_ROW, rope={**FACTOR_ROW.rope, "attention_factor": 1.2})
     (cell,) = matrix.run(results, folder / "work", [changed], [TRANSFORMERS])
-    assert len(runs) == 1 and cell.text == "refused" and not cell.silent
+    assert len(runs) == 1 and matrix.summary(cell, "transformers") == ("refused", False)
     assert matrix.load(results)[cell.key].fingerprint == changed.fingerprint() != FACTOR_ROW.fingerprint()
     # the table shows a row's cell only for the row as it is now
     assert "| refused |" not in matrix.markdown(matrix.load(results), [FACTOR_ROW], [TRANSFORMERS])
@@ -126,3 +129,34 @@ def test_a_readme_without_the_matrix_block_is_refused_before_any_run(tmp_path, c
     monkeypatch.setattr(matrix, "run", lambda *a, **k: pytest.fail("ran"))
     assert usage_error(["verify", "--matrix", "--readme", str(readme), "--results", str(tmp_path / "r.jsonl")])
     assert "no <!-- matrix: start -->" in capsys.readouterr().err
+
+
+def synthetic(*checks):
+    return matrix.Cell("row", "column", "f", "engine 1", [dataclasses.asdict(c) for c in checks], "", 0.0)
+
+
+@pytest.mark.parametrize("checks, text, silent", [
+    ([verify.Check("served length", "exact", "64 tokens"), verify.Check("scaling", "exact", "ok", 1e-7, 1e-5)],
+     "exact", False),
+    # the engine refuses prompts past 16 (vLLM's LongRoPE default): not silent
+    ([verify.Check("served length", "short", "not served past length 16: the engine reads 16, the target declares 64",
+                   48.0, 0.0)], "not served past length 16", False),
+    # the engine answers garbage from position 16 on: silent
+    ([verify.Check("served length", "short", "not served past length 16: the engine's log-probabilities are not finite "
+                                             "from position 16 on (15 of 31); it reads 64")],
+     "not finite from position 16", True),
+    ([verify.Check("scaling", "different", "…", 0.12, 1e-5, "factor=1.0")], "different: factor=1.0 (0.12 nats)", True),
+    ([verify.Check("scaling", "ignored", "…", 0.05, 1e-5, "plain RoPE")], "ignored: plain RoPE (0.05 nats)", True),
+    ([verify.Check("rope keys", "ignored", "…", formula="rope_scalings")], "key not read: rope_scalings", True),
+    ([verify.Check("scaling", "unexplained", "…", 0.0016, 1e-5)], "unexplained (0.0016 nats)", True),
+    ([verify.Check("scaling", "refused", "the engine refused the target")], "refused", False),
+    ([verify.Check("ropescale", "refused", "patch: no")], "refused by ropescale: patch: no", False),
+])
+def test_a_cells_words_and_whether_it_is_silent(checks, text, silent):
+    assert matrix.summary(synthetic(*checks), "transformers") == (text, silent)
+
+
+def test_a_silent_cell_of_an_engine_names_its_upstream_report():
+    cell = synthetic(verify.Check("scaling", "different", "…", 0.1, 1e-5, "attention_factor=None"))
+    assert matrix.summary(cell, "vllm", "attention_factor")[0].endswith("[vLLM #46280, #48351]")
+    assert "[" not in matrix.summary(cell, "sglang", "attention_factor")[0]
