@@ -4,14 +4,16 @@ The families it knows, and what each one's layers can take, are declared in ``ro
 It works through transformers' own extension points (no re-implemented attention forward); what changes,
 per model instance, undone by ``unpatch``: the rotary module's forward (``ropescale.hf.rotary``), the attention
 implementation (``AttentionInterface``: ``config._attn_implementation`` X becomes ``ropescale_X``, which calls X
-unchanged unless the forward serves raw keys: ``ropescale.hf.pre_rope``), two hooks on the base model (this
-module: which path a forward takes, and its cache), and for a per-request method ``generate``
-(``ropescale.hf.requests``). A per-layer-type config (Gemma 3) extends the layer types named (its full-attention
-layers by default); the other layers keep their own rope, untouched. A method is served on one of two paths, by
-what its keys need:
+unchanged unless the forward serves raw keys: ``ropescale.hf.pre_rope``), two hooks on the base model
+(``ropescale.hf.hooks``: which path a forward takes, and its cache), and for a per-request method ``generate``
+(``ropescale.hf.requests``). What a patch holds is its state (``ropescale.hf.state``, at the bottom: every other
+module reads it, it imports none of them); this module is the API on top (``patch``, ``unpatch``, ``is_patched``,
+``request``). A per-layer-type config (Gemma 3) extends the layer types named (its full-attention layers by
+default); the other layers keep their own rope, untouched. A method is served on one of two paths, by what its keys
+need:
 
 - ROTATED AT WRITE (the static methods, and a dynamic method with ``per="request"`` and plain attention:
-  ``_PatchState.rotated_at_write``): the rotary module returns cos/sin of ropescale's tables times the attention
+  ``PatchState.rotated_at_write``): the rotary module returns cos/sin of ropescale's tables times the attention
   factor, so the model's own attention rotates q and k, its own cache (``DynamicCache``, ``StaticCache``, sliding
   window layers) keeps the rotated keys, and its own attention implementation (``sdpa``, ``eager``,
   ``flex_attention``, ``flash_attention_*``; sinks, soft-capping) serves them unchanged.
@@ -68,138 +70,23 @@ Patching a model twice raises an error; ``unpatch`` first to change the method.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import types
 import warnings
 from typing import Any, Mapping
 
-import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
-from .. import config as config_lib, scaling as scaling_lib, serving, sharding
+from .. import config as config_lib, scaling as scaling_lib, serving
 from . import architectures, checkpoint
-from .cache import PreRopeCache, PreRopeLayer
-# request (public), REROPE_IMPLEMENTATIONS and the raw-key attention stay importable from here
-from .pre_rope import (REROPE_IMPLEMENTATIONS, _base_implementation, _check_rerope_implementation,  # noqa: F401
-                       _pre_rope_attention, _pre_rope_layers, _rerope, _wrap_implementations)
-from .requests import (_GENERATED_LENGTH, _PREFILL, _Request, _end_request_step, _generate, _prefill,
-                       _prepare_generated_length, _start_request_step, request)
-from .rotary import _own_layout_rotary_forward, _rotary_forward, _set_rotary_buffers
+from .hooks import base_model_hook, base_model_pre_hook
+# REROPE_IMPLEMENTATIONS (the attention implementations ReRoPE reads masks of) stays importable from here
+from .pre_rope import REROPE_IMPLEMENTATIONS, check_rerope_implementation, wrap_implementations  # noqa: F401
+from .requests import GENERATED_LENGTH, PREFILL, generate, prefill, prepare_generated_length
+from .rotary import own_layout_rotary_forward, rotary_forward, set_rotary_buffers
+from .state import PatchState, Request, layer_type_of
 
 #: The families ``patch`` knows (``ropescale.hf.architectures``), by name.
 SUPPORTED_ARCHITECTURES = tuple(arch.name for arch in architectures.ARCHITECTURES)
-
-
-@dataclasses.dataclass
-class _PatchState:
-    # the one place of the method and its attention side's settings (read through ``plan``, never copied here)
-    plan: serving.PreRopePlan
-    # whether the user's attention is a raw-key op: the plan alone cannot tell plain attention (NO_WINDOW) from
-    # ReRoPE with a window of NO_WINDOW
-    raw_keys: bool
-    architecture: architectures.Architecture
-    rotary_modules: list[nn.Module]
-    attention_modules: list[nn.Module]
-    base_model: nn.Module
-    layer_types: tuple[str, ...] | None = None  # the extended layer types of a per-layer-type config
-    config: Any = None
-    # a multimodal rope's stream per rotary pair (config.mrope_pair_streams); positions are then [B, T, streams]
-    pair_streams: list[int] | None = None
-    stream_masks: dict = dataclasses.field(default_factory=dict)  # device: [streams, pairs], 1 where a pair turns
-    saved_config: dict = dataclasses.field(default_factory=dict)  # what unpatch puts back
-    saved_buffers: list = dataclasses.field(default_factory=list)  # (module, name, value) unpatch puts back
-    saved_implementations: list = dataclasses.field(default_factory=list)  # (config, X) unpatch puts back
-    hooks: list = dataclasses.field(default_factory=list)
-    tables: serving.TableCache = dataclasses.field(init=False)  # the plan's tables by length
-    # per="request": whether a ``generate`` / ``request`` is open, the tokens each of its rows may generate (a
-    # generate call's arrives when transformers has resolved its length), the planned lengths its first forward fixed
-    in_request: bool = False
-    new_tokens: int | None = None
-    planned: torch.Tensor | None = None
-    # a ``generate`` call's request: transformers stops every row at its planned length, so once the first forward
-    # fixed the planned lengths the steps need no check (and a compiled decode step reads only tensors)
-    request_bounded: bool = False
-    # rotated at write: the request's per-row tables, fixed with its planned lengths (planned [B], inv_freq [B, P],
-    # attention factor [B]; float64, or float32 for a family whose own rotary forward computes in float32; whether
-    # the row's table is the model's own, native [B])
-    request_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # this forward (set by the base model's pre-hook and the rotary module, cleared after it): whether it runs
-    # pre-RoPE, its cache, its positions and (per request) its planned lengths
-    step_pre_rope: bool = False
-    step_cache: Any = None
-    step_positions: torch.Tensor | None = None
-    step_planned: torch.Tensor | None = None
-
-    def __post_init__(self):
-        self.tables = serving.TableCache(self.plan)
-        self.step_pre_rope = self.pre_rope
-        # A KV-shared layer (Gemma 4's last num_kv_shared_layers) has no cache of its own: it attends the keys that
-        # its source layer (the last earlier layer of its type: kv_sharing_modes "store") cached, at their positions.
-        extended = [m for m in self.attention_modules if self.extends(m)]
-        sources = {_layer_type(m): m.layer_idx for m in extended if getattr(m, "store_full_length_kv", False)}
-        self.kv_sources = {m.layer_idx: sources[_layer_type(m)] for m in extended
-                           if getattr(m, "is_kv_shared_layer", False)}
-        self.extended_layers = [m.layer_idx for m in extended if m.layer_idx not in self.kv_sources]
-
-    @property
-    def method(self) -> scaling_lib.RopeScaling:
-        return self.plan.method
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.plan.rotary_dim
-
-    @property
-    def attention(self) -> str:
-        """The attention ``patch`` took: ``sdpa`` (plain attention; the plan's op name is then ``rerope``, with
-        NO_WINDOW), ``rerope``, ``self_extend`` or ``dual_chunk``."""
-        return self.plan.attention if self.raw_keys else "sdpa"
-
-    @property
-    def window(self) -> int | None:
-        """The raw-key op's window (ReRoPE's, Self-Extend's W, DCA's local size S); None for plain attention."""
-        return self.plan.window if self.raw_keys else None
-
-    @property
-    def rotated_at_write(self) -> bool:
-        """A ``per="request"`` method with plain attention: each request keeps one table, so its keys are rotated
-        when written (by the model's own rotary application, with cos/sin of each row's table) and the model's own
-        cache and attention implementation serve them (``serving.PreRopePlan.rotated_at_write``)."""
-        return self.plan.rotated_at_write
-
-    @property
-    def pre_rope(self) -> bool:
-        """Keys cached raw and rotated at attention time: ReRoPE, Self-Extend, DCA, and the per-step dynamic
-        methods (whose scale follows each step's length). A LongRoPE and a per-request method (rotated at write)
-        keep transformers' rotated-key cache."""
-        return self.raw_keys or (self.method.dynamic and not self.rotated_at_write)
-
-    @property
-    def length_dependent(self) -> bool:
-        return self.plan.length_dependent
-
-    @property
-    def per_request(self) -> bool:
-        return self.plan.per_request
-
-    def extends(self, module: nn.Module) -> bool:
-        """Whether the method applies to this attention module (every layer, or its layer type's), never to a NoPE
-        layer (``Architecture.rope_layers``: SmolLM3's and Llama 4's ``no_rope_layers``), which has no rotation to
-        extend: its attention (raw-key rotation, ReRoPE) and cache stay the model's own."""
-        rope_layers = self.architecture.rope_layers
-        if rope_layers is not None and not getattr(self.config, rope_layers)[module.layer_idx]:
-            return False
-        return self.layer_types is None or _layer_type(module) in self.layer_types
-
-    def request(self, max_new_tokens: int) -> "_Request":
-        """The context of one request per row that may generate ``max_new_tokens`` (:func:`request`)."""
-        return _Request(self, max_new_tokens)
-
-    def table(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
-        """inv_freq on ``device`` and the attention factor for this length (the serving core's table cache)."""
-        return self.tables.table(seq_len, device)
 
 
 def _as_method(scaling, config, layer_type: str | None) -> scaling_lib.RopeScaling:
@@ -210,14 +97,6 @@ def _as_method(scaling, config, layer_type: str | None) -> scaling_lib.RopeScali
     if isinstance(scaling, Mapping):
         return scaling_lib.from_hf(scaling, config.max_position_embeddings)
     raise TypeError(f"patch: scaling must be a ropescale.scaling method, a rope_parameters dict or None, got {type(scaling).__name__}")
-
-
-def _layer_type(module: nn.Module) -> str | None:
-    layer_type = getattr(module, "layer_type", None)
-    if layer_type is None:
-        layer_types = getattr(module.config, "layer_types", None)
-        layer_type = layer_types[module.layer_idx] if layer_types else None
-    return layer_type
 
 
 def _find_modules(model: nn.Module):
@@ -326,7 +205,7 @@ def patch(
     except ValueError as err:
         raise ValueError(f"patch: {err}") from None
     if attention != "sdpa":
-        _check_rerope_implementation(config, attention)
+        check_rerope_implementation(config, attention)
 
     params = config_lib.layer_type_parameters(config, layer_type)
     method = _as_method(scaling, config, layer_type)
@@ -334,8 +213,8 @@ def patch(
     plan = serving.PreRopePlan.for_attention(
         method, config_lib.base_of(config, layer_type),
         method.rotary_dim_for(config_lib.head_dim_of(config, layer_type), params.get("partial_rotary_factor", 1.0)),
-        attention, parameters)
-    state = _PatchState(
+        attention, parameters, interleaved=architecture.interleaved)
+    state = PatchState(
         plan=plan,
         raw_keys=raw_keys,
         architecture=architecture,
@@ -360,32 +239,32 @@ def patch(
         warnings.warn(f"patch: {reduced}", stacklevel=2)
     for module in rotary_modules:
         if architecture.cat_layout:
-            module.forward = types.MethodType(_rotary_forward, module)
+            module.forward = types.MethodType(rotary_forward, module)
         else:
-            _set_rotary_buffers(state, module)
+            set_rotary_buffers(state, module)
             # the identity in its own layout for a pre-RoPE forward; each row's table for a per-request method
             if architecture.pre_rope is None or state.rotated_at_write:
-                module.forward = types.MethodType(_own_layout_rotary_forward, module)
+                module.forward = types.MethodType(own_layout_rotary_forward, module)
         module._ropescale_patch = state
     for module in attention_modules:
         module._ropescale_patch = state
-    _wrap_implementations(state)
+    wrap_implementations(state)
     base_model._ropescale_patch = state
-    state.hooks = [base_model.register_forward_pre_hook(_base_model_pre_hook, with_kwargs=True),
-                   base_model.register_forward_hook(_base_model_hook, always_call=True)]
+    state.hooks = [base_model.register_forward_pre_hook(base_model_pre_hook, with_kwargs=True),
+                   base_model.register_forward_hook(base_model_hook, always_call=True)]
     if state.per_request and hasattr(model, "generate"):
-        if not hasattr(model, _GENERATED_LENGTH):
-            raise TypeError(f"patch: per='request' reads generate's length from {_GENERATED_LENGTH}, which this "
+        if not hasattr(model, GENERATED_LENGTH):
+            raise TypeError(f"patch: per='request' reads generate's length from {GENERATED_LENGTH}, which this "
                             f"transformers' {type(model).__name__} lacks")
-        model.generate = types.MethodType(_generate, model)
-        setattr(model, _GENERATED_LENGTH, types.MethodType(_prepare_generated_length, model))
-        if hasattr(model, _PREFILL):  # a continued cache of another table is prefilled again (else refused)
-            setattr(model, _PREFILL, types.MethodType(_prefill, model))
+        model.generate = types.MethodType(generate, model)
+        setattr(model, GENERATED_LENGTH, types.MethodType(prepare_generated_length, model))
+        if hasattr(model, PREFILL):  # a continued cache of another table is prefilled again (else refused)
+            setattr(model, PREFILL, types.MethodType(prefill, model))
     model._ropescale_patch = state
     return model
 
 
-def _check_written_config(state: _PatchState) -> None:
+def _check_written_config(state: PatchState) -> None:
     """The config the patch wrote, validated by the family's own config class (Phi-3's takes ``default`` and
     ``longrope`` only; transformers' ``longrope`` validator reads the global ``head_dim``, which a config with
     per-layer head dims (Gemma 4) refuses to give, a RuntimeError): a method it refuses would save a checkpoint
@@ -407,7 +286,7 @@ def _check_written_config(state: _PatchState) -> None:
                          f"the rope_parameters this method writes, so its checkpoint would not reload: {err}") from None
 
 
-def _check_layers(state: _PatchState, scaling) -> None:
+def _check_layers(state: PatchState, scaling) -> None:
     """What the family's layers cannot take, refused before the model is touched, naming the layer kind."""
     arch, name = state.architecture, state.architecture.name
     if scaling is not None and arch.fixed_method:
@@ -439,7 +318,7 @@ def _check_layers(state: _PatchState, scaling) -> None:
                          f"{state.rotary_dim} of the {head_dim} features of {name}'s heads (layer type {layer_type}): "
                          f"{arch.narrow_table}")
     if state.pre_rope:
-        sliding = sorted({str(_layer_type(m)) for m in state.attention_modules
+        sliding = sorted({str(layer_type_of(m)) for m in state.attention_modules
                           if state.extends(m) and _sliding_window(m)})
         if sliding:
             kind = "every layer" if sliding == ["None"] else f"layer type {', '.join(sliding)}"
@@ -478,7 +357,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         config._attn_implementation_internal = implementation
     for hook in state.hooks:
         hook.remove()
-    for name in ("generate", _GENERATED_LENGTH, _PREFILL):
+    for name in ("generate", GENERATED_LENGTH, PREFILL):
         if name in vars(model):
             delattr(model, name)
     checkpoint.restore(state.config, state.saved_config)
@@ -490,157 +369,15 @@ def is_patched(model: nn.Module) -> bool:
     return getattr(model, "_ropescale_patch", None) is not None
 
 
-# ---------------------------------------------------------------------------------------------
-# The base model's hooks: which path a forward takes, and its cache
-
-
-def _base_model_pre_hook(module, args, kwargs):
-    """Before the base model runs: whether this forward is pre-RoPE (the method, or a ``PreRopeCache`` given),
-    the cache it will use (pre-RoPE: made here as the model would, so that its layers can hold raw keys; a
-    per-request forward outside ``generate`` and ``request``: the cache whose request it continues), and the
-    attention implementation still wrapped (the user may have changed it since ``patch``)."""
-    state: _PatchState = module._ropescale_patch
-    _wrap_implementations(state)
-    bound = _bound_arguments(module, args, kwargs)
-    if sharding.context_parallel_active():
-        _check_context_parallel(state, bound)
-    if not torch.compiler.is_compiling():  # compiled: no data-dependent read (docstring below)
-        _check_position_jumps(state, module, kwargs, bound)
-    cache = bound.get("past_key_values")
-    if isinstance(cache, PreRopeCache) and state.architecture.pre_rope:
-        raise ValueError(f"ropescale: a PreRopeCache (raw keys, rotated at attention time) cannot serve "
-                         f"{state.architecture.name}: {state.architecture.pre_rope}")
-    state.step_pre_rope = state.pre_rope or isinstance(cache, PreRopeCache)
-    state.step_cache, state.step_positions, state.step_planned = None, None, None
-    if not state.step_pre_rope:
-        if state.rotated_at_write:
-            _start_request_step(state, cache)
-        return args, kwargs
-    if cache is None and _uses_cache(module, bound.get("use_cache")):
-        cache = DynamicCache(config=state.config)
-        kwargs["past_key_values"] = cache
-        if "past_key_values" in bound.get("_positional", ()):
-            raise RuntimeError("ropescale: pass past_key_values by keyword to a pre-RoPE patched model")
-    if cache is not None:
-        _pre_rope_layers(state, cache)
-    state.step_cache = cache
-    return args, kwargs
-
-
-def _check_position_jumps(state: _PatchState, module, kwargs, bound) -> None:
-    """Position ids that jump, in a forward with neither an attention mask nor a cache (a training forward):
-    transformers takes every place where consecutive positions differ by other than 1 for the start of another
-    packed sequence (``masking_utils.find_packed_sequence_indices``) and masks each row into those sequences.
-
-    - Rows that restart (packed sequences, each from 0) keep that, except where ropescale cannot follow it: its
-      raw-key attentions read padding from the attention mask, not the packed sequences, and a table of each
-      row's length (dynamic, per request) would be the row's, not each sequence's; both refused by name.
-    - Rows that jump forward (PoSE's and CREAM's skips: ``ropescale.training``) would be cut at each skip,
-      silently: a patched model reads them as ONE sequence, as the samplers mean (an all-ones attention mask,
-      which transformers' SDPA path drops for ``is_causal``). Rows that do both are refused.
-
-    One host sync; not under ``torch.compile`` (a compiled step would break its graph here), where transformers'
-    reading stands: pass the attention mask with sampled positions (``ropescale.training``'s collator does)."""
-    positions = bound.get("position_ids")
-    if (positions is None or positions.ndim != 2 or positions.shape[-1] < 2 or bound.get("attention_mask") is not None
-            or bound.get("past_key_values") is not None or _uses_cache(module, bound.get("use_cache"))):
-        return
-    steps = positions.diff(dim=-1)
-    jumps, restarts = torch.stack(((steps > 1).any(), (steps < 1).any())).tolist()
-    if restarts:
-        if jumps:
-            raise ValueError(
-                "ropescale: position_ids that both jump forward (a sampled sequence's skips: PoSE, CREAM) and "
-                "restart (packed sequences), with no attention mask: transformers would read every jump as the start "
-                "of another packed sequence and cut the sampled one there. Give each sampled sequence a row of its "
-                "own (with the attention_mask ropescale.training's collator returns)")
-        if state.raw_keys:
-            raise NotImplementedError(
-                f"ropescale: {config_lib.ATTENTION_NAMES[state.attention]} on packed sequences (position_ids that "
-                "restart within a row): it reads padding from the attention mask, not transformers' packed-sequence "
-                "mask, so each sequence would attend to the others. Give each sequence a row of its own (padded, "
-                "with an attention_mask)")
-        if state.length_dependent or state.per_request:
-            raise NotImplementedError(
-                f"ropescale: {type(state.method).__name__} on packed sequences (position_ids that restart within a "
-                "row): its table follows the row's length, not each packed sequence's. Give each sequence a row of "
-                "its own (padded, with an attention_mask), or train with a static method")
-        return
-    if not jumps:
-        return
-    if "attention_mask" in bound.get("_positional", ()):
-        raise RuntimeError("ropescale: pass attention_mask by keyword to a patched model given position ids with "
-                           "gaps (ropescale supplies the all-ones mask that keeps them one sequence)")
-    inputs = bound.get("input_ids")
-    if inputs is None:
-        inputs = bound.get("inputs_embeds")
-    if inputs is not None:  # neither: the model's own error says so
-        kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=positions.device)
-
-
-def _check_context_parallel(state: _PatchState, bound: dict) -> None:
-    """Under PyTorch's context parallelism each rank holds a slice of the sequence (its tokens and, given by the
-    user, their position ids), and only ``F.scaled_dot_product_attention`` becomes ring attention (every query
-    against every rank's keys). What a slice would compute silently wrong is refused here, by name: a forward
-    without position ids (transformers counts each slice from 0), a table that depends on the sequence's length
-    (each rank sees its own slice's largest position), an attention other than SDPA (ropescale's raw-key ops, or
-    another implementation, would attend to the rank's own keys only)."""
-    method = type(state.method).__name__
-    if bound.get("position_ids") is None:
-        raise ValueError(
-            "ropescale: under context parallelism pass position_ids, sharded with the batch (context_parallel(mesh, "
-            "buffers=[input_ids, labels, position_ids], buffer_seq_dims=[1, 1, 1])): without them transformers counts "
-            "every rank's slice of the sequence from position 0")
-    if state.raw_keys:
-        raise NotImplementedError(
-            f"ropescale: {config_lib.ATTENTION_NAMES[state.attention]} under context parallelism: PyTorch's ring "
-            "attention replaces F.scaled_dot_product_attention only, so each rank would attend to its own slice of "
-            "the keys. Train it on one sequence per device (its training path needs no L x L memory: "
-            "ropescale.rerope_train)")
-    if state.length_dependent or state.per_request:
-        what = "per request" if state.per_request else "per length"
-        raise NotImplementedError(
-            f"ropescale: {method} ({what}) under context parallelism: its table follows each sequence's length (its "
-            "largest position + 1), which a rank holding a slice of the sequence does not see. Train with the "
-            "static table of the training length instead (a dynamic method at length L is its static method at "
-            "factor L / original_max_position)")
-    implementations = {_base_implementation(m.config) for m in state.attention_modules if state.extends(m)}
-    if implementations - {"sdpa"}:
-        raise NotImplementedError(
-            f"ropescale: attn_implementation {', '.join(sorted(implementations))} under context parallelism: "
-            "PyTorch's ring attention replaces F.scaled_dot_product_attention only, so any other implementation "
-            "attends to each rank's own slice of the keys: load the model with attn_implementation='sdpa'")
-
-
-def _base_model_hook(module, args, output):
-    """After the base model (or its error): a per-request forward's planned lengths kept with the cache the model
-    made (outside a request), the pre-RoPE layers' pending positions cleared, the step's state reset."""
-    state: _PatchState = module._ropescale_patch
-    if state.step_planned is not None and not state.step_pre_rope:
-        _end_request_step(state, output)
-    if state.step_cache is not None:
-        for layer in state.step_cache.layers:
-            if isinstance(layer, PreRopeLayer):
-                layer.pending_positions = None
-    # the rotation this forward used stays the default one for a recomputation (gradient checkpointing)
-    state.step_pre_rope, state.step_cache, state.step_positions, state.step_planned = state.pre_rope, None, None, None
-
-
-def _bound_arguments(module, args, kwargs) -> dict:
-    """The base model's arguments by name (positional ones included, named in ``_positional``)."""
-    if not args:
-        return kwargs
-    names = list(inspect.signature(type(module).forward).parameters)[1:]
-    bound = dict(kwargs)
-    bound.update(zip(names, args))
-    bound["_positional"] = tuple(names[:len(args)])
-    return bound
-
-
-def _uses_cache(module, use_cache) -> bool:
-    """Whether the base model will make a cache (transformers' ``merge_with_config_defaults`` rule)."""
-    if use_cache is None:
-        use_cache = getattr(module.config, "use_cache", None)
-    if use_cache and getattr(module, "gradient_checkpointing", False) and module.training:
-        use_cache = False
-    return bool(use_cache)
+def request(model: nn.Module, max_new_tokens: int) -> Request:
+    """``with ropescale.hf.request(model, max_new_tokens=N):`` the forwards inside are ONE request per row (a
+    manual decoding loop: the prompt, then a step per token), which may generate up to ``N`` tokens: a model
+    patched with a ``per="request"`` method gives each row, at every step, the table of its planned length
+    (its prompt, the largest position + 1 of its first forward, plus ``N``). ``generate`` does this itself.
+    A step past the planned length is an error, never a silently different scale. Other patches ignore it."""
+    state = getattr(model, "_ropescale_patch", None)
+    if state is None:
+        raise RuntimeError("request: this model is not patched by ropescale")
+    if max_new_tokens is None:
+        raise ValueError("request: max_new_tokens must be an integer >= 0, got None")
+    return state.request(max_new_tokens)

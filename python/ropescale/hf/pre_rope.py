@@ -3,7 +3,7 @@
 The per-step dynamic methods (whose table follows each step's length), ReRoPE, Self-Extend and Dual Chunk
 Attention, and any method given a ``PreRopeCache``: the rotary module returns the identity, the cache's layers of
 extended attention layers are :class:`PreRopeLayer` (raw keys with their positions), and the attention
-implementation X, wrapped as ``ropescale_X`` (:func:`_wrap_implementations`), rotates q and every cached key at
+implementation X, wrapped as ``ropescale_X`` (:func:`wrap_implementations`), rotates q and every cached key at
 attention time with the table of each row's length (:func:`_rotate_groups`), then calls X; or runs ropescale's
 raw-key op (:func:`_rerope`: ReRoPE, Self-Extend, DCA with its temperature, :func:`_dual_chunk_temperature`).
 ``ropescale_X`` calls X unchanged on every other forward (rotated at write).
@@ -12,7 +12,6 @@ raw-key op (:func:`_rerope`: ReRoPE, Self-Extend, DCA with its temperature, :fun
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -22,10 +21,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from .. import config as config_lib, ops
 from .cache import PreRopeLayer
-from .requests import _PLANNED, _batch_positions, _groups, _planned_lengths, _token_positions
-
-if TYPE_CHECKING:
-    from .patch import _PatchState
+from .requests import PLANNED, batch_positions, length_groups, planned_lengths, token_positions
+from .state import PatchState
 
 # rerope_attention never attends a key at a negative position: how padding keys are masked out.
 _PADDING_POSITION = -1
@@ -45,14 +42,14 @@ _WRAPPED = "ropescale_"
 # The attention implementation: ropescale_X
 
 
-def _base_implementation(config) -> str:
+def base_implementation(config) -> str:
     """The attention implementation the model runs (``X`` of a patched model's ``ropescale_X``)."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     return implementation[len(_WRAPPED):] if implementation.startswith(_WRAPPED) else implementation
 
 
-def _check_rerope_implementation(config, attention: str = "rerope") -> None:
-    implementation = _base_implementation(config)
+def check_rerope_implementation(config, attention: str = "rerope") -> None:
+    implementation = base_implementation(config)
     if implementation not in REROPE_IMPLEMENTATIONS:
         raise ValueError(
             f"patch: {config_lib.ATTENTION_NAMES[attention]} reads padding from the attention mask, and ropescale "
@@ -61,7 +58,7 @@ def _check_rerope_implementation(config, attention: str = "rerope") -> None:
             "load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
 
 
-def _wrap_implementations(state: _PatchState) -> None:
+def wrap_implementations(state: PatchState) -> None:
     """Every attention config's implementation X as ``ropescale_X`` (registered on first use, with X's mask)."""
     configs = {id(m.config): m.config for m in state.attention_modules}
     for config in configs.values():
@@ -69,7 +66,7 @@ def _wrap_implementations(state: _PatchState) -> None:
         if implementation.startswith(_WRAPPED):
             continue
         if state.raw_keys:  # at patch and at every forward: the implementation can change after patch
-            _check_rerope_implementation(config, state.attention)
+            check_rerope_implementation(config, state.attention)
         name = _WRAPPED + implementation
         if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
             AttentionInterface.register(name, _attention_function(implementation))
@@ -90,7 +87,7 @@ def _attention_function(implementation: str):
             function = sys.modules[type(module).__module__].eager_attention_forward
         else:
             function = ALL_ATTENTION_FUNCTIONS[implementation]
-        state: _PatchState | None = getattr(module, "_ropescale_patch", None)
+        state: PatchState | None = getattr(module, "_ropescale_patch", None)
         if state is None or not state.step_pre_rope or not state.extends(module):
             return function(module, query, key, value, attention_mask, **kwargs)
         return _pre_rope_attention(state, function, module, query, key, value, attention_mask, **kwargs)
@@ -103,7 +100,7 @@ def _attention_function(implementation: str):
 # The cache's raw-key layers, and the step's positions
 
 
-def _pre_rope_layers(state: _PatchState, cache) -> None:
+def pre_rope_layers(state: PatchState, cache) -> None:
     """The layers of ``cache`` of extended attention layers as pre-RoPE layers. transformers' ``DynamicCache``
     (made by ``generate``, by ``use_cache=True`` and by this hook) is converted while its layers are empty; a
     layer already holding rotated keys cannot be."""
@@ -119,7 +116,7 @@ def _pre_rope_layers(state: _PatchState, cache) -> None:
                 f"({type(cache).__name__}); pass past_key_values=ropescale.hf.PreRopeCache()")
 
 
-def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: int) -> None:
+def start_pre_rope_step(state: PatchState, position_ids: torch.Tensor, batch: int) -> None:
     """The rotary module's part of a pre-RoPE forward (it sees the positions first, before any layer caches a
     key): the positions each pre-RoPE cache layer stores, and a per-request method's planned lengths."""
     if state.step_positions is not None:  # a per-layer-type rotary module runs once per type
@@ -127,7 +124,7 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
     if state.pair_streams is not None:  # [streams, B, T] (or [B, T]: every stream at the text position)
         streams = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
         position_ids = streams.permute(1, 2, 0)
-    positions = _batch_positions(position_ids, batch)
+    positions = batch_positions(position_ids, batch)
     state.step_positions = positions
     cache = state.step_cache
     if cache is not None:
@@ -138,15 +135,15 @@ def _start_pre_rope_step(state: _PatchState, position_ids: torch.Tensor, batch: 
         vars(cache).pop(_PROMPT, None)  # a new request in this cache: DCA's prompt lengths are this forward's
     if state.per_request:  # before the cache takes this step's keys: a refused step leaves it as it was
         if cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
-            vars(cache).pop(_PLANNED, None)  # a new request in this cache
-        state.step_planned = _planned_lengths(state, _token_positions(positions), cache)
+            vars(cache).pop(PLANNED, None)  # a new request in this cache
+        state.step_planned = planned_lengths(state, token_positions(positions), cache)
 
 
 # ---------------------------------------------------------------------------------------------
 # Attention over raw keys
 
 
-def _pre_rope_attention(state: _PatchState, function, module, query, key, value, attention_mask, **kwargs):
+def _pre_rope_attention(state: PatchState, function, module, query, key, value, attention_mask, **kwargs):
     # The model's identity rotation multiplied q and k by cos/sin of the hidden states' dtype: under autocast a
     # bf16 projection came back float32, exactly (x * 1 - y * 0). They go on in the projection's dtype, as v.
     query, key = query.to(value.dtype), key.to(value.dtype)
@@ -159,7 +156,7 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
                            "layers)")
     # A KV-shared layer may run the last queries only (Gemma 4 slices them to generate's logits_to_keep) while its
     # keys, those of its source layer, are the whole step's.
-    key_positions = _batch_positions(positions, query.shape[0])
+    key_positions = batch_positions(positions, query.shape[0])
     positions = key_positions[:, -query.shape[-2]:]
     cache = state.step_cache
     layer_idx = state.kv_sources.get(module.layer_idx, module.layer_idx)
@@ -170,8 +167,8 @@ def _pre_rope_attention(state: _PatchState, function, module, query, key, value,
                            f"of {key_positions.shape[1]}: its cache was not made by this patched model's forward")
     planned = state.step_planned if state.per_request else None
     if state.per_request and planned is None:
-        planned = _planned_lengths(state, _token_positions(positions), None)
-    groups = _groups(state, _token_positions(key_positions), planned)
+        planned = planned_lengths(state, token_positions(positions), None)
+    groups = length_groups(state, token_positions(key_positions), planned)
     if state.raw_keys:
         return _rerope(module, state, groups, query, key, value, positions, key_positions, attention_mask,
                        kwargs), None
@@ -198,7 +195,7 @@ def _rotate(state, x, positions, inv_freq, factor):
     pair turns at its own stream's position: rotations of disjoint pairs commute, so one rotation per stream with
     the other pairs' frequencies zero (an identity on them), the attention factor in the last one only (it scales
     a zero-frequency pair too), so that every pair takes it once."""
-    interleaved = state.architecture.interleaved
+    interleaved = state.interleaved
     if state.pair_streams is None:
         return ops.apply_rotary_pos(x, positions, inv_freq, factor, interleaved)
     masks = state.stream_masks.get(inv_freq.device)
@@ -311,7 +308,7 @@ def _rerope(module, state, groups, query, key, value, positions, key_positions, 
         out, _lse = attention(
             q, k, v, q_pos, k_pos, inv_freq, state.window,
             leaky_k=plan.leaky_k, scale=scale, logn_length=plan.logn_length,
-            interleaved=state.architecture.interleaved, **method_arguments,
+            interleaved=state.interleaved, **method_arguments,
         )
         return out
 

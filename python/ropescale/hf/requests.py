@@ -1,28 +1,26 @@
 """A per-request method's requests, and each row's length (``ropescale.hf.patch``'s docstring says the rule).
 
 - ``generate`` of a model patched with a ``per="request"`` method: the call is one request per row, its budget read
-  where transformers resolves it (``_prepare_generated_length``); :func:`request` states it around a manual loop;
-- :func:`_planned_lengths`: each row's planned length (prompt + budget), fixed at the request's first forward and
-  kept with the request (or, outside ``generate`` and :func:`request`, with the cache), a step past it refused;
+  where transformers resolves it (``prepare_generated_length``); ``ropescale.hf.request`` states it around a
+  manual loop;
+- :func:`planned_lengths`: each row's planned length (prompt + budget), fixed at the request's first forward and
+  kept with the request (or, outside ``generate`` and ``ropescale.hf.request``, with the cache), a step past it
+  refused;
 - a request given a cache that holds tokens (a conversation's next turn): its keys were rotated with the table of the
   request that wrote them, and every later layer's keys and values of those tokens were computed under it, so it is
   continued only where the new request's table is the same (:func:`_check_continuation`); else ``generate``
-  prefills the whole conversation again under the new plan (:func:`_prefill`, as vLLM recomputes a continued
+  prefills the whole conversation again under the new plan (:func:`prefill`, as vLLM recomputes a continued
   conversation), and any other forward refuses by name;
 - each row's length (largest position + 1) and the rows grouped by it, for the tables that follow the length.
 
-Reading a length off the data is a graph break under ``torch.compile`` (:data:`_DATA_DEPENDENT` says why).
+Reading a length off the data is a graph break under ``torch.compile`` (:data:`DATA_DEPENDENT` says why).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import nn
 
-if TYPE_CHECKING:
-    from .patch import _PatchState
+from .state import PatchState, Request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,7 +29,7 @@ if TYPE_CHECKING:
 
 # A length-dependent table is picked by the current length, read off the data: a graph break under
 # torch.compile (which works), an error under fullgraph=True, with this message.
-_DATA_DEPENDENT = (
+DATA_DEPENDENT = (
     "ropescale: a length-dependent table (per-step Dynamic-YaRN and Dynamic-NTK, LongRoPE; a per-request method's "
     "at a request's first forward and at every forward outside generate) is chosen from each row's length, a value "
     "read off the data, so the patched model cannot be captured as one graph there: compile with "
@@ -40,7 +38,7 @@ _DATA_DEPENDENT = (
     "fullgraph=True")
 
 
-def _batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
+def batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
     """int64 positions ``[batch, T]`` (``[batch, T, streams]`` under a multimodal rope) from ``[T]``, ``[1, T]``
     or ``[batch, T]`` (and their stream forms)."""
     positions = positions.to(torch.int64)
@@ -49,13 +47,13 @@ def _batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
     return positions.expand(batch, *positions.shape[1:])
 
 
-def _token_positions(positions: torch.Tensor) -> torch.Tensor:
+def token_positions(positions: torch.Tensor) -> torch.Tensor:
     """``[B, T]``: each token's position for lengths (a multimodal rope's largest stream, as transformers' dynamic
     update takes the largest position id)."""
     return positions.amax(dim=-1) if positions.dim() == 3 else positions
 
 
-@torch.compiler.disable(reason=_DATA_DEPENDENT)
+@torch.compiler.disable(reason=DATA_DEPENDENT)
 def _row_groups(positions: torch.Tensor, lengths: torch.Tensor | None = None) -> list[tuple[torch.Tensor | None, int]]:
     """``[(rows, seq_len)]``: the batch rows grouped by their own length (largest position + 1, or ``lengths``
     where given: a per-request method's planned lengths), with ``rows=None`` for "every row" (all rows share one
@@ -68,7 +66,9 @@ def _row_groups(positions: torch.Tensor, lengths: torch.Tensor | None = None) ->
     return [(torch.nonzero(lengths == n)[:, 0], int(n)) for n in distinct]
 
 
-def _groups(state: _PatchState, positions: torch.Tensor, planned: torch.Tensor | None = None):
+def length_groups(state: PatchState, positions: torch.Tensor, planned: torch.Tensor | None = None):
+    """The rows grouped by the length whose table they take (:func:`_row_groups`), or ``[(None, None)]`` for a
+    table that does not depend on the length."""
     if not state.length_dependent:
         return [(None, None)]
     return _row_groups(positions, planned)
@@ -80,73 +80,33 @@ def _groups(state: _PatchState, positions: torch.Tensor, planned: torch.Tensor |
 
 # transformers' GenerationMixin resolves how long a generate call may run here (max_new_tokens, max_length, the
 # generation config, their defaults): ropescale reads the result rather than re-deriving the rule.
-_GENERATED_LENGTH = "_prepare_generated_length"
+GENERATED_LENGTH = "_prepare_generated_length"
 # ... and runs a call's first forward here (with the whole input: a continued cache's tokens among them)
-_PREFILL = "_prefill"
+PREFILL = "_prefill"
 
 
-def _generate(self, *args, **kwargs):
+def generate(self, *args, **kwargs):
     """``generate`` of a per-request model: the call is one request per row; its budget arrives from
-    :func:`_prepare_generated_length` before the first forward."""
-    with _Request(self._ropescale_patch, None, bounded=True):
+    :func:`prepare_generated_length` before the first forward."""
+    with Request(self._ropescale_patch, None, bounded=True):
         return type(self).generate(self, *args, **kwargs)
 
 
-def _prepare_generated_length(self, generation_config, *args, **kwargs):
+def prepare_generated_length(self, generation_config, *args, **kwargs):
     """transformers' own, then each row's budget: ``max_length`` less the input's (padded) length."""
-    config = getattr(type(self), _GENERATED_LENGTH)(self, generation_config, *args, **kwargs)
+    config = getattr(type(self), GENERATED_LENGTH)(self, generation_config, *args, **kwargs)
     input_length = kwargs.get("input_ids_length")
-    state: _PatchState = self._ropescale_patch
+    state: PatchState = self._ropescale_patch
     if state.in_request and input_length is not None and config.max_length is not None:
         state.new_tokens = max(int(config.max_length) - int(input_length), 0)
     return config
 
 
-def request(model: nn.Module, max_new_tokens: int) -> "_Request":
-    """``with ropescale.hf.request(model, max_new_tokens=N):`` the forwards inside are ONE request per row (a
-    manual decoding loop: the prompt, then a step per token), which may generate up to ``N`` tokens: a model
-    patched with a ``per="request"`` method gives each row, at every step, the table of its planned length
-    (its prompt, the largest position + 1 of its first forward, plus ``N``). ``generate`` does this itself.
-    A step past the planned length is an error, never a silently different scale. Other patches ignore it."""
-    state = getattr(model, "_ropescale_patch", None)
-    if state is None:
-        raise RuntimeError("request: this model is not patched by ropescale")
-    if max_new_tokens is None:
-        raise ValueError("request: max_new_tokens must be an integer >= 0, got None")
-    return state.request(max_new_tokens)
+PLANNED = "_ropescale_planned"  # the planned lengths of the request that wrote a cache's keys (their tables)
 
 
-class _Request:
-    """The context :func:`request` returns (``_PatchState.request``)."""
-
-    def __init__(self, state: "_PatchState", max_new_tokens: int | None, bounded: bool = False) -> None:
-        # None: generate's, set once transformers has resolved it (_prepare_generated_length). bounded: generate's
-        # (transformers stops each row at its planned length, so no step after the first needs checking)
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 0):
-            raise ValueError(f"request: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        self.state, self.max_new_tokens, self.bounded = state, max_new_tokens, bounded
-
-    def __enter__(self):
-        if self.state.in_request:
-            raise RuntimeError("request: a request of this model is already open (generate or request)")
-        self._open(True, self.max_new_tokens, self.bounded)
-        return self
-
-    def __exit__(self, *exc):
-        self._open(False, None, False)
-
-    def _open(self, open_: bool, new_tokens: int | None, bounded: bool) -> None:
-        state = self.state
-        state.in_request, state.new_tokens, state.request_bounded = open_, new_tokens, bounded
-        state.planned, state.request_rows = None, None
-
-
-_PLANNED = "_ropescale_planned"  # the planned lengths of the request that wrote a cache's keys (their tables)
-
-
-@torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torch.Tensor:
+@torch.compiler.disable(reason=DATA_DEPENDENT)
+def planned_lengths(state: PatchState, positions: torch.Tensor, cache) -> torch.Tensor:
     """Each row's planned length under a per-request method (``ropescale.hf.patch``'s docstring): fixed at the
     request's first forward (inside ``generate`` / :class:`request`: that call's; else the cache's, or the
     forward itself without a cache) as the row's length then (its largest position + 1: this forward's
@@ -155,21 +115,21 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torc
     if state.in_request:
         if state.new_tokens is None:
             raise RuntimeError("ropescale: per='request' could not read this generate call's length from "
-                               f"transformers ({_GENERATED_LENGTH} was not called before the first forward): wrap "
+                               f"transformers ({GENERATED_LENGTH} was not called before the first forward): wrap "
                                "the call in `with ropescale.hf.request(model, max_new_tokens=N):` instead")
         planned = state.planned
         if planned is None or planned.shape[0] != current.shape[0]:
             planned = current + state.new_tokens
             if cache is not None:
                 _check_continuation(state, cache, planned, positions.shape[-1])
-                setattr(cache, _PLANNED, planned)
+                setattr(cache, PLANNED, planned)
             state.planned = planned
     elif cache is not None:
-        planned = getattr(cache, _PLANNED, None)
+        planned = getattr(cache, PLANNED, None)
         if planned is None or planned.shape[0] != current.shape[0]:
             _check_continuation(state, cache, current, positions.shape[-1])
             planned = current
-            setattr(cache, _PLANNED, planned)
+            setattr(cache, PLANNED, planned)
     else:
         planned = current
     if bool((current > planned).any()):
@@ -182,25 +142,25 @@ def _planned_lengths(state: _PatchState, positions: torch.Tensor, cache) -> torc
     return planned
 
 
-def _start_request_step(state: _PatchState, cache) -> None:
+def start_request_step(state: PatchState, cache) -> None:
     """A per-request forward given ``cache``: outside ``generate`` and :func:`request` it continues the cache's
     request (the planned lengths its first forward fixed, kept with it); a request's first forward checks that the
     cache's keys were written with its tables (:func:`_check_continuation`). An emptied cache starts anew. Inside a
     request nothing is read here (a compiled decode step keeps its graph whole)."""
     if not state.in_request and cache is not None and cache.get_seq_length(state.extended_layers[0]) == 0:
-        vars(cache).pop(_PLANNED, None)
+        vars(cache).pop(PLANNED, None)
     state.step_cache = cache
 
 
-def _end_request_step(state: _PatchState, output) -> None:
+def end_request_step(state: PatchState, output) -> None:
     """After a per-request forward that was given no cache: the cache the model made for it keeps the planned
     lengths it fixed (the next forward given that cache continues the request, or checks that its table is the
     same: :func:`_check_continuation`)."""
     if state.step_cache is not None:
         return
     cache = getattr(output, "past_key_values", None)
-    if cache is not None and getattr(cache, _PLANNED, None) is None:
-        setattr(cache, _PLANNED, state.step_planned)
+    if cache is not None and getattr(cache, PLANNED, None) is None:
+        setattr(cache, PLANNED, state.step_planned)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,14 +170,14 @@ def _end_request_step(state: _PatchState, output) -> None:
 class _CacheOfAnotherTable(ValueError):
     """A request's first forward given a cache whose keys were written under another table (or an unknown one):
     raised before any layer writes, so the cache is as it was. ``generate`` prefills the whole sequence again when
-    its inputs hold the cached tokens (:func:`_prefill`); elsewhere it is the user's error."""
+    its inputs hold the cached tokens (:func:`prefill`); elsewhere it is the user's error."""
 
     def __init__(self, message: str, cached: int, tokens: int) -> None:
         super().__init__(message)
         self.cached, self.tokens = cached, tokens  # the cache's tokens, the refused forward's
 
 
-def _same_tables(state: _PatchState, written: torch.Tensor, planned: torch.Tensor) -> torch.Tensor:
+def _same_tables(state: PatchState, written: torch.Tensor, planned: torch.Tensor) -> torch.Tensor:
     """``[B]``: whether each row's table (inv_freq and attention factor, hence also whether it is the native one) at
     its planned length is the one its cached keys were written with (two lengths within the trained length, or
     under a dynamic method's floor ``factor``, share a table)."""
@@ -228,7 +188,7 @@ def _same_tables(state: _PatchState, written: torch.Tensor, planned: torch.Tenso
     return torch.tensor([same[pair] for pair in zip(written.tolist(), planned.tolist())], dtype=torch.bool)
 
 
-def _check_continuation(state: _PatchState, cache, planned: torch.Tensor, tokens: int) -> None:
+def _check_continuation(state: PatchState, cache, planned: torch.Tensor, tokens: int) -> None:
     """A request's first forward (planned lengths ``planned``, ``tokens`` new tokens) given a cache that holds tokens:
     continued where each row's table is the one the cache's keys were written with (the request that wrote them is
     this one's prefix under the same static model: exact, and nothing recomputed); else refused before any layer
@@ -238,7 +198,7 @@ def _check_continuation(state: _PatchState, cache, planned: torch.Tensor, tokens
     cached = cache.get_seq_length(state.extended_layers[0])
     if cached == 0:
         return
-    written = getattr(cache, _PLANNED, None)
+    written = getattr(cache, PLANNED, None)
     method = f"{type(state.method).__name__}(per='request')"
     advice = ("Pass the whole conversation (the cached tokens and the new ones) without past_key_values, or with "
               "an emptied cache: generate does this itself when its input_ids hold the cached tokens, as vLLM "
@@ -261,7 +221,7 @@ def _check_continuation(state: _PatchState, cache, planned: torch.Tensor, tokens
         f"(re-rotating the keys redoes the first layer only). {advice}", cached, tokens)
 
 
-def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
+def prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
     """transformers' own prefill of a ``generate`` call; if its first forward refused the cache it was given (written
     under another table: :func:`_check_continuation`, before any layer wrote), the cache is emptied and the whole
     sequence prefilled under this request's plan, exactly the request without a cache (what vLLM does with a
@@ -275,7 +235,7 @@ def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteratio
             "prefill_chunk_size")
     given = dict(model_kwargs)
     try:
-        return getattr(type(self), _PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
+        return getattr(type(self), PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
                                              *args, **kwargs)
     except _CacheOfAnotherTable as refused:
         embeds = given.get("inputs_embeds")
@@ -286,5 +246,5 @@ def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteratio
         model_kwargs.clear()
         model_kwargs.update(given)
         given["past_key_values"].reset()
-        return getattr(type(self), _PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
+        return getattr(type(self), PREFILL)(self, input_ids, generation_config, model_kwargs, is_first_iteration,
                                              *args, **kwargs)

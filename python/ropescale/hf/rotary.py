@@ -1,7 +1,7 @@
 """The patched rotary module's forward: the cos/sin that the model's own attention rotates q and k with.
 
 - rotated at write: for a static method, cos/sin of ropescale's table (each row with the table of its own length
-  when the table depends on it); for a per-request method (``_PatchState.rotated_at_write``), each row's cos/sin of
+  when the table depends on it); for a per-request method (``PatchState.rotated_at_write``), each row's cos/sin of
   its request's table and attention factor (:func:`_request_cos_sin`), from per-row tables computed once per request;
 - a raw-key forward (``ropescale.hf.pre_rope``): the identity rotation, so the model's own attention caches raw keys
   (the attention function rotates them, or runs ReRoPE).
@@ -12,29 +12,25 @@ module of another layout keeps its forward for a static method, on ropescale's t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from .pre_rope import _start_pre_rope_step
-from .requests import _DATA_DEPENDENT, _batch_positions, _groups, _planned_lengths, _token_positions
-
-if TYPE_CHECKING:
-    from .patch import _PatchState
+from .pre_rope import start_pre_rope_step
+from .requests import DATA_DEPENDENT, batch_positions, length_groups, planned_lengths, token_positions
+from .state import PatchState
 
 
 @torch.no_grad()
-def _rotary_forward(self, x, position_ids, layer_type=None):
+def rotary_forward(self, x, position_ids, layer_type=None):
     """cos/sin in transformers' Llama layout: for a static method, of ropescale's table (each row with the table
     of its own length when the table depends on it); for a per-request method, each row's of its request's table
     (:func:`_request_cos_sin`); for a pre-RoPE forward, the identity (the attention function rotates). A layer type
     the patch does not extend gets the model's own."""
-    state: _PatchState = self._ropescale_patch
+    state: PatchState = self._ropescale_patch
     if state.layer_types is not None and layer_type not in state.layer_types:
         return type(self).forward(self, x, position_ids, layer_type)
     if state.step_pre_rope:
-        _start_pre_rope_step(state, position_ids, x.shape[0])
+        start_pre_rope_step(state, position_ids, x.shape[0])
         ones = torch.ones(*position_ids.shape, state.rotary_dim, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
     if state.rotated_at_write:
@@ -47,7 +43,7 @@ def _rotary_forward(self, x, position_ids, layer_type=None):
             native = state.request_rows[3][:, None, None]
             cos, sin = torch.where(native, own_cos, cos), torch.where(native, own_sin, sin)
         return cos, sin
-    groups = _groups(state, position_ids)
+    groups = length_groups(state, position_ids)
     if groups[0][0] is not None:  # rows of different lengths: per-row angles and factors
         angles = position_ids.new_empty(*position_ids.shape, state.rotary_dim // 2, dtype=torch.float64)
         factors = angles.new_empty(position_ids.shape[0], 1, 1)
@@ -66,22 +62,22 @@ def _rotary_forward(self, x, position_ids, layer_type=None):
     return cos, sin
 
 
-def _own_layout_rotary_forward(self, x, position_ids, *args, **kwargs):
+def own_layout_rotary_forward(self, x, position_ids, *args, **kwargs):
     """A rotary module of another layout that takes pre-RoPE methods (multimodal sections) or a per-request method
-    (gpt-oss's half width too): its own forward on ropescale's static table (``_set_rotary_buffers``); for a
+    (gpt-oss's half width too): its own forward on ropescale's static table (``set_rotary_buffers``); for a
     per-request method each row's cos/sin in its layout (:func:`_request_cos_sin`); for a pre-RoPE forward the
     identity in its own output layout (the attention function rotates, each pair at its stream's position)."""
-    state: _PatchState = self._ropescale_patch
+    state: PatchState = self._ropescale_patch
     if state.rotated_at_write and not state.step_pre_rope:
         return _request_cos_sin(state, x, position_ids)
     cos, sin = type(self).forward(self, x, position_ids, *args, **kwargs)
     if not state.step_pre_rope:
         return cos, sin
-    _start_pre_rope_step(state, position_ids, x.shape[0])
+    start_pre_rope_step(state, position_ids, x.shape[0])
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 
-def _set_rotary_buffers(state: _PatchState, module: nn.Module) -> None:
+def set_rotary_buffers(state: PatchState, module: nn.Module) -> None:
     """A rotary module of another layout keeps its forward and runs it on ropescale's (static) table: its
     ``inv_freq`` and ``attention_scaling`` (per extended layer type), its ``rope_type`` made ``default`` so
     that transformers' dynamic update leaves them alone. ``unpatch`` puts all back."""
@@ -107,10 +103,10 @@ def _set_rotary_buffers(state: _PatchState, module: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rotated at write: a per-request method with plain attention (``_PatchState.rotated_at_write``)
+# Rotated at write: a per-request method with plain attention (``PatchState.rotated_at_write``)
 
 
-def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Tensor):
+def _request_cos_sin(state: PatchState, x: torch.Tensor, position_ids: torch.Tensor):
     """cos/sin of a per-request method in the rotary module's output layout: each row with its request's table and
     attention factor (the planned length's, :func:`_request_rows`), so the model's own attention rotates q and k
     with them and its own cache keeps the rotated keys. Transformers' Llama layout ``cat(angles, angles)`` (a
@@ -121,7 +117,7 @@ def _request_cos_sin(state: _PatchState, x: torch.Tensor, position_ids: torch.Te
     if state.pair_streams is not None:  # [streams, B, T] (or [B, T]: every stream at the text position)
         streams = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
         position_ids = streams.permute(1, 2, 0)
-    positions = _batch_positions(position_ids, x.shape[0])
+    positions = batch_positions(position_ids, x.shape[0])
     _, inv_freq, factor, _ = _request_rows(state, positions, x.device)
     if state.pair_streams is None:
         per_pair = positions.to(inv_freq.dtype)[..., None]  # [B, T, 1]
@@ -142,7 +138,7 @@ def _own_rotary_is_native(module: nn.Module) -> bool:
     return getattr(module, "rope_type", None) == "default" and getattr(module, "attention_scaling", 1.0) == 1.0
 
 
-def _request_rows(state: _PatchState, positions: torch.Tensor, device: torch.device):
+def _request_rows(state: PatchState, positions: torch.Tensor, device: torch.device):
     """``(planned [B], inv_freq [B, P], factor [B], native [B])``: each row's planned length, table, attention factor
     and whether that table is the default one with factor 1 (the model's own, within the trained length). A
     ``generate`` call's decode steps read the tables its first forward fixed (transformers stops every row at its
@@ -153,11 +149,11 @@ def _request_rows(state: _PatchState, positions: torch.Tensor, device: torch.dev
     return _fix_request_rows(state, positions, device)
 
 
-@torch.compiler.disable(reason=_DATA_DEPENDENT)
-def _fix_request_rows(state: _PatchState, positions: torch.Tensor, device: torch.device):
-    """This forward's planned lengths (:func:`_planned_lengths`: fixed at the request's first forward, a step past
+@torch.compiler.disable(reason=DATA_DEPENDENT)
+def _fix_request_rows(state: PatchState, positions: torch.Tensor, device: torch.device):
+    """This forward's planned lengths (:func:`planned_lengths`: fixed at the request's first forward, a step past
     them refused) and their tables, computed once per planned lengths (kept with them)."""
-    planned = _planned_lengths(state, _token_positions(positions), state.step_cache)
+    planned = planned_lengths(state, token_positions(positions), state.step_cache)
     state.step_planned = planned
     rows = state.request_rows
     if rows is None or rows[0] is not planned or rows[1].device != device:
@@ -165,7 +161,7 @@ def _fix_request_rows(state: _PatchState, positions: torch.Tensor, device: torch
     return rows
 
 
-def _row_tables(state: _PatchState, planned: torch.Tensor, device: torch.device):
+def _row_tables(state: PatchState, planned: torch.Tensor, device: torch.device):
     """``inv_freq [B, P]``, the attention factor ``[B]`` and whether the table is the default one with factor 1
     ``[B]``, of each row's planned length (the serving core's table cache: one table per distinct length), in the
     precision the rotary forward computes angles in."""

@@ -1,6 +1,6 @@
 """Context parallelism (issue 46, part 3): a patched model trained with PyTorch's ``context_parallel`` on 2 gloo
 ranks on CPU gives the unsplit run's loss and gradients, for every scaling method that can run so; the rest is
-refused by name (``ropescale.hf.patch``'s ``_check_context_parallel``; docs/DESIGN.md, "Context parallelism").
+refused by name (``ropescale.hf.hooks``'s ``_check_context_parallel``; docs/DESIGN.md, "Context parallelism").
 
 PyTorch's ring attention dispatches the CUDA SDPA kernels only; ``support.cpu_ring_attention`` gives CPU SDPA's
 kernel the same handler, so PyTorch's own ring loop (key rotation, head-tail load balancing, log-sum-exp merge)

@@ -1,6 +1,6 @@
 """Position ids that jump (issue 46, part 1), in a training forward (no attention mask, no cache): transformers
 reads every place where consecutive positions differ by other than 1 as the start of another packed sequence
-(``masking_utils.find_packed_sequence_indices``). ``hf.patch``'s ``_check_position_jumps``:
+(``masking_utils.find_packed_sequence_indices``). ``ropescale.hf.hooks``'s ``_check_position_jumps``:
 
 - packed rows (each sequence from 0): every static method gives each sequence what it gives alone, forward and
   backward, in float32 and under autocast; raw-key attentions and length-following tables are refused by name;

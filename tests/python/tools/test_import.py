@@ -145,7 +145,8 @@ def test_a_build_without_cuda_kernels_says_how_to_rebuild_on_cuda_tensors():
 
 # ---------------------------------------------------------------------------------------------
 # The package's import layering (docs/DESIGN.md, "Python layers"): no import circle, every import at the top
-# of its module, and the op layer importing only downwards.
+# of its module, the op layer importing only downwards, no file over 600 lines, and a name one module takes from
+# another is that module's public surface.
 
 PACKAGE = Path(ropescale.__file__).parent
 
@@ -170,6 +171,35 @@ OP_LAYER = {
 # that the entry goes.
 IMPORTS_BELOW_A_STATEMENT: dict[str, str] = {}
 
+# Import circles the package still has, each by the import that closes it, (importer, imported): an import inside
+# a function (never one at the top: a circle at import time has no exception), with why. The circle test leaves
+# these imports out; test_each_known_import_circle_is_still_there fails once one no longer closes a circle, so
+# that the entry goes.
+KNOWN_IMPORT_CIRCLES: dict[tuple[str, str], str] = {
+    ("_verify_keys", "verify"): "verify imports _verify_keys at the top; _verify_keys.check_keys imports verify.Check "
+                                "and _verify_keys.declared_with calls verify.declared (verify.py and _verify_keys.py "
+                                "are the verify issues' files: Check and declared belong below both)",
+    ("sglang.rotary", "sglang.attention"): "sglang.attention imports sglang.rotary at the top; sglang.rotary's "
+                                           "get_rope imports sglang.attention for a raw-key model (the raw-key "
+                                           "plan it records belongs in a module below both)",
+}
+
+# Names a package module takes from another although they are that module's own (a leading underscore), each
+# (importer, owner, name) with why; test_no_module_takes_a_private_name_from_another fails once one is gone.
+KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
+    ("hf.checkpoint", "config", "_check_dual_chunk_table"): "config.py (being split) to make it public",
+    ("hf.patch", "config", "_check_dual_chunk_table"): "config.py (being split) to make it public",
+    ("ruler", "evaluate", "_encode"): "evaluate's prompt encoding, shared with RULER",
+    ("ruler", "evaluate", "_greedy"): "evaluate's greedy continuation, shared with RULER",
+    ("verify", "llamacpp", "_field"): "the GGUF field reader, to be made public in llamacpp",
+    ("_verify_keys", "llamacpp", "_field"): "the GGUF field reader, to be made public in llamacpp",
+    ("verify", "realmodel", "_load_gguf"): "realmodel's GGUF loader, to be made public",
+    ("vllm.rotary", "vllm.attention", "_max_model_len"): "vllm/attention.py (being split) to make it public",
+}
+
+#: No package file is longer (docs/DESIGN.md, "Layout": a file per role).
+MAX_LINES = 600
+
 
 def _package_modules() -> dict[str, ast.Module]:
     """Every Python module of the package, by dotted name inside it ("ops", "hf.patch"; "" is the package's
@@ -191,6 +221,17 @@ def _is_submodule(name: str) -> bool:
         path.parent.glob(path.name + ".*.so"))
 
 
+def _import_base(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from`` import of ``module`` names (``from ..config import x`` in hf.patch:
+    ropescale.config)."""
+    if node.level == 0:
+        return node.module
+    is_package = module == "" or (PACKAGE.joinpath(*module.split(".")) / "__init__.py").exists()
+    parts = ["ropescale", *filter(None, module.split("."))]
+    parts = parts if is_package else parts[:-1]
+    return ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
 def _imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     """The package modules an import statement of ``module`` imports, by dotted name inside the package: each
     submodule named, or the module a name is taken from (``from . import __version__``: the package's __init__,
@@ -198,13 +239,7 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
-        if node.level == 0:
-            base = node.module
-        else:
-            is_package = module == "" or (PACKAGE.joinpath(*module.split(".")) / "__init__.py").exists()
-            parts = ["ropescale", *filter(None, module.split("."))]
-            parts = parts if is_package else parts[:-1]
-            base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+        base = _import_base(module, node)
         names = [f"{base}.{alias.name}" if _is_submodule(f"{base}.{alias.name}".partition(".")[2]) else base
                  for alias in node.names]
     inner = {name.partition(".")[2] for name in names if name == "ropescale" or name.startswith("ropescale.")}
@@ -237,26 +272,122 @@ def test_every_import_is_at_the_top_of_its_module():
     assert set(late) == set(IMPORTS_BELOW_A_STATEMENT), late
 
 
-def test_the_package_has_no_import_circle():
-    # Module-level imports only: a function's import runs after every module has loaded.
-    graph = {name: set().union(*(_imported(name, node) for node in _module_level_imports(tree)))
-             for name, tree in _package_modules().items()}
-    done, path = set(), []
+def _import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Each module's package imports, from EVERY import statement in it: at the top, inside a function, under
+    ``if TYPE_CHECKING:``. A function's import runs later but is as much a dependency as one at the top, and a
+    type-checking import is the reader's (hf's circle, patch -> pre_rope -> requests -> patch, ran through those):
+    a graph of top imports only lets a circle hide behind a lazy import. A submodule is its own node (importing
+    ``hf.state`` runs ``hf/__init__`` first, but every module is below its package's __init__, which is no
+    circle of the reader's: the package's __init__ imports what it re-exports)."""
+    return {name: set().union(*(_imported(name, node) for node in ast.walk(tree)
+                                if isinstance(node, (ast.Import, ast.ImportFrom))))
+            for name, tree in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's import circles: its strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
 
     def visit(module):
-        if module in path:
-            pytest.fail("import circle: " + " -> ".join(path[path.index(module):] + [module]))
-        if module in done:
-            return
-        path.append(module)
+        index[module] = low[module] = len(index)
+        stack.append(module)
         for target in sorted(graph.get(module, ())):
-            visit(target)
-        path.pop()
-        done.add(module)
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
 
-    for module in graph:
-        visit(module)
-    assert {"_composite", "ops"} <= done and "rerope" in graph["ops"]  # the walk saw the graph
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(circles)
+
+
+def test_the_package_has_no_import_circle():
+    # Every import (top, in a function, under TYPE_CHECKING), less the known circles' closing imports.
+    modules = _package_modules()
+    graph = _import_graph(modules)
+    assert {"_composite", "ops", "hf.patch"} <= set(graph) and "rerope" in graph["ops"]  # the graph
+    for importer, imported in KNOWN_IMPORT_CIRCLES:
+        graph[importer].discard(imported)
+    circles = _circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(circle) for circle in circles)
+
+
+def test_each_known_import_circle_is_still_there():
+    modules = _package_modules()
+    graph = _import_graph(modules)
+    top = {name: set().union(*(_imported(name, node) for node in _module_level_imports(tree)))
+           for name, tree in modules.items()}
+    circles = _circles(graph)
+    for importer, imported in KNOWN_IMPORT_CIRCLES:
+        assert imported not in top[importer], f"{importer} imports {imported} at the top: a circle at import time"
+        assert any({importer, imported} <= set(circle) for circle in circles), (
+            f"{importer} -> {imported} closes no circle any more: remove it from KNOWN_IMPORT_CIRCLES")
+
+
+def test_the_circle_test_sees_a_circle_through_a_lazy_or_type_checking_import():
+    # hf's circle as it was (patch imports pre_rope at the top; pre_rope names patch's state under TYPE_CHECKING;
+    # requests imports patch in a function): the graph holds it, the walk names it.
+    code = {"hf.patch": "from .pre_rope import attend\n",
+            "hf.pre_rope": "from typing import TYPE_CHECKING\nfrom .requests import planned\n"
+                           "if TYPE_CHECKING:\n    from .patch import State\n",
+            "hf.requests": "def planned():\n    from . import patch\n",
+            "hf.state": "import torch\n"}
+    graph = _import_graph({name: ast.parse(text) for name, text in code.items()})
+    assert graph["hf.pre_rope"] == {"hf.requests", "hf.patch"} and graph["hf.requests"] == {"hf.patch"}
+    assert _circles(graph) == [["hf.patch", "hf.pre_rope", "hf.requests"]]
+
+
+def test_no_package_file_is_over_600_lines():
+    # Every .py file of the package, whoever owns it: a longer one is split by role (docs/DESIGN.md, "Layout").
+    over = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+            for path in sorted(PACKAGE.rglob("*.py")) if len(path.read_text().splitlines()) > MAX_LINES}
+    assert not over, f"package files over {MAX_LINES} lines: {over}"
+
+
+def _private_names_taken(module: str, tree: ast.Module) -> set[tuple[str, str]]:
+    """``(owner, name)`` for each name with a leading underscore (not a dunder) that ``module`` takes from another
+    package module ``owner``: ``from .owner import _name``, or ``alias._name`` where ``alias`` is a package module
+    it imported. A private submodule (``_composite``, ``_C``) is a module, not a name: not counted."""
+    aliases, taken = {}, set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = _import_base(module, node)
+        if base != "ropescale" and not base.startswith("ropescale."):
+            continue
+        for alias in node.names:
+            owner = base.partition(".")[2]
+            if _is_submodule(f"{owner}.{alias.name}".lstrip(".")):
+                aliases[alias.asname or alias.name] = f"{owner}.{alias.name}".lstrip(".")
+            elif alias.name.startswith("_") and not alias.name.startswith("__") and owner != module:
+                taken.add((owner, alias.name))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not _is_submodule(f"{aliases[node.value.id]}.{node.attr}")):
+            taken.add((aliases[node.value.id], node.attr))
+    return taken
+
+
+def test_no_module_takes_a_private_name_from_another():
+    # Names one module takes from another are that module's public surface (no leading underscore across files).
+    taken = {(module, owner, name) for module, tree in _package_modules().items()
+             for owner, name in _private_names_taken(module, tree)}
+    assert taken == set(KNOWN_PRIVATE_IMPORTS), (
+        f"private names taken across modules: {sorted(taken - set(KNOWN_PRIVATE_IMPORTS))}; known ones no longer "
+        f"taken (remove them): {sorted(set(KNOWN_PRIVATE_IMPORTS) - taken)}")
 
 
 def test_the_op_layer_imports_only_downwards():
