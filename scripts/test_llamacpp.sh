@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The opt-in llama.cpp leg (README, "Serve with llama.cpp"): llama.cpp itself runs what `ropescale extend` writes and
+# The opt-in llama.cpp leg (docs/engines/llamacpp.md): llama.cpp itself runs what `ropescale extend` writes and
 # `ropescale verify --engine llama.cpp` probes it. PyPI has no llama-cpp-python wheel for this machine: the source
 # build (about 11 min of CPU on 2 cores) happens once, into a wheel cache reused by every later run; the same cache
 # holds the sdist, whose llama.cpp copy has the converter `ropescale extend DIR DST.gguf` runs.

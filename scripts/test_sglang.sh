@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SGLang leg (opt-in: not in ./scripts/test.sh, see README "Serve with SGLang"): sets up .venv-sglang with
+# The SGLang leg (opt-in: not in ./scripts/test.sh, see docs/engines/sglang.md): sets up .venv-sglang with
 # scripts/setup_sglang.sh (SGLang 0.5.23 on torch 2.14.1, ropescale from this checkout), then runs
 # tests/python/engines/test_sglang*.py there: ropescale's SGLang plugin and `ropescale verify --engine sglang` against
 # SGLang's own engine (its CPU engine where there is no GPU: torch_native attention, float32).

@@ -2,7 +2,7 @@
 downloads): ropescale's static methods equal transformers' own model of that method; pre-RoPE methods equal the
 static model they must be (per-request Dynamic YaRN is the static YaRN of its scale, through the cache); ReRoPE
 equals a float64 reference of the layer; a checkpoint round-trips through plain transformers + ``import
-ropescale.hf``; and what a family's layers cannot take is refused naming the layer kind. README's architecture
+ropescale.hf``; and what a family's layers cannot take is refused naming the layer kind. The docs' family
 table is these tests' result."""
 
 import importlib

@@ -566,7 +566,7 @@ def test_extend_served_length_of_rerope_and_dynamic_ntk(tmp_path, capsys):
 
 
 def test_a_served_length_set_after_hf_patch_is_saved_and_kept(tmp_path):
-    # README's Python route: hf.patch, then model_max_length from served_length_value, then save_pretrained.
+    # docs/checkpoints.md's Python route: hf.patch, then model_max_length from served_length_value, then save_pretrained.
     from ropescale import config as config_lib
 
     model = hf.patch(model_for("llama"), scaling.DynamicNTK(factor=3.0, original_max_position=64))

@@ -185,7 +185,7 @@ def test_truncate_cuts_each_text_to_the_authors_length():
 
 
 def test_a_tokenizer_without_a_pad_token_pads_and_no_real_token_sees_it():
-    """pad_token_id=None (Llama's and Mistral's tokenizers: README's own line) pads with id 0. Padding is after the
+    """pad_token_id=None (Llama's and Mistral's tokenizers: docs/finetune.md's own line) pads with id 0. Padding is after the
     text, masked and unscored, so the loss and the real tokens' logits are those of any other pad id and of each
     row alone: no real token reads the padding's id."""
     features = [{"input_ids": text(40)}, {"input_ids": text(9, seed=1)}, {"input_ids": text(1, seed=2)}]

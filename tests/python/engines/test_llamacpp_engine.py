@@ -2,7 +2,7 @@
 original length, against transformers + ropescale on the same weights.
 
 The leg is opt-in: ROPESCALE_LLAMACPP=1 with llama-cpp-python installed. llama-cpp-python has no wheel for this
-machine on PyPI and its source build (llama.cpp, CPU) takes minutes on 2 cores (README, "llama.cpp"), past what the
+machine on PyPI and its source build (llama.cpp, CPU) takes minutes on 2 cores (docs/engines/llamacpp.md), past what the
 test command can add. Tiny llama GGUFs are made here from a transformers Llama with SmolLM2's vocabulary
 (``support.gguf_llama``), float32 and Q8_0.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 if os.environ.get("ROPESCALE_LLAMACPP") != "1":
-    pytest.skip("opt-in (builds llama.cpp): ROPESCALE_LLAMACPP=1 with llama-cpp-python installed (README, llama.cpp)",
+    pytest.skip("opt-in (builds llama.cpp): ROPESCALE_LLAMACPP=1 with llama-cpp-python installed (docs, llama.cpp)",
                 allow_module_level=True)
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
@@ -220,7 +220,7 @@ def _shifted_error(path, tokens, delta=10):
 
 
 def test_llama_cpps_context_shift_applies_the_attention_factor_again(source):
-    """KNOWN, pinned (README): llama.cpp's context shift re-rotates the cached keys with the attention factor on cos
+    """KNOWN, pinned (docs, llama.cpp): llama.cpp's context shift re-rotates the cached keys with the attention factor on cos
     and sin (``llama_kv_cache::build_rope_shift`` passes ``yarn_attn_factor``), so every shift multiplies them by it
     once more. A method with factor 1 (linear) shifts exactly; YaRN does not, in ropescale's GGUF and in llama.cpp's
     own ``rope.scaling.type = yarn`` alike."""

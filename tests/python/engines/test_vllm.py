@@ -158,9 +158,9 @@ def test_stock_vllm_serves_every_written_type_exactly_or_refuses_it(monkeypatch,
 
 
 def test_vllms_longrope_takes_the_long_factors_at_every_position(monkeypatch):
-    # README ("Serve with vLLM"): with max_model_len past the original length, stock vLLM rotates a sequence
+    # docs/engines/vllm.md (LongRoPE): with max_model_len past the original length, stock vLLM rotates a sequence
     # shorter than it with the long factors, where transformers takes the short ones (ropescale's plugin serves
-    # such a checkpoint per length instead). If vLLM changes its rule, this fails: update the README.
+    # such a checkpoint per length instead). If vLLM changes its rule, this fails: update that page.
     model = patched("longrope")
     config, length, short = model.config, STATIC["longrope"][1], 8
     served_length(monkeypatch, length)
@@ -511,7 +511,7 @@ def test_engine_serves_every_static_method_as_transformers_does(plugin_engines, 
 @pytest.mark.slow
 def test_a_seeded_request_with_a_chunked_prompt_samples_what_it_samples_unchunked(plugin_engines, stock_engines):
     """With the plugin (ropescale.vllm.engine), the seeded requests chunked by a 16-token budget sample what they
-    sample whole. Stock vLLM 0.32 on the CPU dies on the chunked run ("CPU Generator does not use offset": README's
+    sample whole. Stock vLLM 0.32 on the CPU dies on the chunked run ("CPU Generator does not use offset": the vLLM page's
     serving notes; kept true here, so that the note goes when vLLM fixes it)."""
     results, log = plugin_engines
     chunked, whole = (outputs_of(results[name], log) for name in ("seeded/chunked", "seeded/whole"))

@@ -145,31 +145,4 @@ def test_finetune_fsdp_two_processes_save_the_gathered_model(tmp_path):
     assert_reload_matches_probe(tmp_path)
 
 
-def _readme_block(heading: str) -> str:
-    """The first ```python block after ``heading`` in README.md."""
-    text = (ROOT / "README.md").read_text()
-    after = text[text.index(heading):]
-    return re.search(r"```python\n(.*?)```", after, re.S).group(1)
-
-
-def test_readme_use_and_patch_snippets_run_as_written(one_thread):
-    # issue 16.15: the patch block called hf.patch four times in a row (the second raised "already patched").
-    import warnings
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    exec(compile(_readme_block("## Use"), "README.md (Use)", "exec"), {})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
-        ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(0))
-        namespace = {"model": model, "ids": ids}
-        exec(compile(_readme_block("## Patch a Hugging Face model in one line"), "README.md (patch)", "exec"),
-             namespace)
-    from ropescale import hf
-
-    assert not hf.is_patched(model)
+# README's and the docs' python blocks run in test_doc_examples.py (every block, not two of README's).
