@@ -1,7 +1,7 @@
 """ropescale's raw-key attention for SGLang: ReRoPE, Leaky ReRoPE, log-n, Self-Extend, Dual Chunk Attention,
 STRING and the per-step dynamic tables, over SGLang's own KV pool holding RAW (unrotated) keys.
 
-- :class:`PassThroughRotary`: the rotary ``get_rope`` gives such a model's layers (recording the model's
+- :class:`ropescale.sglang.rotary.PassThroughRotary`: the rotary ``get_rope`` gives such a model's layers (recording the model's
   :class:`~ropescale.serving.PreRopePlan`, one per model: ``rotary.raw_key_plan``): q and k leave it as they came,
   so the pool caches raw keys;
 - :class:`RopescaleAttnBackend`: SGLang's torch_native backend with ``forward_extend``/``forward_decode`` through
@@ -25,34 +25,11 @@ import dataclasses
 import torch
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
 from .. import ops, serving
 from . import rotary
 
-__all__ = ["PassThroughRotary", "RopescaleAttnBackend"]
-
-
-class PassThroughRotary(RotaryEmbedding):
-    """A pre-RoPE model's rotary: q and k unchanged (the attention rotates them), so SGLang caches raw keys."""
-
-    def __init__(self, head_size: int, rotary_dim: int, base: float, is_neox_style: bool, dtype: torch.dtype,
-                 plan: serving.PreRopePlan) -> None:
-        self.plan = plan
-        super().__init__(head_size, rotary_dim, 1, base, is_neox_style, dtype)
-
-    def _pass(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
-        if fused_set_kv_buffer_arg is not None:
-            raise NotImplementedError("ropescale.sglang: a pre-RoPE model's rotary takes no fused KV write")
-        return query, key
-
-    forward_native = forward_cpu = forward_cuda = _pass
-
-    def _ensure_cos_sin_cache_length(self, needed_max_pos: int) -> None:
-        pass  # no table here: the attention rotates
-
-    def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, pass-through ({self.plan})"
+__all__ = ["RopescaleAttnBackend"]
 
 
 @dataclasses.dataclass

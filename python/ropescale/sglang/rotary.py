@@ -19,7 +19,7 @@ from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
 from .. import config as config_lib, serving
 
-__all__ = ["RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
+__all__ = ["PassThroughRotary", "RequestRotaryEmbedding", "RopescaleRotaryEmbedding", "context_length", "get_rope", "initialize_model",
            "raw_key_plan", "refusal", "request_cache_key", "serves_raw_keys", "step_query_lens", "step_tables"]
 
 # The model SGLang is building (its ModelConfig), set by :func:`initialize_model` around the model's constructor.
@@ -216,6 +216,28 @@ def refusal(parsed: config_lib.RopeConfig, multimodal: bool) -> str | None:
             "transformers + ropescale.hf (vLLM + ropescale's plugin serves a static or per-request table there)")
 
 
+class PassThroughRotary(RotaryEmbedding):
+    """A pre-RoPE model's rotary: q and k unchanged (the attention rotates them), so SGLang caches raw keys."""
+
+    def __init__(self, head_size: int, rotary_dim: int, base: float, is_neox_style: bool, dtype: torch.dtype,
+                 plan: serving.PreRopePlan) -> None:
+        self.plan = plan
+        super().__init__(head_size, rotary_dim, 1, base, is_neox_style, dtype)
+
+    def _pass(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+        if fused_set_kv_buffer_arg is not None:
+            raise NotImplementedError("ropescale.sglang: a pre-RoPE model's rotary takes no fused KV write")
+        return query, key
+
+    forward_native = forward_cpu = forward_cuda = _pass
+
+    def _ensure_cos_sin_cache_length(self, needed_max_pos: int) -> None:
+        pass  # no table here: the attention rotates
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, pass-through ({self.plan})"
+
+
 def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base, is_neox_style: bool = True,
              rope_scaling: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None,
              partial_rotary_factor: float = 1.0, dual_chunk_attention_config: Mapping[str, Any] | None = None
@@ -254,15 +276,13 @@ def get_rope(original, head_size: int, rotary_dim: int, max_position: int, base,
     if serving.rotated_at_write(parsed):
         return _request_rotary(head_size, rotary_dim, max_position, is_neox_style, dtype, parsed, model_config)
     if serving.needs_pre_rope(parsed):  # raw keys in SGLang's pool, ropescale's attention backend
-        from . import attention
-
         served = int(getattr(model_config, "context_len", 0) or 0) or None
         plan = serving.PreRopePlan.of(parsed, rotary_dim, is_neox_style).served_within(served)
         recorded = _raw_key_plan.setdefault("plan", plan)
         if recorded != plan:
             raise NotImplementedError(f"ropescale.sglang: one raw-key plan per model; this model's layers ask for "
                                       f"{recorded} and {plan}")
-        return attention.PassThroughRotary(head_size, rotary_dim, parsed.base, is_neox_style, dtype, plan)
+        return PassThroughRotary(head_size, rotary_dim, parsed.base, is_neox_style, dtype, plan)
     # Every position SGLang may serve (its context length); the model runner grows it further where it needs.
     rows = max(int(max_position), int(getattr(model_config, "context_len", 0) or 0))
     key = (head_size, rotary_dim, rows, bool(is_neox_style), parsed, dtype)

@@ -179,9 +179,6 @@ KNOWN_IMPORT_CIRCLES: dict[tuple[str, str], str] = {
     ("_verify_keys", "verify"): "verify imports _verify_keys at the top; _verify_keys.check_keys imports verify.Check "
                                 "and _verify_keys.declared_with calls verify.declared (verify.py and _verify_keys.py "
                                 "are the verify issues' files: Check and declared belong below both)",
-    ("sglang.rotary", "sglang.attention"): "sglang.attention imports sglang.rotary at the top; sglang.rotary's "
-                                           "get_rope imports sglang.attention for a raw-key model (the raw-key "
-                                           "plan it records belongs in a module below both)",
 }
 
 # Names a package module takes from another although they are that module's own (a leading underscore), each
