@@ -150,7 +150,7 @@ _NEW_METHOD = textwrap.dedent('''
     import dataclasses, json, sys
     from typing import ClassVar
     import torch
-    from ropescale import scaling
+    from ropescale import ops, scaling
 
     @scaling.register("halved", aliases=("halved_alias",))
     @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ _NEW_METHOD = textwrap.dedent('''
         factor: float = scaling.parameter(1.0, required=True, cli="--factor", help="s")
 
         def _table(self, dim, base, seq_len, dtype):
-            return scaling.ops.default_inv_freq(dim, base, dtype=dtype) / self.factor
+            return ops.default_inv_freq(dim, base, dtype=dtype) / self.factor
 
     import ropescale.hf
     from ropescale import cli, config as config_lib
