@@ -3,6 +3,7 @@ import; :mod:`ropescale.scaling` is their public path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -85,6 +86,13 @@ class LongRoPE(RopeScaling):
     @property
     def length_dependent(self) -> bool:
         return self.short_factor != self.long_factor
+
+    @property
+    def two_tables(self) -> bool:
+        return self.short_factor != self.long_factor
+
+    def long_table(self):
+        return dataclasses.replace(self, short_factor=self.long_factor)
 
     def check_rotary_dim(self, dim):
         if len(self.short_factor) != dim // 2:

@@ -246,6 +246,11 @@ class RopeType:
                 and self.table == self.method.rope_type)
 
     @property
+    def unscaled(self) -> bool:
+        """Plain RoPE: the unscaled method's own name, no Resonance, no attention marker (``default``)."""
+        return self.plain and self.method.stock == "plain"
+
+    @property
     def is_stock(self) -> bool:
         """A type stock transformers and vLLM serve by their own code: a method's own name, no prefix."""
         return self.plain and self.method.stock != "refused"
@@ -344,6 +349,24 @@ class RopeScaling:
         """Whether the table differs between lengths: a dynamic method's, or LongRoPE's with distinct
         short and long factors. Every engine then gives each sequence its own length's table."""
         return self.dynamic
+
+    @property
+    def two_tables(self) -> bool:
+        """Whether the table switches once, from a short table to a long one past the original length (LongRoPE with
+        distinct factors). An engine that picks one of the two per engine rather than per sequence (llama.cpp by its
+        context size, vLLM's own longrope past the original length) serves :meth:`long_table` at every length."""
+        return False
+
+    def long_table(self) -> "RopeScaling":
+        """This method with the table it takes past its original length at every length (itself when it has one
+        table: :attr:`two_tables`)."""
+        return self
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain RoPE: the unscaled table without Resonance (the method stock engines serve as it is, ``stock``
+        "plain")."""
+        return type(self).stock == "plain" and not self.resonance
 
     @property
     def per_request(self) -> bool:

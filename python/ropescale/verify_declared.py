@@ -128,6 +128,7 @@ def _declared_gguf(target: Path) -> Declared:
     tokens = reader.get_field("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(llamacpp._field(reader, f"{arch}.vocab_size", 0) or 0)
     record = llamacpp._field(reader, llamacpp.METHOD_KEY)
+    linear_original = None  # a linear GGUF's trained length: its context length over the factor
     if record is not None:
         try:
             entry = json.loads(record)
@@ -141,7 +142,8 @@ def _declared_gguf(target: Path) -> Declared:
         if rope.has_rope_freqs:
             raise ValueError(f"{target}: {llamacpp.ROPE_FREQS} without ropescale's record ({llamacpp.METHOD_KEY}): "
                              "no declaration to check the engine against")
-        if rope.scaling_type == "yarn" and factor > 1:
+        types = llamacpp.SCALING_TYPES  # llama.cpp's names
+        if rope.scaling_type == types["yarn"] and factor > 1:
             log_mul = float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
             yarn = scaling.YaRN(
                 factor=factor, original_max_position=original,
@@ -150,16 +152,18 @@ def _declared_gguf(target: Path) -> Declared:
                 mscale=1.0 if log_mul else None, mscale_all_dim=log_mul or None)
             method = dataclasses.replace(yarn, attention_factor_override=yarn.attention_factor * rope.attn_factor) \
                 if rope.attn_factor != 1.0 else yarn
-        elif rope.scaling_type == "linear" and factor > 1:
+        elif rope.scaling_type == types["linear"] and factor > 1:
             method = scaling.Linear(factor=factor)
-        elif factor in (0.0, 1.0) and rope.scaling_type in ("linear", "none", "yarn") and rope.attn_factor == 1.0:
+            linear_original = max(1, int(rope.context_length / factor))
+        elif factor in (0.0, 1.0) and rope.scaling_type in (types["linear"], types["plain"], types["yarn"]) \
+                and rope.attn_factor == 1.0:
             method = scaling.Default()
         else:
             raise ValueError(f"{target}: rope.scaling.type {rope.scaling_type!r} with factor {factor} and attn_factor "
                              f"{rope.attn_factor}: ropescale reads no such declaration")
         served, source = rope.context_length, f"{target.name}: {arch}.rope.* keys"
     original = int(getattr(method, "original_max_position", None) or rope.context_length)
-    if record is None and isinstance(method, scaling.Linear):
-        original = max(1, int(rope.context_length / method.factor))
+    if linear_original is not None:
+        original = linear_original
     return Declared(method, rope.base, rope.rotary_dim, original, served, source, vocab_size=vocab,
                     config_length=rope.context_length)

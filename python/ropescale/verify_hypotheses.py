@@ -81,11 +81,11 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("attention_factor", "applied with a different formula: the attention factor (mscale) "
                                                   "lost", dataclasses.replace(m, attention_factor_override=1.0),
                               d.attention, d.parameters, "attention factor", m.attention_factor, 1.0))
-    if isinstance(m, scaling.LongRoPE) and m.short_factor != m.long_factor:
+    if m.two_tables:
         # vLLM's own longrope takes the long factors at every length once max_model_len passes the original length
         out.append(Hypothesis("parameter", "applied with a different formula: the short table ignored (the long "
                                            "factors at every length)",
-                              dataclasses.replace(m, short_factor=m.long_factor),
+                              m.long_table(),
                               d.attention, d.parameters, "short_factor", "declared", "long_factor"))
     if m.resonance:
         out.append(Hypothesis("parameter", "applied with a different formula: Resonance's rounding lost",
@@ -102,7 +102,7 @@ def hypotheses(d: Declared, length: int) -> tuple[list[Hypothesis], list[str]]:
         out.append(Hypothesis("fixed", f"applied with a different formula: one table, the one at the served length "
                                        f"{d.served}, for every length", fixed, d.attention, d.parameters,
                               "scale", f"of the length ({length})", f"of {d.served}"))
-    if len(out) == 2 and isinstance(m, scaling.Default) and not m.resonance:
+    if len(out) == 2 and m.is_plain:
         # plain RoPE declared: "ignored" is the declaration itself; a scaled table gives the verdict its yardstick
         out.append(Hypothesis("parameter", "applied with a different formula: a scaled table", scaling.Linear(
             factor=2.0), d.attention, d.parameters, "table", "default", "linear x2"))
