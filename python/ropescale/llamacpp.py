@@ -112,7 +112,8 @@ def _import_gguf():
     return gguf
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """The value of GGUF key ``key`` (``default`` when the file has none)."""
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
@@ -129,22 +130,22 @@ def read_rope(path: str | Path):
     except (ValueError, IndexError, OSError, KeyError) as err:
         raise ValueError(f"{path} is not a GGUF file the gguf package can read (truncated or another format): "
                          f"{err}") from None
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"{path}: no general.architecture")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    width = _field(reader, f"{arch}.embedding_length")
-    head_dim = _field(reader, f"{arch}.attention.key_length") or (
+    heads = gguf_field(reader, f"{arch}.attention.head_count")
+    width = gguf_field(reader, f"{arch}.embedding_length")
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length") or (
         width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None)
-    rotary_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
-    context = _field(reader, f"{arch}.context_length")
+    rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    context = gguf_field(reader, f"{arch}.context_length")
     if not isinstance(rotary_dim, int) or not isinstance(context, int):
         raise ValueError(f"{path}: architecture {arch!r} has no rope dimension ({arch}.rope.dimension_count) or "
                          f"context length ({arch}.context_length)")
-    rope = GGUFRope(arch, float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rotary_dim, context,
-                    str(_field(reader, f"{arch}.rope.scaling.type", SCALING_TYPES["linear"])),
-                    float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
-                    float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+    rope = GGUFRope(arch, float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)), rotary_dim, context,
+                    str(gguf_field(reader, f"{arch}.rope.scaling.type", SCALING_TYPES["linear"])),
+                    float(gguf_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
+                    float(gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
                     any(t.name in (ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG) for t in reader.tensors))
     return reader, rope
 
@@ -366,10 +367,10 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
     gguf = _import_gguf()
     dst = Path(dst)
     added = added or {}
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     with files.atomic_file(dst) as part:  # removed on any exception, Ctrl-C included; 0666 less the umask
         writer = gguf.GGUFWriter(part, arch, endianess=reader.endianess)
-        alignment = _field(reader, "general.alignment")
+        alignment = gguf_field(reader, "general.alignment")
         if isinstance(alignment, int):
             writer.data_alignment = alignment
         for field in reader.fields.values():

@@ -126,8 +126,8 @@ def _declared_gguf(target: Path) -> Declared:
     reader, rope = llamacpp.read_rope(target)
     arch = rope.architecture
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else int(llamacpp._field(reader, f"{arch}.vocab_size", 0) or 0)
-    record = llamacpp._field(reader, llamacpp.METHOD_KEY)
+    vocab = len(tokens.data) if tokens is not None else int(llamacpp.gguf_field(reader, f"{arch}.vocab_size", 0) or 0)
+    record = llamacpp.gguf_field(reader, llamacpp.METHOD_KEY)
     linear_original = None  # a linear GGUF's trained length: its context length over the factor
     if record is not None:
         try:
@@ -138,17 +138,17 @@ def _declared_gguf(target: Path) -> Declared:
             raise ValueError(f"{target}: ropescale's record ({llamacpp.METHOD_KEY}) does not read: {err}") from None
     else:
         factor = rope.scaling_factor
-        original = int(llamacpp._field(reader, f"{arch}.rope.scaling.original_context_length", rope.context_length))
+        original = int(llamacpp.gguf_field(reader, f"{arch}.rope.scaling.original_context_length", rope.context_length))
         if rope.has_rope_freqs:
             raise ValueError(f"{target}: {llamacpp.ROPE_FREQS} without ropescale's record ({llamacpp.METHOD_KEY}): "
                              "no declaration to check the engine against")
         types = llamacpp.SCALING_TYPES  # llama.cpp's names
         if rope.scaling_type == types["yarn"] and factor > 1:
-            log_mul = float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+            log_mul = float(llamacpp.gguf_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
             yarn = scaling.YaRN(
                 factor=factor, original_max_position=original,
-                beta_fast=float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                beta_slow=float(llamacpp._field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                beta_fast=float(llamacpp.gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                beta_slow=float(llamacpp.gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
                 mscale=1.0 if log_mul else None, mscale_all_dim=log_mul or None)
             method = dataclasses.replace(yarn, attention_factor_override=yarn.attention_factor * rope.attn_factor) \
                 if rope.attn_factor != 1.0 else yarn

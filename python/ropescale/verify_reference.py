@@ -28,7 +28,7 @@ def reference_model(target: Path):
     if target.is_file():
         from . import realmodel
 
-        return realmodel._load_gguf(target, torch.float32, False, with_tokenizer=False)[0]
+        return realmodel.load_gguf_model(target, torch.float32, False, with_tokenizer=False)[0]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
