@@ -193,7 +193,7 @@ def unread_gguf(path: str | Path, engine: str, read: dict | None = None) -> list
         if key in RECORD_KEYS or not ROPE_LIKE.search(key) or key.startswith(("general.", "tokenizer.")):
             continue
         short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
-        value = llamacpp._field(reader, key)
+        value = llamacpp.gguf_field(reader, key)
         if short is not None and short in known:
             continue
         if short is not None and any(_same(value, v) for v in GGUF_NEUTRAL.get(short, ())):

@@ -272,7 +272,7 @@ def declare(attention: Attention) -> Attention:
                attention.keys]
     if unknown:
         raise ValueError(f"declare({attention.name!r}): plan fields {unknown} name no parameter of it")
-    if "ropescale.config" in sys.modules:
+    if "ropescale.config" in sys.modules or "ropescale.config_entry" in sys.modules:  # config_entry builds them
         raise RuntimeError(f"declare({attention.name!r}): declare attentions before ropescale.config (and ropescale.hf, "
                            "serving, cli, vllm) is imported: their tables are built at import")
     RAW_KEY[attention.name] = attention

@@ -63,6 +63,12 @@ ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 ROPE_FACTORS_LONG = "rope_factors_long.weight"
 #: The key ropescale records the method under (JSON, ``scaling.to_hf`` form with the base).
 METHOD_KEY = "ropescale.method"
+#: llama.cpp's ``rope.scaling.type`` values (its own names, ``llama_rope_scaling_type``; this table is the one place
+#: ropescale spells them): plain RoPE, its linear and YaRN tables, LongRoPE's two tables switched by the context size.
+SCALING_TYPES = {"plain": "none", "linear": "linear", "yarn": "yarn", "two_tables": "longrope"}
+#: The method each of llama.cpp's own types computes on a model without ``rope_freqs`` (:func:`_native`): that class at
+#: its defaults but for the factor and the original length (llama.cpp's yarn: betas 32 and 1, the truncated ramp).
+NATIVE_METHODS = {scaling.Linear: SCALING_TYPES["linear"], scaling.YaRN: SCALING_TYPES["yarn"]}
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,13 @@ class GGUFWritten:
     attn_factor: float
     context_length: int
     copied_tensors: int
-    scaling_type: str = "none"  # "longrope": LongRoPE's two tables
+    scaling_type: str = SCALING_TYPES["plain"]  # SCALING_TYPES["two_tables"]: LongRoPE's two tables
     tensors: tuple[str, ...] = (ROPE_FREQS,)  # the factor tensors added
+
+    @property
+    def two_tables(self) -> bool:
+        """Whether llama.cpp switches between two tables by the context size (LongRoPE's)."""
+        return self.scaling_type == SCALING_TYPES["two_tables"]
 
 
 def _import_gguf():
@@ -101,7 +112,8 @@ def _import_gguf():
     return gguf
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """The value of GGUF key ``key`` (``default`` when the file has none)."""
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
@@ -118,22 +130,22 @@ def read_rope(path: str | Path):
     except (ValueError, IndexError, OSError, KeyError) as err:
         raise ValueError(f"{path} is not a GGUF file the gguf package can read (truncated or another format): "
                          f"{err}") from None
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"{path}: no general.architecture")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    width = _field(reader, f"{arch}.embedding_length")
-    head_dim = _field(reader, f"{arch}.attention.key_length") or (
+    heads = gguf_field(reader, f"{arch}.attention.head_count")
+    width = gguf_field(reader, f"{arch}.embedding_length")
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length") or (
         width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None)
-    rotary_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
-    context = _field(reader, f"{arch}.context_length")
+    rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    context = gguf_field(reader, f"{arch}.context_length")
     if not isinstance(rotary_dim, int) or not isinstance(context, int):
         raise ValueError(f"{path}: architecture {arch!r} has no rope dimension ({arch}.rope.dimension_count) or "
                          f"context length ({arch}.context_length)")
-    rope = GGUFRope(arch, float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rotary_dim, context,
-                    str(_field(reader, f"{arch}.rope.scaling.type", "linear")),
-                    float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
-                    float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+    rope = GGUFRope(arch, float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)), rotary_dim, context,
+                    str(gguf_field(reader, f"{arch}.rope.scaling.type", SCALING_TYPES["linear"])),
+                    float(gguf_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0),
+                    float(gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
                     any(t.name in (ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG) for t in reader.tensors))
     return reader, rope
 
@@ -257,8 +269,8 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
                          f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs) and "
                          f"llama.cpp's own linear and yarn for {', '.join(NATIVE_ONLY_ARCHITECTURES)} (tested "
                          "through llama.cpp on llama and qwen2); not for this one")
-    if rope.has_rope_freqs or rope.scaling_type not in ("none", "linear") or rope.scaling_factor not in (0.0, 1.0) \
-            or rope.attn_factor != 1.0:
+    if rope.has_rope_freqs or rope.scaling_type not in (SCALING_TYPES["plain"], SCALING_TYPES["linear"]) \
+            or rope.scaling_factor not in (0.0, 1.0) or rope.attn_factor != 1.0:
         raise ValueError(f"{src} already carries a rope scaling (rope.scaling.type {rope.scaling_type!r}, factor "
                          f"{rope.scaling_factor or 'none'}, attn_factor {rope.attn_factor}"
                          f"{', ' + ROPE_FREQS if rope.has_rope_freqs else ''}): extend the model it was scaled from")
@@ -269,7 +281,7 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
     native = rope.architecture in NATIVE_ONLY_ARCHITECTURES
     if native:
         keys = _native(method, rope)  # refuses what llama.cpp's own types do not compute
-    two_tables = isinstance(method, scaling.LongRoPE) and method.length_dependent
+    two_tables = method.two_tables
     if two_tables:  # llama.cpp's own LongRoPE: both tables, switched by the context size (module docstring)
         original_length = int(method.original_max_position)
         tensors = {name: rope_freqs_for(method.inv_freq(rope.rotary_dim, rope.base, seq_len=seq_len,
@@ -292,7 +304,8 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
     record = json.dumps({"rope_parameters": method.to_hf(rope.base), "context_length": length}, sort_keys=True)
 
     arch = rope.architecture
-    replaced = {f"{arch}.rope.scaling.type": ("longrope" if two_tables else "none", gguf.GGUFValueType.STRING),
+    written_type = SCALING_TYPES["two_tables" if two_tables else "plain"]
+    replaced = {f"{arch}.rope.scaling.type": (written_type, gguf.GGUFValueType.STRING),
                 f"{arch}.rope.scaling.attn_factor": (attn_factor, gguf.GGUFValueType.FLOAT32),
                 f"{arch}.context_length": (length, gguf.GGUFValueType.UINT32),
                 METHOD_KEY: (record, gguf.GGUFValueType.STRING)}
@@ -306,7 +319,7 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
         del replaced[f"{arch}.rope.scaling.attn_factor"]
         replaced.update({f"{arch}.{key}": value for key, value in keys.items()})
         tensors = {}
-    scaling_type = keys["rope.scaling.type"][0] if native else "longrope" if two_tables else "none"
+    scaling_type = keys["rope.scaling.type"][0] if native else written_type
     return GGUFPlan(reader, replaced, frozenset(dropped), tensors,
                     GGUFWritten(dst, factors, attn_factor, length, len(reader.tensors), scaling_type, tuple(tensors)))
 
@@ -328,15 +341,16 @@ def _native(method: scaling.RopeScaling, rope: GGUFRope) -> dict[str, tuple[Any,
     ``freq_scale = 1/s``), or YaRN as llama.cpp computes it (``type yarn``: betas 32 and 1, the truncated ramp, the
     attention factor ``0.1 ln s + 1``). Anything else is refused by name."""
     gguf = _import_gguf()
-    if isinstance(method, scaling.Linear) and not method.resonance:
-        return {"rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+    llama_type = NATIVE_METHODS.get(type(method))
+    lengths = {"original_max_position": method.original_max_position} if hasattr(method, "original_max_position") \
+        else {}
+    if llama_type is not None and method == type(method)(factor=method.factor, **lengths):
+        keys = {"rope.scaling.type": (llama_type, gguf.GGUFValueType.STRING),
                 "rope.scaling.factor": (float(method.factor), gguf.GGUFValueType.FLOAT32)}
-    if type(method) is scaling.YaRN and method == scaling.YaRN(factor=method.factor,
-                                                               original_max_position=method.original_max_position):
-        return {"rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
-                "rope.scaling.factor": (float(method.factor), gguf.GGUFValueType.FLOAT32),
-                "rope.scaling.original_context_length": (int(method.original_max_position),
-                                                         gguf.GGUFValueType.UINT32)}
+        if lengths:
+            keys["rope.scaling.original_context_length"] = (int(method.original_max_position),
+                                                            gguf.GGUFValueType.UINT32)
+        return keys
     name = type(method).__name__ + (" with Resonance" if method.resonance else "")
     raise ValueError(f"architecture {rope.architecture!r}: llama.cpp's model has no per-pair rope factors "
                      "(rope_freqs), so only its own rope types run exactly: linear, and yarn with beta_fast 32, "
@@ -353,10 +367,10 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
     gguf = _import_gguf()
     dst = Path(dst)
     added = added or {}
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     with files.atomic_file(dst) as part:  # removed on any exception, Ctrl-C included; 0666 less the umask
         writer = gguf.GGUFWriter(part, arch, endianess=reader.endianess)
-        alignment = _field(reader, "general.alignment")
+        alignment = gguf_field(reader, "general.alignment")
         if isinstance(alignment, int):
             writer.data_alignment = alignment
         for field in reader.fields.values():
@@ -423,7 +437,7 @@ def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.Ro
                          f"{', '.join(TRANSFORMERS_ARCHITECTURES)} (GGUF architecture llama) only")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or config.get("ropescale") is not None:
+    if not scaling.RopeType.parse(rope_type).unscaled or config.get("ropescale") is not None:
         raise ValueError(f"{src} already carries a rope scaling (rope_type {rope_type!r}): convert the model it was "
                          "scaled from (llama.cpp's converter writes only the rope keys it knows), or check a converted "
                          "file with `ropescale verify FILE.gguf --engine llama.cpp --declared-by DIR`")

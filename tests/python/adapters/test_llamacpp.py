@@ -100,6 +100,7 @@ def test_a_longrope_with_two_tables_is_llama_cpps_own_longrope(tmp_path):
     written = llamacpp.extend(src, tmp_path / "dst.gguf", DYNAMIC_LONGROPE)
     reader, rope = llamacpp.read_rope(written.path)
     assert (rope.scaling_type, rope.scaling_factor, rope.has_rope_freqs) == ("longrope", 0.0, True)
+    assert written.two_tables and written.scaling_type == llamacpp.SCALING_TYPES["two_tables"]
     assert reader.get_field("llama.rope.scaling.original_context_length").contents() == CONTEXT
     assert rope.attn_factor == np.float32(DYNAMIC_LONGROPE.attention_factor)
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}

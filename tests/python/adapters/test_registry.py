@@ -128,6 +128,28 @@ def test_dynamic_and_length_dependent_say_whether_the_table_follows_the_length(r
     assert method.dynamic == scales
 
 
+@pytest.mark.parametrize("rope_type", METHODS)
+@pytest.mark.parametrize("resonance", [False, True])
+def test_two_tables_long_table_and_is_plain_say_what_the_tables_do(rope_type, resonance):
+    # The facts engine adapters ask of a method (llama.cpp's longrope, verify's hypotheses), checked against its
+    # tables: two tables switch once, at the original length; the long one is the table past it, at every length.
+    method = instance(scaling.METHODS[rope_type], resonance=resonance)
+    short, long = ORIGINAL // 2, ORIGINAL + 1
+    table = {n: method.inv_freq(DIM, BASE, n, dtype=torch.float64) for n in (short, ORIGINAL, long, 4 * ORIGINAL)}
+    switches = not torch.equal(table[ORIGINAL], table[long]) and torch.equal(table[short], table[ORIGINAL]) \
+        and torch.equal(table[long], table[4 * ORIGINAL])
+    assert method.two_tables == (switches and not method.dynamic)
+    everywhere = method.long_table()
+    assert type(everywhere) is type(method) and not everywhere.two_tables
+    for n in (short, long):
+        assert torch.equal(everywhere.inv_freq(DIM, BASE, n, dtype=torch.float64),
+                           table[long] if method.two_tables else table[n])
+    plain = scaling.Default().inv_freq(DIM, BASE, dtype=torch.float64)
+    assert method.is_plain == (torch.equal(table[short], plain) and torch.equal(table[4 * ORIGINAL], plain)
+                               and method.attention_factor_for(4 * ORIGINAL) == 1.0), rope_type
+    assert scaling.RopeType.parse(scaling.RopeType.table_name(type(method), resonance)).unscaled == method.is_plain
+
+
 def test_register_refuses_a_taken_name_and_never_inherits_a_declaration():
     with pytest.raises(TypeError, match="'linear' is taken"):
         @scaling.register("linear")
@@ -150,7 +172,7 @@ _NEW_METHOD = textwrap.dedent('''
     import dataclasses, json, sys
     from typing import ClassVar
     import torch
-    from ropescale import scaling
+    from ropescale import ops, scaling
 
     @scaling.register("halved", aliases=("halved_alias",))
     @dataclasses.dataclass(frozen=True)
@@ -159,7 +181,7 @@ _NEW_METHOD = textwrap.dedent('''
         factor: float = scaling.parameter(1.0, required=True, cli="--factor", help="s")
 
         def _table(self, dim, base, seq_len, dtype):
-            return scaling.ops.default_inv_freq(dim, base, dtype=dtype) / self.factor
+            return ops.default_inv_freq(dim, base, dtype=dtype) / self.factor
 
     import ropescale.hf
     from ropescale import cli, config as config_lib

@@ -130,7 +130,7 @@ def _check_per_request_mrope(layer, config, head):
     """A per-request table under a multimodal rope (at the layer: vLLM's VL modules do not run here): a step of two
     requests planned at 40 (s = 2.5) and 60 tokens (s = 3.75), each token's pairs at their own streams' positions
     with its request's YaRN table and factor, against the float64 rotation; in place and functional agree."""
-    from ropescale.vllm import attention
+    from ropescale.vllm import attention, attention_steps
 
     assert isinstance(layer, rotary.RequestMRotaryEmbedding), type(layer)
     pair_streams = config_lib.mrope_pair_streams(config.rope_parameters, head // 2)
@@ -138,11 +138,11 @@ def _check_per_request_mrope(layer, config, head):
                                    requests={"a": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=4)),
                                              "b": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=20))},
                                    query_start_loc=types.SimpleNamespace(np=torch.tensor([0, 36, 40]).numpy()))
-    attention._prompt_lens.update(tensor=torch.tensor([36, 40]), runner=runner)
+    attention_steps.PROMPT_LENS.update(tensor=torch.tensor([36, 40]), runner=runner)
     try:
         attention.update_request_rotary(runner, 2)
     finally:
-        attention._prompt_lens.update(tensor=None, runner=None)
+        attention_steps.PROMPT_LENS.update(tensor=None, runner=None)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(40, 2 * head, generator=g), torch.randn(40, head, generator=g)
     streams = stream_positions(40)

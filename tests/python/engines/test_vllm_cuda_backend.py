@@ -39,7 +39,7 @@ import ropescale  # noqa: E402
 import ropescale.vllm as plugin  # noqa: E402
 from ropescale import config as config_lib, hf, scaling  # noqa: E402
 from ropescale.rerope import rerope_attention_paged_composite  # noqa: E402
-from ropescale.vllm import attention, rotary  # noqa: E402
+from ropescale.vllm import attention, attention_layer, attention_plan, attention_steps, rotary  # noqa: E402
 
 BLOCK, BLOCKS, MAX_SEQS, SERVED = 16, 48, 8, 256
 Q_HEADS, KV_HEADS = 2, 1
@@ -78,14 +78,14 @@ def serving(models, request):
     patched, vllm_config = models
     model = patched[request.param]
     plan = attention.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
-    attention._plan.clear()
-    attention._plan.update(plan=plan)
+    attention_plan.RECORDED_PLAN.clear()
+    attention_plan.RECORDED_PLAN.update(plan=plan)
     if plan.per_request:  # what install_prompt_lengths records from vLLM's V1 runner; Runner.step fills the prompts
-        attention._prompt_lens.update(runner=FakeV1Runner(), tensor=torch.zeros(MAX_SEQS, dtype=torch.int32))
+        attention_steps.PROMPT_LENS.update(runner=FakeV1Runner(), tensor=torch.zeros(MAX_SEQS, dtype=torch.int32))
     with set_current_vllm_config(vllm_config):
         yield model, plan, vllm_config
-    attention._plan.clear()
-    attention._prompt_lens.update(runner=None, tensor=None)
+    attention_plan.RECORDED_PLAN.clear()
+    attention_steps.PROMPT_LENS.update(runner=None, tensor=None)
 
 
 class FakeV1Runner:
@@ -146,8 +146,8 @@ class Runner:
         self.query_start_loc[count + 1:] = starts[-1]
         self.seq_lens.zero_(), self.seq_lens_cpu.zero_(), self.block_table.zero_()
         self.seq_lens[:count] = self.seq_lens_cpu[:count] = torch.tensor([n for n, _ in rows])
-        if attention._prompt_lens.get("tensor") is not None:  # per-request plans: each request's prompt
-            attention._prompt_lens["tensor"].copy_(self.seq_lens_cpu)
+        if attention_steps.PROMPT_LENS.get("tensor") is not None:  # per-request plans: each request's prompt
+            attention_steps.PROMPT_LENS["tensor"].copy_(self.seq_lens_cpu)
         free = (torch.randperm(BLOCKS - 1, generator=g) + 1).tolist()
         self.pages, self.keys, self.values = [], [], []
         for r, (n, _) in enumerate(rows):
@@ -421,7 +421,7 @@ def test_the_cuda_impl_reserves_one_workspace_with_the_model_and_passes_it(servi
     bf16 = VllmConfig(model_config=ModelConfig(model=vllm_config.model_config.model, dtype="bfloat16",
                                                skip_tokenizer_init=True, max_model_len=SERVED),
                       cache_config=vllm_config.cache_config, scheduler_config=vllm_config.scheduler_config)
-    monkeypatch.setattr(attention, "_workspaces", {})
+    monkeypatch.setattr(attention_layer, "WORKSPACES", {})
     with set_current_vllm_config(bf16):
         impls = [impl_of(attention.PreRopeAttentionBackend) for _ in range(2)]
     workspace = impls[0].pre_rope.workspace
@@ -438,7 +438,7 @@ def test_the_cuda_impl_reserves_one_workspace_with_the_model_and_passes_it(servi
         calls.append(kwargs.get("workspace"))
         return paged(*args, **kwargs)
 
-    monkeypatch.setattr(attention.ops, "rerope_attention_paged", spy)
+    monkeypatch.setattr(ropescale.ops, "rerope_attention_paged", spy)
     runner = Runner()
     common = runner.step(MIXED)
     metadata = builder_of(attention.PreRopeAttentionBackend, vllm_config).build(0, common)

@@ -29,14 +29,14 @@ from support.vllm_testing import ORIGINAL, plugin_isolated, require_vllm, served
 require_vllm()
 
 from ropescale import config as config_lib, hf, scaling  # noqa: E402
-from ropescale.vllm import attention, engine  # noqa: E402
+from ropescale.vllm import attention, attention_steps, engine  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def isolated():
     with plugin_isolated():
         yield
-    attention._prompt_lens.update(runner=None, tensor=None)
+    attention_steps.PROMPT_LENS.update(runner=None, tensor=None)
 
 
 class Lines(logging.Handler):

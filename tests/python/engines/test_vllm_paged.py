@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from ropescale import config as config_lib, hf, ops, scaling, serving  # noqa: E402
-from ropescale.vllm import attention, rotary  # noqa: E402
+from ropescale.vllm import attention, attention_plan, attention_prefix_cache, rotary  # noqa: E402
 
 SERVED = 256  # the length the engines serve (VLLM_ALLOW_LONG_MAX_MODEL_LEN: ReRoPE's point is to go past L)
 WINDOW = 16
@@ -145,8 +145,8 @@ def test_block_hashes_carry_the_prompts_table_for_length_dependent_methods(monke
     hasher = request_block_hasher(monkeypatch)
 
     def hashes(model, prompt):
-        attention._engine.clear()
-        attention._engine["config"] = vllm_config_of(model) if model is not None else None
+        attention_prefix_cache.ENGINE.clear()
+        attention_prefix_cache.ENGINE["config"] = vllm_config_of(model) if model is not None else None
         return Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher).block_hashes
 
     g = torch.Generator().manual_seed(0)
@@ -245,7 +245,7 @@ def test_layer_writes_raw_pages_and_attends_through_the_block_table(name):
     """Two requests (a chunk of a long prefill and a decode) over scattered pages of one vLLM-shaped cache."""
     model = patched(name)
     plan = attention.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
-    attention._plan.update(plan=plan)
+    attention_plan.RECORDED_PLAN.update(plan=plan)
     layer = attention.PreRopeLayer(2, 1, HEAD, HEAD ** -0.5)
     block_size, blocks = 32, 12
     kv_cache = torch.full((blocks, 1, block_size, 2 * HEAD), float("nan"))  # unwritten slots: never read
@@ -512,7 +512,7 @@ def test_layer_on_a_partial_rotary_head_puts_the_attention_factor_on_the_rotated
     method, rotary_dim, interleaved, window = PARTIAL[name]
     head = 32
     plan = serving.PreRopePlan(method, 10000.0, rotary_dim, window, interleaved=interleaved)
-    attention._plan.update(plan=plan)
+    attention_plan.RECORDED_PLAN.update(plan=plan)
     layer = attention.PreRopeLayer(2, 1, head, head ** -0.5)
     block_size, blocks = 16, 24
     kv_cache = torch.full((blocks, 1, block_size, 2 * head), float("nan"))

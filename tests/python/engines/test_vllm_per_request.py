@@ -31,7 +31,7 @@ from support.vllm_testing import (HEAD, ORIGINAL, assert_same, request_block_has
 require_vllm()
 
 from ropescale import hf, ops, scaling, serving  # noqa: E402
-from ropescale.vllm import attention  # noqa: E402
+from ropescale.vllm import attention, attention_prefix_cache, attention_steps  # noqa: E402
 
 SERVED = 256
 BASE = served_llama().config.rope_parameters["rope_theta"]
@@ -58,14 +58,14 @@ def test_builders_read_each_requests_planned_length_from_the_v1_runner():
         requests={"a": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=7)),
                   "b": types.SimpleNamespace(sampling_params=None),
                   "c": types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=100))})
-    attention._prompt_lens.update(tensor=torch.tensor([10, 20, 30, 0]), runner=runner)
+    attention_steps.PROMPT_LENS.update(tensor=torch.tensor([10, 20, 30, 0]), runner=runner)
     try:
         assert attention.step_request_lens(3) == [17, 21, 130]
         assert attention.step_request_lens(2) == [17, 21]
         assert attention.step_request_lens(4) == [17, 21, 130, 1]  # a padded request (graph capture): any table
         assert attention.step_request_lens(5) is None  # more requests than the step has lengths for: none
     finally:
-        attention._prompt_lens.update(tensor=None, runner=None)
+        attention_steps.PROMPT_LENS.update(tensor=None, runner=None)
     assert attention.step_request_lens(1) is None
 
 
@@ -75,7 +75,7 @@ def test_block_hashes_carry_the_requests_scale(monkeypatch):
 
     hasher = request_block_hasher(monkeypatch)
     model = hf.patch(served_llama(), METHOD)
-    attention._engine["config"] = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
+    attention_prefix_cache.ENGINE["config"] = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=model.config))
 
     def hashes(prompt, max_tokens):
         return Request("r", prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher).block_hashes
@@ -102,7 +102,7 @@ def fake_runner(prompt_lens, max_tokens, query_lens):
         requests={r: types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_tokens=n))
                   for r, n in zip(req_ids, max_tokens)},
         query_start_loc=types.SimpleNamespace(np=starts))
-    attention._prompt_lens.update(tensor=torch.tensor(prompt_lens), runner=runner)
+    attention_steps.PROMPT_LENS.update(tensor=torch.tensor(prompt_lens), runner=runner)
     return runner
 
 
@@ -188,7 +188,7 @@ def test_rotary_layer_turns_each_token_with_its_requests_static_table_eager_and_
             layer.forward_cpu(positions, q, k)  # in place on the fused row: v untouched
             assert torch.equal(qkv[:, 3 * HEAD:], v_before)
     finally:
-        attention._prompt_lens.update(tensor=None, runner=None)
+        attention_steps.PROMPT_LENS.update(tensor=None, runner=None)
 
 
 def test_a_graph_capture_step_of_padded_dummy_requests_gets_valid_tables():
@@ -208,7 +208,7 @@ def test_a_graph_capture_step_of_padded_dummy_requests_gets_valid_tables():
         with pytest.raises(RuntimeError, match="larger than the per-request rotation's buffers"):
             attention.update_request_rotary(fake_runner([1] * 9, [1] * 9, [1] * 9), 9)
     finally:
-        attention._prompt_lens.update(tensor=None, runner=None)
+        attention_steps.PROMPT_LENS.update(tensor=None, runner=None)
     assert [t.data_ptr() for t in (tables.request_index, tables.inv_freq, tables.attention_factors)] == addresses
 
 

@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
 from ropescale import config as config_lib, hf, ops, serving  # noqa: E402
-from ropescale.vllm import attention, rotary  # noqa: E402
+from ropescale.vllm import attention, attention_plan, attention_prefix_cache, attention_steps, rotary  # noqa: E402
 
 from support.attention import reference_dual_chunk, reference_self_extend, reference_string  # noqa: E402
 
@@ -72,7 +72,7 @@ def tiny_qwen2_dca(seed=0):
 def isolated():
     with plugin_isolated():
         yield
-    attention._prompt_lens.update(runner=None, tensor=None)
+    attention_steps.PROMPT_LENS.update(runner=None, tensor=None)
 
 
 def engine_config(config, max_model_len=SERVED, **fields):
@@ -112,7 +112,7 @@ def test_get_rope_gives_the_pass_through_with_the_methods_plan(monkeypatch, name
     assert plan.prompt_dependent == (name not in ("self_extend", "string")) and not plan.length_dependent
     assert plan.score_factor == (config_lib.STRING_ATTENTION_FACTOR ** 2 if name == "string" else 1.0)
     if name == "qwen_dca":  # the config alone (a model class that does not pass it) reads the same
-        attention._plan.clear()
+        attention_plan.RECORDED_PLAN.clear()
         model_get_rope(monkeypatch, config)
         assert attention.current_plan() == plan
 
@@ -128,11 +128,11 @@ def test_dca_temperature_is_dropped_within_its_length_and_refused_with_async_spe
                                 scheduler_config=types.SimpleNamespace(async_scheduling=True))
     with pytest.raises(NotImplementedError, match="temperature .* asynchronous scheduling with speculative decoding"):
         model_get_rope(monkeypatch, config, speculative)
-    attention._plan.clear()  # synchronous speculative decoding: exact host lengths
+    attention_plan.RECORDED_PLAN.clear()  # synchronous speculative decoding: exact host lengths
     model_get_rope(monkeypatch, config, engine_config(config, speculative_config=object(),
                                                       scheduler_config=types.SimpleNamespace(async_scheduling=False)))
     # Self-Extend has no temperature: nothing refused
-    attention._plan.clear()
+    attention_plan.RECORDED_PLAN.clear()
     se = patched("self_extend").config
     model_get_rope(monkeypatch, se, engine_config(se, speculative_config=object(),
                                                   scheduler_config=types.SimpleNamespace(async_scheduling=True)))
@@ -179,8 +179,8 @@ def test_block_hashes_carry_the_prompts_temperature(monkeypatch):
     hasher = request_block_hasher(monkeypatch)
 
     def hashes(config, prompt, max_model_len=SERVED):
-        attention._engine.clear()
-        attention._engine["config"] = engine_config(config, max_model_len) if config is not None else None
+        attention_prefix_cache.ENGINE.clear()
+        attention_prefix_cache.ENGINE["config"] = engine_config(config, max_model_len) if config is not None else None
         return Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher).block_hashes
 
     tokens = torch.randint(2, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -248,12 +248,12 @@ def impl_of(backend):
 def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatch, backend_config, name):
     model = patched(name)
     plan = serving.PreRopePlan.of(config_lib.read_config(model.config), HEAD, True)
-    attention._plan.update(plan=plan)
+    attention_plan.RECORDED_PLAN.update(plan=plan)
     g = torch.Generator().manual_seed(1)
     count = len(MIXED)
     seq_lens = torch.tensor([n for n, _, _ in MIXED], dtype=torch.int32)
     starts = torch.tensor([0] + [q for _, q, _ in MIXED]).cumsum(0).to(torch.int32)
-    attention._prompt_lens.update(tensor=torch.tensor([p for _, _, p in MIXED], dtype=torch.int32))
+    attention_steps.PROMPT_LENS.update(tensor=torch.tensor([p for _, _, p in MIXED], dtype=torch.int32))
     free = (torch.randperm(BLOCKS - 1, generator=g) + 1).tolist()
     pages = [[free.pop() for _ in range(-(-n // BLOCK))] for n, _, _ in MIXED]
     block_table = torch.zeros(count, SERVED // BLOCK, dtype=torch.int32)
@@ -285,7 +285,7 @@ def test_cuda_backend_passes_the_method_and_the_temperature_to_the_op(monkeypatc
         calls.append({k: kwargs.get(k) for k in ("group", "chunk_size", "far_start", "leaky_k")} | {"window": args[7]})
         return paged(*args, **kwargs)
 
-    monkeypatch.setattr(attention.ops, "rerope_attention_paged", spy)
+    monkeypatch.setattr(ops, "rerope_attention_paged", spy)
     out = {}
     with set_current_vllm_config(backend_config):
         for kind, backend in (("cuda", attention.PreRopeAttentionBackend),

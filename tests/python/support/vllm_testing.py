@@ -110,17 +110,17 @@ def plugin_isolated():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
 
-    from ropescale.vllm import attention
+    from ropescale.vllm import attention_plan
 
     saved = dict(_ATTN_OVERRIDES)
-    attention._plan.clear()
+    attention_plan.RECORDED_PLAN.clear()
     try:
         with set_current_vllm_config(VllmConfig()):
             yield
     finally:
         _ATTN_OVERRIDES.clear()
         _ATTN_OVERRIDES.update(saved)
-        attention._plan.clear()
+        attention_plan.RECORDED_PLAN.clear()
 
 
 def request_block_hasher(monkeypatch):
@@ -129,10 +129,10 @@ def request_block_hasher(monkeypatch):
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    from ropescale.vllm import attention
+    from ropescale.vllm import attention, attention_prefix_cache
 
     assert attention.install_block_hash_key() and attention.install_block_hash_key()
     hash_fn = get_hash_fn_by_name("sha256")
     kv_cache_utils.init_none_hash(hash_fn)
-    monkeypatch.setattr(attention, "_engine", {})
+    monkeypatch.setattr(attention_prefix_cache, "ENGINE", {})
     return kv_cache_utils.get_request_block_hasher(16, hash_fn)

@@ -463,3 +463,32 @@ def test_the_op_layer_loads_bottom_up_without_the_package():
     result = subprocess.run([sys.executable, "-c", _LAYERS_ALONE, str(PACKAGE), json.dumps(allowed)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "layers ok" in result.stdout, result.stderr[-3000:]
+
+
+# Modules that ask a method its facts (issue 58, item 3): through the method (an attribute, ``two_tables``,
+# ``is_plain``, ``long_table``) or the registry, never ``isinstance`` / ``type(...) is`` of a method class, and never a
+# rope type or llama.cpp ``rope.scaling.type`` name compared as a string (llama.cpp's names are llamacpp.SCALING_TYPES).
+METHOD_FACTS_ASKED = ("verify", "verify_declared", "verify_hypotheses", "verify_reference", "llamacpp", "cli.cmd_extend")
+
+
+def test_method_facts_are_asked_of_the_method():
+    from ropescale import llamacpp, scaling
+
+    classes = {cls.__name__ for cls in scaling.METHODS.values()} | {"RopeScaling"}
+    names = set(scaling.table_type_names()) | set(llamacpp.SCALING_TYPES.values())
+    modules = _package_modules()
+    found = []
+    for module in METHOD_FACTS_ASKED:
+        for node in ast.walk(modules[module]):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+                asked = {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if asked & classes:
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                values = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+                strings = {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+                methods = {n.attr for o in operands for n in ast.walk(o) if isinstance(n, ast.Attribute)}
+                if strings & names or (methods & classes and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)):
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "method facts asked by class or by name:\n" + "\n".join(found)

@@ -38,7 +38,7 @@ def fake_engine(monkeypatch, runs, *, nan_from=None, noise=0.0, plans=0, says=No
     past the prompt (a per-request method's table is the one of prompt + plans); ``says``: the planned length it
     answers (default: the one it used)."""
     def probe(engine, target, tokens, length, timeout):
-        model = verify._reference_model(target)
+        model = verify.reference_model(target)
         prompt = len(tokens) - short  # short: vLLM's probe, a forward of all but the last token
         lp = verify.reference_logprobs(model, runs, tokens, prompt + plans, prompt)
         lp = lp + noise * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -373,7 +373,7 @@ def test_a_deepseek_formula_is_transformers_own_model_of_it(deepseek_checkpoint)
     d = verify.declared(deepseek_checkpoint)
     hs, _ = verify.hypotheses(d, 32)
     h = next(h for h in hs if h.key == "mscale_all_dim")
-    model = verify._reference_model(deepseek_checkpoint)
+    model = verify.reference_model(deepseek_checkpoint)
     tokens = verify.probe_tokens(d.vocab_size, 32)
     own = families.build("DeepSeek-V3", {k: v for k, v in DEEPSEEK_YARN.items() if k != "mscale_all_dim"})
     own.load_state_dict(model.state_dict())
