@@ -231,7 +231,7 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
     model's, kept in the written parameters (refused where the method carries its own and it differs).
     Dual Chunk Attention also gets Qwen's ``dual_chunk_attention_config`` (``Written.dual_chunk``)."""
     if attention == "dual_chunk":
-        _check_dual_chunk_table(method)
+        check_dual_chunk_table(method)
     params, entry_method = method.stock_parameters(base, rotary_dim)
     if partial_rotary_factor is not None:
         own = params.get("partial_rotary_factor")  # a method's own parameter (proportional): never overwritten
@@ -318,7 +318,7 @@ def write_longrope(method: scaling.RopeScaling, base: float, rotary_dim: int, ma
     return Written(params, length, None)
 
 
-def _check_dual_chunk_table(method: scaling.RopeScaling, rope_type: str | None = None) -> None:
+def check_dual_chunk_table(method: scaling.RopeScaling, rope_type: str | None = None) -> None:
     """DCA takes plain RoPE's table: vLLM builds it from ``rope_theta`` alone (``get_rope`` takes
     ``DualChunkRotaryEmbedding`` before it reads the rope type), ropescale from the rope type; a scaled one is
     refused rather than one of them picked."""
@@ -385,7 +385,7 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
         raise ValueError(f"rope_type {rope_type!r} marks {ATTENTION_NAMES[marker]} but the config asks for "
                          f"attention {kind!r} (config.{CONFIG_KEY} = {entry!r})")
     if kind == "dual_chunk":
-        _check_dual_chunk_table(method, rope_type)
+        check_dual_chunk_table(method, rope_type)
         if qwen is not None:
             for key in ("chunk_size", "local_size"):
                 value = attention.get(key)

@@ -64,7 +64,8 @@ def passkey_prompt(n_filler: int, n_before: int, key: int) -> str:
     return "\n".join([PASSKEY_TASK, before, _info_line(key), after, PASSKEY_QUESTION])
 
 
-def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+def encode_text(tokenizer: Any, text: str) -> torch.Tensor:
+    """``text``'s token ids as a 1-D long tensor, as every evaluation here encodes a prompt."""
     return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
 
 
@@ -86,7 +87,8 @@ def _last_logits_only(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _greedy(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+def greedy_tokens(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int,
+                  eos_token_id: int | None) -> list[int]:
     """Greedy continuation of a 1-D prompt; reuses the model's KV cache when it returns one."""
     with _request(model, max_new_tokens):
         return _greedy_loop(model, ids, max_new_tokens, eos_token_id)
@@ -143,7 +145,7 @@ def _filler_blocks_for(tokenizer: Any, context_length: int, max_new_tokens: int)
     budget = context_length - max_new_tokens
 
     def fits(n: int) -> bool:
-        return len(_encode(tokenizer, passkey_prompt(n, 0, 99999))) <= budget
+        return len(encode_text(tokenizer, passkey_prompt(n, 0, 99999))) <= budget
 
     if not fits(0):
         raise ValueError(f"passkey_retrieval: context_length {context_length} cannot hold even the empty prompt")
@@ -199,8 +201,8 @@ def passkey_retrieval(
         prompts = tqdm(prompts, desc=f"passkey@{context_length}", leave=False)
     try:
         for prompt, key, depth in prompts:
-            ids = _encode(tokenizer, prompt)
-            answer = tokenizer.decode(_greedy(model, ids, max_new_tokens, eos), skip_special_tokens=True)
+            ids = encode_text(tokenizer, prompt)
+            answer = tokenizer.decode(greedy_tokens(model, ids, max_new_tokens, eos), skip_special_tokens=True)
             found = re.search(r"\d+", answer)
             results.append(
                 PasskeyTrial(
@@ -302,7 +304,7 @@ def perplexity(
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise ValueError("perplexity: a tokenizer is needed to score a string")
-        ids = _encode(tokenizer, text_or_ids)
+        ids = encode_text(tokenizer, text_or_ids)
     else:
         ids = torch.as_tensor(text_or_ids, dtype=torch.long).reshape(-1)
     if max_length is None:

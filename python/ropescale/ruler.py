@@ -295,7 +295,7 @@ def run(model: Any, tokenizer: Any, tasks: Sequence[str] = DEFAULT_TASKS, length
     answered greedily with the task's ``tokens_to_generate`` tokens (or up to EOS; the base template: the
     model continues the answer prefix) and scored with ``string_match_all``. ``progress``: a bar over the
     answers with the time left."""
-    from .evaluate import _encode, _greedy
+    from .evaluate import encode_text, greedy_tokens
 
     tasks = _check_tasks(tasks, haystack)
     lengths = tuple(dict.fromkeys(int(n) for n in lengths))
@@ -323,8 +323,8 @@ def run(model: Any, tokenizer: Any, tasks: Sequence[str] = DEFAULT_TASKS, length
                     bar.set_description(f"{name}@{length}")
                 done = []
                 for s in made:
-                    ids = _encode(tokenizer, s.prompt)
-                    new = _greedy(model, ids, TASKS[name].tokens_to_generate, eos)
+                    ids = encode_text(tokenizer, s.prompt)
+                    new = greedy_tokens(model, ids, TASKS[name].tokens_to_generate, eos)
                     prediction = postprocess(tokenizer.decode(new, skip_special_tokens=True))
                     done.append(SampleResult(s.index, len(ids), s.references, prediction,
                                              string_match_all([prediction], [s.references])))

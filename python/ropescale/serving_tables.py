@@ -9,14 +9,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import ops
 
-if TYPE_CHECKING:  # annotations only: the plan's module imports this one
-    from .serving import PreRopePlan
 
 
 def native_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -95,7 +91,7 @@ class TableCache:
     requests), from pinned host memory without waiting for the device. Lengths come from the host
     (:func:`host_seq_lens`): a step never reads the device."""
 
-    def __init__(self, plan: PreRopePlan, device: torch.device | str = "cpu", rows: int = 0,
+    def __init__(self, plan: "serving.PreRopePlan", device: torch.device | str = "cpu", rows: int = 0,
                  max_lengths: int = 4096) -> None:
         self.plan, self.device, self.max_lengths = plan, torch.device(device), max_lengths
         self._by_length: OrderedDict[int | None, tuple[torch.Tensor, float]] = OrderedDict()
@@ -206,7 +202,7 @@ class RequestRotaryTables:
     addresses they captured, and nothing inside a step reads the host. Tokens past the step (an engine's padding)
     keep request 0, a valid row. Tables come from the plan's :class:`TableCache` (computed once per length)."""
 
-    def __init__(self, plan: PreRopePlan, device: torch.device | str, max_tokens: int, max_requests: int) -> None:
+    def __init__(self, plan: "serving.PreRopePlan", device: torch.device | str, max_tokens: int, max_requests: int) -> None:
         if not plan.per_request:
             raise ValueError("RequestRotaryTables: the plan's method has no table per request")
         self.plan, self.device = plan, torch.device(device)

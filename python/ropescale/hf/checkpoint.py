@@ -84,7 +84,7 @@ def record(config, method: scaling.RopeScaling | None, attention: str = "sdpa",
     parameters = dict(parameters or {})
     length, original = config.max_position_embeddings, None
     if attention == "dual_chunk":
-        config_lib._check_dual_chunk_table(
+        config_lib.check_dual_chunk_table(
             method if method is not None else config_lib.read(table_parameters(old)[0], length).method)
     dual_chunk = config_lib.dual_chunk_entry(attention, parameters)
     if method is None:

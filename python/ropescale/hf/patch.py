@@ -307,7 +307,7 @@ def _check_layers(state: PatchState, scaling) -> None:
             raise ValueError(f"patch: {what} cannot patch this {name} model: {architectures.BIDIRECTIONAL}")
     if state.attention == "dual_chunk":
         try:
-            config_lib._check_dual_chunk_table(state.method)
+            config_lib.check_dual_chunk_table(state.method)
         except ValueError as err:
             raise ValueError(f"patch: {err}") from None
     layer_type = state.layer_types[0] if state.layer_types else None

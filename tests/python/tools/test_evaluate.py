@@ -297,7 +297,7 @@ def test_passkey_prompt_fills_the_context(tokenizer):
 def test_greedy_generation_matches_transformers_generate(model, tokenizer):
     # The evaluator's own greedy loop (with the model's KV cache) against model.generate.
     ids = torch.tensor(tokenizer(evaluate.passkey_prompt(3, 1, 54321))["input_ids"])
-    ours = evaluate._greedy(model, ids, max_new_tokens=12, eos_token_id=None)
+    ours = evaluate.greedy_tokens(model, ids, max_new_tokens=12, eos_token_id=None)
     with torch.no_grad():
         theirs = model.generate(ids[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(ids):]
     assert ours == theirs.tolist()

@@ -183,16 +183,7 @@ KNOWN_IMPORT_CIRCLES: dict[tuple[str, str], str] = {
 
 # Names a package module takes from another although they are that module's own (a leading underscore), each
 # (importer, owner, name) with why; test_no_module_takes_a_private_name_from_another fails once one is gone.
-KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
-    ("hf.checkpoint", "config", "_check_dual_chunk_table"): "config.py (being split) to make it public",
-    ("hf.patch", "config", "_check_dual_chunk_table"): "config.py (being split) to make it public",
-    ("ruler", "evaluate", "_encode"): "evaluate's prompt encoding, shared with RULER",
-    ("ruler", "evaluate", "_greedy"): "evaluate's greedy continuation, shared with RULER",
-    ("verify", "llamacpp", "_field"): "the GGUF field reader, to be made public in llamacpp",
-    ("_verify_keys", "llamacpp", "_field"): "the GGUF field reader, to be made public in llamacpp",
-    ("verify", "realmodel", "_load_gguf"): "realmodel's GGUF loader, to be made public",
-    ("vllm.rotary", "vllm.attention", "_max_model_len"): "vllm/attention.py (being split) to make it public",
-}
+KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 
 #: No package file is longer (docs/DESIGN.md, "Layout": a file per role).
 MAX_LINES = 600

@@ -508,7 +508,7 @@ def test_runner_scores_answers_as_ruler_does():
 def test_runner_end_to_end_on_a_tiny_llama_and_its_prompt_cache(tok, tmp_path, monkeypatch):
     model = tiny_llama(len(tok), max_position=1100)
     calls, answers = [], []
-    uncached, greedy = ruler._generate_uncached, evaluate._greedy
+    uncached, greedy = ruler._generate_uncached, evaluate.greedy_tokens
 
     def counting(task, *args):
         calls.append(task.name)
@@ -520,7 +520,7 @@ def test_runner_end_to_end_on_a_tiny_llama_and_its_prompt_cache(tok, tmp_path, m
         return new
 
     monkeypatch.setattr(ruler, "_generate_uncached", counting)
-    monkeypatch.setattr(evaluate, "_greedy", recording)
+    monkeypatch.setattr(evaluate, "greedy_tokens", recording)
     tasks, lengths = ["niah_multikey_3", "fwe"], [900, 1000]
     result = ruler.run(model, tok, tasks, lengths, samples=2, cache_dir=tmp_path)
     assert sorted(calls) == sorted(tasks * 2)
@@ -690,7 +690,7 @@ def test_cli_ctrl_c_ends_cleanly(capsys, tmp_path, saved_model, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evaluate, "_greedy", interrupted)
+    monkeypatch.setattr(evaluate, "greedy_tokens", interrupted)
     code = cli.main(["eval", "ruler", str(saved_model), "--lengths", "1000", "--tasks", "fwe", "--samples", "1",
                      "--device", "cpu", "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err  # (transformers' bar loading the weights, then ours)
