@@ -276,8 +276,7 @@ NTK_ALPHA_GRID = list(itertools.product((8, 64, 96, 128), (1e4, 1e6), (1.0, 4.0,
 def test_ntk_alpha_is_hunyuans_formula_at_every_length(dim, theta, alpha):
     """A HunYuan checkpoint's ``dynamic`` with ``alpha`` (its config keys, YaRN's and factor 1.0 beside, which neither
     source reads) reads as NTK-alpha, not Dynamic NTK: the source formula in float64 to 1e-12 at every length (Dynamic
-    NTK's would grow past the original length), Resonance rounding that table; transformers' own HunYuan function
-    (float32) to float32 rounding."""
+    NTK's would grow past the original length), Resonance rounding that table."""
     hunyuan = {"rope_type": "dynamic", "alpha": alpha, "rope_theta": theta, "factor": 1.0, "beta_fast": 32,
                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     parsed = config_lib.read(hunyuan, 64)
@@ -290,14 +289,24 @@ def test_ntk_alpha_is_hunyuans_formula_at_every_length(dim, theta, alpha):
     resonance = config_lib.read({**hunyuan, "rope_type": "resonance_ntk_alpha"}, 64).method
     torch.testing.assert_close(resonance.inv_freq(dim, theta, dtype=torch.float64), ref_resonance(expected),
                                rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dim,theta,alpha", NTK_ALPHA_GRID)
+def test_ntk_alpha_is_transformers_own_hunyuan_function(dim, theta, alpha):
+    """transformers' own HunYuan NTK-alpha (float32) within float32 rounding, where the installed transformers has it
+    (5.23 does; 5.19, the vLLM leg's, reads HunYuan's ``dynamic`` + ``alpha`` with its own rotary class only)."""
     from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hunyuan_model
 
+    own = getattr(hunyuan_model.HunYuanDenseV1RotaryEmbedding, "compute_ntk_alpha_rope_parameters", None)
+    if own is None:
+        pytest.skip(f"transformers {transformers.__version__} has no compute_ntk_alpha_rope_parameters")
+    hunyuan = {"rope_type": "dynamic", "alpha": alpha, "rope_theta": theta, "factor": 1.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = transformers.HunYuanDenseV1Config(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim,
                                                    max_position_embeddings=64, rope_parameters=dict(hunyuan))
-    inv_freq, factor = hunyuan_model.HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters(config)
-    torch.testing.assert_close(parsed.method.inv_freq(dim, theta), inv_freq, rtol=2e-6, atol=0)
+    inv_freq, factor = own(config)
+    torch.testing.assert_close(config_lib.read(hunyuan, 64).method.inv_freq(dim, theta), inv_freq, rtol=2e-6, atol=0)
     assert factor == 1.0
 
 
