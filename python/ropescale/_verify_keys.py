@@ -236,7 +236,7 @@ def unread(target: Path, engine: str, config: dict | None, overrides: dict | Non
 def check(target: Path, engine: str, answer: dict, overrides: dict | None = None):
     """A ``rope keys`` check, ``ignored``, naming each rope-like key the engine did not take; None when it took every
     one."""
-    from .verify import Check
+    from .verify_check import Check
 
     try:
         keys = unread(target, engine, answer.get("config"), overrides)
@@ -257,7 +257,7 @@ def declared_with(source: Path, overrides: dict):
     import dataclasses
     import tempfile
 
-    from . import verify
+    from .verify_declared import declared
 
     if not isinstance(overrides, dict):
         raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
@@ -272,5 +272,5 @@ def declared_with(source: Path, overrides: dict):
             raw[key] = value
     with tempfile.TemporaryDirectory(prefix="ropescale-verify-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps(raw))
-        d = verify.declared(folder)
+        d = declared(folder)
     return dataclasses.replace(d, source=f"{source.name}/config.json with hf_overrides {json.dumps(overrides)}")

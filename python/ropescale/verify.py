@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from . import _verify_keys, scaling
+from .verify_check import VERDICTS, Check
 from .verify_declared import Declared, declared, local_path, target_kind
 from .verify_hypotheses import Hypothesis, hypotheses, label
 from .verify_reference import float64_reference, probe_tokens, reference_logprobs, reference_model
@@ -65,7 +66,6 @@ ENGINES = {e.name: e for e in (
            "method into it with `ropescale extend SRC.gguf DST.gguf --method ...`, and verify DST.gguf"),
 )}
 
-VERDICTS = ("exact", "different", "ignored", "unexplained", "short", "refused", "inconclusive")
 SAME = 1e-6  # hypotheses whose log-probabilities differ by less (mean nats) cannot be told apart: merged
 #: The absolute bound (mean |delta log p|, nats) of an engine's own numerical noise, per engine and the dtype it
 #: computes in (the probe's answer "dtype"): "exact" only within it. Measured (docs/DESIGN.md, "Verifying an engine"):
@@ -76,26 +76,6 @@ BOUNDS = {("transformers", "float32"): 1e-5, ("vllm", "float32"): 1e-5, ("sglang
           ("llama.cpp", "float32"): 1e-5}
 NOISE_MARGIN = 4.0
 _ROPE_DICTS = ("rope_parameters", "rope_scaling")  # config keys whose value is a plain dict in every engine
-
-@dataclass(frozen=True)
-class Check:
-    name: str  # "served length", "scaling"
-    verdict: str  # one of VERDICTS
-    detail: str
-    distance: float | None = None  # the engine's from the declared (scaling: mean |delta log p| nats; length: tokens)
-    bound: float | None = None  # "exact" only when distance <= bound
-    formula: str | None = None  # what explains a wrong verdict: the formula's label (``key=engine value``), the keys
-
-    def measured(self) -> str:
-        if self.distance is None:
-            return ""
-        bound = "none stated" if self.bound is None else f"{self.bound:.3g}"
-        return f" [distance {self.distance:.3g}, bound {bound}]"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "exact"
-
 
 @dataclass
 class Report:

@@ -175,11 +175,7 @@ IMPORTS_BELOW_A_STATEMENT: dict[str, str] = {}
 # a function (never one at the top: a circle at import time has no exception), with why. The circle test leaves
 # these imports out; test_each_known_import_circle_is_still_there fails once one no longer closes a circle, so
 # that the entry goes.
-KNOWN_IMPORT_CIRCLES: dict[tuple[str, str], str] = {
-    ("_verify_keys", "verify"): "verify imports _verify_keys at the top; _verify_keys.check_keys imports verify.Check "
-                                "and _verify_keys.declared_with calls verify.declared (verify.py and _verify_keys.py "
-                                "are the verify issues' files: Check and declared belong below both)",
-}
+KNOWN_IMPORT_CIRCLES: dict[tuple[str, str], str] = {}
 
 # Names a package module takes from another although they are that module's own (a leading underscore), each
 # (importer, owner, name) with why; test_no_module_takes_a_private_name_from_another fails once one is gone.
