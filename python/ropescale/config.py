@@ -97,7 +97,7 @@ def table_parameters(rope_parameters: Mapping[str, Any] | None) -> tuple[dict[st
     parsed = scaling.RopeType.parse(params.get("rope_type") or params.get("type") or "default")
     params["rope_type"] = parsed.table
     params.pop("type", None)
-    if parsed.table == "yarn" and SGLANG_YARN_KEY in params:
+    if parsed.table == scaling.YaRN.rope_type and SGLANG_YARN_KEY in params:
         copy, meant = params.pop(SGLANG_YARN_KEY), params.get("attention_factor")
         try:
             served = sglang_yarn_default(params) * float(copy)
@@ -239,7 +239,7 @@ def write(method: scaling.RopeScaling, base: float, rotary_dim: int, max_positio
             raise ValueError(f"{type(method).__name__} has partial_rotary_factor {own}, the model "
                              f"{partial_rotary_factor}: the written config would change one of them")
         params["partial_rotary_factor"] = partial_rotary_factor
-    if params["rope_type"] == "yarn" and params.get("attention_factor") is not None:  # stock SGLang reads only this
+    if params["rope_type"] == scaling.YaRN.rope_type and params.get("attention_factor") is not None:  # stock SGLang reads only this
         params[SGLANG_YARN_KEY] = float(params["attention_factor"]) / sglang_yarn_default(params)
     params["rope_type"] = scaling.RopeType.join(params["rope_type"], None if attention == "sdpa" else attention)
     length = _written_length(method, params["rope_type"], params.get("factor"), int(max_position_embeddings))
@@ -271,10 +271,10 @@ def stock_sglang_misreads(rope_parameters: Mapping[str, Any] | None,
     ``rope_parameters`` of one layer type (a per-layer-type config: each in turn)."""
     params = dict(rope_parameters or {})
     rope_type = params.get("rope_type", "default")
-    if rope_type == "proportional" and float(params.get("factor", 1.0) or 1.0) != 1.0:
+    if rope_type == scaling.Proportional.rope_type and float(params.get("factor", 1.0) or 1.0) != 1.0:
         return (f"stock SGLang ignores the proportional rope's factor ({params['factor']}): without ropescale's "
                 "plugin it serves the table at factor 1")
-    if rope_type != "yarn":
+    if rope_type != scaling.YaRN.rope_type:
         return None
     copy = params.pop(SGLANG_YARN_KEY, 1.0)
     try:
@@ -322,7 +322,7 @@ def check_dual_chunk_table(method: scaling.RopeScaling, rope_type: str | None = 
     """DCA takes plain RoPE's table: vLLM builds it from ``rope_theta`` alone (``get_rope`` takes
     ``DualChunkRotaryEmbedding`` before it reads the rope type), ropescale from the rope type; a scaled one is
     refused rather than one of them picked."""
-    if type(method) is not scaling.Default or method.resonance:
+    if not method.is_plain:
         name = type(method).__name__ + (" with Resonance" if method.resonance else "") + (
             f", rope_type {rope_type!r}" if rope_type else "")
         raise ValueError(f"Dual Chunk Attention over a scaled table ({name}): vLLM builds DCA's table from rope_theta "
@@ -365,7 +365,7 @@ def read(rope_parameters: Mapping[str, Any] | None, max_position_embeddings: int
                     f"({dict(rope_parameters or {})}), which should be {expected}: the config was edited by hand")
     else:
         base = float(params.pop("rope_theta", 10000.0))
-        if params["rope_type"] == "longrope":  # vLLM's copies of the attention factor (write_longrope)
+        if params["rope_type"] == scaling.LongRoPE.rope_type:  # vLLM's copies of the attention factor (write_longrope)
             for key in ("short_mscale", "long_mscale"):
                 value = params.pop(key, None)
                 if value is not None and value != params.get("attention_factor"):

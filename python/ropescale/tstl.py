@@ -190,7 +190,7 @@ def run_task(
 
 
 def _train_name(table: scaling.RopeScaling) -> str:
-    return ("Resonance " if table.resonance else "") + ("RoPE" if table.rope_type == "default" else table.rope_type)
+    return ("Resonance " if table.resonance else "") + ("RoPE" if table.rope_type == scaling.Default.rope_type else table.rope_type)
 
 
 

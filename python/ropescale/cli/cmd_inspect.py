@@ -257,7 +257,7 @@ def _cmd_gap(args) -> int:
         from .. import plots
 
         critical = next((p["pair"] for p in pairs if not p["pre_critical"]), None)
-        label = "RoPE" if name == "default" else name
+        label = "RoPE" if name == scaling.Default.rope_type else name
         plots.feature_gap({label: gap, f"Resonance {label}": gap_r}, args.plot, critical_index=critical)
         note(args, f"wrote {args.plot}")
     return 0

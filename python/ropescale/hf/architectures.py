@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import scaling
+
 # Why a layer kind cannot take pre-RoPE methods: each reason names the layer kind, and is the refusal's text.
 SINKS = "its attention layers have attention sinks (a learned logit per head), which ropescale's ReRoPE kernels lack"
 SHARED_SLIDING = ("its sliding-window layers share the one rope table of its full layers, so a length-dependent "
@@ -149,9 +151,9 @@ def stock_vllm_misreads(config) -> str | None:
         return None  # not read as YaRN, or refused at load (a KeyError)
     rope_type = params.get("rope_type", "default")
     ignored = sorted(set(params) - set(keys) - set(arch.vllm_yarn_defaulted) - {"rope_type"})
-    if rope_type == "yarn" and not ignored:
+    if rope_type == scaling.YaRN.rope_type and not ignored:
         return None
-    what = f"rope_type {rope_type!r}" if rope_type != "yarn" else f"{', '.join(ignored)} (which it does not read)"
+    what = f"rope_type {rope_type!r}" if rope_type != scaling.YaRN.rope_type else f"{', '.join(ignored)} (which it does not read)"
     return (f"stock vLLM's {arch.name} model builds YaRN from {', '.join(keys)} whatever rope_type says, so without "
             f"ropescale's plugin it would serve this config's {what} as plain YaRN: serve it with the plugin "
             "(pip install ropescale in vLLM's environment)")

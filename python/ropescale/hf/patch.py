@@ -270,7 +270,7 @@ def _check_written_config(state: PatchState) -> None:
     per-layer head dims (Gemma 4) refuses to give, a RuntimeError): a method it refuses would save a checkpoint
     that never reloads. Refused, config restored."""
     params = config_lib.layer_type_parameters(state.config, state.layer_types[0]) if state.layer_types else {}
-    if params.get("rope_type") == "yarn" and params.get("truncate", True) is False:
+    if params.get("rope_type") == scaling_lib.YaRN.rope_type and params.get("truncate", True) is False:
         checkpoint.restore(state.config, state.saved_config)
         raise ValueError(f"patch: {state.architecture.name}: transformers' yarn reads truncate from the top level of "
                          "rope_parameters, which a per-layer-type config keys by layer type, so transformers' own model "

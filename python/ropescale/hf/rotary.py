@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import scaling
 from .pre_rope import start_pre_rope_step
 from .requests import DATA_DEPENDENT, batch_positions, length_groups, planned_lengths, token_positions
 from .state import PatchState
@@ -135,7 +136,7 @@ def _request_cos_sin(state: PatchState, x: torch.Tensor, position_ids: torch.Ten
 def _own_rotary_is_native(module: nn.Module) -> bool:
     """Whether the model's own rotary module computes the default table, attention factor 1 (the table a per-request
     method takes within the trained length); a model whose own rope is scaled (Llama 3.1's llama3) is not."""
-    return getattr(module, "rope_type", None) == "default" and getattr(module, "attention_scaling", 1.0) == 1.0
+    return getattr(module, "rope_type", None) == scaling.Default.rope_type and getattr(module, "attention_scaling", 1.0) == 1.0
 
 
 def _request_rows(state: PatchState, positions: torch.Tensor, device: torch.device):

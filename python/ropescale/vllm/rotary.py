@@ -25,6 +25,9 @@ from . import engine
 logger = logging.getLogger("vllm.ropescale")
 _stock_get_rope = getattr(_rope_package.get_rope, "__wrapped__", _rope_package.get_rope)
 _layers: dict[tuple, RotaryEmbedding] = {}
+#: vLLM's own rope type "ntk" (base b*s, frequencies divided by s^(2/d), with mixed_b its mixed variant): the same
+#: name as ropescale's NTK-aware table before 0.2, another formula.
+VLLM_OWN_NTK = "ntk"
 _warned: set[str] = set()
 # Why the plugin refused to go active in this process (vllm/__init__.py, missing_kernels): ropescale's
 # checkpoints are then refused with it at model build; None when active.
@@ -236,8 +239,8 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
             # must reach every position the engine serves, and a length-free checkpoint (per request, dynamic)
             # keeps its original max_position_embeddings, which vLLM builds that table to (then reads past it).
             max_position = max(int(max_position), int(getattr(model_config, "max_model_len", 0) or 0))
-        if rope_type == "ntk" and "mixed_b" not in params and "ntk" not in _warned:
-            _warned.add("ntk")
+        if rope_type == VLLM_OWN_NTK and "mixed_b" not in params and VLLM_OWN_NTK not in _warned:
+            _warned.add(VLLM_OWN_NTK)
             logger.warning(
                 "ropescale: rope_type 'ntk' is served as vLLM's own NTK (base b*s, frequencies divided by "
                 "s^(2/d)); a checkpoint written by ropescale before 0.2 meant NTK-aware scaling with it: "
