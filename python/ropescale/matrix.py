@@ -17,7 +17,6 @@ the file alone, so every cell comes from a run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
+from unittest import mock
 
 __all__ = ["COLUMNS", "ROWS", "Cell", "Column", "Row", "headline", "load", "markdown", "run"]
 
@@ -229,20 +229,6 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def _environment(env: Iterable[tuple[str, str]]):
-    saved = {name: os.environ.get(name) for name, _ in env}
-    os.environ.update(dict(env))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def installed(column: Column) -> bool:
     from . import verify
 
@@ -269,7 +255,7 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
             start = time.perf_counter()
             try:
                 target = checkpoint(row, work, column.ropescale_written)
-                with _environment(column.env):
+                with mock.patch.dict(os.environ, dict(column.env)):  # the engine's process inherits it
                     report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
             except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
                 first = str(err).strip().splitlines()[0]

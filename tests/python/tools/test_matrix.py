@@ -5,6 +5,8 @@ docs/MATRIX.md)."""
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +162,22 @@ def test_a_silent_cell_of_an_engine_names_its_upstream_report():
     cell = synthetic(verify.Check("scaling", "different", "…", 0.1, 1e-5, "attention_factor=None"))
     assert matrix.summary(cell, "vllm", "attention_factor")[0].endswith("[vLLM #46280, #48351]")
     assert "[" not in matrix.summary(cell, "sglang", "attention_factor")[0]
+
+
+def test_each_column_runs_its_engine_with_its_environment_and_leaves_ours(clean, monkeypatch):
+    """Stock vLLM is vLLM with ROPESCALE_VLLM=0 in the engine's process (which inherits the environment), the plugin
+    column with =1; the environment is ours again after each cell."""
+    folder, _ = clean
+    seen = []
+
+    def fake_verify(target, engine, **kwargs):
+        seen.append((engine, os.environ.get("ROPESCALE_VLLM"), Path(target).name.endswith("-ropescale")))
+        return verify.Report(str(target), engine, "fake 1", "", 8, [verify.Check("scaling", "exact", "ok")], {}, [])
+
+    monkeypatch.setattr(verify, "verify", fake_verify)
+    monkeypatch.setattr(matrix, "installed", lambda column: True)
+    monkeypatch.setenv("ROPESCALE_VLLM", "ours")
+    vllm_columns = [c for c in matrix.COLUMNS if c.engine == "vllm"]
+    matrix.run(folder / "env.jsonl", folder / "work", [FACTOR_ROW], vllm_columns)
+    assert seen == [("vllm", "0", False), ("vllm", "1", True)]
+    assert os.environ["ROPESCALE_VLLM"] == "ours"
