@@ -240,7 +240,7 @@ def test_evaluators_run_each_continuation_as_one_request():
     x = ids(1, 12)
     with torch.no_grad():
         _, tokens = logits_of(model, x, 9)
-    assert evaluate._greedy(model, x[0], 9, None) == tokens[0, 12:].tolist()
+    assert evaluate.greedy_tokens(model, x[0], 9, None) == tokens[0, 12:].tolist()
 
     class Wrapper(torch.nn.Module):  # a timer or an adapter around the patched model
         def __init__(self, inner):
@@ -250,4 +250,4 @@ def test_evaluators_run_each_continuation_as_one_request():
         def forward(self, *args, **kwargs):
             return self.inner(*args, **kwargs)
 
-    assert evaluate._greedy(Wrapper(model), x[0], 9, None) == tokens[0, 12:].tolist()
+    assert evaluate.greedy_tokens(Wrapper(model), x[0], 9, None) == tokens[0, 12:].tolist()
