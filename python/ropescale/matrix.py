@@ -303,7 +303,7 @@ def markdown(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
                 texts.append(f"**{text}**" if silent else text)
         lines.append(f"| {row.family} | {row.name} | `{row.key}` | " + " | ".join(texts) + " |")
     versions = sorted({f"{c.name}: {cell.version}" for row in rows for c in columns
-                       if (cell := _current(cells, row, c)) is not None})
+                       if (cell := _current(cells, row, c)) is not None and cell.version != c.engine})
     lines += ["", "Bold: a silent divergence (the engine serves something else and says nothing). Engines: "
               + "; ".join(versions) + "."]
     return "\n".join(lines)
