@@ -9,10 +9,10 @@ the method recorded, each engine's extra key beside it), which is what ``ropesca
 one ``ropescale verify`` run: exact, different (the key and the size), ignored, refused, short (not served past N),
 unexplained or inconclusive.
 
-Cells are appended to a results file (JSON lines) as each ends, and a run skips the cells the file already holds for
-the same row (its fingerprint) and engine version: a column whose engine is installed in another environment (vLLM
-and SGLang each in their own venv here) is filled in by running the same command there. The table is rendered from
-the file alone, so every cell comes from a run.
+Cells are written to a results file (JSON lines, replaced whole: never a half line) as each ends, and a run skips
+the cells the file already holds for the row as it is (its fingerprint; ``--rerun`` runs them again, after an engine
+upgrade): a column whose engine is installed in another environment (vLLM and SGLang each in their own venv here) is
+filled in by running the same command there. The table is rendered from the file alone, so every cell comes from a run.
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ def installed(column: Column) -> bool:
 def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,
         timeout: float = 1800.0, progress: Callable[[str], None] | None = None, rerun: bool = False) -> list[Cell]:
     """Runs every (row, column) cell not yet in ``results`` (every one, ``rerun``) whose engine is installed here,
-    appending each to ``results`` as it ends; the cells run. ``work``: where the rows' checkpoints are built."""
+    writing each to ``results`` as it ends (the file keeps the last cell of each row and column); the cells run.
+    ``work``: where the rows' checkpoints are built."""
     from . import verify
 
     say = progress or (lambda message: None)
@@ -266,11 +267,20 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
                 cell = Cell(row.name, column.name, row.fingerprint(), report.version,
                             [dataclasses.asdict(c) for c in report.checks], report.text(),
                             round(time.perf_counter() - start, 1))
-            with results.open("a") as f:  # one line per cell, as it ends: a stopped run resumes from here
-                f.write(json.dumps(dataclasses.asdict(cell)) + "\n")
+            done[cell.key] = cell
+            _write_results(results, done)  # as each cell ends: a stopped run resumes from here
             cells.append(cell)
             say(f"{row.name} on {column.name}: {summary(cell, column.engine, row.key)[0]}")
     return cells
+
+
+def _write_results(results: Path, cells: dict[tuple[str, str], Cell]) -> None:
+    """The results file, one JSON line per cell, replaced whole (written beside it and renamed: Ctrl-C or a crash
+    mid-write leaves the previous file, never a half line)."""
+    from . import files
+
+    with files.atomic_file(results) as tmp:
+        Path(tmp).write_text("".join(json.dumps(dataclasses.asdict(c)) + "\n" for c in cells.values()))
 
 
 def _current(cells: dict[tuple[str, str], Cell], row: Row, column: Column) -> Cell | None:

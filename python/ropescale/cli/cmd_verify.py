@@ -29,10 +29,10 @@ _DESCRIPTION = (
     "GGUF).",
     "--matrix runs the conformance matrix instead of one TARGET: a tiny model per family x rope key that engines read "
     "differently (ropescale.matrix.ROWS), verified on every engine installed here, stock and with ropescale's plugin "
-    "(ropescale.matrix.COLUMNS). Each cell is appended to --results as it ends and skipped when the file already holds "
+    "(ropescale.matrix.COLUMNS). Each cell is written to --results as it ends and skipped when the file already holds "
     "it, so a stopped run resumes, and running the same command in another environment (vLLM's, SGLang's) fills in "
-    "its columns; --markdown and --readme render the table and its headline from the file alone. Exit 1 when a cell of a "
-    "column with ropescale's plugin is a silent divergence (each must be exact or refused), else 0.",
+    "its columns; --markdown and --readme render the table and its headline from the file alone. Exit 1 when a cell "
+    "of a column with ropescale's plugin is a silent divergence (each must be exact or refused), else 0.",
 )
 
 
@@ -58,8 +58,8 @@ def add_parser(sub) -> None:
     matrix.add_argument("--matrix", action="store_true",
                         help="run the conformance matrix (every row x every column whose engine is installed here)")
     matrix.add_argument("--results", type=Path, default=Path("ropescale-matrix.jsonl"), metavar="FILE",
-                        help="the cells, one JSON line each, appended as each ends and read to resume (default "
-                             "ropescale-matrix.jsonl)")
+                        help="the cells, one JSON line each, written as each ends (the file replaced whole), read to "
+                             "resume (default ropescale-matrix.jsonl)")
     matrix.add_argument("--work", type=Path, metavar="DIR",
                         help="where the rows' tiny checkpoints are built (default: a temporary folder)")
     matrix.add_argument("--rows", metavar="TEXT", nargs="+",

@@ -181,3 +181,22 @@ def test_each_column_runs_its_engine_with_its_environment_and_leaves_ours(clean,
     matrix.run(folder / "env.jsonl", folder / "work", [FACTOR_ROW], vllm_columns)
     assert seen == [("vllm", "0", False), ("vllm", "1", True)]
     assert os.environ["ROPESCALE_VLLM"] == "ours"
+
+
+def test_ctrl_c_mid_run_keeps_every_cell_that_ended_and_no_half_line(clean, monkeypatch):
+    folder, _ = clean
+    results = folder / "interrupted.jsonl"
+    calls = []
+
+    def fake_verify(target, engine, **kwargs):
+        calls.append(engine)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return verify.Report(str(target), engine, "fake 1", "", 8, [verify.Check("scaling", "exact", "ok")], {}, [])
+
+    monkeypatch.setattr(verify, "verify", fake_verify)
+    monkeypatch.setattr(matrix, "installed", lambda column: True)
+    with pytest.raises(KeyboardInterrupt):
+        matrix.run(results, folder / "work", [FACTOR_ROW], matrix.COLUMNS[:2])
+    assert list(matrix.load(results)) == [(FACTOR_ROW.name, matrix.COLUMNS[0].name)]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".interrupted")] == []  # no temporary left
