@@ -116,9 +116,21 @@ def _dict_differences(raw: dict, rope) -> list[str]:
     return best
 
 
-def _scalar_taken(key: str, value, view: dict | None, text_rope) -> str | None:
+def _rope_dim_taken(raw: dict, value, rope_dicts) -> bool:
+    """A ``qk_rope_head_dim`` where the config class takes it as a legacy alias only (DeepSeek-V4's, which derives its
+    ``partial_rotary_factor`` from it and writes it back): taken when it is the rope dim the engine runs, ``head_dim``
+    times a rope dict's ``partial_rotary_factor``."""
+    head_dim = raw.get("head_dim")
+    return isinstance(head_dim, int) and any(
+        isinstance(d.get("partial_rotary_factor"), (int, float)) and _same(value, int(head_dim * d["partial_rotary_factor"]))
+        for d in rope_dicts)
+
+
+def _scalar_taken(key: str, value, view: dict | None, text_rope, raw: dict | None = None) -> str | None:
     """None when the engine holds ``value`` for ``key``; else why not."""
     rope_dicts = _flat(view["rope"] if view is not None and view.get("rope") else text_rope)
+    if key == "qk_rope_head_dim" and _rope_dim_taken(raw or {}, value, rope_dicts):
+        return None
     named = [d[key] for d in rope_dicts if key in d]
     if named:
         return None if any(_same(value, v) for v in named) else \
@@ -146,7 +158,7 @@ def _scan(raw: dict, view: dict | None, text_rope, path: str, where: str, out: l
                     out.append(Unread(here, where, f"not taken{place}: {'; '.join(diffs)}{beside}" +
                                       _hint(key, view)))
             else:
-                why = _scalar_taken(key, value, view, text_rope)
+                why = _scalar_taken(key, value, view, text_rope, raw)
                 if why is not None:
                     out.append(Unread(here, where, f"not taken: {why}" + _hint(key, view)))
         elif isinstance(value, dict):

@@ -412,11 +412,11 @@ def layer_type_parameters(config, layer_type: str | None = None) -> Mapping[str,
 
 def per_layer_type(config) -> bool:
     """Whether ``config.rope_parameters`` is keyed by layer type (Gemma 3: ``{"full_attention": {...},
-    "sliding_attention": {...}}``) rather than one dict for every layer."""
+    "sliding_attention": {...}}``; DeepSeek-V4 by the rope its layers take, ``{"main": {...}, "compress": {...}}``)
+    rather than one dict for every layer: a dict of dicts (no rope key holds a dict)."""
     params = getattr(config, "rope_parameters", None)
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    return (isinstance(params, Mapping) and bool(params) and "rope_type" not in params
-            and set(params) <= layer_types | {"full_attention", "sliding_attention"})
+    return (isinstance(params, Mapping) and bool(params)
+            and all(isinstance(value, Mapping) for value in params.values()))
 
 
 def base_of(config, layer_type: str | None = None) -> float:

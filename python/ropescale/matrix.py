@@ -89,6 +89,10 @@ ROWS: tuple[Row, ...] = (
         {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0}),
     Row("YaRN with the mscale pair on MLA", "mscale_all_dim (MLA)", "DeepSeek-V3",
         {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    # V4's checkpoints: YaRN (attention factor 1.0) on the compressed layers at theta 160000, the sliding layers' main
+    # table unscaled at 1e4, a trailing rope slice in pairs (2i, 2i+1)
+    Row("YaRN x4 on the compress rope, attention_factor 1.0", "per-rope tables (main / compress)", "DeepSeek-V4",
+        {**YARN, "attention_factor": 1.0}),
 )
 
 
@@ -221,8 +225,8 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
         if arch is not None and arch.fixed_method:  # the config's own method only (DeepSeek's MLA scale)
             hf.patch(model)
         else:
-            layer_type = "full_attention" if config_lib.per_layer_type(model.config) else None
-            hf.patch(model, config_lib.read_config(model.config, layer_type).method)
+            layer_types = arch.extended_layer_types(model.config) if arch is not None else None
+            hf.patch(model, config_lib.read_config(model.config, layer_types[0] if layer_types else None).method)
     work.mkdir(parents=True, exist_ok=True)
     with files.atomic_directory(folder) as tmp:
         model.save_pretrained(tmp)

@@ -39,6 +39,16 @@ TINY = {
                     dict(MOE, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
                          moe_intermediate_size=32)),
+    # DeepSeek-V4: a sliding layer (rope "main", theta 1e4), a compressed-sparse and a heavily-compressed layer (rope
+    # "compress", theta 160000: their compressors and the indexer rotate too), a 16-feature trailing rope slice of
+    # 32-feature heads, one KV head (keys are values), sinks, hyper-connections.
+    "DeepSeek-V4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
+                    dict(MOE, head_dim=32, partial_rotary_factor=0.5, num_key_value_heads=1, q_lora_rank=32,
+                         moe_intermediate_size=32, n_routed_experts=4, num_hidden_layers=3, sliding_window=8,
+                         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                         o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2,
+                         hc_sinkhorn_iters=3, mlp_layer_types=["moe"] * 3, num_nextn_predict_layers=0)),
     # HunYuan dense: QK-norm after the rotation; its checkpoints' rope is NTK-alpha ("dynamic" with "alpha")
     "HunYuan dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     # NoPE layers between rope layers (config.no_rope_layers: 1 rotates, 0 NoPE): layers 0 and 2 rotate, 1 and 3 not.
@@ -53,15 +63,21 @@ TINY = {
     "Qwen2.5-VL (text)": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", dict(mrope_section=[2, 3, 3])),
     "Qwen3-VL (text)": ("Qwen3VLTextConfig", "Qwen3VLTextModel", dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
 }
-# The families whose rope_parameters are per layer type: build's rope_parameters are their full layers'.
-PER_LAYER_TYPE = ("Gemma 3", "Gemma 4")
+# The families whose rope_parameters are per layer type: (the extended type, the sliding layers' type, its theta).
+# build's rope_parameters are the extended type's; the sliding layers keep the default table.
+PER_LAYER_TYPE = {"Gemma 3": ("full_attention", "sliding_attention", 10000.0),
+                  "Gemma 4": ("full_attention", "sliding_attention", 10000.0),
+                  "DeepSeek-V4": ("compress", "main", 10000.0)}
+# A family's base for its extended layers, where its checkpoints' differs from 1e4 (V4's compress_rope_theta).
+THETA = {"DeepSeek-V4": 160000.0}
 # Keys of a family's rope layout that its test config puts in rope_parameters.
 LAYOUT = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")
 
 
 def base_rope(name):
     fields = TINY[name][2]
-    base = {"rope_type": "default", "rope_theta": 10000.0, **{k: fields[k] for k in LAYOUT if k in fields}}
+    base = {"rope_type": "default", "rope_theta": THETA.get(name, 10000.0),
+            **{k: fields[k] for k in LAYOUT if k in fields}}
     if "llama_4_scaling_beta" in base:  # Ministral 3's query temperature needs an original length
         base.update(rope_type="yarn", factor=1.0, original_max_position_embeddings=ORIGINAL)
     return base
@@ -71,12 +87,17 @@ def build(name, rope_parameters=None, seed=0, **overrides):
     """The family's tiny model (eval, sharpened weights) with ``rope_parameters`` (of its full-attention layers
     for a per-layer-type family; its sliding layers keep their own)."""
     config_name, model_name, fields = TINY[name]
-    fields = {k: v for k, v in fields.items() if k not in LAYOUT}
+    # a per-layer-type config keeps its partial_rotary_factor at the top level too (DeepSeek-V4's checkpoints: the
+    # same as each type's)
+    fields = {k: v for k, v in fields.items() if k not in LAYOUT or (name in PER_LAYER_TYPE and k == LAYOUT[0])}
     params = base_rope(name)
     if rope_parameters is not None:  # the method's keys, the family's layout keys
-        params = {"rope_theta": 10000.0, **{k: params[k] for k in LAYOUT if k in params}, **rope_parameters}
+        params = {"rope_theta": THETA.get(name, 10000.0), **{k: params[k] for k in LAYOUT if k in params},
+                  **rope_parameters}
     if name in PER_LAYER_TYPE:
-        params = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        extended, sliding, theta = PER_LAYER_TYPE[name]
+        layout = {k: params[k] for k in LAYOUT if k in params}
+        params = {extended: params, sliding: {"rope_type": "default", "rope_theta": theta, **layout}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = getattr(transformers, config_name)(**{**COMMON, **fields, **overrides}, rope_parameters=params)

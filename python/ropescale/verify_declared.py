@@ -99,12 +99,17 @@ def _declared_dir(target: Path) -> Declared:
 
 
 def extended_layer_type(cfg) -> str | None:
-    """For a per-layer-type config (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``), the layer
-    type whose rope the probe checks: the first that is not sliding, the one ``hf.patch`` extends by default (the
-    references patch it); None for a config with one rope."""
+    """For a per-layer-type config (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``; DeepSeek-V4:
+    ``main`` and ``compress``), the layer type whose rope the probe checks: the first that ``hf.patch`` extends by
+    default (``Architecture.extended_layer_types``: the references patch it); None for a config with one rope."""
+    from .hf import architectures
+
     if not config_lib.per_layer_type(cfg):
         return None
-    return next(t for t in cfg.rope_parameters if t != "sliding_attention")
+    arch = architectures.find(cfg)
+    if arch is None:
+        return next(t for t in cfg.rope_parameters if t != "sliding_attention")
+    return arch.extended_layer_types(cfg)[0]
 
 
 def _layout_partial(cfg, method: scaling.RopeScaling) -> float:

@@ -156,13 +156,13 @@ def _check_extend_paths(src, dst) -> None:
         raise UsageError(str(err)) from None
 
 
-def _source_method(config) -> scaling.RopeScaling | None:
+def _source_method(config, layer_type: str | None = None) -> scaling.RopeScaling | None:
     """SRC's own method, as every engine adapter reads it (None where ropescale cannot read SRC's config: then nothing
     is kept from it)."""
     from .. import config as config_lib
 
     try:
-        return config_lib.read_config(config).method
+        return config_lib.read_config(config, layer_type).method
     except ValueError:
         return None
 
@@ -417,19 +417,26 @@ def _cmd_extend(args) -> int:
         config = AutoConfig.from_pretrained(src)
     except (ValueError, OSError, KeyError, TypeError) as err:
         raise UsageError(f"{src} is not a transformers model directory: {err}") from None
-    params = getattr(config, "rope_parameters", None)
+    arch = architectures.find(config)
+    # a per-layer-type config (Gemma 3, DeepSeek-V4): the layer types hf.patch extends, each keeping its own table
+    per_type = config_lib.per_layer_type(config)
+    try:
+        layer_types = arch.extended_layer_types(config) if arch is not None and per_type else None
+    except ValueError as err:
+        raise UsageError(f"SRC: {err}") from None
+    layer_type = layer_types[0] if layer_types else None
+    params = config_lib.layer_type_parameters(config, layer_type) if not per_type or layer_type else None
     if not isinstance(params, dict) or "rope_theta" not in params:
         raise UsageError(f"{src}: its config ({config.model_type}) has no RoPE parameters to extend "
-                         "(or one set per layer type, which extend does not write)")
+                         "(or one set per layer type of a family ropescale does not know)")
     # SRC's ORIGINAL length, not the one a scaled SRC's max_position_embeddings holds (checkpoint.original_length)
-    args.original_max_position = args.original_max_position or checkpoint.original_length(config)
+    args.original_max_position = args.original_max_position or checkpoint.original_length(config, layer_type)
     method = methods.build(args, inherit=True) if args.method is not None else None  # None: SRC's own table
     kept: dict[str, object] = {}
     if method is not None:
-        method, kept = _inherit(method, _source_method(config),
+        method, kept = _inherit(method, _source_method(config, layer_type),
                                 methods.given_fields(args, methods.NAMES[args.method].rope_type))
         methods.check_built(args, method)
-    arch = architectures.find(config)
     if args.target == "vllm" and arch is not None and arch.vllm_yarn_keys:
         raise UsageError(f"--target vllm writes a longrope table for stock vLLM, but stock vLLM's {arch.name} model "
                          "builds YaRN whatever rope_type says: --method yarn (no --target) is what it serves of this "
@@ -439,7 +446,7 @@ def _cmd_extend(args) -> int:
                          f"{config_lib.ATTENTION_NAMES[attention]} needs ropescale's plugin: leave --target out")
     if method is not None:
         try:
-            method.check_rotary_dim(config_lib.rotary_dim_of(config))
+            method.check_rotary_dim(config_lib.rotary_dim_of(config, params, layer_type))
         except ValueError as err:
             raise UsageError(f"SRC: {err}") from None
     if args.max_length is not None and attention is None and not method.dynamic:
@@ -452,16 +459,20 @@ def _cmd_extend(args) -> int:
     parameters = {key: value for key, value in patch_arguments.items() if key != "attention"}
     try:
         checkpoint.record(config, method, attention or "sdpa", parameters, target=args.target,
-                          max_length=args.max_length)
+                          max_length=args.max_length, layer_types=layer_types)
     except ValueError as err:  # a table DCA does not take, one --target vllm cannot write, ...
         if args.target != "any":
             raise UsageError(f"--target {args.target}: {err}") from None
         raise UsageError(f"--attention {attention}: {err}" if attention not in (None, "rerope") else str(err)) from None
     try:  # what every engine adapter will read back (hf.patch, the vLLM plugin)
-        written = config_lib.read_config(config)
+        written = config_lib.read_config(config, layer_type)
     except ValueError as err:
         raise UsageError(f"--method {args.method}: {err}" if args.method else f"--attention {attention}: {err}") \
             from None
+    if layer_types and (serving.needs_pre_rope(written) or serving.rotated_at_write(written)):
+        raise UsageError(f"extend writes a static table into the layer types {', '.join(layer_types)} of a "
+                         "per-layer-type config (each other type keeps its own); a pre-RoPE or per-request method "
+                         "there: patch the model with ropescale.hf.patch and save_pretrained")
     if arch is not None:  # what hf.patch(model) would refuse on the reload, refused before it is written
         rotated_at_write = serving.rotated_at_write(written)
         refusal = arch.method_refusal(type(written.method).__name__, written.length_free and not rotated_at_write,
@@ -477,8 +488,8 @@ def _cmd_extend(args) -> int:
             print(f"warning: {misread}", file=sys.stderr)
     text = config.to_json_string(use_diff=True)
     budget = _planning_budget(args, src, written)
-    plan = serving.PreRopePlan.of_config(config)
-    max_model_len = config_lib.max_model_len_of(config)
+    plan = serving.PreRopePlan.of_config(config) if layer_type is None else None
+    max_model_len = config_lib.max_model_len_of(config, layer_type)
     reduced = plan.self_extend_reduces_within(max_model_len) if plan is not None else None
     if reduced is not None:
         print(f"warning: {reduced}", file=sys.stderr)
@@ -500,11 +511,12 @@ def _cmd_extend(args) -> int:
     except OSError as err:
         print(f"ropescale extend: error: writing {dst} failed, nothing written: {err}", file=sys.stderr)
         return 1
-    new = config.rope_parameters
+    new = config_lib.layer_type_parameters(config, layer_type)
     served = getattr(config, config_lib.SERVED_LENGTH_KEY, None)
     print(f"wrote {dst}: rope_type {new['rope_type']}"
           + (f" (was {replaced})" if replaced != new["rope_type"] and not scaling.RopeType.parse(replaced).unscaled
              else "")
+          + (f" in layer types {', '.join(layer_types)} (the others keep their own)" if layer_types else "")
           + f", max_position_embeddings {config.max_position_embeddings}"
           + (f", model_max_length {served}" if served is not None else "")
           + f": vLLM serves it up to {max_model_len} tokens (max_model_len)")

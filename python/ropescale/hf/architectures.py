@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import scaling
+from .. import config as config_lib, scaling
 
 # Why a layer kind cannot take pre-RoPE methods: each reason names the layer kind, and is the refusal's text.
 SINKS = "its attention layers have attention sinks (a learned logit per head), which ropescale's ReRoPE kernels lack"
@@ -44,6 +44,10 @@ CHUNKED = ("its rope layers attend within chunks (attention_chunk_size), their c
            "only (a sliding-window cache layer), and its QK-norm (use_qk_norm) follows the rotation and so cancels a "
            "table's attention factor; ropescale's raw-key cache keeps every key, its ReRoPE kernels mask causally "
            "only, and a rotation at attention time would apply the factor after the norm")
+DEEPSEEK_V4 = ("its layers have attention sinks, keys that are also values (K=V, the output rotated back at the "
+               "query's position), and compressors and an indexer that rotate compressed entries at their windows' "
+               "positions with rotary modules of their own: ropescale serves its static tables (in every rotary "
+               "module), not raw keys nor a table per request")
 # Why a table narrower than the head (a method under partial_rotary_factor < 1) is refused.
 WHOLE_HEAD = ("its attention applies cos/sin to every feature of the head (no partial-rotary slice), so a narrower "
               "table does not fit (transformers' own model fails on it too); scaling.Proportional spans the head, "
@@ -72,7 +76,9 @@ class Architecture:
     ``no_rope_layers``: 1 rotates, 0 is a NoPE layer); only the layers that rotate are extended, NoPE layers run
     the model's own forward untouched (None: every layer rotates). ``complex_rotary``: the rotary module returns
     Llama 4's ``freqs_cis``, complex ``[batch, seq, rotary_dim/2]`` (``factor * exp(i * angle)``), which its attention
-    multiplies into the pairs ``(2i, 2i+1)`` viewed as complex numbers."""
+    multiplies into the pairs ``(2i, 2i+1)`` viewed as complex numbers. ``sliding_rope``: the ``rope_parameters``
+    key of a per-layer-type config's sliding layers, which a patch leaves alone unless named (DeepSeek-V4 keys its
+    tables by the rope its layers take: ``main`` on its sliding layers, ``compress`` on its compressed ones)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -88,6 +94,7 @@ class Architecture:
     vllm_yarn_defaulted: tuple[str, ...] = ()
     rope_layers: str | None = None
     complex_rotary: bool = False
+    sliding_rope: str = "sliding_attention"
 
     def method_refusal(self, method: str, pre_rope: bool, rotated_at_write: bool) -> str | None:
         """Why the family's layers cannot take the method named ``method``: one that caches raw keys (``pre_rope``)
@@ -98,6 +105,30 @@ class Architecture:
         if rotated_at_write and self.per_request:
             return f"per-request methods ({method}(per='request')) cannot patch {self.name}: {self.per_request}"
         return None
+
+    def extended_layer_types(self, config, layer_types=None) -> tuple[str, ...] | None:
+        """The ``rope_parameters`` keys a method extends in a per-layer-type config (None: a config with one rope
+        for every layer): ``layer_types`` (a name or names), by default every type but the sliding layers'
+        (``sliding_rope``), the layers that see past the window. ``hf.patch`` and ``ropescale extend`` both ask it."""
+        if not config_lib.per_layer_type(config):
+            if layer_types is not None:
+                raise ValueError(f"layer_types={layer_types!r} is for configs whose rope_parameters are per layer "
+                                 "type (Gemma 3, DeepSeek-V4); this model has one rope for every layer")
+            return None
+        known = tuple(config.rope_parameters)
+        if layer_types is None:
+            layer_types = tuple(t for t in known if t != self.sliding_rope)
+        layer_types = (layer_types,) if isinstance(layer_types, str) else tuple(layer_types)
+        unknown = [t for t in layer_types if t not in known]
+        if not layer_types or unknown:
+            raise ValueError(f"layer_types must name some of this config's layer types {list(known)}, "
+                             f"got {list(layer_types)}")
+        tables = {(config.rope_parameters[t].get("rope_theta"), config.rope_parameters[t].get("partial_rotary_factor"),
+                   config_lib.head_dim_of(config, t)) for t in layer_types}
+        if len(tables) > 1:
+            raise ValueError(f"the layer types {list(layer_types)} have different rope_theta, "
+                             "partial_rotary_factor or head dim; patch them one type at a time")
+        return layer_types
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -120,6 +151,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("DeepSeek-V3", ("deepseek_v3",), cat_layout=False, pre_rope=MLA, per_request=MLA_SCALE,
                  fixed_method="MLA's softmax scale is set from rope_parameters' mscale_all_dim when the model is "
                               "built: write the method into the config (ropescale extend) and load the model from it"),
+    # DeepSeek-V4 (transformers' deepseek_v4): rope_parameters {"main": sliding layers' table, "compress": the
+    # compressed layers' (and their compressors' and indexers'), YaRN in its checkpoints}, each a trailing rope slice
+    # (partial_rotary_factor) rotated in pairs (2i, 2i+1) from half-width cos/sin, in every rotary module.
+    Architecture("DeepSeek-V4", ("deepseek_v4",), cat_layout=False, interleaved=True, half_width=True,
+                 pre_rope=DEEPSEEK_V4, per_request=DEEPSEEK_V4, sliding_rope="main"),
     # HunYuan dense (transformers' hunyuan_v1_dense): Llama's layout, QK-norm after the rotation; its rope NTK-alpha.
     Architecture("HunYuan dense", ("hunyuan_v1_dense",), pre_rope=QK_NORM_AFTER_ROPE),
     Architecture("SmolLM3", ("smollm3",), rope_layers="no_rope_layers"),

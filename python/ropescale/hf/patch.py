@@ -111,37 +111,15 @@ def _find_modules(model: nn.Module):
               if type(m).__name__.endswith("RotaryEmbedding") and getattr(m, "config", None) is config]
     attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")
                  and getattr(m, "config", None) is config and hasattr(m, "layer_idx")]
-    owners = [m for m in model.modules() if any(child is rotary[0] for child in m.children())] if rotary else []
-    if not attention or len(rotary) != 1 or not owners:
+    # the base model: the owner of a rotary module that holds the attention layers (DeepSeek-V4's compressors own
+    # rotary modules of their own, each of which ``patch`` sets too)
+    owners = [m for m in model.modules() if any(child is r for child in m.children() for r in rotary)
+              and any(a is attention[0] for a in m.modules())] if rotary and attention else []
+    if not attention or not rotary or (architecture.cat_layout and len(rotary) != 1) or len(owners) != 1:
         raise TypeError(f"patch: {type(model).__name__} ({architecture.name}) has {len(rotary)} text rotary modules "
                         f"and {len(attention)} attention modules; ropescale expects one rotary module that its base "
                         "model calls, and attention layers")
     return config, architecture, rotary, attention, owners[0]
-
-
-def _extended_layer_types(config, layer_types) -> tuple[str, ...] | None:
-    """The layer types a per-layer-type config extends (None: a config with one rope for every layer)."""
-    if not config_lib.per_layer_type(config):
-        if layer_types is not None:
-            raise ValueError(f"patch: layer_types={layer_types!r} is for configs whose rope_parameters are per layer "
-                             "type (Gemma 3); this model has one rope for every layer")
-        return None
-    known = tuple(config.rope_parameters)
-    if layer_types is None:  # the layers that see past the sliding window: Gemma 3's global layers
-        layer_types = tuple(t for t in known if t != "sliding_attention")
-    if isinstance(layer_types, str):
-        layer_types = (layer_types,)
-    layer_types = tuple(layer_types)
-    unknown = [t for t in layer_types if t not in known]
-    if not layer_types or unknown:
-        raise ValueError(f"patch: layer_types must name some of this config's layer types {list(known)}, "
-                         f"got {list(layer_types)}")
-    tables = {(config.rope_parameters[t].get("rope_theta"), config.rope_parameters[t].get("partial_rotary_factor"),
-               config_lib.head_dim_of(config, t)) for t in layer_types}
-    if len(tables) > 1:
-        raise ValueError(f"patch: the layer types {list(layer_types)} have different rope_theta, "
-                         "partial_rotary_factor or head dim; patch them one type at a time")
-    return layer_types
 
 
 def patch(
@@ -183,13 +161,16 @@ def patch(
     ``attention=None`` (the default) takes the attention side the config records (a reloaded ReRoPE,
     Self-Extend or DCA checkpoint; a Qwen config's ``dual_chunk_attention_config``), else "sdpa";
     so ``patch(model)`` on a reloaded checkpoint re-applies what was saved. ``layer_types``: for a config
-    whose rope parameters are per layer type (Gemma 3), the types the method extends (default: all but
-    ``sliding_attention``). Returns the model.
+    whose rope parameters are per layer type (Gemma 3; DeepSeek-V4's ``main`` and ``compress``), the types the
+    method extends (default: all but the sliding layers', ``sliding_attention`` or V4's ``main``). Returns the model.
     """
     if getattr(model, "_ropescale_patch", None) is not None:
         raise RuntimeError("patch: this model is already patched by ropescale; call ropescale.hf.unpatch(model) first")
     config, architecture, rotary_modules, attention_modules, base_model = _find_modules(model)
-    layer_types = _extended_layer_types(config, layer_types)
+    try:
+        layer_types = architecture.extended_layer_types(config, layer_types)
+    except ValueError as err:
+        raise ValueError(f"patch: {err}") from None
     layer_type = layer_types[0] if layer_types else None
     given = {"window": window, "leaky_k": leaky_k, "logn_length": logn_length, "group": group,
              "chunk_size": chunk_size, "local_size": local_size,

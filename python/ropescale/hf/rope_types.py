@@ -91,8 +91,27 @@ def _make_validator(rope_type: str):
     return validate
 
 
+def _taking_sglang_attn_factor(own):
+    """transformers' ``yarn`` validator, which takes the ``attn_factor`` ropescale writes beside ``attention_factor``
+    for stock SGLang (``config.write``) where the two agree, rather than log it as an unrecognized key on every load;
+    one that disagrees is still logged (``config.read`` refuses it)."""
+
+    def validate(self, rope_parameters, ignore_keys=None):
+        if config_lib.SGLANG_YARN_KEY in rope_parameters and config_lib.stock_sglang_misreads(
+                rope_parameters, getattr(self, "max_position_embeddings", None)) is None:
+            ignore_keys = set(ignore_keys or ()) | {config_lib.SGLANG_YARN_KEY}
+        return own(self, rope_parameters, ignore_keys=ignore_keys)
+
+    validate.__name__, validate.ropescale_wraps = own.__name__, own
+    return validate
+
+
 def register_rope_types() -> None:
-    """Idempotent: adds ropescale's rope types to transformers (done on ``import ropescale.hf``)."""
+    """Idempotent: adds ropescale's rope types to transformers (done on ``import ropescale.hf``), and makes its
+    ``yarn`` validator take the ``attn_factor`` ropescale writes (:func:`_taking_sglang_attn_factor`)."""
+    mixin = rope_utils.RotaryEmbeddingConfigMixin
+    yarn = mixin._validate_yarn_rope_parameters
+    mixin._validate_yarn_rope_parameters = _taking_sglang_attn_factor(getattr(yarn, "ropescale_wraps", yarn))
     for rope_type in scaling.ropescale_rope_types():  # the registry now: a method registered later is added too
         rope_utils.ROPE_INIT_FUNCTIONS[rope_type] = _init_function
         setattr(rope_utils.RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters",

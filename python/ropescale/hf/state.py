@@ -139,9 +139,10 @@ class PatchState:
 
 
 def layer_type_of(module: nn.Module) -> str | None:
-    """The layer type of an attention module (its own ``layer_type``, or its config's ``layer_types`` entry), or
-    None for a config with one rope for every layer."""
-    layer_type = getattr(module, "layer_type", None)
+    """The layer type of an attention module as its config's ``rope_parameters`` key it: the rope it takes
+    (DeepSeek-V4's ``rope_layer_type``, ``main`` or ``compress``), else its own ``layer_type`` or its config's
+    ``layer_types`` entry; None for a config with one rope for every layer."""
+    layer_type = getattr(module, "rope_layer_type", None) or getattr(module, "layer_type", None)
     if layer_type is None:
         layer_types = getattr(module.config, "layer_types", None)
         layer_type = layer_types[module.layer_idx] if layer_types else None

@@ -6,6 +6,7 @@ ropescale.hf``; and what a family's layers cannot take is refused naming the lay
 table is these tests' result."""
 
 import importlib
+import math
 import re
 import warnings
 
@@ -260,6 +261,44 @@ def test_gemma3_extends_only_the_layer_types_named():
         hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL), layer_types=("sliding_attention",))
     with pytest.raises(ValueError, match="layer_types=.* is for configs whose rope_parameters are per layer type"):
         hf.patch(build("Llama"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), layer_types="x")
+
+
+def test_deepseek_v4_takes_the_table_in_every_compress_rotary_and_leaves_its_sliding_layers_alone():
+    """DeepSeek-V4 keys its rope by the rope its layers take: ``main`` (sliding layers, theta 1e4) and ``compress``
+    (compressed layers, theta 160000: the model's rotary, each compressor's and the indexer's). hf.patch extends
+    ``compress`` by default, in every rotary module (the compressors rotate their compressed entries with their own),
+    and leaves ``main`` bit for bit; unpatch puts every module back. A checkpoint's flat YaRN (as V4's own config
+    writes it: transformers nests it under ``compress`` with attention_factor 1.0, the V4 reference's) is patched as
+    its own table: equal to the model. The per-layer-type check, a misnamed type, is refused."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    model = build("DeepSeek-V4")
+    rotaries = [m for m in model.modules() if type(m).__name__ == "DeepseekV4RotaryEmbedding"]
+    assert len(rotaries) == 4  # the model's, two compressors' and the indexer's
+    main, compress = [r.main_inv_freq.clone() for r in rotaries], [r.compress_inv_freq.clone() for r in rotaries]
+    x = ids(batch=1)
+    before = output(model, x)
+    hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL))
+    table = ops.yarn_inv_freq(16, 160000.0, 4.0, ORIGINAL, dtype=torch.float32)
+    for rotary, own in zip(rotaries, main):
+        assert torch.equal(rotary.compress_inv_freq, table) and torch.equal(rotary.main_inv_freq, own)
+        assert rotary.compress_attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert model.config.rope_parameters["main"] == {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5}
+    hf.unpatch(model)
+    assert all(torch.equal(r.compress_inv_freq, own) for r, own in zip(rotaries, compress))
+    torch.testing.assert_close(output(model, x), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="layer_types must name some of this config's layer types"):
+        hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), layer_types="compressed")
+    # the flat form of V4's checkpoints: nested by its config class, attention factor 1.0 on the compress table
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.DeepseekV4Config(**{**COMMON, **TINY["DeepSeek-V4"][2]}, rope_parameters=dict(yarn),
+                                               compress_rope_theta=160000.0)
+    assert config.rope_parameters["compress"]["attention_factor"] == 1.0
+    native = transformers.DeepseekV4ForCausalLM(config).eval()
+    patched = hf.patch(same_weights(transformers.DeepseekV4ForCausalLM(config).eval(), native))
+    torch.testing.assert_close(output(patched, x), output(native, x), rtol=0, atol=1e-6)
+    assert patched.model.rotary_emb.compress_attention_scaling == 1.0
 
 
 def test_gemma3_rerope_with_soft_capped_logits_is_refused():

@@ -641,3 +641,26 @@ def test_a_method_patched_over_a_scaled_checkpoint_records_s_times_its_original_
         assert getattr(model.config, key) == getattr(plain.config, key), key
     hf.unpatch(model)
     assert model.config.to_json_string() == before
+
+
+def test_the_sglang_attn_factor_ropescale_writes_loads_without_transformers_unrecognized_key_log(tmp_path):
+    """ropescale writes stock SGLang's ``attn_factor`` beside YaRN's ``attention_factor`` (issue 56); transformers
+    logged "Unrecognized keys in `rope_parameters` ... {'attn_factor'}" on every load of such a checkpoint. With
+    ``import ropescale.hf`` it takes the copy where the two agree; a copy that disagrees (edited by hand) is still
+    logged."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    model = hf.patch(tiny("llama"), scaling.YaRN(factor=4.0, original_max_position=ORIGINAL,
+                                                  attention_factor_override=1.3))
+    model.save_pretrained(tmp_path / "ok")
+    raw = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert "attn_factor" in raw["rope_parameters"]
+    (tmp_path / "edited").mkdir()
+    raw["rope_parameters"]["attn_factor"] = 1.0
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(raw))
+    logger = hf_logging.get_logger("transformers.modeling_rope_utils")
+    for folder, logged in (("ok", False), ("edited", True)):
+        with CaptureLogger(logger) as captured:
+            transformers.AutoConfig.from_pretrained(tmp_path / folder)
+        assert ("Unrecognized keys" in captured.out) is logged, (folder, captured.out)

@@ -722,3 +722,28 @@ def test_a_family_with_nope_layers_is_extended_on_its_rope_layers_only(tmp_path,
         assert (f"SRC: pre-RoPE methods (dynamic methods, ReRoPE) cannot patch Llama 4 (text): {architectures.CHUNKED}"
                 in " ".join(err.split())), err
         assert not (tmp_path / "dyn").exists()
+
+
+@pytest.mark.parametrize("family,extended,kept", [("Gemma 3", "full_attention", "sliding_attention"),
+                                                  ("DeepSeek-V4", "compress", "main")])
+def test_a_per_layer_type_config_is_extended_in_the_types_hf_patch_extends(tmp_path, capsys, family, extended, kept):
+    """Gemma 3 and DeepSeek-V4 key rope_parameters by layer type (V4 by the rope its layers take: ``main`` on its
+    sliding layers at theta 1e4, ``compress`` on its compressed layers and their compressors at 160000): extend
+    writes the method into the types hf.patch extends (their own base and partial rotary kept), leaves the sliding
+    layers' table as it was, and the reload through plain transformers is the family's own model of the method. Before,
+    extend refused such a config. A pre-RoPE method there is refused before anything is written."""
+    src, model = source(tmp_path, family)
+    written, out = extend(capsys, src, tmp_path / "dst", "--method", "yarn", "--factor", 4, "--original-max-position",
+                          ORIGINAL)
+    params = written["rope_parameters"]
+    assert params[kept] == model.config.rope_parameters[kept]
+    assert params[extended]["rope_type"] == "yarn" and params[extended]["factor"] == 4.0
+    assert params[extended]["rope_theta"] == model.config.rope_parameters[extended]["rope_theta"]
+    assert f"in layer types {extended} (the others keep their own)" in out
+    want = build(family, YARN_4)
+    want.load_state_dict(model.state_dict())
+    reloaded = load(tmp_path / "dst")
+    torch.testing.assert_close(logits(reloaded), logits(want), atol=1e-6, rtol=0)
+    assert not torch.allclose(logits(reloaded), logits(model), atol=1e-4, rtol=0)
+    err = usage_error(capsys, "extend", src, tmp_path / "dyn", "--method", "dynamic_yarn", "--max-length", 64)
+    assert ("pre-RoPE" in err and not (tmp_path / "dyn").exists()), err

@@ -479,6 +479,20 @@ def test_an_engines_own_name_of_the_rope_type_is_taken():
         assert [u.key for u in unread] == named, (engine_type, [u.text() for u in unread])
 
 
+def test_deepseek_v4s_legacy_rope_head_dim_is_taken_where_it_is_the_rope_dim_the_engine_runs():
+    """DeepSeek-V4's config class takes ``qk_rope_head_dim`` as a legacy alias only (its partial_rotary_factor is
+    derived from it, and it writes it back): every V4 checkpoint transformers saves has it, and verify named it not
+    taken. Taken where it is head_dim x the partial_rotary_factor the engine runs; another value is still named."""
+    from ropescale import _verify_keys, _verify_probe, tiny_models as families
+
+    model = families.build("DeepSeek-V4")
+    raw = json.loads(model.config.to_json_string())
+    view = _verify_probe.config_view(model.config)
+    assert raw["qk_rope_head_dim"] == 16 and _verify_keys.unread_config(raw, view) == []
+    unread = _verify_keys.unread_config({**raw, "qk_rope_head_dim": 8}, view)
+    assert [u.key for u in unread] == ["qk_rope_head_dim"], [u.text() for u in unread]
+
+
 def test_a_rope_scaling_transformers_does_not_read_never_exits_0(tmp_path, capsys):
     """The issue's case: YaRN x4 under a misspelled key, no ropescale record. Declared and engine both read plain RoPE
     (the same config class): the probe alone called it exact, exit 0. With a dropped top-level rope_theta: both named."""
