@@ -81,6 +81,9 @@ ROWS: tuple[Row, ...] = (
     Row("YaRN on the full layers only", "per-layer-type tables", "Gemma 3", YARN),
     Row("proportional x2", "proportional's factor", "Gemma 4",
         {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}),
+    # text prompts: every stream at the text position (vLLM serves the vision-language model around the text model)
+    Row("YaRN x4 on mRoPE sections", "mrope_section", "Qwen2.5-VL (text)", YARN),
+    Row("YaRN x4 on interleaved mRoPE sections", "mrope_interleaved", "Qwen3-VL (text)", YARN),
     Row("YaRN x4 between NoPE layers", "NoPE layers (no_rope_layers)", "SmolLM3", YARN),
     Row("Llama 3.1 x4 on iRoPE, NoPE layers' attention temperature", "NoPE layers' attn_temperature_tuning",
         "Llama 4 (text)", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -271,10 +274,27 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
                 cell = Cell(row.name, column.name, row.fingerprint(), report.version,
                             [dataclasses.asdict(c) for c in report.checks], report.text(),
                             round(time.perf_counter() - start, 1))
-            done[cell.key] = cell
-            _write_results(results, done)  # as each cell ends: a stopped run resumes from here
+            done = _record(results, cell)  # as each cell ends: a stopped run resumes from here
             cells.append(cell)
             say(f"{row.name} on {column.name}: {summary(cell, column.engine, row.key)[0]}")
+    return cells
+
+
+def _record(results: Path, cell: Cell) -> dict[tuple[str, str], Cell]:
+    """Adds ``cell`` to the results file as it is NOW, under an exclusive lock on its folder (the file itself is
+    replaced, and a lock file would be left beside it): a run in another engine's environment writing the same file
+    meanwhile (each column fills in where its engine is installed) keeps its cells (a copy read at the start would
+    drop them). The cells after it."""
+    import fcntl
+
+    folder = os.open(results.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        cells = load(results)
+        cells[cell.key] = cell
+        _write_results(results, cells)
+    finally:
+        os.close(folder)  # and the lock with it
     return cells
 
 

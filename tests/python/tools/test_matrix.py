@@ -200,3 +200,23 @@ def test_ctrl_c_mid_run_keeps_every_cell_that_ended_and_no_half_line(clean, monk
         matrix.run(results, folder / "work", [FACTOR_ROW], matrix.COLUMNS[:2])
     assert list(matrix.load(results)) == [(FACTOR_ROW.name, matrix.COLUMNS[0].name)]
     assert [p.name for p in folder.iterdir() if p.name.startswith(".interrupted")] == []  # no temporary left
+
+
+def test_a_run_keeps_the_cells_another_environments_run_writes_meanwhile(clean, monkeypatch):
+    """The columns fill in where each engine is installed (vLLM and SGLang in venvs of their own), so two runs may
+    write one results file at once: each cell is added to the file as it is when the cell ends. Before, a run wrote
+    back the copy it read at its start, and the other run's cells were lost."""
+    folder, _ = clean
+    results = folder / "shared.jsonl"
+    other = matrix.Cell("another row", "vLLM", "f" * 12, "vLLM 0.32.0",
+                        [dataclasses.asdict(verify.Check("scaling", "exact", "ok"))], "", 1.0)
+
+    def fake_verify(target, engine, **kwargs):
+        with open(results, "a") as f:  # the other environment's run ends a cell meanwhile
+            f.write(json.dumps(dataclasses.asdict(other)) + "\n")
+        return verify.Report(str(target), engine, "fake 1", "", 8, [verify.Check("scaling", "exact", "ok")], {}, [])
+
+    monkeypatch.setattr(verify, "verify", fake_verify)
+    monkeypatch.setattr(matrix, "installed", lambda column: True)
+    matrix.run(results, folder / "work", [FACTOR_ROW], matrix.COLUMNS[:1])
+    assert set(matrix.load(results)) == {("another row", "vLLM"), (FACTOR_ROW.name, matrix.COLUMNS[0].name)}
