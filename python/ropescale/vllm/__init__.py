@@ -120,6 +120,7 @@ def register() -> None:
         logger.warning("ropescale: this vLLM has no hook for the block hash: a dynamic method's pages may be reused "
                        "from the prefix cache across prompts of different scale; pass --no-enable-prefix-caching")
     engine.install_seeded_sampling_fix()  # vLLM 0.32's CPU runner: seeded requests with a chunked prompt
+    engine.install_nope_temperature()  # Llama 4's NoPE temperature as the checkpoint ropescale wrote says
     rotation = rotary.install_rotation() if os.environ.get("ROPESCALE_VLLM_ROTATION", "0").strip() == "1" else False
     _state["active"] = True
     logger.info("ropescale %s: vLLM %s plugin active (ropescale rope types served%s)", ropescale_version, version,

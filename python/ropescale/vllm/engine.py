@@ -13,7 +13,11 @@
   ``torch.Generator`` refuses: "CPU Generator does not use offset"). On the CPU platform the seeded generators of
   those rows sit out ``sample_tokens``: the token vLLM throws away is drawn from the global generator, so the
   request's own stream is not advanced (what the CUDA rewind restores) and the rewind finds nothing to rewind. A
-  chunked seeded request then samples what the same request unchunked samples (tested).
+  chunked seeded request then samples what the same request unchunked samples (tested);
+- a Llama 4 checkpoint ropescale wrote gets its NoPE layers' attention temperature as its config says
+  (``attn_temperature_tuning``, what transformers runs): vLLM 0.32's ``Llama4ForCausalLM`` reads it from the generation
+  config only, whose loader drops the key, and otherwise turns it on only past a ``max_model_len`` of 32768, so such a
+  checkpoint was served without it, silently (0.027 nats at the conformance matrix's tiny Llama 4).
 """
 
 from __future__ import annotations
@@ -147,3 +151,42 @@ def install_seeded_sampling_fix() -> bool:
     sample_tokens._ropescale = True  # type: ignore[attr-defined]
     GPUModelRunner.sample_tokens = sample_tokens
     return True
+
+
+#: The Llama 4 config key of its NoPE layers' attention temperature, which vLLM reads from the generation config only.
+NOPE_TEMPERATURE_KEY = "attn_temperature_tuning"
+
+
+def install_nope_temperature() -> bool:
+    """vLLM's generation config of a checkpoint ropescale wrote carries the config's ``attn_temperature_tuning`` (see
+    the module docstring) unless the generation config (or ``--override-generation-config``) says it; any other
+    model's is vLLM's own. Idempotent; returns whether ``ModelConfig`` was patched."""
+    try:
+        from vllm.config.model import ModelConfig  # vLLM: the class whose generation config Llama 4 reads
+    except ImportError:
+        return False
+    stock = ModelConfig.try_get_generation_config
+    if getattr(stock, "_ropescale", False):
+        return True
+
+    @functools.wraps(stock)
+    def try_get_generation_config(self):
+        config = stock(self)
+        text = getattr(self, "hf_text_config", None)
+        value = getattr(text, NOPE_TEMPERATURE_KEY, None)
+        if NOPE_TEMPERATURE_KEY not in config and isinstance(value, bool) and _written_by_ropescale(text):
+            config = {**config, NOPE_TEMPERATURE_KEY: value}
+        return config
+
+    try_get_generation_config._ropescale = True
+    ModelConfig.try_get_generation_config = try_get_generation_config
+    return True
+
+
+def _written_by_ropescale(text_config) -> bool:
+    from .. import config as config_lib, serving
+
+    params = getattr(text_config, "rope_parameters", None) or {}
+    entry = getattr(text_config, config_lib.CONFIG_KEY, None)
+    layers = params.values() if config_lib.per_layer_type(text_config) else [params]
+    return any(serving.written_by_ropescale(p, entry) for p in layers)

@@ -103,6 +103,30 @@ def test_vllm_gives_a_deepseek_v3_checkpoint_a_verdict(folder):
     assert len(report.distances) > 2 and all(v < 1.0 for v in report.distances.values()), report.text()
 
 
+@pytest.mark.parametrize("plugin", ["1", "0"])
+def test_a_llama4_checkpoint_ropescale_wrote_gets_its_nope_temperature_with_the_plugin(folder, monkeypatch, plugin):
+    """Llama 4 with attn_temperature_tuning on (transformers runs it on its NoPE layers) served at max_model_len 64:
+    vLLM 0.32 reads the switch from the generation config only, which its loader drops, and turns it on only past
+    32768, so the conformance matrix found the plugin column silently 0.027 nats off. With the plugin, a checkpoint
+    ropescale wrote gets the config's switch: exact; stock vLLM is still off, and verify says so."""
+    from ropescale import hf, tiny_models as families
+
+    path = folder / "llama4"
+    if not path.exists():
+        model = families.build_served("Llama 4 (text)")
+        hf.patch(model, scaling.Llama3(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position=families.ORIGINAL))
+        model.save_pretrained(path)
+    monkeypatch.setenv("ROPESCALE_VLLM", plugin)
+    report = verify.verify(path, "vllm")
+    print(report.text())
+    scaled = report.checks[1]
+    if plugin == "1":
+        assert scaled.verdict == "exact", report.text()
+    else:
+        assert scaled.verdict != "exact" and report.distances["declared"] > 1e-3, report.text()
+
+
 def test_vllm_names_a_rope_key_and_an_override_it_does_not_take(folder):
     """Issue 60 on vLLM: a YaRN x4 under a misspelled key in config.json and a top-level rope_theta beside
     rope_parameters (vLLM reads the config through transformers 5: neither taken), and an hf_overrides key vLLM

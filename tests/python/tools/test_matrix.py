@@ -56,7 +56,10 @@ def test_a_planted_engine_that_drops_a_key_turns_the_cell_to_different_naming_it
     monkeypatch.setenv("ROPESCALE_TEST_DROP", "attention_factor")
     monkeypatch.setenv("PYTHONPATH", str(site))
     cells = matrix.run(tmp_path / "results.jsonl", folder / "work", [FACTOR_ROW], [TRANSFORMERS])
-    (cell,) = cells
+    # the silent cell's control ran: the family unscaled is exact there, so the cell stays silent
+    assert [c.row for c in cells] == [FACTOR_ROW.name, matrix.control(FACTOR_ROW.family).name]
+    cell = cells[0]
+    assert matrix.summary(cells[1], "transformers")[0] == "exact", cells[1].detail
     text, silent = matrix.summary(cell, "transformers", FACTOR_ROW.key)
     assert silent and text.startswith("different: attention_factor="), text
     assert cell.verdicts["scaling"] == "different", cell.detail
@@ -220,3 +223,33 @@ def test_a_run_keeps_the_cells_another_environments_run_writes_meanwhile(clean, 
     monkeypatch.setattr(matrix, "installed", lambda column: True)
     matrix.run(results, folder / "work", [FACTOR_ROW], matrix.COLUMNS[:1])
     assert set(matrix.load(results)) == {("another row", "vLLM"), (FACTOR_ROW.name, matrix.COLUMNS[0].name)}
+
+
+def test_a_silent_cell_whose_family_is_not_the_engines_even_unscaled_is_inconclusive(clean, monkeypatch):
+    """A cell that would be silent runs its family's control (the model with no scaling) on that column: where the
+    control is not exact either (vLLM 0.32's CPU DeepSeek-V3 is 0.035 nats from transformers' with the default rope:
+    its MLA kernel and routing), the rope cannot be judged there: inconclusive with the control's distance, not
+    silent (before, "unexplained (0.0016 nats)" in bold on both vLLM columns). A control that is exact leaves the
+    cell silent; an exact cell runs no control."""
+    folder, _ = clean
+    ran = []
+
+    def fake_verify(target, engine, **kwargs):
+        ran.append(Path(target).name)
+        control = len(ran) > 1
+        check = verify.Check("scaling", "unexplained", "…", 0.035 if control else 0.0016, 1e-5, "")
+        return verify.Report(str(target), engine, "fake 1", "", 8, [check], {}, [])
+
+    monkeypatch.setattr(verify, "verify", fake_verify)
+    monkeypatch.setattr(matrix, "installed", lambda column: True)
+    results = folder / "control.jsonl"
+    matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])
+    assert len(ran) == 2 and ran[0] != ran[1]
+    cells = matrix.load(results)
+    text, silent = matrix.judged(cells, FACTOR_ROW, TRANSFORMERS)
+    assert not silent and text.startswith("inconclusive: Llama on transformers is 0.035 nats from transformers' with "
+                                          "no scaling (unexplained (0.0016 nats))"), text
+    assert matrix.silent_cells(cells, [FACTOR_ROW], [TRANSFORMERS]) == []
+    assert "0 silently different" in matrix.headline(cells, [FACTOR_ROW], [TRANSFORMERS])
+    matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])  # resumed: nothing runs again
+    assert len(ran) == 2
