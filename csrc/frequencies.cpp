@@ -168,6 +168,25 @@ at::Tensor yarn_inv_freq(int64_t dim, double base, double factor, int64_t origin
       freq::yarn_inv_freq(dim, base, factor, original_max_position, beta_fast, beta_slow, truncate), dtype);
 }
 
+at::Tensor yarn_log_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position,
+                             double beta_fast, double beta_slow, double extrapolation_factor,
+                             std::optional<at::ScalarType> dtype) {
+  check_dim("yarn_log_inv_freq", dim);
+  check_base("yarn_log_inv_freq", base);
+  check_factor("yarn_log_inv_freq", factor);
+  check_length("yarn_log_inv_freq", "original_max_position", original_max_position);
+  TORCH_CHECK(std::isfinite(beta_slow) && beta_slow > 0.0, "yarn_log_inv_freq: beta_slow must be > 0, got ",
+              beta_slow);
+  TORCH_CHECK(std::isfinite(beta_fast) && beta_fast > beta_slow,
+              "yarn_log_inv_freq: beta_fast must be > beta_slow, got beta_fast=", beta_fast, ", beta_slow=", beta_slow);
+  TORCH_CHECK(std::isfinite(extrapolation_factor) && extrapolation_factor >= 0.0 && extrapolation_factor <= 1.0,
+              "yarn_log_inv_freq: extrapolation_factor must be in [0, 1] (the weight of the original table), got ",
+              extrapolation_factor);
+  return to_tensor(freq::yarn_log_inv_freq(dim, base, factor, original_max_position, beta_fast, beta_slow,
+                                           extrapolation_factor),
+                   dtype);
+}
+
 double yarn_attention_factor(double factor, double mscale, double mscale_all_dim) {
   TORCH_CHECK(std::isfinite(factor) && factor > 0.0, "yarn_attention_factor: factor must be > 0, got ", factor);
   TORCH_CHECK(std::isfinite(mscale) && std::isfinite(mscale_all_dim),

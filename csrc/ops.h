@@ -21,6 +21,9 @@ at::Tensor dynamic_ntk_inv_freq(int64_t dim, double base, double factor, int64_t
                                 int64_t seq_len, std::optional<at::ScalarType> dtype);
 at::Tensor yarn_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position, double beta_fast,
                          double beta_slow, bool truncate, std::optional<at::ScalarType> dtype);
+at::Tensor yarn_log_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position,
+                             double beta_fast, double beta_slow, double extrapolation_factor,
+                             std::optional<at::ScalarType> dtype);
 double yarn_attention_factor(double factor, double mscale, double mscale_all_dim);
 at::Tensor llama3_inv_freq(int64_t dim, double base, double factor, double low_freq_factor, double high_freq_factor,
                            int64_t original_max_position, std::optional<at::ScalarType> dtype);

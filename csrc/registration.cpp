@@ -36,6 +36,10 @@ TORCH_LIBRARY(ropescale, m) {
   m.def(
       "yarn_inv_freq(int dim, float base, float factor, int original_max_position, float beta_fast=32, "
       "float beta_slow=1, bool truncate=True, *, ScalarType? dtype=None) -> Tensor");
+  // Grok's yarn_log (SGLang): YaRN's ramp, the two tables blended geometrically, the mask times extrapolation_factor.
+  m.def(
+      "yarn_log_inv_freq(int dim, float base, float factor, int original_max_position, float beta_fast=32, "
+      "float beta_slow=1, float extrapolation_factor=1, *, ScalarType? dtype=None) -> Tensor");
   // YaRN's factor on cos/sin: 0.1*ln(s)+1, or the mscale/mscale_all_dim ratio when both are set.
   m.def("yarn_attention_factor(float factor, float mscale=1, float mscale_all_dim=0) -> float");
   // Llama 3.1's piecewise wavelength rule.
@@ -153,6 +157,7 @@ TORCH_LIBRARY_IMPL(ropescale, CompositeExplicitAutograd, m) {
   m.impl("ntk_inv_freq", &ropescale::ntk_inv_freq);
   m.impl("dynamic_ntk_inv_freq", &ropescale::dynamic_ntk_inv_freq);
   m.impl("yarn_inv_freq", &ropescale::yarn_inv_freq);
+  m.impl("yarn_log_inv_freq", &ropescale::yarn_log_inv_freq);
   m.impl("yarn_attention_factor", &ropescale::yarn_attention_factor);
   m.impl("llama3_inv_freq", &ropescale::llama3_inv_freq);
   m.impl("longrope_inv_freq", &ropescale::longrope_inv_freq);

@@ -20,7 +20,8 @@ from .ops_frequencies import TABLE_OPS  # noqa: F401  (re-exported: ops.TABLE_OP
 from .ops_frequencies import (base_lower_bound, default_inv_freq, dynamic_ntk_inv_freq,
                               effective_context_length, feature_gap, linear_inv_freq, llama3_inv_freq,
                               longrope_attention_factor, longrope_inv_freq, ntk_inv_freq, proportional_inv_freq,
-                              resonance_inv_freq, similarity_decay, yarn_attention_factor, yarn_inv_freq)
+                              resonance_inv_freq, similarity_decay, yarn_attention_factor, yarn_inv_freq,
+                              yarn_log_inv_freq)
 from .ops_rotary import (apply_rotary, apply_rotary_, apply_rotary_per_request, apply_rotary_per_request_,
                          apply_rotary_pos, apply_rotary_pos_, apply_rotary_pos_qk, apply_rotary_pos_qk_,
                          apply_rotary_qk, apply_rotary_qk_)
@@ -36,6 +37,7 @@ __all__ = [
     "ntk_inv_freq",
     "dynamic_ntk_inv_freq",
     "yarn_inv_freq",
+    "yarn_log_inv_freq",
     "yarn_attention_factor",
     "llama3_inv_freq",
     "longrope_inv_freq",

@@ -72,6 +72,24 @@ def yarn_inv_freq(
     return _ops.yarn_inv_freq(dim, base, factor, original_max_position, beta_fast, beta_slow, truncate, dtype=dtype)
 
 
+def yarn_log_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    extrapolation_factor: float = 1.0,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Grok's ``yarn_log`` (SGLang's ``models/grok.py``): YaRN's truncated ramp, the mask ``m_i = (1 - ramp_i) *
+    extrapolation_factor``, and ``theta`` and ``theta / factor`` blended geometrically,
+    ``exp(m_i ln(theta_i) + (1 - m_i) ln(theta_i / factor))``."""
+    return _ops.yarn_log_inv_freq(dim, base, factor, original_max_position, beta_fast, beta_slow, extrapolation_factor,
+                                  dtype=dtype)
+
+
 def yarn_attention_factor(factor: float, mscale: float = 1.0, mscale_all_dim: float = 0.0) -> float:
     """YaRN's factor on cos and sin: ``0.1 * ln(factor) + 1``, or the DeepSeek
     ``mscale`` / ``mscale_all_dim`` ratio when both are non-zero (as transformers)."""
@@ -173,6 +191,6 @@ def _register_table_fake(name: str) -> None:
 
 # Every op that makes an inv_freq table from scalars (a new method's table op is one more name here).
 TABLE_OPS = ("default_inv_freq", "linear_inv_freq", "proportional_inv_freq", "ntk_inv_freq", "dynamic_ntk_inv_freq",
-             "yarn_inv_freq", "llama3_inv_freq", "longrope_inv_freq")
+             "yarn_inv_freq", "yarn_log_inv_freq", "llama3_inv_freq", "longrope_inv_freq")
 for _name in TABLE_OPS:
     _register_table_fake(_name)

@@ -28,7 +28,8 @@ dict) through the registry; ``to_hf`` writes one back. Resonance on LongRoPE is 
 
 By role: the registry, the naming scheme and the base class in :mod:`ropescale.scaling_registry`, the field checks
 in :mod:`ropescale.scaling_checks`, the methods in a module per family (:mod:`ropescale.scaling_plain`,
-:mod:`ropescale.scaling_ntk`, :mod:`ropescale.scaling_yarn`, :mod:`ropescale.scaling_llama3_longrope`); this module
+:mod:`ropescale.scaling_ntk`, :mod:`ropescale.scaling_yarn`, :mod:`ropescale.scaling_llama3_longrope`,
+:mod:`ropescale.scaling_grok`); this module
 imports them in registration order, re-exports their names (their documented home) and reads a config
 (:func:`from_hf`).
 """
@@ -44,6 +45,7 @@ from .scaling_plain import Default, Linear, Proportional
 from .scaling_ntk import NTK, DynamicNTK, NTKAlpha
 from .scaling_yarn import DynamicYaRN, YaRN
 from .scaling_llama3_longrope import Llama3, LongRoPE
+from .scaling_grok import GrokRope, ThetaScale, YaRNLog, read_grok_config
 from .scaling_registry import (COMMON_KEYS, FROM_CONFIG_LENGTH, HF_KEYS, LAYOUT_KEYS, METHODS,  # noqa: F401
                                PER_CHOICES, Declaration, Parameter, RopeScaling, RopeType, parameter,
                                reads_every_key, register, ropescale_rope_types, table_type_names)
@@ -60,6 +62,10 @@ __all__ = [
     "DynamicYaRN",
     "Llama3",
     "LongRoPE",
+    "YaRNLog",
+    "ThetaScale",
+    "GrokRope",
+    "read_grok_config",
     "RopeType",
     "from_hf",
     "register",

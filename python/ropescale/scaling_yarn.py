@@ -15,6 +15,15 @@ _YARN_FACTOR_HELP = "scale factor s: the table is set for s x L"
 
 
 
+def check_ramp(method) -> None:
+    """YaRN's ramp fields, shared with Grok's yarn_log: factor >= 1, the original length, beta_fast > beta_slow > 0."""
+    check_float(method, "factor", minimum=1.0)
+    check_int(method, "original_max_position", 1)
+    check_float(method, "beta_slow", above=0.0)
+    check_greater(method, "beta_fast", "beta_slow", "the ramp runs from pairs turning beta_slow times over the "
+                  "original length, interpolated, to those turning beta_fast times, kept")
+
+
 @register("yarn", stock="same", stock_length_is_scaled=True, transformers_native=True,
           vllm_rotary_class="YaRNScalingRotaryEmbedding", cli_names=("yarn", "resonance_yarn"))
 @dataclass(frozen=True)
@@ -44,11 +53,7 @@ class YaRN(RopeScaling):
 
     def __post_init__(self):
         super().__post_init__()
-        check_float(self, "factor", minimum=1.0)
-        check_int(self, "original_max_position", 1)
-        check_float(self, "beta_slow", above=0.0)
-        check_greater(self, "beta_fast", "beta_slow", "the ramp runs from pairs turning beta_slow times over the "
-                       "original length, interpolated, to those turning beta_fast times, kept")
+        check_ramp(self)
         check_bool(self, "truncate")
         check_float(self, "mscale", optional=True)
         check_float(self, "mscale_all_dim", optional=True)

@@ -126,6 +126,28 @@ TEST_CASE("YaRN table: high frequencies kept, low ones divided by s", "[yarn]") 
   }
 }
 
+TEST_CASE("Grok's yarn_log: kept and interpolated ends, a geometric blend between, weighted by e", "[yarn_log]") {
+  const int64_t dim = 128;
+  const double s = 16.0;
+  const auto plain = default_inv_freq(dim, 1e4);
+  const auto [low, high] = yarn_correction_range(8, 1, dim, 1e4, 8192, true);
+  for (double e : {1.0, 0.5, 0.0}) {
+    const auto grok = yarn_log_inv_freq(dim, 1e4, s, 8192, 8, 1, e);
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      // theta^m (theta/s)^(1-m) = theta / s^(1-m), m = (1 - ramp) e
+      const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+      CHECK(grok[i] == Approx(plain[i] / std::pow(s, 1.0 - (1.0 - ramp) * e)).epsilon(1e-13));
+      if (i >= high) CHECK(grok[i] == Approx(plain[i] / s).epsilon(1e-13));
+      if (i <= low) CHECK(grok[i] == Approx(plain[i] / std::pow(s, 1.0 - e)).epsilon(1e-13));
+    }
+  }
+  // A range clamped to [0, 0] (L <= 2 pi beta_slow): Grok widens it downward, so pair 0 is interpolated too,
+  // where YaRN's ramp (widened upward) keeps it.
+  const auto clamped = yarn_log_inv_freq(8, 1e4, 4.0, 6, 32, 1, 1.0);
+  CHECK(clamped[0] == Approx(0.25).epsilon(1e-15));
+  CHECK(yarn_inv_freq(8, 1e4, 4.0, 6, 32, 1, true)[0] == 1.0);
+}
+
 TEST_CASE("YaRN attention factor", "[yarn]") {
   CHECK(yarn_attention_factor(16, 1, 0) == Approx(0.1 * std::log(16.0) + 1).epsilon(1e-15));
   CHECK(yarn_attention_factor(1, 1, 0) == 1.0);

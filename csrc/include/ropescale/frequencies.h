@@ -117,6 +117,23 @@ inline std::vector<double> yarn_inv_freq(int64_t dim, double base, double factor
   return inv_freq;
 }
 
+// Grok's yarn_log (SGLang 0.5.23, python/sglang/srt/models/grok.py, ScalingRotaryEmbedding._compute_inv_freq):
+// YaRN's truncated correction range, Grok's own ramp (its _yarn_linear_ramp_mask widens a degenerate range
+// DOWNWARD, low -= 0.001, where yarn_ramp widens it upward), the mask m_i = (1 - ramp_i) * extrapolation_factor,
+// and the two tables blended geometrically: exp(m_i ln(theta_i) + (1 - m_i) ln(theta_i / s)).
+inline std::vector<double> yarn_log_inv_freq(int64_t dim, double base, double factor, int64_t original_max_position,
+                                             double beta_fast, double beta_slow, double extrapolation_factor) {
+  auto [low, high] = yarn_correction_range(beta_fast, beta_slow, dim, base, original_max_position, true);
+  if (low == high) low -= 0.001;
+  std::vector<double> inv_freq = default_inv_freq(dim, base);
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double mask = (1.0 - ramp) * extrapolation_factor;
+    inv_freq[i] = std::exp(std::log(inv_freq[i]) * mask + std::log(inv_freq[i] / factor) * (1.0 - mask));
+  }
+  return inv_freq;
+}
+
 // YaRN's mscale: 0.1 * mscale * ln(s) + 1, and 1 for s <= 1.
 inline double yarn_mscale(double factor, double mscale) {
   if (factor <= 1.0) return 1.0;

@@ -25,14 +25,16 @@ from .common import UsageError, positive_int, subcommand
 _SAME_METHOD = "SRC's own when it has the same method, else "
 _METHOD_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--alpha", "--floor", "--original-max-position", "--per", "--beta-fast", "--beta-slow",
-           "--truncate", "--mscale", "--mscale-all-dim", "--attention-factor", "--resonance", "--longrope-factors",
+           "--extrapolation-factor", "--truncate", "--mscale", "--mscale-all-dim", "--attention-factor", "--resonance",
+           "--longrope-factors",
            "--attention", "--window", "--leaky-k", "--logn", "--group", "--chunk-size", "--local-size",
            "--temperature-length", "--dca-temperature", "--shifted-offset", "--local-value"),
     # Not given, a variant flag is SRC's (None tells it from its default; _inherit fills it).
     defaults={"--method": "none: with --attention, the attention over SRC's own table",
               "--original-max-position": "SRC's original_max_position_embeddings, else its max_position_embeddings",
               "--per": _SAME_METHOD + "step", "--beta-fast": _SAME_METHOD + "32",
-              "--beta-slow": _SAME_METHOD + "1", "--truncate": _SAME_METHOD + "--truncate",
+              "--beta-slow": _SAME_METHOD + "1", "--extrapolation-factor": _SAME_METHOD + "1",
+              "--truncate": _SAME_METHOD + "--truncate",
               "--mscale": _SAME_METHOD + "none", "--mscale-all-dim": _SAME_METHOD + "none",
               "--attention-factor": _SAME_METHOD + "auto"},
     notes={"--floor": ". Not the way to serve longer: that is --max-length. Not given: SRC's own floor when SRC is a "

@@ -18,7 +18,7 @@ _MAX_DECAY_DISTANCE = 2**24
 # The method options of table, decay and gap: one frequency table, at --seq-len for the dynamic methods.
 _TABLE_OPTIONS = methods.MethodOptions(
     flags=("--method", "--factor", "--alpha", "--floor", "--original-max-position", "--beta-fast", "--beta-slow", "--seq-len",
-           "--resonance"),
+           "--extrapolation-factor", "--resonance"),
     method="default", notes={"--floor": ": its scale then follows --seq-len"})
 
 

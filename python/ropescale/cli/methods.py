@@ -173,9 +173,9 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--method", "scaling method"),
     # A static table's s and Dynamic NTK's s; never dynamic_yarn's floor (issue 27: --factor 8 read as "serve
     # 8x longer" made every length run at s >= 8), which is --floor.
-    Option("--factor", "scale factor s: the table of linear/ntk/yarn/llama3 is set for s x L; dynamic (dynamic_ntk) "
-           "uses s in its base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L; not for dynamic_yarn (see "
-           "--floor)", read_by=_read_by("--factor"), field=_field("--factor"), type=scale_factor,
+    Option("--factor", "scale factor s: the table of linear/ntk/yarn/llama3/yarn_log/theta_scale is set for s x L; "
+           "dynamic (dynamic_ntk) uses s in its base b*((s*len/L) - (s-1))^(d/(d-2)) past L, native up to L; not for "
+           "dynamic_yarn (see --floor)", read_by=_read_by("--factor"), field=_field("--factor"), type=scale_factor,
            method_notes={"longrope": "; longrope: the s its long factors were searched for (attention factor, "
                                      "served to s x L)"}),
     Option("--alpha", "ntk_alpha (HunYuan's NTK-alpha): the base b x A^(d/(d-2)) at every length",
@@ -191,6 +191,8 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
            default=1.0),
     Option("--truncate", _help("--truncate"), read_by=_read_by("--truncate"), field=_field("--truncate"),
            negatable=True),
+    Option("--extrapolation-factor", _help("--extrapolation-factor"), read_by=_read_by("--extrapolation-factor"),
+           field=_field("--extrapolation-factor"), type=number, metavar="E"),
     Option("--mscale", _help("--mscale"), read_by=_read_by("--mscale"), field=_field("--mscale"), type=mscale_value,
            metavar="M"),
     Option("--mscale-all-dim", _help("--mscale-all-dim"), read_by=_read_by("--mscale-all-dim"),

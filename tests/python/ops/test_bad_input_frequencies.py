@@ -69,7 +69,8 @@ ROWS = [
 # messages as the rows above, from the checks the table ops share.
 _VALID = {"dim": 64, "base": 1e4, "factor": 2.0, "original_max_position": 128, "seq_len": 256, "beta_fast": 32.0,
           "beta_slow": 1.0, "truncate": True, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "short_factor": [1.0] * 32, "long_factor": [2.0] * 32, "head_dim": 64, "partial_rotary_factor": 0.25}
+          "short_factor": [1.0] * 32, "long_factor": [2.0] * 32, "head_dim": 64, "partial_rotary_factor": 0.25,
+          "extrapolation_factor": 1.0}
 _HOSTILE = {"dim": (63, "dim must be a positive even number, got 63"), "base": (nan, "base must be > 1, got nan"),
             "head_dim": (63, "head_dim must be a positive even number, got 63"),
             "factor": (nan, "factor must be >= 1, got nan"),

@@ -520,6 +520,11 @@ METHOD_NAMES = {
                      scaling.DynamicYaRN(factor=2.0, beta_fast=8.0)),
     "llama3": (["--factor", "2", "--original-max-position", "64"],
                scaling.Llama3(factor=2.0, original_max_position=64)),
+    "yarn_log": (["--factor", "2", "--original-max-position", "64", "--beta-fast", "8",
+                  "--extrapolation-factor", "0.5"],
+                 scaling.YaRNLog(factor=2.0, original_max_position=64, beta_fast=8.0, extrapolation_factor=0.5)),
+    "theta_scale": (["--factor", "2", "--original-max-position", "64", "--resonance"],
+                    scaling.ThetaScale(factor=2.0, original_max_position=64, resonance=True)),
 }
 
 

@@ -459,7 +459,7 @@ def test_the_op_layer_loads_bottom_up_without_the_package():
 # class or a rope type string; each engine's own names live in one table of its adapter (llamacpp.SCALING_TYPES,
 # vllm.rotary.VLLM_OWN_NTK).
 REGISTRY_MODULES = {"scaling", "scaling_registry", "scaling_checks", "scaling_plain", "scaling_ntk", "scaling_yarn",
-                    "scaling_llama3_longrope"}
+                    "scaling_llama3_longrope", "scaling_grok"}
 # Comparisons with a string that is a rope type's name by coincidence, each with why.
 NAME_COINCIDENCES = {
     ("check", "isa == 'default'"): "a CPU instruction set (torch's ATEN_CPU_CAPABILITY), not a rope type",
