@@ -252,46 +252,52 @@ def installed(column: Column) -> bool:
 def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,
         timeout: float = 1800.0, progress: Callable[[str], None] | None = None, rerun: bool = False) -> list[Cell]:
     """Runs every (row, column) cell not yet in ``results`` (every one, ``rerun``) whose engine is installed here,
-    writing each to ``results`` as it ends (the file keeps the last cell of each row and column); the cells run.
-    ``work``: where the rows' checkpoints are built."""
-    from . import verify
-
+    writing each to ``results`` as it ends (the file keeps the last cell of each row and column), and the family's
+    :func:`control` on a column where one of its cells (run now or before) is silent; the cells run. ``work``: where
+    the rows' checkpoints are built."""
     say = progress or (lambda message: None)
     rows, columns = list(rows), [c for c in columns if installed(c)]
     done = load(results)
     results.parent.mkdir(parents=True, exist_ok=True)
     cells = []
+    controlled = set()  # (family, column) whose control this run has run
     for row in rows:
         for column in columns:
-            old = done.get((row.name, column.name))
-            if old is not None and old.fingerprint == row.fingerprint() and not rerun:
-                continue
-            say(f"{row.name} on {column.name}")
-            start = time.perf_counter()
-            try:
-                target = checkpoint(row, work, column.ropescale_written)
-                with mock.patch.dict(os.environ, dict(column.env)):  # the engine's process inherits it
-                    report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
-            except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
-                first = str(err).strip().splitlines()[0]
-                cell = Cell(row.name, column.name, row.fingerprint(), column.engine,
-                            [dataclasses.asdict(verify.Check("ropescale", "refused", first))], str(err),
-                            round(time.perf_counter() - start, 1))
-            else:
-                cell = Cell(row.name, column.name, row.fingerprint(), report.version,
-                            [dataclasses.asdict(c) for c in report.checks], report.text(),
-                            round(time.perf_counter() - start, 1))
-            done = _record(results, cell)  # as each cell ends: a stopped run resumes from here
-            cells.append(cell)
-            if summary(cell, column.engine, row.key)[1] and row.key != "control":
-                check = control(row.family)
-                old = done.get((check.name, column.name))
-                if old is None or old.fingerprint != check.fingerprint() or rerun:
+            cell = done.get((row.name, column.name))
+            if cell is None or cell.fingerprint != row.fingerprint() or rerun:
+                say(f"{row.name} on {column.name}")
+                cell = _run_cell(row, column, work, timeout)
+                done = _record(results, cell)  # as each cell ends: a stopped run resumes from here
+                cells.append(cell)
+            # a silent cell (just run, or from an earlier run) has its family's control on this column
+            if summary(cell, column.engine, row.key)[1] and row.key != "control" \
+                    and (row.family, column.name) not in controlled:
+                check, controlled = control(row.family), controlled | {(row.family, column.name)}
+                prior = done.get((check.name, column.name))
+                if prior is None or prior.fingerprint != check.fingerprint() or rerun:
                     say(f"{row.name} on {column.name} is silent: its control, {check.name}")
                     cells += run(results, work, [check], [column], timeout=timeout, progress=progress, rerun=True)
                     done = load(results)
             say(f"{row.name} on {column.name}: {judged(done, row, column)[0]}")
     return cells
+
+
+def _run_cell(row: Row, column: Column, work: Path, timeout: float) -> Cell:
+    """One ``verify`` run of the row's checkpoint on the column's engine (a refusal by ropescale: a refused cell)."""
+    from . import verify
+
+    start = time.perf_counter()
+    try:
+        target = checkpoint(row, work, column.ropescale_written)
+        with mock.patch.dict(os.environ, dict(column.env)):  # the engine's process inherits it
+            report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
+    except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
+        first = str(err).strip().splitlines()[0]
+        return Cell(row.name, column.name, row.fingerprint(), column.engine,
+                    [dataclasses.asdict(verify.Check("ropescale", "refused", first))], str(err),
+                    round(time.perf_counter() - start, 1))
+    return Cell(row.name, column.name, row.fingerprint(), report.version,
+                [dataclasses.asdict(c) for c in report.checks], report.text(), round(time.perf_counter() - start, 1))
 
 
 def _record(results: Path, cell: Cell) -> dict[tuple[str, str], Cell]:

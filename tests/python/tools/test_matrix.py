@@ -253,3 +253,8 @@ def test_a_silent_cell_whose_family_is_not_the_engines_even_unscaled_is_inconclu
     assert "0 silently different" in matrix.headline(cells, [FACTOR_ROW], [TRANSFORMERS])
     matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])  # resumed: nothing runs again
     assert len(ran) == 2
+    # a silent cell an earlier run left without its control (run before controls existed) gets it on the next run
+    lines = results.read_text().splitlines()
+    results.write_text(lines[0] + "\n")
+    matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])
+    assert len(ran) == 3 and not matrix.judged(matrix.load(results), FACTOR_ROW, TRANSFORMERS)[1]
