@@ -104,6 +104,21 @@ def config_view(config):
     return out
 
 
+def load_lm(folder, **kwargs):
+    """The checkpoint's language model in float32, eval: its causal LM, or a vision-language model (Qwen2.5-VL,
+    Qwen3-VL: ``AutoModelForImageTextToText``), which a text prompt runs with every rope stream at the text position."""
+    import torch
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    return model.eval()
+
+
 def transformers_probe(job):
     from pathlib import Path
 
@@ -113,7 +128,7 @@ def transformers_probe(job):
     target = Path(job["target"])
     kwargs = {"gguf_file": target.name} if target.is_file() else {}
     folder = target.parent if target.is_file() else target
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    model = load_lm(folder, **kwargs)
     logprobs = transformers_logprobs(model, job["tokens"])
     config = config_view(model.config)
     if target.is_file():  # the GGUF keys transformers' loader reads (into the config), per architecture

@@ -86,6 +86,7 @@ def _declared_dir(target: Path) -> Declared:
         cfg = AutoConfig.from_pretrained(target)
     except (OSError, KeyError) as err:  # no model type transformers knows, an unreadable file
         raise ValueError(f"{target}: transformers cannot read this config: {err}") from None
+    cfg = cfg.get_text_config()  # a vision-language model's rope is its text model's (Qwen2.5-VL: text_config)
     layer_type = extended_layer_type(cfg)
     read = config_lib.read_config(cfg, layer_type)
     method = read.method

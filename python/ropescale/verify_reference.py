@@ -29,9 +29,9 @@ def reference_model(target: Path):
         from . import realmodel
 
         return realmodel.load_gguf_model(target, torch.float32, False, with_tokenizer=False)[0]
-    from transformers import AutoModelForCausalLM
+    from ._verify_probe import load_lm
 
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return load_lm(target)
 
 
 def reference_logprobs(model, h: Hypothesis, tokens: list[int], planned: int | None = None,

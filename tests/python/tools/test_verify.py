@@ -648,3 +648,20 @@ def test_a_proportional_checkpoint_gets_a_verdict_and_the_formulas_it_cannot_run
     assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
     assert any(n.startswith("not checked, this model cannot run them: plain RoPE") for n in report.notes), report.text()
     assert report.distances["factor=1.0"] > 1e-2, report.text()
+
+
+def test_a_vision_language_checkpoint_is_verified_on_its_text_models_rope(tmp_path, capsys):
+    """Qwen2.5-VL (vLLM serves the vision-language model, not a text-only class): verify read the top-level config
+    (AttributeError: no hidden_size, a traceback) and loaded it as a causal LM (refused). Its text model's YaRN on
+    mRoPE sections is read and probed: exact on transformers."""
+    from ropescale import tiny_models as families
+
+    path = tmp_path / "qwen25vl"
+    families.build_served("Qwen2.5-VL (text)", {"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": families.ORIGINAL}
+                           ).save_pretrained(path)
+    assert cli.main(["verify", str(path), "--engine", "transformers", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(c["name"], c["verdict"]) for c in out["checks"]] == [("served length", "exact"), ("scaling", "exact")], \
+        json.dumps(out, indent=1)
+    assert "trained to 16, served to 64" in out["declared"]
