@@ -231,12 +231,13 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
 
     model = _build(row)
     if ropescale_written:
-        arch = architectures.find(model.config)
+        text = model.config.get_text_config()  # a vision-language model's rope is its text model's
+        arch = architectures.find(text)
         if arch is not None and arch.fixed_method:  # the config's own method only (DeepSeek's MLA scale)
             hf.patch(model)
         else:
-            layer_types = arch.extended_layer_types(model.config) if arch is not None else None
-            hf.patch(model, config_lib.read_config(model.config, layer_types[0] if layer_types else None).method)
+            layer_types = arch.extended_layer_types(text) if arch is not None else None
+            hf.patch(model, config_lib.read_config(text, layer_types[0] if layer_types else None).method)
     work.mkdir(parents=True, exist_ok=True)
     with files.atomic_directory(folder) as tmp:
         model.save_pretrained(tmp)

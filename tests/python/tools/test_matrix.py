@@ -258,3 +258,13 @@ def test_a_silent_cell_whose_family_is_not_the_engines_even_unscaled_is_inconclu
     results.write_text(lines[0] + "\n")
     matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])
     assert len(ran) == 3 and not matrix.judged(matrix.load(results), FACTOR_ROW, TRANSFORMERS)[1]
+
+
+def test_a_vision_language_rows_checkpoint_as_ropescale_writes_it(tmp_path):
+    """The mRoPE rows' families are served as the vision-language model around the text model: ropescale's
+    checkpoint patches the text model's rope (it read the top-level config: AttributeError) and records the method in
+    the text config."""
+    row = next(r for r in matrix.ROWS if r.key == "mrope_section")
+    folder = matrix.checkpoint(row, tmp_path, True)
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert text["rope_parameters"]["rope_type"] == "yarn" and "ropescale" in text
