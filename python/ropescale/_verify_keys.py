@@ -145,7 +145,7 @@ def _scalar_taken(key: str, value, view: dict | None, text_rope, raw: dict | Non
 def _scan(raw: dict, view: dict | None, text_rope, path: str, where: str, out: list[Unread]) -> None:
     for key, value in raw.items():
         here = f"{path}.{key}" if path else key
-        if not path and key in RECORD_KEYS:
+        if key in RECORD_KEYS and isinstance(value, dict):  # ropescale's record, top level or a sub-config's (text)
             continue
         if ROPE_LIKE.search(key):
             if isinstance(value, dict):

@@ -44,6 +44,9 @@ class Row:
     rope: dict
     config: dict = field(default_factory=dict)
     length: int | None = None  # the probe's length (default verify's: twice the original, at most the served)
+    # whether a silent cell is judged against the family's control (the model with no scaling): not where the row's
+    # key is in the control too (Llama 4's NoPE temperature is not the rope's: a control would hide it)
+    controlled: bool = True
 
     def fingerprint(self) -> str:
         text = json.dumps([self.family, self.rope, self.config] + ([self.length] if self.length else []),
@@ -87,7 +90,7 @@ ROWS: tuple[Row, ...] = (
     Row("YaRN x4 between NoPE layers", "NoPE layers (no_rope_layers)", "SmolLM3", YARN),
     Row("Llama 3.1 x4 on iRoPE, NoPE layers' attention temperature", "NoPE layers' attn_temperature_tuning",
         "Llama 4 (text)", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": ORIGINAL}),
+                           "original_max_position_embeddings": ORIGINAL}, controlled=False),
     Row("NTK-alpha 1000 (HunYuan's dynamic + alpha)", "alpha", "HunYuan dense",
         {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0}),
     Row("YaRN with the mscale pair on MLA", "mscale_all_dim (MLA)", "DeepSeek-V3",
@@ -271,7 +274,7 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
                 done = _record(results, cell)  # as each cell ends: a stopped run resumes from here
                 cells.append(cell)
             # a silent cell (just run, or from an earlier run) has its family's control on this column
-            if summary(cell, column.engine, row.key)[1] and row.key != "control" \
+            if summary(cell, column.engine, row.key)[1] and row.controlled and row.key != "control" \
                     and (row.family, column.name) not in controlled:
                 check, controlled = control(row.family), controlled | {(row.family, column.name)}
                 prior = done.get((check.name, column.name))
@@ -342,7 +345,7 @@ def judged(cells: dict[tuple[str, str], Cell], row: Row, column: Column) -> tupl
     if cell is None:
         return "not run", False
     text, silent = summary(cell, column.engine, row.key)
-    check = _current(cells, control(row.family), column) if silent else None
+    check = _current(cells, control(row.family), column) if silent and row.controlled else None
     if check is not None and summary(check, column.engine)[0] != "exact":
         distance = max((c.get("distance") or 0.0 for c in check.checks), default=0.0)
         return (f"inconclusive: {row.family} on {column.name} is {distance:.2g} nats from transformers' with no "

@@ -128,11 +128,10 @@ def install_seeded_sampling_fix() -> bool:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return False
-    stock = GPUModelRunner.sample_tokens
-    if getattr(stock, "_ropescale", False):
-        return True
+    return _wrap_once(GPUModelRunner, "sample_tokens", _held_seeded_generators)
 
-    @functools.wraps(stock)
+
+def _held_seeded_generators(stock):
     def sample_tokens(self, *args, **kwargs):
         generators = getattr(getattr(self, "input_batch", None), "generators", None)
         mask = getattr(self, "discard_request_mask", None)
@@ -148,8 +147,16 @@ def install_seeded_sampling_fix() -> bool:
             if held:
                 generators.update(held)
 
-    sample_tokens._ropescale = True  # type: ignore[attr-defined]
-    GPUModelRunner.sample_tokens = sample_tokens
+    return sample_tokens
+
+
+def _wrap_once(owner, name: str, wrapper) -> bool:
+    """``owner.name`` replaced by ``wrapper(stock)`` (marked, so a second install leaves it); True."""
+    stock = getattr(owner, name)
+    if not getattr(stock, "_ropescale", False):
+        wrapped = functools.wraps(stock)(wrapper(stock))
+        wrapped._ropescale = True
+        setattr(owner, name, wrapped)
     return True
 
 
@@ -165,11 +172,10 @@ def install_nope_temperature() -> bool:
         from vllm.config.model import ModelConfig  # vLLM: the class whose generation config Llama 4 reads
     except ImportError:
         return False
-    stock = ModelConfig.try_get_generation_config
-    if getattr(stock, "_ropescale", False):
-        return True
+    return _wrap_once(ModelConfig, "try_get_generation_config", _with_nope_temperature)
 
-    @functools.wraps(stock)
+
+def _with_nope_temperature(stock):
     def try_get_generation_config(self):
         config = stock(self)
         text = getattr(self, "hf_text_config", None)
@@ -178,9 +184,7 @@ def install_nope_temperature() -> bool:
             config = {**config, NOPE_TEMPERATURE_KEY: value}
         return config
 
-    try_get_generation_config._ropescale = True
-    ModelConfig.try_get_generation_config = try_get_generation_config
-    return True
+    return try_get_generation_config
 
 
 def _written_by_ropescale(text_config) -> bool:

@@ -258,6 +258,10 @@ def test_a_silent_cell_whose_family_is_not_the_engines_even_unscaled_is_inconclu
     results.write_text(lines[0] + "\n")
     matrix.run(results, folder / "work", [FACTOR_ROW], [TRANSFORMERS])
     assert len(ran) == 3 and not matrix.judged(matrix.load(results), FACTOR_ROW, TRANSFORMERS)[1]
+    # a row whose key is in its control too (Llama 4's NoPE temperature) is never judged against it: silent
+    uncontrolled = dataclasses.replace(FACTOR_ROW, controlled=False)
+    assert matrix.judged(matrix.load(results), uncontrolled, TRANSFORMERS)[1]
+    assert not next(r for r in matrix.ROWS if r.family == "Llama 4 (text)").controlled
 
 
 def test_a_vision_language_rows_checkpoint_as_ropescale_writes_it(tmp_path):

@@ -665,3 +665,15 @@ def test_a_vision_language_checkpoint_is_verified_on_its_text_models_rope(tmp_pa
     assert [(c["name"], c["verdict"]) for c in out["checks"]] == [("served length", "exact"), ("scaling", "exact")], \
         json.dumps(out, indent=1)
     assert "trained to 16, served to 64" in out["declared"]
+
+
+def test_ropescales_record_in_a_text_config_is_not_a_rope_key_the_engine_left():
+    """A vision-language checkpoint ropescale wrote keeps its record in ``text_config.ropescale``: the declaration,
+    checked by the probe, not a key any engine reads (it was named "not taken" on vLLM, which refused the model)."""
+    from ropescale import _verify_keys, _verify_probe, hf, scaling, tiny_models as families
+
+    model = families.build_served("Qwen2.5-VL (text)")
+    hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=families.ORIGINAL))
+    raw = json.loads(model.config.to_json_string())
+    assert "ropescale" in raw["text_config"]
+    assert _verify_keys.unread_config(raw, _verify_probe.config_view(model.config)) == []
