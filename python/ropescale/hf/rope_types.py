@@ -97,9 +97,13 @@ def _taking_sglang_attn_factor(own):
     one that disagrees is still logged (``config.read`` refuses it)."""
 
     def validate(self, rope_parameters, ignore_keys=None):
-        if config_lib.SGLANG_YARN_KEY in rope_parameters and config_lib.stock_sglang_misreads(
-                rope_parameters, getattr(self, "max_position_embeddings", None)) is None:
-            ignore_keys = set(ignore_keys or ()) | {config_lib.SGLANG_YARN_KEY}
+        if config_lib.SGLANG_YARN_KEY in rope_parameters:
+            with warnings.catch_warnings():  # the table's own notes come from transformers' validator, once
+                warnings.simplefilter("ignore")
+                agrees = config_lib.stock_sglang_misreads(
+                    rope_parameters, getattr(self, "max_position_embeddings", None)) is None
+            if agrees:
+                ignore_keys = set(ignore_keys or ()) | {config_lib.SGLANG_YARN_KEY}
         return own(self, rope_parameters, ignore_keys=ignore_keys)
 
     validate.__name__, validate.ropescale_wraps = own.__name__, own
