@@ -289,6 +289,9 @@ def test_deepseek_v4_takes_the_table_in_every_compress_rotary_and_leaves_its_sli
     torch.testing.assert_close(output(model, x), before, rtol=0, atol=0)
     with pytest.raises(ValueError, match="layer_types must name some of this config's layer types"):
         hf.patch(model, scaling.YaRN(factor=4.0, original_max_position=ORIGINAL), layer_types="compressed")
+    with pytest.raises(ValueError, match=re.escape(f"cannot patch DeepSeek-V4: {architectures.DEEPSEEK_V4}")):
+        hf.patch(model, scaling.DynamicYaRN(original_max_position=ORIGINAL, per="request"))
+    assert not hf.is_patched(model)
     # the flat form of V4's checkpoints: nested by its config class, attention factor 1.0 on the compress table
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
