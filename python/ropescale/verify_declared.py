@@ -77,7 +77,7 @@ def declared(target: str | Path) -> Declared:
 
 
 def _declared_dir(target: Path) -> Declared:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     from . import hf  # noqa: F401  (ropescale's rope types, so that the config reads)
     from .hf import architectures
@@ -86,7 +86,8 @@ def _declared_dir(target: Path) -> Declared:
         cfg = AutoConfig.from_pretrained(target)
     except (OSError, KeyError) as err:  # no model type transformers knows, an unreadable file
         raise ValueError(f"{target}: transformers cannot read this config: {err}") from None
-    cfg = cfg.get_text_config()  # a vision-language model's rope is its text model's (Qwen2.5-VL: text_config)
+    text = cfg.get_text_config()  # a vision-language model's rope is its text model's (Qwen2.5-VL: text_config)
+    cfg = text if isinstance(text, PretrainedConfig) else cfg  # a stray text_config dict on a Llama: its own config
     layer_type = extended_layer_type(cfg)
     read = config_lib.read_config(cfg, layer_type)
     method = read.method
