@@ -37,7 +37,7 @@ from .serving_tables import (RequestRotaryTables, Segments, StepTables, TableCac
 
 __all__ = ["NO_WINDOW", "PreRopePlan", "RequestRotaryTables", "StaticTableRotary", "cos_sin_cache",
            "dual_chunk_temperature", "needs_pre_rope", "written_by_ropescale", "rotated_at_write", "ropescale_rotary",
-           "Segments", "StepTables", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
+           "Segments", "StepTables", "config_written_by_ropescale", "cut_segments", "extended_layer_type", "rotate_per_request", "times_rows",
            "TableCache"]
 
 #: A window no position reaches: ReRoPE's rule is then plain RoPE attention (the dynamic methods).
@@ -276,6 +276,15 @@ def written_by_ropescale(rope_parameters, entry) -> bool:
     parsed = scaling.RopeType.parse(rope_type)
     ours = rope_type in scaling.ropescale_rope_types() and not (parsed.plain and parsed.method.vllm_owns_name)
     return ours or (isinstance(entry, Mapping) and config_lib.METHOD_KEY in entry)
+
+
+def config_written_by_ropescale(config) -> bool:
+    """Whether a transformers-style config is a checkpoint ropescale wrote: :func:`written_by_ropescale` of its rope
+    parameters (of any layer type, for a per-layer-type config) with its ``ropescale`` entry."""
+    params = getattr(config, "rope_parameters", None) or {}
+    entry = getattr(config, config_lib.CONFIG_KEY, None)
+    layers = params.values() if config_lib.per_layer_type(config) else [params]
+    return any(written_by_ropescale(p, entry) for p in layers if isinstance(p, Mapping))
 
 
 def ropescale_rotary(rope_parameters, entry) -> bool:

@@ -177,20 +177,14 @@ def install_nope_temperature() -> bool:
 
 def _with_nope_temperature(stock):
     def try_get_generation_config(self):
+        from .. import serving
+
         config = stock(self)
         text = getattr(self, "hf_text_config", None)
         value = getattr(text, NOPE_TEMPERATURE_KEY, None)
-        if NOPE_TEMPERATURE_KEY not in config and isinstance(value, bool) and _written_by_ropescale(text):
+        if NOPE_TEMPERATURE_KEY not in config and isinstance(value, bool) \
+                and serving.config_written_by_ropescale(text):
             config = {**config, NOPE_TEMPERATURE_KEY: value}
         return config
 
     return try_get_generation_config
-
-
-def _written_by_ropescale(text_config) -> bool:
-    from .. import config as config_lib, serving
-
-    params = getattr(text_config, "rope_parameters", None) or {}
-    entry = getattr(text_config, config_lib.CONFIG_KEY, None)
-    layers = params.values() if config_lib.per_layer_type(text_config) else [params]
-    return any(serving.written_by_ropescale(p, entry) for p in layers)

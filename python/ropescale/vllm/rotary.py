@@ -224,6 +224,8 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
     dual_chunk = kwargs.get("dual_chunk_attention_config")
     if dual_chunk is None:
         dual_chunk = getattr(hf_config, config_lib.DUAL_CHUNK_KEY, None)
+    if params.get(VLLM_DEEPSEEK_V4_MARKER) and serving.config_written_by_ropescale(hf_config):
+        raise NotImplementedError(DEEPSEEK_V4_REFUSAL)
     params = _config_parameters(params, hf_config, entry)
     rope_type = params.get("rope_type", "default")
     ours = serving.ropescale_rotary(params, entry) or dual_chunk is not None
@@ -293,6 +295,15 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
         _layers[key] = RopescaleRotaryEmbedding(head_size, rotary_dim, rows, parsed.base, is_neox_style, dtype,
                                                 parsed.method)
     return _layers[key]
+
+
+#: The key vLLM 0.32's DeepSeek-V4 (``models/deepseek_v4/common/rope.py``) marks the rope parameters it rebuilt with.
+VLLM_DEEPSEEK_V4_MARKER = "is_deepseek_v4"
+DEEPSEEK_V4_REFUSAL = (
+    "ropescale.vllm: a DeepSeek-V4 checkpoint ropescale wrote is not served by vLLM: vLLM 0.32's DeepSeek-V4 rebuilds "
+    "its rope from a few keys (the theta of config.compress_rope_theta, every scaled type of the compressed layers "
+    "as DeepSeek YaRN with attention factor 1), so another table than the checkpoint's would be served. Serve it "
+    "with transformers + ropescale.hf")
 
 
 def _config_parameters(params, hf_config, entry) -> dict:

@@ -21,6 +21,7 @@ with its ``vllm.general_plugins`` entry point); skips elsewhere. Cheapest checks
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -244,6 +245,24 @@ def test_ntk_is_written_as_default_with_the_scaled_base():
 def plugin_get_rope(monkeypatch, config, length):
     served_length(monkeypatch, length, config)
     return rotary.get_rope(HEAD, config.max_position_embeddings, True, dict(config.rope_parameters), torch.float32)
+
+
+def test_a_deepseek_v4_checkpoint_ropescale_wrote_is_refused_by_name_and_a_stock_one_left_to_vllm(monkeypatch):
+    """vLLM 0.32's DeepSeek-V4 rebuilds its rope from a few keys (models/deepseek_v4/common/rope.py: the theta of
+    config.compress_rope_theta, any scaled compress type as DeepSeek YaRN with attention factor 1) and marks the
+    parameters ``is_deepseek_v4``: a checkpoint ropescale wrote would get another table than its own, silently, so the
+    plugin refuses it by name; a V4 checkpoint ropescale did not write is vLLM's own, as without the plugin."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 160000.0}
+    rope = {"main": {"rope_type": "default", "rope_theta": 1e4}, "compress": dict(yarn)}
+    built = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+             "rope_theta": 160000.0, "mscale": 0, "mscale_all_dim": 0, "is_deepseek_v4": True, "rope_dim": HEAD}
+    written = types.SimpleNamespace(rope_parameters=rope, ropescale={"method": dict(yarn)}, max_position_embeddings=64)
+    served_length(monkeypatch, 64, written)
+    with pytest.raises(NotImplementedError, match=re.escape(rotary.DEEPSEEK_V4_REFUSAL)):
+        rotary.get_rope(HEAD, 64, False, dict(built), torch.float32)
+    stock = types.SimpleNamespace(rope_parameters=rope, max_position_embeddings=64)
+    served_length(monkeypatch, 64, stock)
+    assert type(rotary.get_rope(HEAD, 64, False, dict(built), torch.float32)).__module__.startswith("vllm.")
 
 
 @pytest.mark.parametrize("name", sorted(n for n in STATIC if n not in PER_LENGTH))
