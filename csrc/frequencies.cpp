@@ -83,6 +83,13 @@ void check_length(const char* op, const char* name, int64_t value) {
   TORCH_CHECK(value > 0, op, ": ", name, " must be > 0, got ", value);
 }
 
+// YaRN's ramp bounds (yarn and Grok's yarn_log): finite, beta_fast > beta_slow > 0.
+void check_betas(const char* op, double beta_fast, double beta_slow) {
+  TORCH_CHECK(std::isfinite(beta_slow) && beta_slow > 0.0, op, ": beta_slow must be > 0, got ", beta_slow);
+  TORCH_CHECK(std::isfinite(beta_fast) && beta_fast > beta_slow, op, ": beta_fast must be > beta_slow, got beta_fast=",
+              beta_fast, ", beta_slow=", beta_slow);
+}
+
 at::Tensor to_tensor(const std::vector<double>& values, std::optional<at::ScalarType> dtype) {
   const at::ScalarType out_type = dtype.value_or(at::kFloat);
   TORCH_CHECK(at::isFloatingType(out_type), "inv_freq tables are floating point; dtype ", out_type,
@@ -161,9 +168,7 @@ at::Tensor yarn_inv_freq(int64_t dim, double base, double factor, int64_t origin
   check_base("yarn_inv_freq", base);
   check_factor("yarn_inv_freq", factor);
   check_length("yarn_inv_freq", "original_max_position", original_max_position);
-  TORCH_CHECK(beta_slow > 0.0, "yarn_inv_freq: beta_slow must be > 0, got ", beta_slow);
-  TORCH_CHECK(beta_fast > beta_slow, "yarn_inv_freq: beta_fast must be > beta_slow, got beta_fast=", beta_fast,
-              ", beta_slow=", beta_slow);
+  check_betas("yarn_inv_freq", beta_fast, beta_slow);
   return to_tensor(
       freq::yarn_inv_freq(dim, base, factor, original_max_position, beta_fast, beta_slow, truncate), dtype);
 }
@@ -175,10 +180,7 @@ at::Tensor yarn_log_inv_freq(int64_t dim, double base, double factor, int64_t or
   check_base("yarn_log_inv_freq", base);
   check_factor("yarn_log_inv_freq", factor);
   check_length("yarn_log_inv_freq", "original_max_position", original_max_position);
-  TORCH_CHECK(std::isfinite(beta_slow) && beta_slow > 0.0, "yarn_log_inv_freq: beta_slow must be > 0, got ",
-              beta_slow);
-  TORCH_CHECK(std::isfinite(beta_fast) && beta_fast > beta_slow,
-              "yarn_log_inv_freq: beta_fast must be > beta_slow, got beta_fast=", beta_fast, ", beta_slow=", beta_slow);
+  check_betas("yarn_log_inv_freq", beta_fast, beta_slow);
   TORCH_CHECK(std::isfinite(extrapolation_factor) && extrapolation_factor >= 0.0 && extrapolation_factor <= 1.0,
               "yarn_log_inv_freq: extrapolation_factor must be in [0, 1] (the weight of the original table), got ",
               extrapolation_factor);

@@ -106,7 +106,7 @@ def control(family: str) -> Row:
     """The family's model with no scaling: run on a column only where one of the family's cells there is a silent
     divergence, it tells an engine that serves another model than transformers' even unscaled (vLLM 0.32's CPU
     DeepSeek-V3: MLA kernel, grouped routing) from a wrong rope. Such a cell is inconclusive, not silent."""
-    return Row(f"{family}, no scaling (control)", "control", family, {"rope_type": "default"})
+    return Row(f"{family}, no scaling (control)", "control", family, {"rope_type": "default"}, controlled=False)
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ def _build(row: Row):
 def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
     """The row's checkpoint under ``work`` (built once per fingerprint): as a model publisher writes it, or as
     ropescale does (``hf.patch`` of the declared method, then ``save_pretrained``)."""
-    from . import config as config_lib, files, hf
+    from . import config as config_lib, files, hf, verify_declared
 
     folder = work / f"{row.fingerprint()}-{'ropescale' if ropescale_written else 'plain'}"
     if folder.exists():
@@ -239,8 +239,7 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
         if arch is not None and arch.fixed_method:  # the config's own method only (DeepSeek's MLA scale)
             hf.patch(model)
         else:
-            layer_types = arch.extended_layer_types(text) if arch is not None else None
-            hf.patch(model, config_lib.read_config(text, layer_types[0] if layer_types else None).method)
+            hf.patch(model, config_lib.read_config(text, verify_declared.extended_layer_type(text)).method)
     work.mkdir(parents=True, exist_ok=True)
     with files.atomic_directory(folder) as tmp:
         model.save_pretrained(tmp)
@@ -264,7 +263,7 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
     done = load(results)
     results.parent.mkdir(parents=True, exist_ok=True)
     cells = []
-    controlled = set()  # (family, column) whose control this run has run
+    controls_run = set()  # (family, column) whose control this run has run
     for row in rows:
         for column in columns:
             cell = done.get((row.name, column.name))
@@ -274,9 +273,10 @@ def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable
                 done = _record(results, cell)  # as each cell ends: a stopped run resumes from here
                 cells.append(cell)
             # a silent cell (just run, or from an earlier run) has its family's control on this column
-            if summary(cell, column.engine, row.key)[1] and row.controlled and row.key != "control" \
-                    and (row.family, column.name) not in controlled:
-                check, controlled = control(row.family), controlled | {(row.family, column.name)}
+            if row.controlled and (row.family, column.name) not in controls_run \
+                    and summary(cell, column.engine, row.key)[1]:
+                controls_run.add((row.family, column.name))
+                check = control(row.family)
                 prior = done.get((check.name, column.name))
                 if prior is None or prior.fingerprint != check.fingerprint() or rerun:
                     say(f"{row.name} on {column.name} is silent: its control, {check.name}")

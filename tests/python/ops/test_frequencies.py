@@ -538,6 +538,8 @@ BAD_INPUT = [
     (lambda: ops.dynamic_ntk_inv_freq(64, 1e4, 2.0, 10, -1), "seq_len must be >= 0, got -1"),
     (lambda: ops.yarn_inv_freq(64, 1e4, 8.0, 4096, 1.0, 32.0), "beta_fast must be > beta_slow"),
     (lambda: ops.yarn_inv_freq(64, 1e4, 8.0, 4096, 32.0, 32.0), "beta_fast must be > beta_slow"),
+    # the op refuses what the method refuses (YaRN: beta_fast must be finite): it accepted inf before
+    (lambda: ops.yarn_inv_freq(64, 1e4, 8.0, 4096, math.inf, 1.0), "beta_fast must be > beta_slow, got beta_fast=inf"),
     (lambda: ops.yarn_inv_freq(64, 1e4, 0.9, 4096), "yarn_inv_freq: factor must be >= 1"),
     (lambda: ops.yarn_inv_freq(64, 1e4, 8.0, -5), "original_max_position must be > 0, got -5"),
     (lambda: ops.llama3_inv_freq(64, 5e5, 8.0, 4.0, 1.0, 8192), "high_freq_factor must be > low_freq_factor"),
