@@ -3,9 +3,11 @@
 A row is one declaration: a family's tiny model (:mod:`ropescale.tiny_models`, built from its config class, at the
 sizes vLLM's CPU attention takes) with the rope parameters of one key that engines are known to read differently. A
 column is an engine as a user runs it: transformers, stock vLLM, vLLM with ropescale's plugin, stock SGLang, SGLang
-with the plugin. A stock column serves the checkpoint as a model publisher writes it (the family's own keys); a
-plugin column serves the same weights and declaration as ropescale writes them (``hf.patch`` then ``save_pretrained``:
-the method recorded, each engine's extra key beside it), which is what ``ropescale extend`` gives a user. Each cell is
+with the plugin, llama.cpp, and llama.cpp on the GGUF ropescale writes. A stock column serves the checkpoint as a model
+publisher writes it (the family's own keys; for llama.cpp, the GGUF llama.cpp's own converter makes of it); a plugin
+column serves the same weights and declaration as ropescale writes them (``hf.patch`` then ``save_pretrained``: the
+method recorded, each engine's extra key beside it; for llama.cpp, ``ropescale extend DIR DST.gguf`` from the unscaled
+model), which is what ``ropescale extend`` gives a user. Each cell is
 one ``ropescale verify`` run: exact, different (the key and the size), ignored, refused, short (not served past N),
 unexplained or inconclusive.
 
@@ -17,17 +19,24 @@ filled in by running the same command there. The table is rendered from the file
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 from unittest import mock
 
-__all__ = ["COLUMNS", "ROWS", "Cell", "Column", "Row", "control", "headline", "judged", "load", "markdown", "run"]
+__all__ = ["COLUMNS", "ROWS", "Cell", "Column", "ConverterFailed", "Row", "control", "convert", "gguf_target", "headline",
+           "judged", "load", "markdown", "run", "unscaled"]
 
 ORIGINAL = 16  # tiny_models.ORIGINAL: the rows' trained length
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
@@ -118,6 +127,7 @@ class Column:
     engine: str
     env: tuple[tuple[str, str], ...] = ()
     ropescale_written: bool = False
+    gguf: bool = False  # the engine runs a GGUF made from the checkpoint (:func:`gguf_target`), held to it
 
 
 #: Every column, in the table's order.
@@ -127,6 +137,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("vLLM + ropescale", "vllm", (("ROPESCALE_VLLM", "1"),), ropescale_written=True),
     Column("SGLang", "sglang", (("ROPESCALE_SGLANG", "0"),)),
     Column("SGLang + ropescale", "sglang", (("ROPESCALE_SGLANG", "1"),), ropescale_written=True),
+    Column("llama.cpp", "llama.cpp", gguf=True),
+    Column("llama.cpp + ropescale", "llama.cpp", ropescale_written=True, gguf=True),
 )
 
 #: Known upstream reports of a stock engine's divergence on a row's key: (engine, Row.key) -> where it is tracked; a
@@ -194,8 +206,9 @@ def summary(cell: Cell, engine: str, row_key: str = "") -> tuple[str, bool]:
             continue
         garbage = c.verdict == "short" and "not finite" in c.detail
         silent |= c.verdict in SILENT or garbage
-        if c.name == "ropescale":
-            words.append(f"refused by ropescale: {c.detail}")
+        if c.name == "ropescale":  # the reason's first two clauses, without the checkpoint's path
+            reason = re.sub(r"^/\S*: ", "", c.detail)
+            words.append("refused by ropescale: " + ": ".join(reason.split(": ")[:2]))
         elif c.verdict == "different" and c.name == "scaling":
             words.append(f"different: {c.formula} ({c.distance:.2g} nats)")
         elif garbage:
@@ -246,10 +259,91 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
     return folder
 
 
-def installed(column: Column) -> bool:
-    from . import verify
+def unscaled(row: Row) -> Row:
+    """The row's model with no scaling: its layout keys (partial rotary, mRoPE sections) and other config fields kept,
+    the same weights (the same seed): what ``ropescale extend DIR DST.gguf`` starts from."""
+    from . import tiny_models
 
-    return verify.installed(verify.ENGINES[column.engine].module)
+    rope = {k: v for k, v in row.rope.items() if k in tiny_models.LAYOUT or k == "rope_theta"}
+    return Row(f"{row.name} (unscaled)", "unscaled", row.family, {**rope, "rope_type": "default"}, row.config,
+               controlled=False)
+
+
+class ConverterFailed(ValueError):
+    """llama.cpp's converter did not convert a checkpoint: the stock engine's refusal of it."""
+
+
+@contextlib.contextmanager
+def _with_vocabulary(folder: Path, scratch_in: Path):
+    """A copy of the tiny checkpoint ``folder`` (in a temporary folder under ``scratch_in``, removed after) with the
+    sentencepiece vocabulary llama.cpp's converter reads (:mod:`ropescale._llamacpp_convert`)."""
+    from . import _llamacpp_convert, tiny_models
+
+    with tempfile.TemporaryDirectory(dir=scratch_in, prefix=f".{folder.name}.") as scratch:
+        copy = Path(scratch) / folder.name
+        shutil.copytree(folder, copy)
+        (copy / _llamacpp_convert.TOKENIZER).write_bytes(_llamacpp_convert.sentencepiece_model(tiny_models.VOCAB))
+        yield copy
+
+
+def convert(folder: Path, dst: Path, timeout: float = 600.0) -> Path:
+    """``dst``: the GGUF llama.cpp's converter (``llamacpp.find_converter``) writes of the tiny checkpoint ``folder``
+    (float32), its vocabulary the tiny one of :mod:`ropescale._llamacpp_convert`. Written beside ``dst`` and renamed
+    into place; a converter that fails is a :class:`ConverterFailed` with its last line."""
+    from . import files, llamacpp
+
+    script = llamacpp.find_converter()
+    with _with_vocabulary(folder, dst.parent) as copy:
+        part = copy.parent / dst.name
+        try:
+            done = subprocess.run([sys.executable, "-m", "ropescale._llamacpp_convert", str(script), str(copy),
+                                   "--outfile", str(part), "--outtype", "f32"], capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ConverterFailed(f"llama.cpp's converter did not finish in {timeout:.0f} s") from None
+        if done.returncode != 0:
+            lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
+            raise ConverterFailed(f"llama.cpp's converter fails on it: {lines[-1].strip() if lines else 'no output'}")
+        with files.atomic_file(dst) as tmp:
+            shutil.copyfile(part, tmp)
+    return dst
+
+
+def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Path]:
+    """The GGUF a llama.cpp column runs, and the checkpoint it is held to (verify's ``declared_by``): llama.cpp's
+    converter on the publisher's checkpoint, or ``ropescale extend DIR DST.gguf`` (``llamacpp.from_transformers``,
+    which refuses what llama.cpp cannot run) of the unscaled model, held to the checkpoint ropescale writes of the
+    same declaration. Built once per fingerprint."""
+    from . import config as config_lib, llamacpp, verify_declared
+
+    source = checkpoint(row, work, ropescale_written)
+    dst = work / f"{source.name}.gguf"
+    if dst.exists():
+        return dst, source
+    if not ropescale_written:
+        return convert(source, dst), source
+    text = _build(row).config.get_text_config()
+    method = config_lib.read_config(text, verify_declared.extended_layer_type(text)).method
+    plain = checkpoint(unscaled(row), work, False)
+    llamacpp.check_from_transformers(plain, dst, method)  # ropescale's refusals, before any conversion
+    with _with_vocabulary(plain, work) as copy:
+        llamacpp.from_transformers(copy, dst, method, outtype="f32")
+    return dst, source
+
+
+def installed(column: Column) -> bool:
+    """Whether the column's engine runs here (a GGUF column: llama.cpp's converter and sentencepiece too)."""
+    from . import llamacpp, verify
+
+    if not verify.installed(verify.ENGINES[column.engine].module):
+        return False
+    if column.gguf:
+        try:
+            llamacpp.find_converter()
+        except ValueError:
+            return False
+        return verify.installed("sentencepiece") and verify.installed("gguf")
+    return True
 
 
 def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,
@@ -292,9 +386,16 @@ def _run_cell(row: Row, column: Column, work: Path, timeout: float) -> Cell:
 
     start = time.perf_counter()
     try:
-        target = checkpoint(row, work, column.ropescale_written)
+        if column.gguf:
+            target, source = gguf_target(row, work, column.ropescale_written)
+        else:
+            target, source = checkpoint(row, work, column.ropescale_written), None
         with mock.patch.dict(os.environ, dict(column.env)):  # the engine's process inherits it
-            report = verify.verify(target, column.engine, timeout=timeout, length=row.length)
+            report = verify.verify(target, column.engine, timeout=timeout, length=row.length, declared_by=source)
+    except ConverterFailed as err:  # the stock engine's own tool refuses the checkpoint
+        return Cell(row.name, column.name, row.fingerprint(), column.engine,
+                    [dataclasses.asdict(verify.Check("scaling", "refused", str(err)))], str(err),
+                    round(time.perf_counter() - start, 1))
     except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
         first = str(err).strip().splitlines()[0]
         return Cell(row.name, column.name, row.fingerprint(), column.engine,
@@ -382,9 +483,11 @@ def markdown(cells: dict[tuple[str, str], Cell], rows: Iterable[Row] = ROWS,
 MARKDOWN_HEADER = """# The conformance matrix
 
 What each engine does with each rope key that matters: one tiny model per row (`ropescale.matrix.ROWS`), one
-`ropescale verify` run per cell. Stock columns serve the checkpoint as a model publisher writes it; the columns with
-ropescale's plugin serve the same declaration as `ropescale extend` writes it. Regenerate (each cell resumes from
-`docs/matrix.jsonl`; run it in each engine's environment to fill in its columns):
+`ropescale verify` run per cell. Stock columns serve the checkpoint as a model publisher writes it (llama.cpp: the GGUF
+llama.cpp's own converter makes of it); the columns with ropescale serve the same declaration as `ropescale extend`
+writes it (llama.cpp: the GGUF `ropescale extend DIR DST.gguf` writes from the unscaled model). Regenerate (each cell
+resumes from `docs/matrix.jsonl`; run it in each engine's environment to fill in its columns; llama.cpp's need
+`LLAMA_CPP_CONVERTER`, which `scripts/test_llamacpp.sh` unpacks):
 
     ropescale verify --matrix --results docs/matrix.jsonl --markdown docs/MATRIX.md --readme README.md
 """

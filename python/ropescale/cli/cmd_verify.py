@@ -31,7 +31,10 @@ _DESCRIPTION = (
     "differently (ropescale.matrix.ROWS), verified on every engine installed here, stock and with ropescale's plugin "
     "(ropescale.matrix.COLUMNS). Each cell is written to --results as it ends and skipped when the file already holds "
     "it, so a stopped run resumes, and running the same command in another environment (vLLM's, SGLang's) fills in "
-    "its columns; --markdown and --readme render the table and its headline from the file alone. Exit 1 when a cell "
+    "its columns. The llama.cpp columns run the GGUF llama.cpp's own converter makes of the row's checkpoint, and the "
+    "one `ropescale extend DIR DST.gguf` writes; they need llama-cpp-python, sentencepiece and the converter "
+    "(LLAMA_CPP_CONVERTER=PATH/convert_hf_to_gguf.py: scripts/test_llamacpp.sh unpacks one). --markdown and "
+    "--readme render the table and its headline from the file alone. Exit 1 when a cell "
     "of a column with ropescale's plugin is a silent divergence (each must be exact or refused), else 0.",
 )
 
@@ -48,7 +51,9 @@ def add_parser(sub) -> None:
                     "ropescale verify converted.gguf --engine llama.cpp --declared-by ./llama-yarn"
                     "   # a GGUF another tool made from ./llama-yarn",
                     "ropescale verify ./llama-yarn --engine transformers --length 16384 --json",
-                    "ropescale verify --matrix --results matrix.jsonl --markdown MATRIX.md   # every engine here"])
+                    "ropescale verify --matrix --results matrix.jsonl --markdown MATRIX.md   # every engine here",
+                    "LLAMA_CPP_CONVERTER=llama.cpp/convert_hf_to_gguf.py ropescale verify --matrix --engine llama.cpp "
+                    "--results matrix.jsonl   # llama.cpp's columns"])
     p.add_argument("target", metavar="TARGET", nargs="?",
                    help="a local transformers checkpoint directory, or a GGUF file (a hub repository id is not looked "
                         "up); none with --matrix")

@@ -324,3 +324,26 @@ def test_qwen_runs_llama_cpps_own_types_as_transformers_and_ropescale_do(qwen_so
     assert error <= 1e-4 and unscaled > 100 * max(error, 1e-6), (error, unscaled)
     report = verify.verify(dst, "llama.cpp")
     assert [c.verdict for c in report.checks] == ["exact", "exact"], report.text()
+
+
+# The conformance matrix's llama.cpp columns (issue 57): llama.cpp's converter on the publisher's checkpoint, and
+# `ropescale extend DIR DST.gguf`, each a verify run against real llama.cpp.
+
+def test_the_matrixs_llama_cpp_columns_find_what_llama_cpp_drops_and_ropescales_gguf_is_exact(tmp_path):
+    from ropescale import matrix
+
+    if not all(matrix.installed(c) for c in matrix.COLUMNS if c.gguf):
+        pytest.skip("llama.cpp's converter is not found: LLAMA_CPP_CONVERTER (scripts/test_llamacpp.sh sets it)")
+    rows = [r for r in matrix.ROWS if r.key in ("factor", "attention_factor", "partial_rotary_factor")]
+    columns = [c for c in matrix.COLUMNS if c.gguf]
+    matrix.run(tmp_path / "results.jsonl", tmp_path / "work", rows, columns)
+    cells = matrix.load(tmp_path / "results.jsonl")
+    said = {(row.key, column.name): matrix.judged(cells, row, column) for row in rows for column in columns}
+    assert said[("factor", "llama.cpp")] == said[("factor", "llama.cpp + ropescale")] == ("exact", False)
+    # llama.cpp's converter writes yarn_attn_factor, which llama.cpp never reads: YaRN's own 0.1 ln s + 1, silently
+    text, silent = said[("attention_factor", "llama.cpp")]
+    assert silent and text.startswith("different: attention_factor=None"), text
+    assert said[("attention_factor", "llama.cpp + ropescale")] == ("exact", False)
+    assert said[("partial_rotary_factor", "llama.cpp")] == ("exact", False)  # GLM-4's converter and model
+    text, silent = said[("partial_rotary_factor", "llama.cpp + ropescale")]  # ropescale writes llama GGUFs only
+    assert not silent and text.startswith("refused by ropescale: architecture ['Glm4ForCausalLM']"), text

@@ -25,7 +25,10 @@ def test_rows_and_columns_are_named_once_and_every_column_is_a_verify_engine():
     assert {c.engine for c in matrix.COLUMNS} <= set(verify.ENGINES)
     assert TRANSFORMERS.engine == "transformers" and not TRANSFORMERS.ropescale_written
     # a plugin column exists for every engine with a stock column but transformers (whose "plugin" is hf.patch)
-    assert {c.engine for c in matrix.COLUMNS if c.ropescale_written} == {"vllm", "sglang"}
+    assert {c.engine for c in matrix.COLUMNS if c.ropescale_written} == {"vllm", "sglang", "llama.cpp"}
+    # llama.cpp runs a GGUF made from the row's checkpoint: its columns only
+    assert {c.engine for c in matrix.COLUMNS if c.gguf} == {"llama.cpp"} == {
+        e.name for e in verify.ENGINES.values() if "dir" not in e.targets}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +159,9 @@ def synthetic(*checks):
     ([verify.Check("scaling", "unexplained", "…", 0.0016, 1e-5)], "unexplained (0.0016 nats)", True),
     ([verify.Check("scaling", "refused", "the engine refused the target")], "refused", False),
     ([verify.Check("ropescale", "refused", "patch: no")], "refused by ropescale: patch: no", False),
+    # the checkpoint's path left out, the reason's first two clauses kept
+    ([verify.Check("ropescale", "refused", "/tmp/w/ab-plain: architecture ['X']: ropescale writes Llama only: more")],
+     "refused by ropescale: architecture ['X']: ropescale writes Llama only", False),
 ])
 def test_a_cells_words_and_whether_it_is_silent(checks, text, silent):
     assert matrix.summary(synthetic(*checks), "transformers") == (text, silent)
@@ -272,3 +278,121 @@ def test_a_vision_language_rows_checkpoint_as_ropescale_writes_it(tmp_path):
     folder = matrix.checkpoint(row, tmp_path, True)
     text = json.loads((folder / "config.json").read_text())["text_config"]
     assert text["rope_parameters"]["rope_type"] == "yarn" and "ropescale" in text
+
+
+# The llama.cpp columns (the llama.cpp engine itself runs in the opt-in leg, tests/python/engines/
+# test_llamacpp_engine.py): the tiny vocabulary the converter reads, the converter's process, refusals, weights.
+
+def test_the_tiny_vocabulary_is_a_sentencepiece_model_with_the_pieces_llama_cpp_looks_up():
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from ropescale import _llamacpp_convert, tiny_models
+
+    processor = sentencepiece.SentencePieceProcessor(model_proto=_llamacpp_convert.sentencepiece_model(
+        tiny_models.VOCAB))
+    pieces = [processor.IdToPiece(i) for i in range(processor.vocab_size())]
+    assert len(pieces) == len(set(pieces)) == tiny_models.VOCAB
+    assert processor.IsUnknown(0) and processor.IsControl(1) and processor.IsControl(2)
+    assert pieces[:4] == ["<unk>", "<s>", "</s>", "\n"]  # the line feed llama.cpp's SPM vocabulary loads
+    with pytest.raises(ValueError, match="at least 5"):
+        _llamacpp_convert.sentencepiece_model(4)
+
+
+FAKE_CONVERSION = """
+class Model:
+    def set_vocab(self):
+        raise NotImplementedError("BPE pre-tokenizer was not recognized")
+    def _set_vocab_sentencepiece(self):
+        self.vocabulary = "sentencepiece"
+def get_model_class(name):
+    return Model
+"""
+FAKE_SCRIPT = """
+import sys
+from conversion import get_model_class
+model = get_model_class("LlamaForCausalLM")()
+model.set_vocab()
+out = sys.argv[sys.argv.index("--outfile") + 1]
+open(out, "w").write(model.vocabulary + " " + " ".join(sys.argv[1:]))
+"""
+
+
+def fake_converter(folder: Path, script: str = FAKE_SCRIPT) -> Path:
+    """A converter script and its ``conversion`` package, as llama.cpp lays them out."""
+    (folder / "conversion").mkdir(parents=True)
+    (folder / "conversion" / "__init__.py").write_text(FAKE_CONVERSION)
+    (folder / "convert_hf_to_gguf.py").write_text(script)
+    return folder / "convert_hf_to_gguf.py"
+
+
+def test_the_converters_process_reads_every_vocabulary_from_sentencepiece_and_passes_its_arguments(tmp_path):
+    import subprocess
+    import sys
+
+    script = fake_converter(tmp_path / "llama.cpp")
+    out = tmp_path / "out.gguf"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(matrix.__file__).parents[1])] + sys.path)}
+    subprocess.run([sys.executable, "-m", "ropescale._llamacpp_convert", str(script), "model-dir", "--outfile",
+                    str(out), "--outtype", "f32"], check=True, env=env)
+    # the class's own set_vocab (which refuses the tiny model) was replaced, every argument reached the script
+    assert out.read_text() == f"sentencepiece model-dir --outfile {out} --outtype f32"
+
+
+def test_a_llama_cpp_column_needs_llama_cpp_its_converter_and_sentencepiece(monkeypatch, tmp_path):
+    stock = next(c for c in matrix.COLUMNS if c.name == "llama.cpp")
+    modules = {"llama_cpp", "sentencepiece", "gguf"}
+    monkeypatch.setattr(verify, "installed", lambda module: module in modules)
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(fake_converter(tmp_path / "llama.cpp")))
+    assert matrix.installed(stock)
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(tmp_path / "nowhere.py"))
+    assert not matrix.installed(stock)
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(fake_converter(tmp_path / "again")))
+    modules.discard("sentencepiece")
+    assert not matrix.installed(stock)
+    modules.discard("llama_cpp")
+    assert not matrix.installed(stock) and not matrix.installed(next(c for c in matrix.COLUMNS if c.gguf
+                                                                      and c.ropescale_written))
+
+
+@pytest.fixture
+def llama_cpp_columns(monkeypatch, tmp_path):
+    """Both llama.cpp columns with a converter that fails as llama.cpp's does on a config it cannot read."""
+    monkeypatch.setattr(matrix, "installed", lambda column: True)
+    failing = FAKE_SCRIPT.replace("model.set_vocab()", "model.set_vocab(); raise KeyError('num_hash_layers')")
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(fake_converter(tmp_path / "llama.cpp", failing)))
+    return [c for c in matrix.COLUMNS if c.gguf]
+
+
+def test_a_checkpoint_llama_cpps_converter_fails_on_is_refused_by_the_stock_column(llama_cpp_columns, tmp_path):
+    cells = matrix.run(tmp_path / "results.jsonl", tmp_path / "work", [FACTOR_ROW], llama_cpp_columns[:1])
+    assert [c.verdicts for c in cells] == [{"scaling": "refused"}]
+    assert "KeyError: 'num_hash_layers'" in cells[0].detail and "converter" in cells[0].detail
+    assert not list((tmp_path / "work").glob("*.gguf")) and not list((tmp_path / "work").glob(".*"))  # no part left
+
+
+@pytest.mark.parametrize("key, reason", [("partial_rotary_factor", "architecture ['Glm4ForCausalLM']"),
+                                         ("rope_type dynamic", "llama.cpp cannot run this method")])
+def test_what_ropescale_does_not_write_as_a_gguf_is_refused_before_any_conversion(llama_cpp_columns, tmp_path, key,
+                                                                                   reason):
+    row = next(r for r in matrix.ROWS if r.key == key)
+    cells = matrix.run(tmp_path / "results.jsonl", tmp_path / "work", [row], llama_cpp_columns[1:])
+    assert [c.verdicts for c in cells] == [{"ropescale": "refused"}]
+    assert matrix.summary(cells[0], "llama.cpp")[0].startswith(f"refused by ropescale: {reason}")
+    assert not list((tmp_path / "work").glob("*.gguf"))
+
+
+@pytest.mark.parametrize("row", [r for r in matrix.ROWS if r.family in ("Llama", "GLM-4", "Phi-3 / Phi-4-mini")],
+                         ids=lambda r: r.key)
+def test_the_unscaled_model_ropescale_extends_has_the_rows_weights_and_layout(row):
+    """``llama.cpp + ropescale`` converts the unscaled model and writes the method in; verify holds the GGUF to the
+    row's checkpoint as ropescale writes it: the same weights, the same layout keys, no scaling."""
+    import torch
+
+    plain = matrix.unscaled(row)
+    assert plain.rope["rope_type"] == "default" and plain.config == row.config
+    assert {k: v for k, v in plain.rope.items() if k != "rope_type"} == {
+        k: v for k, v in row.rope.items() if k == "partial_rotary_factor"}
+    scaled, unscaled = matrix._build(row), matrix._build(plain)
+    assert unscaled.config.rope_parameters["rope_type"] == "default"
+    for (name, a), (_, b) in zip(scaled.state_dict().items(), unscaled.state_dict().items(), strict=True):
+        if "inv_freq" not in name and "rotary" not in name:
+            assert torch.equal(a, b), name
