@@ -53,9 +53,10 @@ ROPE_FREQS = "rope_freqs.weight"
 #: ``create_tensor(tn(LLM_TENSOR_ROPE_FREQS, ...), {n_rot/2}, TENSOR_NOT_REQUIRED)`` and ``get_rope_factors``) and
 #: that ropescale's tests run through llama.cpp: another is refused by name.
 ARCHITECTURES = ("llama",)
-#: GGUF architectures whose llama.cpp model has no ``rope_freqs`` (Qwen 2 and 3, ``src/models/qwen2.cpp``,
-#: ``qwen3.cpp``): only llama.cpp's own rope types run exactly there, and are written as its keys (:func:`_native`).
-NATIVE_ONLY_ARCHITECTURES = ("qwen2", "qwen3")
+#: GGUF architectures whose llama.cpp model has no ``rope_freqs`` (Qwen 2 and 3, GLM-4: ``src/models/qwen2.cpp``,
+#: ``qwen3.cpp``, ``glm4.cpp``): only llama.cpp's own rope types run exactly there, and are written as its keys
+#: (:func:`_native`).
+NATIVE_ONLY_ARCHITECTURES = ("qwen2", "qwen3", "glm4")
 #: LongRoPE's two tables under ``rope.scaling.type = longrope`` (llama arch: ``LLM_TENSOR_ROPE_FACTORS_SHORT/LONG``),
 #: divisors as ``rope_freqs``; llama.cpp takes the long one when the context size (``n_ctx`` per sequence, not the
 #: prompt's length) exceeds ``rope.scaling.original_context_length``.
@@ -268,7 +269,7 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
         raise ValueError(f"{src}: architecture {rope.architecture!r}: ropescale writes llama.cpp's per-pair rope "
                          f"factors for {', '.join(ARCHITECTURES)} (whose llama.cpp model reads rope_freqs) and "
                          f"llama.cpp's own linear and yarn for {', '.join(NATIVE_ONLY_ARCHITECTURES)} (tested "
-                         "through llama.cpp on llama and qwen2); not for this one")
+                         "through llama.cpp on llama, qwen2 and glm4); not for this one")
     if rope.has_rope_freqs or rope.scaling_type not in (SCALING_TYPES["plain"], SCALING_TYPES["linear"]) \
             or rope.scaling_factor not in (0.0, 1.0) or rope.attn_factor != 1.0:
         raise ValueError(f"{src} already carries a rope scaling (rope.scaling.type {rope.scaling_type!r}, factor "
@@ -280,7 +281,7 @@ def plan_extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *
     method.check_rotary_dim(rope.rotary_dim)
     native = rope.architecture in NATIVE_ONLY_ARCHITECTURES
     if native:
-        keys = _native(method, rope)  # refuses what llama.cpp's own types do not compute
+        keys = _native(method, rope.architecture)  # refuses what llama.cpp's own types do not compute
     two_tables = method.two_tables
     if two_tables:  # llama.cpp's own LongRoPE: both tables, switched by the context size (module docstring)
         original_length = int(method.original_max_position)
@@ -336,7 +337,7 @@ def extend(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *, con
     return plan.written
 
 
-def _native(method: scaling.RopeScaling, rope: GGUFRope) -> dict[str, tuple[Any, Any]]:
+def _native(method: scaling.RopeScaling, architecture: str) -> dict[str, tuple[Any, Any]]:
     """llama.cpp's own keys for ``method`` (an architecture with no ``rope_freqs``): a linear table (``type linear``,
     ``freq_scale = 1/s``), or YaRN as llama.cpp computes it (``type yarn``: betas 32 and 1, the truncated ramp, the
     attention factor ``0.1 ln s + 1``). Anything else is refused by name."""
@@ -352,7 +353,7 @@ def _native(method: scaling.RopeScaling, rope: GGUFRope) -> dict[str, tuple[Any,
                                                             gguf.GGUFValueType.UINT32)
         return keys
     name = type(method).__name__ + (" with Resonance" if method.resonance else "")
-    raise ValueError(f"architecture {rope.architecture!r}: llama.cpp's model has no per-pair rope factors "
+    raise ValueError(f"architecture {architecture!r}: llama.cpp's model has no per-pair rope factors "
                      "(rope_freqs), so only its own rope types run exactly: linear, and yarn with beta_fast 32, "
                      f"beta_slow 1, the truncated ramp and the 0.1 ln s + 1 attention factor. {name} "
                      f"({method.to_hf()}) is not one of them: serve it with transformers (ropescale.hf) or vLLM")
@@ -405,8 +406,10 @@ def rewrite(reader, dst: str | Path, replaced: dict[str, tuple[Any, Any]], dropp
 
 #: Where :func:`find_converter` looks first: the path of llama.cpp's ``convert_hf_to_gguf.py``.
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
-#: The transformers architectures llama.cpp's converter writes as a GGUF of an architecture in ``ARCHITECTURES``.
-TRANSFORMERS_ARCHITECTURES = ("LlamaForCausalLM",)
+#: The transformers architectures ``from_transformers`` converts, and the GGUF architecture llama.cpp's converter
+#: writes of each (one of ``ARCHITECTURES`` or ``NATIVE_ONLY_ARCHITECTURES``).
+TRANSFORMERS_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                              "Glm4ForCausalLM": "glm4"}
 
 
 def find_converter(given: str | Path | None = None) -> Path:
@@ -422,8 +425,9 @@ def find_converter(given: str | Path | None = None) -> Path:
 def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
                             converter: str | Path | None = None) -> Path:
     """Every check :func:`from_transformers` makes before the converter runs (``extend DIR DST.gguf --dry-run``
-    runs this): ``dst`` new in a writable folder, ``src`` an unscaled Llama directory, ``method`` one llama.cpp can
-    run, the converter found. Returns the converter's path. What only the converted file tells (its rotary
+    runs this): ``dst`` new in a writable folder, ``src`` an unscaled directory of a ``TRANSFORMERS_ARCHITECTURES``
+    architecture, ``method`` one llama.cpp can run there (its own types only on a ``NATIVE_ONLY_ARCHITECTURES`` one),
+    the converter found. Returns the converter's path. What only the converted file tells (its rotary
     dimension) is checked by :func:`extend` once it is written. Raises ValueError and FileExistsError."""
     src, dst = Path(src), Path(dst)
     _check_destination(dst)
@@ -432,9 +436,11 @@ def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.Ro
     except (OSError, ValueError) as err:
         raise ValueError(f"{src}: not a transformers model directory with a readable config.json ({err})") from None
     architectures = config.get("architectures") or []
-    if not any(a in TRANSFORMERS_ARCHITECTURES for a in architectures):
-        raise ValueError(f"{src}: architecture {architectures}: ropescale writes llama.cpp's rope factors for "
-                         f"{', '.join(TRANSFORMERS_ARCHITECTURES)} (GGUF architecture llama) only")
+    known = [TRANSFORMERS_ARCHITECTURES[a] for a in architectures if a in TRANSFORMERS_ARCHITECTURES]
+    if not known:
+        raise ValueError(f"{src}: architecture {architectures}: ropescale converts "
+                         f"{', '.join(TRANSFORMERS_ARCHITECTURES)} only (GGUF architectures "
+                         f"{', '.join(dict.fromkeys(TRANSFORMERS_ARCHITECTURES.values()))})")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if not scaling.RopeType.parse(rope_type).unscaled or config.get("ropescale") is not None:
@@ -444,6 +450,8 @@ def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.Ro
     refusal = _refusal(method)
     if refusal is not None:
         raise ValueError(f"llama.cpp cannot run this method: {refusal}")
+    if known[0] in NATIVE_ONLY_ARCHITECTURES:
+        _native(method, known[0])  # llama.cpp's own types only: refused before the converter runs
     return find_converter(converter)
 
 

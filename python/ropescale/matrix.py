@@ -19,7 +19,6 @@ filled in by running the same command there. The table is rendered from the file
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -145,6 +144,8 @@ COLUMNS: tuple[Column, ...] = (
 #: silent cell of that engine and row names it.
 UPSTREAM = {
     ("vllm", "attention_factor"): "vLLM #46280, #48351",
+    # its YaRN attention factor code, merged with "TODO: start reading the actual value of mscale" (src/llama-context.cpp)
+    ("llama.cpp", "mscale, mscale_all_dim"): "llama.cpp #17945: mscale taken as 1",
 }
 
 #: Verdicts that are an engine's silent divergence from the declaration ("short", not served past N, is not: the
@@ -206,9 +207,10 @@ def summary(cell: Cell, engine: str, row_key: str = "") -> tuple[str, bool]:
             continue
         garbage = c.verdict == "short" and "not finite" in c.detail
         silent |= c.verdict in SILENT or garbage
-        if c.name == "ropescale":  # the reason's first two clauses, without the checkpoint's path
-            reason = re.sub(r"^/\S*: ", "", c.detail)
-            words.append("refused by ropescale: " + ": ".join(reason.split(": ")[:2]))
+        if c.name == "ropescale":  # the reason's first clause (two where short), without the checkpoint's path
+            clauses = re.sub(r"^/\S*: ", "", c.detail).split(": ")
+            reason = ": ".join(clauses[:2]) if len(": ".join(clauses[:2])) <= 100 else clauses[0]
+            words.append(f"refused by ropescale: {reason}")
         elif c.verdict == "different" and c.name == "scaling":
             words.append(f"different: {c.formula} ({c.distance:.2g} nats)")
         elif garbage:
@@ -273,28 +275,18 @@ class ConverterFailed(ValueError):
     """llama.cpp's converter did not convert a checkpoint: the stock engine's refusal of it."""
 
 
-@contextlib.contextmanager
-def _with_vocabulary(folder: Path, scratch_in: Path):
-    """A copy of the tiny checkpoint ``folder`` (in a temporary folder under ``scratch_in``, removed after) with the
-    sentencepiece vocabulary llama.cpp's converter reads (:mod:`ropescale._llamacpp_convert`)."""
-    from . import _llamacpp_convert, tiny_models
-
-    with tempfile.TemporaryDirectory(dir=scratch_in, prefix=f".{folder.name}.") as scratch:
-        copy = Path(scratch) / folder.name
-        shutil.copytree(folder, copy)
-        (copy / _llamacpp_convert.TOKENIZER).write_bytes(_llamacpp_convert.sentencepiece_model(tiny_models.VOCAB))
-        yield copy
-
-
 def convert(folder: Path, dst: Path, timeout: float = 600.0) -> Path:
     """``dst``: the GGUF llama.cpp's converter (``llamacpp.find_converter``) writes of the tiny checkpoint ``folder``
     (float32), its vocabulary the tiny one of :mod:`ropescale._llamacpp_convert`. Written beside ``dst`` and renamed
     into place; a converter that fails is a :class:`ConverterFailed` with its last line."""
-    from . import files, llamacpp
+    from . import _llamacpp_convert, files, llamacpp, tiny_models
 
     script = llamacpp.find_converter()
-    with _with_vocabulary(folder, dst.parent) as copy:
-        part = copy.parent / dst.name
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as scratch:
+        copy = Path(scratch) / folder.name  # the checkpoint as it is, with a vocabulary the converter reads
+        shutil.copytree(folder, copy)
+        (copy / _llamacpp_convert.TOKENIZER).write_bytes(_llamacpp_convert.sentencepiece_model(tiny_models.VOCAB))
+        part = Path(scratch) / dst.name
         try:
             done = subprocess.run([sys.executable, "-m", "ropescale._llamacpp_convert", str(script), str(copy),
                                    "--outfile", str(part), "--outtype", "f32"], capture_output=True, text=True,
@@ -311,9 +303,9 @@ def convert(folder: Path, dst: Path, timeout: float = 600.0) -> Path:
 
 def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Path]:
     """The GGUF a llama.cpp column runs, and the checkpoint it is held to (verify's ``declared_by``): llama.cpp's
-    converter on the publisher's checkpoint, or ``ropescale extend DIR DST.gguf`` (``llamacpp.from_transformers``,
-    which refuses what llama.cpp cannot run) of the unscaled model, held to the checkpoint ropescale writes of the
-    same declaration. Built once per fingerprint."""
+    converter on the publisher's checkpoint, or what ``ropescale extend DIR DST.gguf`` does with the unscaled model
+    (``llamacpp.from_transformers``: its checks, the converter, then ``llamacpp.extend``; the converter here with the
+    tiny vocabulary), held to the checkpoint ropescale writes of the same declaration. Built once per fingerprint."""
     from . import config as config_lib, llamacpp, verify_declared
 
     source = checkpoint(row, work, ropescale_written)
@@ -326,8 +318,10 @@ def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Pa
     method = config_lib.read_config(text, verify_declared.extended_layer_type(text)).method
     plain = checkpoint(unscaled(row), work, False)
     llamacpp.check_from_transformers(plain, dst, method)  # ropescale's refusals, before any conversion
-    with _with_vocabulary(plain, work) as copy:
-        llamacpp.from_transformers(copy, dst, method, outtype="f32")
+    converted = work / f"{plain.name}.gguf"
+    if not converted.exists():
+        convert(plain, converted)
+    llamacpp.extend(converted, dst, method)
     return dst, source
 
 

@@ -435,8 +435,8 @@ def test_a_transformers_directory_is_converted_unscaled_then_extended(tmp_path, 
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry_run"])
-@pytest.mark.parametrize("case", ["scaled", "entry", "architecture", "no_converter", "converter_fails", "no_config",
-                                  "dynamic", "exists"])
+@pytest.mark.parametrize("case", ["scaled", "entry", "architecture", "native", "no_converter", "converter_fails",
+                                  "no_config", "dynamic", "exists"])
 def test_a_directory_the_converter_would_get_wrong_is_refused_before_it_runs(tmp_path, capsys, monkeypatch, case,
                                                                               dry_run):
     """Refused before the converter runs, and by --dry-run alike (issue 55), but for a converter that fails, which
@@ -447,7 +447,9 @@ def test_a_directory_the_converter_would_get_wrong_is_refused_before_it_runs(tmp
     name, config, message = {
         "scaled": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "already carries a rope scaling"),
         "entry": ("llama", {"ropescale": {"attention": "rerope"}}, "already carries a rope scaling"),
-        "architecture": ("qwen", {"architectures": ["Qwen2ForCausalLM"]}, "architecture ['Qwen2ForCausalLM']"),
+        "architecture": ("phi", {"architectures": ["Phi3ForCausalLM"]}, "architecture ['Phi3ForCausalLM']"),
+        # Qwen 2's llama.cpp model has no rope_freqs: llama.cpp's own types only, refused before the converter runs
+        "native": ("qwen", {"architectures": ["Qwen2ForCausalLM"]}, "only its own rope types run exactly"),
         "no_converter": ("llama", {}, "convert_hf_to_gguf.py was not found"),
         "converter_fails": ("fail", {}, "llama.cpp's converter failed on"),
         "no_config": ("empty", None, "not a transformers model directory"),
@@ -462,7 +464,8 @@ def test_a_directory_the_converter_would_get_wrong_is_refused_before_it_runs(tmp
     monkeypatch.delenv(llamacpp.CONVERTER_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     options = [] if case == "no_converter" else ["--converter", converter]
-    method = ["--method", "dynamic_yarn"] if case == "dynamic" else ["--method", "yarn", "--factor", 4]
+    method = {"dynamic": ["--method", "dynamic_yarn"], "native": ["--method", "yarn", "--factor", 4, "--resonance"]
+              }.get(case, ["--method", "yarn", "--factor", 4])
     before = sorted(p.name for p in tmp_path.iterdir())
     code, out, err = extend_cli(capsys, src, tmp_path / "dst.gguf", *method, *options,
                                 *(["--dry-run"] if dry_run else []))

@@ -334,7 +334,8 @@ def test_the_matrixs_llama_cpp_columns_find_what_llama_cpp_drops_and_ropescales_
 
     if not all(matrix.installed(c) for c in matrix.COLUMNS if c.gguf):
         pytest.skip("llama.cpp's converter is not found: LLAMA_CPP_CONVERTER (scripts/test_llamacpp.sh sets it)")
-    rows = [r for r in matrix.ROWS if r.key in ("factor", "attention_factor", "partial_rotary_factor")]
+    rows = [r for r in matrix.ROWS if r.key in ("factor", "attention_factor", "partial_rotary_factor",
+                                                "short_factor, long_factor")]
     columns = [c for c in matrix.COLUMNS if c.gguf]
     matrix.run(tmp_path / "results.jsonl", tmp_path / "work", rows, columns)
     cells = matrix.load(tmp_path / "results.jsonl")
@@ -344,6 +345,8 @@ def test_the_matrixs_llama_cpp_columns_find_what_llama_cpp_drops_and_ropescales_
     text, silent = said[("attention_factor", "llama.cpp")]
     assert silent and text.startswith("different: attention_factor=None"), text
     assert said[("attention_factor", "llama.cpp + ropescale")] == ("exact", False)
-    assert said[("partial_rotary_factor", "llama.cpp")] == ("exact", False)  # GLM-4's converter and model
-    text, silent = said[("partial_rotary_factor", "llama.cpp + ropescale")]  # ropescale writes llama GGUFs only
-    assert not silent and text.startswith("refused by ropescale: architecture ['Glm4ForCausalLM']"), text
+    # GLM-4's llama.cpp model has no rope_freqs: llama.cpp's own yarn, from its converter or from ropescale alike
+    assert said[("partial_rotary_factor", "llama.cpp")] == said[("partial_rotary_factor", "llama.cpp + ropescale")] \
+        == ("exact", False)
+    text, silent = said[("short_factor, long_factor", "llama.cpp + ropescale")]  # Phi-3: no GGUF ropescale writes
+    assert not silent and text.startswith("refused by ropescale: architecture ['Phi3ForCausalLM']"), text

@@ -162,6 +162,8 @@ def synthetic(*checks):
     # the checkpoint's path left out, the reason's first two clauses kept
     ([verify.Check("ropescale", "refused", "/tmp/w/ab-plain: architecture ['X']: ropescale writes Llama only: more")],
      "refused by ropescale: architecture ['X']: ropescale writes Llama only", False),
+    ([verify.Check("ropescale", "refused", "/tmp/w: architecture ['X']: ropescale converts " + "A, " * 40 + "only")],
+     "refused by ropescale: architecture ['X']", False),
 ])
 def test_a_cells_words_and_whether_it_is_silent(checks, text, silent):
     assert matrix.summary(synthetic(*checks), "transformers") == (text, silent)
@@ -171,6 +173,7 @@ def test_a_silent_cell_of_an_engine_names_its_upstream_report():
     cell = synthetic(verify.Check("scaling", "different", "…", 0.1, 1e-5, "attention_factor=None"))
     assert matrix.summary(cell, "vllm", "attention_factor")[0].endswith("[vLLM #46280, #48351]")
     assert "[" not in matrix.summary(cell, "sglang", "attention_factor")[0]
+    assert all(key in {r.key for r in matrix.ROWS} and engine in verify.ENGINES for engine, key in matrix.UPSTREAM)
 
 
 def test_each_column_runs_its_engine_with_its_environment_and_leaves_ours(clean, monkeypatch):
@@ -369,7 +372,7 @@ def test_a_checkpoint_llama_cpps_converter_fails_on_is_refused_by_the_stock_colu
     assert not list((tmp_path / "work").glob("*.gguf")) and not list((tmp_path / "work").glob(".*"))  # no part left
 
 
-@pytest.mark.parametrize("key, reason", [("partial_rotary_factor", "architecture ['Glm4ForCausalLM']"),
+@pytest.mark.parametrize("key, reason", [("short_factor, long_factor", "architecture ['Phi3ForCausalLM']"),
                                          ("rope_type dynamic", "llama.cpp cannot run this method")])
 def test_what_ropescale_does_not_write_as_a_gguf_is_refused_before_any_conversion(llama_cpp_columns, tmp_path, key,
                                                                                    reason):
