@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 from unittest import mock
 
 __all__ = ["COLUMNS", "ROWS", "Cell", "Column", "ConverterFailed", "Row", "control", "convert", "gguf_target", "headline",
-           "judged", "load", "markdown", "run", "unscaled"]
+           "judged", "load", "markdown", "missing", "run", "unscaled"]
 
 ORIGINAL = 16  # tiny_models.ORIGINAL: the rows' trained length
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
@@ -325,19 +325,28 @@ def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Pa
     return dst, source
 
 
-def installed(column: Column) -> bool:
-    """Whether the column's engine runs here (a GGUF column: llama.cpp's converter and sentencepiece too)."""
+def missing(column: Column) -> str | None:
+    """What the column's engine lacks here (None: it runs): its package, and for a GGUF column llama.cpp's converter,
+    sentencepiece (the converter reads the tiny vocabulary with it) and gguf."""
     from . import llamacpp, verify
 
-    if not verify.installed(verify.ENGINES[column.engine].module):
-        return False
+    engine = verify.ENGINES[column.engine]
+    if not verify.installed(engine.module):
+        return f"the {engine.module} package ({engine.install})"
     if column.gguf:
         try:
             llamacpp.find_converter()
-        except ValueError:
-            return False
-        return verify.installed("sentencepiece") and verify.installed("gguf")
-    return True
+        except ValueError as err:
+            return str(err)
+        lacking = [m for m in ("sentencepiece", "gguf") if not verify.installed(m)]
+        if lacking:
+            return f"the {' and '.join(lacking)} package{'s' if len(lacking) > 1 else ''} (llama.cpp's converter)"
+    return None
+
+
+def installed(column: Column) -> bool:
+    """Whether the column's engine runs here (:func:`missing`)."""
+    return missing(column) is None
 
 
 def run(results: Path, work: Path, rows: Iterable[Row] = ROWS, columns: Iterable[Column] = COLUMNS, *,

@@ -137,6 +137,9 @@ def _cmd_matrix(args) -> int:
                          + "; ".join(f"{r.family}: {r.name}" for r in matrix.ROWS))
     columns = [c for c in matrix.COLUMNS if args.engine in (None, c.engine)]
     here = [c.name for c in columns if matrix.installed(c)]
+    if args.engine is not None and not here:  # asked for one engine's columns: say what it lacks, run nothing
+        raise ValueError(f"--matrix --engine {args.engine}: its columns do not run here, it needs "
+                         f"{matrix.missing(columns[0])}")
     for path, what in ((args.markdown, "--markdown"), (args.readme, "--readme")):
         if path is not None and not path.parent.is_dir():
             raise ValueError(f"{what} {path}: its folder does not exist")

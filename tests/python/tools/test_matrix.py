@@ -351,9 +351,21 @@ def test_a_llama_cpp_column_needs_llama_cpp_its_converter_and_sentencepiece(monk
     monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(fake_converter(tmp_path / "again")))
     modules.discard("sentencepiece")
     assert not matrix.installed(stock)
+    assert "sentencepiece package" in matrix.missing(stock)
     modules.discard("llama_cpp")
     assert not matrix.installed(stock) and not matrix.installed(next(c for c in matrix.COLUMNS if c.gguf
                                                                       and c.ropescale_written))
+    assert "llama_cpp package" in matrix.missing(stock)
+
+
+def test_asking_for_an_engines_columns_where_they_cannot_run_says_what_is_missing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(verify, "installed", lambda module: module != "sentencepiece")
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(fake_converter(tmp_path / "llama.cpp")))
+    results = tmp_path / "results.jsonl"
+    assert usage_error(["verify", "--matrix", "--engine", "llama.cpp", "--results", str(results)])
+    assert "--engine llama.cpp: its columns do not run here, it needs the sentencepiece package" in \
+        capsys.readouterr().err
+    assert not results.exists()
 
 
 @pytest.fixture
