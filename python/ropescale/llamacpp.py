@@ -42,7 +42,7 @@ import torch
 from . import files, scaling
 
 __all__ = ["ROPE_FREQS", "ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT", "ARCHITECTURES", "NATIVE_ONLY_ARCHITECTURES",
-           "CONVERTER_ENV", "find_converter",
+           "CONVERTER_ENV", "find_converter", "run_converter",
            "from_transformers", "GGUFWritten", "GGUFPlan", "chain", "check_from_transformers", "plan_extend", "powf",
            "theta_scale", "effective_inv_freq", "extend", "rope_freqs_for",
            "read_rope", "rewrite"]
@@ -422,6 +422,22 @@ def find_converter(given: str | Path | None = None) -> Path:
     return Path(found)
 
 
+def run_converter(script: str | Path, src: str | Path, out: str | Path, outtype: str, *, progress: bool = False,
+                  launcher: tuple[str, ...] = (), timeout: float | None = None) -> None:
+    """Runs llama.cpp's converter ``script`` on the directory ``src``, writing ``out`` (``outtype``), in a Python
+    process of its own (``launcher``: what runs the script, ``python -m MODULE`` in place of ``python``; its output
+    shown with ``progress``). A converter that fails or does not finish in ``timeout`` seconds is a ValueError with
+    its last lines."""
+    try:
+        run = subprocess.run([sys.executable, *launcher, str(script), str(src), "--outfile", str(out), "--outtype",
+                              outtype], capture_output=not progress, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"llama.cpp's converter did not finish on {src} in {timeout:.0f} s") from None
+    if run.returncode != 0:
+        tail = " | ".join(((run.stderr or "") + (run.stdout or "")).strip().splitlines()[-3:])
+        raise ValueError(f"llama.cpp's converter failed on {src} (exit {run.returncode}): {tail}")
+
+
 def check_from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScaling, *,
                             converter: str | Path | None = None) -> Path:
     """Every check :func:`from_transformers` makes before the converter runs (``extend DIR DST.gguf --dry-run``
@@ -469,11 +485,7 @@ def from_transformers(src: str | Path, dst: str | Path, method: scaling.RopeScal
     handle, part = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".unscaled.gguf", dir=dst.parent)
     os.close(handle)
     try:
-        run = subprocess.run([sys.executable, str(script), str(src), "--outfile", part, "--outtype", outtype],
-                             capture_output=not progress, text=True)
-        if run.returncode != 0:
-            tail = " | ".join(((run.stderr or "") + (run.stdout or "")).strip().splitlines()[-3:])
-            raise ValueError(f"llama.cpp's converter failed on {src} (exit {run.returncode}): {tail}")
+        run_converter(script, src, part, outtype, progress=progress)
         return extend(part, dst, method, context_length=context_length, progress=progress)
     finally:  # Ctrl-C included
         Path(part).unlink(missing_ok=True)

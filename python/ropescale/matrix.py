@@ -25,8 +25,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -237,10 +235,17 @@ def _build(row: Row):
     return tiny_models.build_served(row.family, row.rope, **row.config)
 
 
+def _declared_method(text_config):
+    """The method a row's (text) config declares, of the layer type ``hf.patch`` extends by default."""
+    from . import config as config_lib, verify_declared
+
+    return config_lib.read_config(text_config, verify_declared.extended_layer_type(text_config)).method
+
+
 def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
     """The row's checkpoint under ``work`` (built once per fingerprint): as a model publisher writes it, or as
     ropescale does (``hf.patch`` of the declared method, then ``save_pretrained``)."""
-    from . import config as config_lib, files, hf, verify_declared
+    from . import files, hf
 
     folder = work / f"{row.fingerprint()}-{'ropescale' if ropescale_written else 'plain'}"
     if folder.exists():
@@ -254,7 +259,7 @@ def checkpoint(row: Row, work: Path, ropescale_written: bool) -> Path:
         if arch is not None and arch.fixed_method:  # the config's own method only (DeepSeek's MLA scale)
             hf.patch(model)
         else:
-            hf.patch(model, config_lib.read_config(text, verify_declared.extended_layer_type(text)).method)
+            hf.patch(model, _declared_method(text))
     work.mkdir(parents=True, exist_ok=True)
     with files.atomic_directory(folder) as tmp:
         model.save_pretrained(tmp)
@@ -278,7 +283,7 @@ class ConverterFailed(ValueError):
 def convert(folder: Path, dst: Path, timeout: float = 600.0) -> Path:
     """``dst``: the GGUF llama.cpp's converter (``llamacpp.find_converter``) writes of the tiny checkpoint ``folder``
     (float32), its vocabulary the tiny one of :mod:`ropescale._llamacpp_convert`. Written beside ``dst`` and renamed
-    into place; a converter that fails is a :class:`ConverterFailed` with its last line."""
+    into place; a converter that fails is a :class:`ConverterFailed` with its last lines."""
     from . import _llamacpp_convert, files, llamacpp, tiny_models
 
     script = llamacpp.find_converter()
@@ -288,14 +293,10 @@ def convert(folder: Path, dst: Path, timeout: float = 600.0) -> Path:
         (copy / _llamacpp_convert.TOKENIZER).write_bytes(_llamacpp_convert.sentencepiece_model(tiny_models.VOCAB))
         part = Path(scratch) / dst.name
         try:
-            done = subprocess.run([sys.executable, "-m", "ropescale._llamacpp_convert", str(script), str(copy),
-                                   "--outfile", str(part), "--outtype", "f32"], capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise ConverterFailed(f"llama.cpp's converter did not finish in {timeout:.0f} s") from None
-        if done.returncode != 0:
-            lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
-            raise ConverterFailed(f"llama.cpp's converter fails on it: {lines[-1].strip() if lines else 'no output'}")
+            llamacpp.run_converter(script, copy, part, "f32", launcher=("-m", "ropescale._llamacpp_convert"),
+                                   timeout=timeout)
+        except ValueError as err:
+            raise ConverterFailed(str(err)) from None
         with files.atomic_file(dst) as tmp:
             shutil.copyfile(part, tmp)
     return dst
@@ -306,7 +307,7 @@ def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Pa
     converter on the publisher's checkpoint, or what ``ropescale extend DIR DST.gguf`` does with the unscaled model
     (``llamacpp.from_transformers``: its checks, the converter, then ``llamacpp.extend``; the converter here with the
     tiny vocabulary), held to the checkpoint ropescale writes of the same declaration. Built once per fingerprint."""
-    from . import config as config_lib, llamacpp, verify_declared
+    from . import llamacpp
 
     source = checkpoint(row, work, ropescale_written)
     dst = work / f"{source.name}.gguf"
@@ -314,8 +315,7 @@ def gguf_target(row: Row, work: Path, ropescale_written: bool) -> tuple[Path, Pa
         return dst, source
     if not ropescale_written:
         return convert(source, dst), source
-    text = _build(row).config.get_text_config()
-    method = config_lib.read_config(text, verify_declared.extended_layer_type(text)).method
+    method = _declared_method(_build(row).config.get_text_config())
     plain = checkpoint(unscaled(row), work, False)
     llamacpp.check_from_transformers(plain, dst, method)  # ropescale's refusals, before any conversion
     converted = work / f"{plain.name}.gguf"
@@ -395,14 +395,12 @@ def _run_cell(row: Row, column: Column, work: Path, timeout: float) -> Cell:
             target, source = checkpoint(row, work, column.ropescale_written), None
         with mock.patch.dict(os.environ, dict(column.env)):  # the engine's process inherits it
             report = verify.verify(target, column.engine, timeout=timeout, length=row.length, declared_by=source)
-    except ConverterFailed as err:  # the stock engine's own tool refuses the checkpoint
-        return Cell(row.name, column.name, row.fingerprint(), column.engine,
-                    [dataclasses.asdict(verify.Check("scaling", "refused", str(err)))], str(err),
-                    round(time.perf_counter() - start, 1))
-    except ValueError as err:  # ropescale refuses to write or to check this declaration: a refused cell
+    except ValueError as err:  # a refused cell: by the stock engine's own converter, or by ropescale (to write or
+        # to check this declaration)
+        by = "scaling" if isinstance(err, ConverterFailed) else "ropescale"
         first = str(err).strip().splitlines()[0]
         return Cell(row.name, column.name, row.fingerprint(), column.engine,
-                    [dataclasses.asdict(verify.Check("ropescale", "refused", first))], str(err),
+                    [dataclasses.asdict(verify.Check(by, "refused", first))], str(err),
                     round(time.perf_counter() - start, 1))
     return Cell(row.name, column.name, row.fingerprint(), report.version,
                 [dataclasses.asdict(c) for c in report.checks], report.text(), round(time.perf_counter() - start, 1))
